@@ -1,0 +1,6 @@
+"""lightmem: train PyTorch Lightning models that do not fit in GPU memory, and see where every byte goes."""
+
+from lightmem.offload import offload_activations
+
+__all__ = ["offload_activations"]
+__version__ = "0.1.0"

@@ -1,0 +1,148 @@
+"""Parsing and validation of user-facing configuration values.
+
+Every size in lightmem ("512KiB", "2GB", 1_048_576, 0.25 of RAM) is parsed here and nowhere else,
+and every bad value fails with a message that names the flag and what it accepts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable, Iterable
+
+import psutil
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+
+SIZE_HELP = "a byte count (int), or a string such as '512KiB', '64MiB', '2GB', '1.5GiB'"
+
+
+def available_ram_bytes() -> int:
+    """Bytes the OS can hand out right now without swapping (psutil's ``available``)."""
+    return int(psutil.virtual_memory().available)
+
+
+def total_ram_bytes() -> int:
+    return int(psutil.virtual_memory().total)
+
+
+def parse_size(
+    value: int | float | str,
+    *,
+    flag: str,
+    fraction_of: Callable[[], int] | None = None,
+    fraction_name: str = "available RAM",
+) -> int:
+    """Return ``value`` as a whole number of bytes.
+
+    Accepts an int (bytes), a string with a decimal (KB, MB, GB, TB) or binary (KiB, MiB, GiB, TiB)
+    unit, and, when ``fraction_of`` is given, a float in (0, 1] or a percentage string ("25%") taken
+    of ``fraction_of()``.
+
+    Raises:
+        ValueError: naming ``flag`` and the accepted forms when ``value`` is none of those.
+    """
+    accepted = SIZE_HELP + (
+        f", or a fraction of {fraction_name} (a float in (0, 1] or a string like '25%')"
+        if fraction_of is not None
+        else ""
+    )
+    if isinstance(value, bool):
+        raise ValueError(f"{flag}: expected {accepted}; got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{flag}: a size cannot be negative; got {value!r}")
+        return value
+    if isinstance(value, float):
+        if fraction_of is not None and 0.0 < value <= 1.0:
+            return int(value * fraction_of())
+        raise ValueError(f"{flag}: expected {accepted}; got {value!r}")
+    if isinstance(value, str):
+        percent = _PERCENT_RE.match(value)
+        if percent is not None and fraction_of is not None:
+            fraction = float(percent.group(1)) / 100.0
+            if 0.0 < fraction <= 1.0:
+                return int(fraction * fraction_of())
+        match = _SIZE_RE.match(value)
+        if match is not None:
+            unit = match.group(2).lower()
+            if unit in _UNITS:
+                number = float(match.group(1))
+                if math.isfinite(number):
+                    return int(number * _UNITS[unit])
+    raise ValueError(f"{flag}: expected {accepted}; got {value!r}")
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Human-readable binary size: 1536 -> '1.50 KiB'."""
+    sign = "-" if num_bytes < 0 else ""
+    size = float(abs(num_bytes))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024.0 or unit == "TiB":
+            return f"{sign}{size:.0f} {unit}" if unit == "B" else f"{sign}{size:.2f} {unit}"
+        size /= 1024.0
+    raise AssertionError("unreachable")
+
+
+def parse_devices(devices: Iterable[str] | str, *, flag: str) -> tuple[str, ...]:
+    """Validate a collection of device type names such as ("cuda",) or ("cpu",)."""
+    if isinstance(devices, str):
+        devices = (devices,)
+    try:
+        result = tuple(devices)
+    except TypeError:
+        raise ValueError(f"{flag}: expected a tuple of device types such as ('cuda',); got {devices!r}") from None
+    known = {"cpu", "cuda", "xpu", "mps", "hpu", "privateuseone", "meta"}
+    for device in result:
+        if not isinstance(device, str) or device not in known:
+            raise ValueError(
+                f"{flag}: unknown device type {device!r}; accepted: {', '.join(sorted(known))}"
+            )
+    if not result:
+        raise ValueError(f"{flag}: needs at least one device type, e.g. ('cuda',)")
+    return result
+
+
+def parse_patterns(patterns: Iterable[str] | str | None, *, flag: str) -> tuple[str, ...] | None:
+    """Validate a list of module-name patterns; a bare string is one pattern."""
+    if patterns is None:
+        return None
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    try:
+        result = tuple(patterns)
+    except TypeError:
+        raise ValueError(f"{flag}: expected a list of module-name patterns; got {patterns!r}") from None
+    for pattern in result:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"{flag}: every pattern must be a non-empty string; got {pattern!r}")
+    return result
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn with ``message`` once per process: lightmem says a thing once, not every step."""
+    if message in _warned:
+        return
+    _warned.add(message)
+    warnings.warn(message, category, stacklevel=3)

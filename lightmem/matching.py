@@ -1,0 +1,77 @@
+"""Select modules of a model by class name, class, or glob over qualified module names.
+
+Used by offload scoping (``include`` / ``exclude``) and checkpoint targets, so both read the same
+way and fail the same way: a pattern that selects nothing is an error naming the closest names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Iterable
+
+from torch import nn
+
+Target = str | type
+
+
+def _describe(target: Target) -> str:
+    return target.__name__ if isinstance(target, type) else repr(target)
+
+
+def target_matches(target: Target, name: str, module: nn.Module) -> bool:
+    """True when ``module`` (qualified name ``name``) is selected by ``target``.
+
+    A class selects its instances (subclasses included); a string selects modules whose class name
+    equals it or whose qualified name matches it as a glob (``"encoder.layers.*"``).
+    """
+    if isinstance(target, type):
+        return isinstance(module, target)
+    return type(module).__name__ == target or fnmatch.fnmatchcase(name, target)
+
+
+def closest_names(target: Target, model: nn.Module, limit: int = 5) -> list[str]:
+    """Module names and class names that look most like ``target``, for error messages."""
+    key = target.__name__ if isinstance(target, type) else target
+    module_names = [name for name, _ in model.named_modules() if name]
+    class_names = sorted({type(module).__name__ for module in model.modules()})
+    candidates = module_names + class_names
+    close = difflib.get_close_matches(key, candidates, n=limit, cutoff=0.4)
+    if not close:
+        # A glob such as "layer.*" compares badly as a whole; try its literal prefix.
+        prefix = key.split("*")[0].split("?")[0].split("[")[0].rstrip(".")
+        close = [c for c in candidates if prefix and c.startswith(prefix)][:limit]
+    return close
+
+
+def select_modules(
+    model: nn.Module, targets: Iterable[Target], *, flag: str
+) -> dict[str, nn.Module]:
+    """Return ``{qualified_name: module}`` for every module selected by any target, in module order.
+
+    Raises:
+        ValueError: when a target is neither a string nor an ``nn.Module`` class, or selects no
+            module; the message names ``flag`` and lists the closest module and class names.
+    """
+    targets = list(targets)
+    for target in targets:
+        if not (isinstance(target, str) and target) and not (
+            isinstance(target, type) and issubclass(target, nn.Module)
+        ):
+            raise ValueError(
+                f"{flag}: expected class names, nn.Module classes or glob patterns over module "
+                f"names; got {target!r}"
+            )
+    selected: dict[str, nn.Module] = {}
+    hits = [0] * len(targets)
+    for name, module in model.named_modules():
+        for i, target in enumerate(targets):
+            if target_matches(target, name, module):
+                hits[i] += 1
+                selected[name] = module
+    for target, count in zip(targets, hits):
+        if count == 0:
+            close = closest_names(target, model)
+            hint = f"; closest names: {', '.join(close)}" if close else ""
+            raise ValueError(f"{flag}: {_describe(target)} matches no module of the model{hint}")
+    return selected

@@ -1,0 +1,382 @@
+"""The offload engine: saved-tensor pack/unpack hooks, host entries, reloads and prefetch.
+
+Protocol (every wait lives here; transports only provide the primitives):
+
+forward, pack(t)            d2h waits for compute; copy t's storage -> host block on d2h;
+                            keep t's memory from reuse until d2h passes (record_stream);
+                            entry.host_event = event on d2h.
+backward, reload(entry)     allocate on compute; h2d waits for compute (the memory's last users)
+                            and for entry.host_event (the host bytes are complete); copy on h2d;
+                            entry.reload_event = host_event = event on h2d.
+backward, unpack(handle)    compute waits for reload_event, then reads a view of the storage.
+graph freed (entry dies)    host block returns to the pool after entry.host_event; an unused
+                            reload makes its allocation stream wait before the storage is freed.
+
+Lifetimes follow the autograd graph: autograd holds one handle per save, handles hold their
+entry, and an entry returns its host block when the last handle is gone.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightmem.config import format_bytes, warn_once
+from lightmem.offload.pool import HostBlock, HostPool
+from lightmem.offload.stats import OffloadStats
+from lightmem.offload.transport import Transport
+
+
+class _Session:
+    """The entries of one forward, in pack order, held weakly (for prefetch in reverse order)."""
+
+    __slots__ = ("refs", "cursor", "sweep", "inflight_bytes", "__weakref__")
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref[_HostEntry]] = []
+        self.cursor = sys.maxsize  # prefetch candidates lie below it
+        self.sweep = 1  # one backward pass over the entries; a second pass (retain_graph) is sweep 2
+        self.inflight_bytes = 0
+
+
+class _KeptStorage:
+    """A saved storage left on the device; counts as resident while any save of it lives."""
+
+    __slots__ = ("owner", "nbytes", "alias", "version")
+
+    def __init__(self, owner: Offloader, nbytes: int, alias: Tensor, version: int) -> None:
+        self.owner = owner
+        self.nbytes = nbytes
+        self.alias = weakref.ref(alias)
+        self.version = version
+        owner._add_resident(nbytes)
+
+    def __del__(self) -> None:
+        self.owner._resident_bytes -= self.nbytes
+
+
+class _Kept:
+    """What autograd holds for a saved tensor left on the device."""
+
+    __slots__ = ("tensor", "version", "storage")
+
+    def __init__(self, tensor: Tensor, version: int, storage: _KeptStorage) -> None:
+        self.tensor = tensor
+        self.version = version
+        self.storage = storage
+
+
+class _HostEntry:
+    """One device storage copied to a host block, shared by every save of that storage."""
+
+    __slots__ = (
+        "owner", "session", "index", "block", "host", "nbytes", "device", "alias", "version",
+        "host_event", "restored", "reload_event", "alloc_stream", "prefetched", "handles",
+        "unpacks", "generation", "sweep", "__weakref__",
+    )  # fmt: skip
+
+    def __init__(
+        self, owner: Offloader, block: HostBlock, nbytes: int, device: torch.device,
+        alias: Tensor, version: int,
+    ) -> None:  # fmt: skip
+        self.owner = owner
+        self.block = block
+        self.host = block.storage[0:nbytes]
+        self.nbytes = nbytes
+        self.device = device
+        self.alias = weakref.ref(alias)
+        self.version = version
+        self.host_event: Any = None
+        self.restored: torch.UntypedStorage | None = None
+        self.reload_event: Any = None
+        self.alloc_stream: Any = None
+        self.prefetched = False
+        self.handles = 0
+        self.unpacks = 0  # live handles that took a view of the current reload
+        self.generation = 0  # bumped each time the reloaded storage is let go
+        self.sweep = 0  # the session sweep of the last reload
+        session = owner._session
+        self.session = session
+        self.index = len(session.refs)
+        session.refs.append(weakref.ref(self))
+        owner._live_entries += 1
+
+    def __del__(self) -> None:
+        owner = self.owner
+        try:
+            if self.restored is not None:
+                owner._drop_restored(self)
+            owner._pool.release(self.block, self.host_event)
+        finally:
+            owner._live_entries -= 1
+
+
+class _Offloaded:
+    """What autograd holds for a saved tensor whose storage went to host memory."""
+
+    __slots__ = ("entry", "alias", "version", "dtype", "size", "stride", "offset", "seen")
+
+    def __init__(self, entry: _HostEntry, tensor: Tensor, alias: Tensor, version: int) -> None:
+        self.entry = entry
+        self.alias = weakref.ref(alias)
+        self.version = version
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset()
+        self.seen = -1  # the entry generation this handle last took a view of
+        entry.handles += 1
+
+    def __del__(self) -> None:
+        entry = self.entry
+        entry.handles -= 1
+        if self.seen == entry.generation:
+            entry.unpacks -= 1
+        elif entry.restored is not None and entry.handles and entry.unpacks >= entry.handles:
+            entry.owner._let_go(entry)  # the save that had not taken its view is gone
+
+
+def _modified_error(tensor_type: str, size: Any, version: int, expected: int) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{tensor_type} {list(size)}] is at version {version}; expected version "
+        f"{expected} instead. (Reported by lightmem's offload hooks, which saved this tensor. "
+        "Clone the tensor before modifying it in place.)"
+    )
+
+
+class Offloader:
+    """Pack/unpack hooks and the state behind them; ``offload_activations`` is its public face."""
+
+    def __init__(
+        self,
+        *,
+        min_bytes: int,
+        devices: tuple[str, ...],
+        prefetch_bytes: int,
+        pool: HostPool,
+        transport: Transport,
+        budget_note: str,
+    ) -> None:
+        self.stats = OffloadStats()
+        self._min_bytes = min_bytes
+        self._devices = devices
+        self._on_cuda = "cuda" in devices
+        self._on_cpu = "cpu" in devices
+        self._on_other = any(d not in ("cuda", "cpu") for d in devices)
+        self._prefetch_bytes = prefetch_bytes
+        self._pool = pool
+        self._transport = transport
+        self._budget_note = budget_note
+        self._session = _Session()
+        self._by_storage: dict[int, _HostEntry | _KeptStorage] = {}
+        self._protected: set[int] = set()
+        self._scope_allows = lambda: True
+        self._resident_bytes = 0
+        self._live_entries = 0
+        self._wait_base_s = 0.0
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def pack(self, tensor: Tensor) -> Any:
+        stats = self.stats
+        stats.packed_tensors += 1
+        if type(tensor) is not Tensor:  # parameters and tensor subclasses stay where they are
+            return tensor
+        if not (
+            (self._on_cuda and tensor.is_cuda)
+            or (self._on_cpu and tensor.is_cpu)
+            or (self._on_other and tensor.device.type in self._devices)
+        ):
+            return tensor
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._protected:  # a parameter or buffer, recognised by its storage
+            return tensor
+        alias = tensor._base
+        if alias is None:
+            alias = tensor
+        version = tensor._version
+        known = self._by_storage.get(key)
+        if known is not None and known.alias() is alias and known.version == version:
+            if type(known) is _HostEntry:
+                stats.deduplicated_bytes += known.nbytes
+                return _Offloaded(known, tensor, alias, version)
+            return _Kept(tensor, version, known)
+        nbytes = storage.nbytes()
+        if nbytes >= self._min_bytes and self._scope_allows() and not tensor.is_complex():
+            block = self._pool.acquire(nbytes)
+            if block is not None:
+                entry = self._offload(tensor, storage, block, nbytes, alias, version)
+                self._by_storage[key] = entry
+                return _Offloaded(entry, tensor, alias, version)
+            self._note_budget(nbytes)
+        else:
+            stats.kept_bytes += nbytes
+        kept = _KeptStorage(self, nbytes, alias, version)
+        self._by_storage[key] = kept
+        return _Kept(tensor, version, kept)
+
+    def _offload(
+        self, tensor: Tensor, storage: torch.UntypedStorage, block: HostBlock, nbytes: int,
+        alias: Tensor, version: int,
+    ) -> _HostEntry:  # fmt: skip
+        transport = self._transport
+        entry = _HostEntry(self, block, nbytes, storage.device, alias, version)
+        compute, to_host, _ = transport.streams(entry.device)
+        transport.wait(to_host, transport.record(compute))
+        transport.copy_to_host(entry.host, storage, to_host)
+        transport.keep_alive(tensor, to_host)
+        entry.host_event = transport.record(to_host)
+        stats = self.stats
+        stats.offloaded_tensors += 1
+        stats.offloaded_bytes += nbytes
+        held = self._pool.held_bytes
+        if held > stats.peak_host_bytes:
+            stats.peak_host_bytes = held
+        return entry
+
+    def _note_budget(self, nbytes: int) -> None:
+        self.stats.budget_kept_bytes += nbytes
+        warn_once(
+            f"lightmem: host memory for offload is exhausted ({self._budget_note}); further saved "
+            "tensors stay on the device. Raise the budget or min_bytes; OffloadStats."
+            "budget_kept_bytes counts what stayed."
+        )
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def unpack(self, handle: Any) -> Tensor:
+        cls = type(handle)
+        if cls is _Offloaded:
+            return self._unpack_offloaded(handle)
+        if cls is _Kept:
+            tensor = handle.tensor
+            if tensor._version != handle.version:
+                raise _modified_error(tensor.type(), tensor.size(), tensor._version, handle.version)
+            return tensor
+        return handle
+
+    def _unpack_offloaded(self, handle: _Offloaded) -> Tensor:
+        alias = handle.alias()
+        if alias is not None and alias._version != handle.version:
+            raise _modified_error(alias.type(), handle.size, alias._version, handle.version)
+        entry = handle.entry
+        transport = self._transport
+        stats = self.stats
+        session = entry.session
+        if entry.restored is None:
+            stats.prefetch_misses += 1
+            if entry.sweep == session.sweep:  # reloaded before in this sweep: a new backward pass
+                session.sweep += 1
+                session.cursor = entry.index
+            elif entry.index < session.cursor:  # backward got ahead of prefetch
+                session.cursor = entry.index
+            self._reload(entry)
+        elif entry.prefetched:
+            stats.prefetch_hits += 1
+            entry.prefetched = False
+            session.inflight_bytes -= entry.nbytes
+        if entry.reload_event is not None:
+            compute = transport.streams(entry.device)[0]
+            transport.wait(compute, entry.reload_event)
+            entry.reload_event = None
+        storage = entry.restored
+        view = torch.empty(0, dtype=handle.dtype, device=entry.device).set_(
+            storage, handle.offset, handle.size, handle.stride
+        )
+        if handle.seen != entry.generation:
+            handle.seen = entry.generation
+            entry.unpacks += 1
+            if entry.unpacks >= entry.handles:  # every live save has its view: let the storage go
+                self._let_go(entry)
+        if self._prefetch_bytes > 0:
+            self._prefetch(session)
+        return view
+
+    def _reload(self, entry: _HostEntry) -> None:
+        transport = self._transport
+        compute, _, to_device = transport.streams(entry.device)
+        storage = transport.alloc(entry.nbytes, entry.device)
+        transport.wait(to_device, transport.record(compute))
+        transport.wait(to_device, entry.host_event)
+        transport.copy_to_device(storage, entry.host, to_device)
+        entry.reload_event = entry.host_event = transport.record(to_device)
+        entry.alloc_stream = compute
+        entry.restored = storage
+        entry.sweep = entry.session.sweep
+        self.stats.reloaded_bytes += entry.nbytes
+        self._add_resident(entry.nbytes)
+
+    def _prefetch(self, session: _Session) -> None:
+        """Reload the entries packed just before the cursor, within the prefetch window."""
+        refs = session.refs
+        index = min(session.cursor, len(refs)) - 1
+        sweep = session.sweep
+        while index >= 0:
+            entry = refs[index]()
+            if entry is not None and entry.restored is None and entry.sweep != sweep:
+                if session.inflight_bytes > 0 and session.inflight_bytes + entry.nbytes > self._prefetch_bytes:
+                    return
+                self._reload(entry)
+                entry.prefetched = True
+                session.inflight_bytes += entry.nbytes
+            session.cursor = index
+            index -= 1
+
+    def _let_go(self, entry: _HostEntry) -> None:
+        entry.restored = None
+        entry.unpacks = 0
+        entry.generation += 1
+        self._resident_bytes -= entry.nbytes
+
+    def _drop_restored(self, entry: _HostEntry) -> None:
+        if entry.reload_event is not None:  # never consumed: its copy may still be writing
+            self._transport.wait(entry.alloc_stream, entry.reload_event)
+        if entry.prefetched:
+            entry.session.inflight_bytes -= entry.nbytes
+        entry.restored = None
+        self._resident_bytes -= entry.nbytes
+
+    def _add_resident(self, nbytes: int) -> None:
+        self._resident_bytes += nbytes
+        if self._resident_bytes > self.stats.peak_resident_bytes:
+            self.stats.peak_resident_bytes = self._resident_bytes
+
+    # -- per-context bookkeeping ----------------------------------------------------------------
+
+    def begin(self, protected_storages: set[int]) -> None:
+        self.stats = OffloadStats(
+            peak_host_bytes=self._pool.held_bytes, peak_resident_bytes=self._resident_bytes
+        )
+        self._wait_base_s = self._transport.waited_s()
+        self._protected = protected_storages
+        self._session = _Session()
+        self._by_storage = {}
+
+    def end(self) -> None:
+        # Dedupe only looks within one forward; afterwards entries live only through the graph.
+        self._by_storage = {}
+
+    def refresh_stats(self) -> OffloadStats:
+        self.stats.wait_s = self._transport.waited_s() - self._wait_base_s
+        held = self._pool.held_bytes
+        if held > self.stats.peak_host_bytes:
+            self.stats.peak_host_bytes = held
+        return self.stats
+
+    @property
+    def live_entries(self) -> int:
+        """Host entries still referenced by some autograd graph (0 once every graph is freed)."""
+        return self._live_entries
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._resident_bytes
+
+    def describe_budget(self) -> str:
+        return format_bytes(self._pool.budget_bytes)

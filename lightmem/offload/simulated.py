@@ -1,0 +1,154 @@
+"""An asynchronous CPU transport that behaves like CUDA streams, for testing the offload protocol.
+
+``SimulatedAsyncTransport`` runs every copy later, on one worker thread per "stream", after a
+random delay, and gives events CUDA's record/wait meaning. It also makes mistakes in the protocol
+visible as wrong numbers instead of silent luck:
+
+- a reload buffer starts filled with NaN bytes (as uninitialised device memory would be garbage);
+- a host buffer is NaN-filled the moment it becomes reusable in the pool;
+- a device-to-host copy whose source was neither kept alive by the caller nor by ``keep_alive``
+  (``record_stream`` on CUDA) reads NaN bytes, as it would read reused memory on a GPU.
+
+The compute "stream" is the calling thread, which is synchronous: waits queued on it block the
+caller. It is not part of the public API and not fast; it exists so the waiting and lifetime logic
+that CUDA depends on runs in the CPU test suite.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+COMPUTE = "compute"
+_POISON = 0xFF
+
+
+class _Event:
+    __slots__ = ("flag",)
+
+    def __init__(self, done: bool = False) -> None:
+        self.flag = threading.Event()
+        if done:
+            self.flag.set()
+
+
+class _WorkerStream:
+    """A FIFO of operations run by one daemon thread, each after a random delay."""
+
+    def __init__(self, name: str, rng: random.Random, max_delay_s: float) -> None:
+        self.name = name
+        self._rng = rng
+        self._max_delay_s = max_delay_s
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"lightmem-sim-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, operation: Callable[[], None]) -> None:
+        self._queue.put(operation)
+
+    def _run(self) -> None:
+        while True:
+            operation = self._queue.get()
+            if operation is None:
+                return
+            if self._max_delay_s > 0:
+                time.sleep(self._rng.uniform(0.0, self._max_delay_s))
+            operation()
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+class SimulatedAsyncTransport:
+    """CUDA-like stream semantics on CPU worker threads; see the module docstring."""
+
+    pin_memory = False
+    poison_released = True
+
+    def __init__(self, seed: int = 0, max_delay_s: float = 0.002) -> None:
+        rng = random.Random(seed)
+        self._d2h = _WorkerStream("d2h", random.Random(rng.random()), max_delay_s)
+        self._h2d = _WorkerStream("h2d", random.Random(rng.random()), max_delay_s)
+        self._waited_s = 0.0
+        self.stale_reads = 0
+        """Copies whose source had been freed before the copy ran (would be corruption on CUDA)."""
+
+    def streams(self, device: torch.device) -> tuple[Any, Any, Any]:
+        return COMPUTE, self._d2h, self._h2d
+
+    def record(self, stream: Any) -> _Event:
+        if stream is COMPUTE:
+            return _Event(done=True)
+        event = _Event()
+        stream.submit(event.flag.set)
+        return event
+
+    def wait(self, stream: Any, event: _Event | None) -> None:
+        if event is None:
+            return
+        if stream is COMPUTE:
+            if not event.flag.is_set():
+                start = time.perf_counter()
+                event.flag.wait()
+                self._waited_s += time.perf_counter() - start
+            return
+        stream.submit(event.flag.wait)
+
+    def copy_to_host(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
+        # Hold the device source weakly: only the caller or keep_alive may keep its memory from
+        # reuse, as with CUDA's caching allocator.
+        src_ref = weakref.ref(src)
+        del src
+
+        def run() -> None:
+            source = src_ref()
+            if source is None:
+                self.stale_reads += 1
+                torch.empty(0, dtype=torch.uint8).set_(dst).fill_(_POISON)
+            else:
+                dst.copy_(source)
+
+        stream.submit(run)
+
+    def copy_to_device(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
+        # The host source is protected by the pool's release-after-event protocol, which the
+        # poisoning of released buffers checks.
+        stream.submit(lambda: dst.copy_(src))
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        held = [tensor]
+        stream.submit(held.clear)
+
+    def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        storage = torch.UntypedStorage(nbytes, device=device)
+        torch.empty(0, dtype=torch.uint8, device=device).set_(storage).fill_(_POISON)
+        return storage
+
+    def done(self, event: _Event | None) -> bool:
+        return event is None or event.flag.is_set()
+
+    def waited_s(self) -> float:
+        return self._waited_s
+
+    def synchronize(self) -> None:
+        """Block until both worker streams have drained (for tests)."""
+        for stream in (self._d2h, self._h2d):
+            event = self.record(stream)
+            event.flag.wait()
+
+    def close(self) -> None:
+        self._d2h.close()
+        self._h2d.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

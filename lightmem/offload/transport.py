@@ -1,0 +1,158 @@
+"""How bytes move between device and host: stream primitives the offloader composes.
+
+The offloader (``hooks.py``) owns the protocol: which stream waits for which event, when a host
+buffer may be reused, when a reload buffer may be read. A transport only supplies the primitives,
+so the same protocol runs on CUDA streams (``CudaTransport``), as plain synchronous copies
+(``SyncTransport``, CPU tensors), and on the worker threads of ``SimulatedAsyncTransport`` that
+tests use to exercise the protocol without a GPU.
+
+Stream handles are opaque to the offloader; ``None`` stands for "already done" events.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import torch
+
+
+class Transport(Protocol):
+    pin_memory: bool
+    """Host buffers must be page-locked (CUDA)."""
+    poison_released: bool
+    """Fill host buffers with NaN bytes when they become reusable (test transports)."""
+
+    def streams(self, device: torch.device) -> tuple[Any, Any, Any]:
+        """(compute, device_to_host, host_to_device) streams for ``device``; compute is current."""
+
+    def record(self, stream: Any) -> Any:
+        """An event that completes when the work queued on ``stream`` so far has completed."""
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Work queued on ``stream`` after this call starts after ``event`` completes."""
+
+    def copy_to_host(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
+        """Queue ``dst <- src`` on ``stream``; the device ``src`` must be kept alive by ``keep_alive``."""
+
+    def copy_to_device(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
+        """Queue ``dst <- src`` on ``stream``; the host ``src`` is protected by the pool's events."""
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Do not reuse ``tensor``'s memory until ``stream`` has finished the work queued so far."""
+
+    def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        """Uninitialised device storage, allocated on the compute stream."""
+
+    def done(self, event: Any) -> bool:
+        """Whether ``event`` has completed (``None`` has)."""
+
+    def waited_s(self) -> float:
+        """Total seconds the compute stream has waited for copies so far."""
+
+
+class SyncTransport:
+    """Synchronous copies on the calling thread: the path for CPU tensors (and any device)."""
+
+    pin_memory = False
+    poison_released = False
+
+    def __init__(self) -> None:
+        self._waited_s = 0.0
+
+    def streams(self, device: torch.device) -> tuple[None, None, None]:
+        return None, None, None
+
+    def record(self, stream: Any) -> None:
+        return None
+
+    def wait(self, stream: Any, event: Any) -> None:
+        return None
+
+    def copy_to_host(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
+        # A synchronous copy blocks the training thread for its whole duration: that is the wait.
+        start = time.perf_counter()
+        dst.copy_(src)
+        self._waited_s += time.perf_counter() - start
+
+    copy_to_device = copy_to_host
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        return None
+
+    def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        return torch.UntypedStorage(nbytes, device=device)
+
+    def done(self, event: Any) -> bool:
+        return True
+
+    def waited_s(self) -> float:
+        return self._waited_s
+
+
+class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA machine
+    """Copies on side CUDA streams, ordered by events.
+
+    One device-to-host and one host-to-device stream per device, so offload of step N's forward
+    overlaps compute and reloads overlap backward compute. Waits of the compute stream are timed
+    with CUDA events only when the copy had not finished when the wait was queued.
+    """
+
+    pin_memory = True
+    poison_released = False
+
+    def __init__(self) -> None:
+        self._side: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._waited_s = 0.0
+
+    def streams(self, device: torch.device) -> tuple[Any, Any, Any]:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        side = self._side.get(index)
+        if side is None:
+            side = (torch.cuda.Stream(index), torch.cuda.Stream(index))
+            self._side[index] = side
+        return torch.cuda.current_stream(index), side[0], side[1]
+
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        return stream.record_event()
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event | None) -> None:
+        if event is None:
+            return
+        if stream is torch.cuda.current_stream(stream.device) and not event.query():
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            stream.wait_event(event)
+            end.record(stream)
+            self._timed.append((start, end))
+            return
+        stream.wait_event(event)
+
+    def copy_to_host(
+        self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: torch.cuda.Stream
+    ) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    copy_to_device = copy_to_host
+
+    def keep_alive(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        tensor.record_stream(stream)
+
+    def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        return torch.UntypedStorage(nbytes, device=device)
+
+    def done(self, event: torch.cuda.Event | None) -> bool:
+        return event is None or event.query()
+
+    def waited_s(self) -> float:
+        pending = []
+        for start, end in self._timed:
+            if end.query():
+                self._waited_s += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((start, end))
+        self._timed = pending
+        return self._waited_s

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(1)
+
+
+def run_grads(model, loss_fn, context=None, autocast: bool = False, seed: int = 1234):
+    """One forward (inside ``context(model_copy)``) and backward on a deep copy of ``model``.
+
+    Returns the gradients by parameter name and the context used.
+    """
+    model = copy.deepcopy(model)
+    ctx = context(model) if context is not None else nullcontext()
+    torch.manual_seed(seed)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext()
+    with amp:
+        with ctx:
+            loss = loss_fn(model)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, ctx
+
+
+def assert_bitwise_equal(expected: dict, actual: dict) -> None:
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert expected[name].dtype == actual[name].dtype, name
+        assert torch.equal(expected[name], actual[name]), f"gradient of {name} differs"
+
+
+@pytest.fixture
+def cpu_offload():
+    """Factory for an offload context that drives the full path on CPU tensors."""
+    from lightmem import offload_activations
+
+    def make(model=None, **kwargs):
+        kwargs.setdefault("devices", ("cpu",))
+        kwargs.setdefault("min_bytes", 0)
+        return offload_activations(model, **kwargs)
+
+    return make
