@@ -36,7 +36,7 @@ def closest_names(target: Target, model: nn.Module, limit: int = 5) -> list[str]
     module_names = [name for name, _ in model.named_modules() if name]
     class_names = sorted({type(module).__name__ for module in model.modules()})
     candidates = module_names + class_names
-    close = difflib.get_close_matches(key, candidates, n=limit, cutoff=0.4)
+    close = difflib.get_close_matches(key, candidates, n=limit, cutoff=0.6)
     if not close:
         # A glob such as "layer.*" compares badly as a whole; try its literal prefix.
         prefix = key.split("*")[0].split("?")[0].split("[")[0].rstrip(".")

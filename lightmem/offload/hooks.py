@@ -85,7 +85,7 @@ class _HostEntry:
     ) -> None:  # fmt: skip
         self.owner = owner
         self.block = block
-        self.host = block.storage[0:nbytes]
+        self.host = block.span(nbytes)
         self.nbytes = nbytes
         self.device = device
         self.alias = weakref.ref(alias)

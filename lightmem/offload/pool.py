@@ -33,7 +33,7 @@ def size_class(nbytes: int) -> int:
 class HostBlock:
     """One host allocation of ``capacity`` bytes; ``storage`` is the untyped storage to slice."""
 
-    __slots__ = ("tensor", "storage", "capacity", "registered")
+    __slots__ = ("tensor", "storage", "capacity", "registered", "_span", "_span_bytes")
 
     def __init__(self, capacity: int, pin: bool, poison: bool) -> None:
         self.capacity = capacity
@@ -44,6 +44,15 @@ class HostBlock:
         if poison:
             self.tensor.fill_(_POISON_BYTE)
         self.storage = self.tensor.untyped_storage()
+        self._span: torch.UntypedStorage | None = None
+        self._span_bytes = -1
+
+    def span(self, nbytes: int) -> torch.UntypedStorage:
+        """The first ``nbytes`` of the block as a storage (cached: a step reuses its sizes)."""
+        if nbytes != self._span_bytes:
+            self._span = self.storage[0:nbytes]
+            self._span_bytes = nbytes
+        return self._span
 
     def close(self) -> None:
         if self.registered:  # pragma: no cover - needs CUDA
@@ -94,13 +103,16 @@ class HostPool:
         self.allocations = 0
         self.floor_hits = 0
         self._free: defaultdict[int, list[HostBlock]] = defaultdict(list)
+        self._classes: dict[int, int] = {}  # nbytes -> size class; a step repeats its sizes
         self._pending: list[tuple[HostBlock, Any]] = []
         self._lock = threading.Lock()
         self._pin = transport.pin_memory
         self._poison = transport.poison_released
 
     def acquire(self, nbytes: int) -> HostBlock | None:
-        capacity = size_class(nbytes)
+        capacity = self._classes.get(nbytes)
+        if capacity is None:
+            capacity = self._classes[nbytes] = size_class(nbytes)
         with self._lock:
             if self._pending:
                 self._reap()
@@ -109,10 +121,11 @@ class HostPool:
                 block = free.pop()
                 self.in_use_bytes += capacity
                 return block
-            if self.held_bytes + capacity > self.budget_bytes:
-                self._trim(self.held_bytes + capacity - self.budget_bytes)
-                if self.held_bytes + capacity > self.budget_bytes:
+            excess = self.held_bytes + capacity - self.budget_bytes
+            if excess > 0:
+                if self.held_bytes - self.in_use_bytes < excess:  # trimming cannot make room
                     return None
+                self._trim(excess)
             if available_ram_bytes() - capacity < self.min_available_bytes:
                 self._trim(capacity)
                 if available_ram_bytes() - capacity < self.min_available_bytes:
@@ -133,7 +146,7 @@ class HostPool:
 
     def _make_free(self, block: HostBlock) -> None:
         if self._poison:
-            block.tensor.fill_(_POISON_BYTE)
+            self.transport.poison(block.tensor)
         self.in_use_bytes -= block.capacity
         self._free[block.capacity].append(block)
 

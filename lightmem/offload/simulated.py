@@ -16,6 +16,7 @@ that CUDA depends on runs in the CPU test suite.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import random
 import threading
@@ -64,6 +65,18 @@ class _WorkerStream:
 
     def close(self) -> None:
         self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+_LIVE: weakref.WeakSet[SimulatedAsyncTransport] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # A worker killed at interpreter exit in the middle of a torch op aborts the process.
+    for transport in list(_LIVE):
+        transport.close()
 
 
 class SimulatedAsyncTransport:
@@ -77,8 +90,14 @@ class SimulatedAsyncTransport:
         self._d2h = _WorkerStream("d2h", random.Random(rng.random()), max_delay_s)
         self._h2d = _WorkerStream("h2d", random.Random(rng.random()), max_delay_s)
         self._waited_s = 0.0
+        self._inflight: dict[int, int] = {}  # host buffer address -> queued copies touching it
+        self._inflight_lock = threading.Lock()
         self.stale_reads = 0
         """Copies whose source had been freed before the copy ran (would be corruption on CUDA)."""
+        self.reuse_hazards = 0
+        """Host buffers handed back for reuse while a queued copy still touched them."""
+        self._closed = False
+        _LIVE.add(self)
 
     def streams(self, device: torch.device) -> tuple[Any, Any, Any]:
         return COMPUTE, self._d2h, self._h2d
@@ -106,6 +125,7 @@ class SimulatedAsyncTransport:
         # reuse, as with CUDA's caching allocator.
         src_ref = weakref.ref(src)
         del src
+        host = self._track(dst)
 
         def run() -> None:
             source = src_ref()
@@ -114,13 +134,37 @@ class SimulatedAsyncTransport:
                 torch.empty(0, dtype=torch.uint8).set_(dst).fill_(_POISON)
             else:
                 dst.copy_(source)
+            self._untrack(host)
 
         stream.submit(run)
 
     def copy_to_device(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
         # The host source is protected by the pool's release-after-event protocol, which the
         # poisoning of released buffers checks.
-        stream.submit(lambda: dst.copy_(src))
+        host = self._track(src)
+
+        def run() -> None:
+            dst.copy_(src)
+            self._untrack(host)
+
+        stream.submit(run)
+
+    def _track(self, host: torch.UntypedStorage) -> int:
+        address = host.data_ptr()
+        with self._inflight_lock:
+            self._inflight[address] = self._inflight.get(address, 0) + 1
+        return address
+
+    def _untrack(self, address: int) -> None:
+        with self._inflight_lock:
+            self._inflight[address] -= 1
+
+    def poison(self, host_buffer: torch.Tensor) -> None:
+        """Called by the pool when ``host_buffer`` becomes reusable: must have no queued copy."""
+        with self._inflight_lock:
+            if self._inflight.get(host_buffer.data_ptr(), 0):
+                self.reuse_hazards += 1
+        host_buffer.fill_(_POISON)
 
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         held = [tensor]
@@ -144,8 +188,10 @@ class SimulatedAsyncTransport:
             event.flag.wait()
 
     def close(self) -> None:
-        self._d2h.close()
-        self._h2d.close()
+        if not self._closed:
+            self._closed = True
+            self._d2h.close()
+            self._h2d.close()
 
     def __del__(self) -> None:
         try:

@@ -21,7 +21,7 @@ class Transport(Protocol):
     pin_memory: bool
     """Host buffers must be page-locked (CUDA)."""
     poison_released: bool
-    """Fill host buffers with NaN bytes when they become reusable (test transports)."""
+    """Call ``poison(buffer)`` when a host buffer becomes reusable (test transports)."""
 
     def streams(self, device: torch.device) -> tuple[Any, Any, Any]:
         """(compute, device_to_host, host_to_device) streams for ``device``; compute is current."""

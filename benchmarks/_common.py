@@ -1,0 +1,107 @@
+"""Shared helpers for the benchmark scripts: timing, a realistic transformer, table printing."""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import psutil
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    line = f"{psutil.cpu_count(logical=True)} CPU threads ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} intra-op threads"
+    if torch.cuda.is_available():
+        line += f", GPU {torch.cuda.get_device_name()}"
+    return line
+
+
+def interleaved_median_s(
+    steps: dict[str, Callable[[], None]], rounds: int, warmup: int = 2, sync: Callable[[], None] = lambda: None
+) -> dict[str, float]:
+    """Median seconds per step of each variant, timed round-robin so drift hits all alike."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def median_time_s(step: Callable[[], None], steps: int, warmup: int = 2, sync: Callable[[], None] = lambda: None) -> float:
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block (attention via scaled_dot_product_attention, GELU MLP)."""
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(batch, seq, self.heads, dim // self.heads).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.dropout(self.proj(attn.transpose(1, 2).reshape(batch, seq, dim)))
+        return x + self.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int = 8192, dim: int = 512, depth: int = 6, heads: int = 8, seq: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(1, seq, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        nn.init.normal_(self.pos, std=1 / math.sqrt(dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def gpt_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    print(f"\n{title}")
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))

@@ -1,0 +1,134 @@
+"""The stream protocol CUDA depends on, exercised on CPU with SimulatedAsyncTransport.
+
+Copies run late on worker threads; reload buffers start as NaN bytes; host buffers turn to NaN
+bytes the moment the pool may reuse them; a device-to-host copy whose source was not kept alive
+reads NaN bytes. Gradients must still be bitwise equal. Each sabotage test removes one wait of the
+protocol and shows that the suite notices.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import assert_bitwise_equal, run_grads
+from models import CASES, make_case
+
+from lightmem import offload_activations
+from lightmem.offload.pool import HostPool
+from lightmem.offload.simulated import COMPUTE, SimulatedAsyncTransport
+
+
+def _offload_with(transport, **kwargs):
+    kwargs.setdefault("min_bytes", 0)
+    return lambda model: offload_activations(model, devices=("cpu",), transport=transport, **kwargs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_bitwise_equal_under_asynchronous_copies(case, seed):
+    model, loss_fn = make_case(case)
+    expected, _ = run_grads(model, loss_fn)
+    transport = SimulatedAsyncTransport(seed=seed, max_delay_s=0.0005)
+    prefetch = "64KiB" if seed % 2 else "16MiB"  # a narrow and a wide prefetch window
+    actual, off = run_grads(model, loss_fn, _offload_with(transport, prefetch=prefetch))
+    assert_bitwise_equal(expected, actual)
+    assert transport.stale_reads == 0
+    assert off.stats.prefetch_hits > 0
+    transport.synchronize()
+    gc.collect()
+    assert off.live_entries == 0 and off.host_bytes_in_use == 0
+    transport.close()
+
+
+def test_gradients_bitwise_equal_under_bf16_autocast_and_retained_graph():
+    model, loss_fn = make_case("transformer")
+    model.eval()
+
+    def twice(m):
+        loss = loss_fn(m)
+        return loss, loss
+
+    expected, _ = run_grads(model, loss_fn, autocast=True)
+    transport = SimulatedAsyncTransport(seed=7, max_delay_s=0.0005)
+    actual, _ = run_grads(model, loss_fn, _offload_with(transport), autocast=True)
+    assert_bitwise_equal(expected, actual)
+    transport.close()
+
+
+def _sabotaged_run(transport, seeds=range(3)):
+    """True when some run gives gradients that differ from the reference (or garbage crashes it)."""
+    model, loss_fn = make_case("transformer")
+    expected, _ = run_grads(model, loss_fn)
+    for _ in seeds:
+        try:
+            actual, _ = run_grads(model, loss_fn, _offload_with(transport))
+        except (IndexError, RuntimeError):  # NaN bytes read as token indices
+            return True
+        if any(not torch.equal(expected[name], actual[name]) for name in expected):
+            return True
+    return False
+
+
+class _NoComputeWait(SimulatedAsyncTransport):
+    """The compute stream reads reloaded storages without waiting for their copies."""
+
+    def wait(self, stream, event):
+        if stream is COMPUTE:
+            return
+        super().wait(stream, event)
+
+
+class _NoWaitForHostBytes(SimulatedAsyncTransport):
+    """The host-to-device stream does not wait for the device-to-host copy to finish."""
+
+    def wait(self, stream, event):
+        if stream is self._h2d:
+            return
+        super().wait(stream, event)
+
+
+class _NoKeepAlive(SimulatedAsyncTransport):
+    """No record_stream: the source of a device-to-host copy may be reused before it is read."""
+
+    def keep_alive(self, tensor, stream):
+        return None
+
+
+def test_sabotage_compute_not_waiting_for_reload_is_detected():
+    assert _sabotaged_run(_NoComputeWait(seed=1, max_delay_s=0.002))
+
+
+def test_sabotage_reload_not_waiting_for_offload_copy_is_detected():
+    assert _sabotaged_run(_NoWaitForHostBytes(seed=1, max_delay_s=0.002))
+
+
+def test_sabotage_missing_record_stream_is_detected():
+    transport = _NoKeepAlive(seed=1, max_delay_s=0.002)
+    assert _sabotaged_run(transport)
+    assert transport.stale_reads > 0
+
+
+def _drop_graphs_while_copies_are_queued(transport) -> int:
+    """Forwards whose graphs are freed at once, while their copies to host are still queued."""
+    model, loss_fn = make_case("transformer")
+    off = offload_activations(model, min_bytes=0, devices=("cpu",), transport=transport)
+    for _ in range(3):
+        with off:
+            loss = loss_fn(model)
+        del loss
+    transport.synchronize()
+    with off:  # reaps the pending buffers
+        loss_fn(model)
+    return transport.reuse_hazards
+
+
+def test_host_buffers_wait_for_their_last_copy_before_reuse():
+    assert _drop_graphs_while_copies_are_queued(SimulatedAsyncTransport(seed=3, max_delay_s=0.002)) == 0
+
+
+def test_sabotage_host_buffer_reused_before_its_copy_finished_is_detected(monkeypatch):
+    original = HostPool.release
+    monkeypatch.setattr(HostPool, "release", lambda self, block, event=None: original(self, block, None))
+    assert _drop_graphs_while_copies_are_queued(SimulatedAsyncTransport(seed=3, max_delay_s=0.002)) > 0
