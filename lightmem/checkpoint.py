@@ -1,0 +1,142 @@
+"""Selective activation checkpointing: chosen blocks recompute their activations in backward.
+
+``apply_checkpointing`` replaces the ``forward`` of each chosen block, on the instance only, with a
+call through non-reentrant ``torch.utils.checkpoint``. Module names, ``state_dict`` keys and
+parameter identity do not change, so optimizers and saved checkpoints keep working, and the
+returned handle restores the original forwards exactly.
+
+Non-reentrant checkpoint saves a block's inputs through the saved-tensor hooks active outside the
+block, so inside ``offload_activations`` those inputs go to host memory too: checkpoint plus
+offload keeps one block's activations on the device at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightmem.matching import Target, select_modules
+
+
+class CheckpointedForward:
+    """The instance ``forward`` of a checkpointed block.
+
+    A plain picklable object (not a closure), so ``copy.deepcopy`` and ``pickle`` of the model
+    rebind it to the copied module. Without grad (validation, inference) the block runs as usual.
+    """
+
+    def __init__(self, inner: Any, had_instance_forward: bool) -> None:
+        self.inner = inner
+        self.had_instance_forward = had_instance_forward
+        self.users = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)
+        # preserve_rng_state: dropout in the recomputation draws the same mask as in forward.
+        return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """True when ``apply_checkpointing`` has wrapped ``module``."""
+    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+
+
+class CheckpointHandle:
+    """What ``apply_checkpointing`` returns.
+
+    Attributes:
+        modules: qualified names of the blocks this call checkpoints, in module order.
+    """
+
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
+        self.modules: list[str] = list(modules)
+        self._blocks = list(modules.values())
+        self._removed = False
+
+    def remove(self) -> None:
+        """Undo this call. A block applied by several calls unwraps when the last one is removed."""
+        if self._removed:
+            return
+        self._removed = True
+        for block in self._blocks:
+            wrapper = block.__dict__.get("forward")
+            if not isinstance(wrapper, CheckpointedForward):
+                continue
+            wrapper.users -= 1
+            if wrapper.users == 0:
+                if wrapper.had_instance_forward:
+                    block.forward = wrapper.inner
+                else:
+                    del block.forward
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def __repr__(self) -> str:
+        return f"CheckpointHandle(modules={self.modules!r})"
+
+
+def select_blocks(
+    model: nn.Module, targets: Target | Iterable[Target], every_n: int = 1, *, flag: str = "apply_checkpointing"
+) -> dict[str, nn.Module]:
+    """The blocks ``apply_checkpointing`` would wrap: outermost matches, every n-th in module order."""
+    if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
+        raise ValueError(f"{flag}(every_n=...): expected an integer >= 1; got {every_n!r}")
+    if isinstance(targets, (str, type)):
+        targets = [targets]
+    targets = list(targets)
+    if not targets:
+        raise ValueError(f"{flag}(targets=...): expected at least one class name, class or module-name pattern")
+    matched = select_modules(model, targets, flag=f"{flag}(targets=...)")
+    outermost: dict[str, nn.Module] = {}
+    for name, module in matched.items():  # pre-order: an ancestor is seen before its children
+        if not any(kept == "" or name.startswith(f"{kept}.") for kept in outermost):
+            outermost[name] = module
+    return {name: outermost[name] for name in list(outermost)[::every_n]}
+
+
+def apply_checkpointing(
+    model: nn.Module, targets: Target | Iterable[Target], every_n: int = 1
+) -> CheckpointHandle:
+    """Checkpoint the blocks of ``model`` selected by ``targets``.
+
+    Args:
+        model: the model whose blocks to wrap (in place).
+        targets: class names (``"GPT2Block"``), ``nn.Module`` classes, or glob patterns over
+            qualified module names (``"encoder.layers.*"``), mixed freely. When a block and one of
+            its descendants both match, only the outer block is wrapped.
+        every_n: wrap every n-th matched block in module order (the 1st, the (n+1)-th, ...), to
+            trade memory for recompute time.
+
+    Returns:
+        A :class:`CheckpointHandle` with ``.modules`` and ``.remove()``. Applying to a block that is
+        already checkpointed does not wrap it twice.
+
+    Raises:
+        ValueError: a target matches no module (the message lists the closest module and class
+            names), or ``every_n`` is not an integer >= 1.
+
+    Example::
+
+        >>> from torch import nn
+        >>> from lightmem import apply_checkpointing
+        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(4)])
+        >>> handle = apply_checkpointing(model, ["[0-9]"], every_n=2)
+        >>> handle.modules
+        ['0', '2']
+        >>> handle.remove()
+    """
+    blocks = select_blocks(model, targets, every_n)
+    for block in blocks.values():
+        wrapper = block.__dict__.get("forward")
+        if not isinstance(wrapper, CheckpointedForward):
+            had_instance_forward = "forward" in block.__dict__
+            wrapper = CheckpointedForward(block.forward, had_instance_forward)
+            block.forward = wrapper
+        wrapper.users += 1
+    return CheckpointHandle(model, blocks)

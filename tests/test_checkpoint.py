@@ -1,0 +1,241 @@
+"""Selective checkpointing: exact gradients, less memory, clean handles, composition with offload."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from conftest import assert_bitwise_equal, run_grads
+from models import Block, TinyGPT, gpt_loss
+from torch import nn
+
+from lightmem import apply_checkpointing, offload_activations
+from lightmem.checkpoint import is_checkpointed
+
+
+def _gpt(depth=4, seed=0):
+    torch.manual_seed(seed)
+    model = TinyGPT(depth=depth)  # train mode: dropout active
+    tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(seed))
+    return model, lambda m: gpt_loss(m, tokens)
+
+
+def _checkpointed(targets, every_n=1, offload=False):
+    def make(model):
+        apply_checkpointing(model, targets, every_n)
+        if offload:
+            return offload_activations(model, min_bytes=0, devices=("cpu",))
+        return None
+
+    return make
+
+
+class _Maybe:
+    """Adapts run_grads' context factory: apply checkpointing, then maybe enter offload."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def __call__(self, model):
+        context = self.make(model)
+        return context if context is not None else _Null()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("offload", [False, True], ids=["alone", "with-offload"])
+@pytest.mark.parametrize("every_n", [1, 2])
+def test_gradients_bitwise_equal_with_dropout(every_n, offload, autocast):
+    model, loss_fn = _gpt()
+    expected, _ = run_grads(model, loss_fn, autocast=autocast)
+    actual, _ = run_grads(model, loss_fn, _Maybe(_checkpointed(["Block"], every_n, offload)), autocast=autocast)
+    assert_bitwise_equal(expected, actual)
+
+
+def _peak_bytes(model, loss_fn) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tracker:
+            loss_fn(model).backward()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def test_peak_memory_falls_for_a_twelve_block_transformer():
+    torch.manual_seed(0)
+    model = TinyGPT(dim=128, depth=12, seq=128)
+    tokens = torch.randint(0, 128, (8, 129))
+
+    def loss_fn(m):
+        return gpt_loss(m, tokens)
+
+    baseline = _peak_bytes(model, loss_fn)
+    model.zero_grad(set_to_none=True)
+    handle = apply_checkpointing(model, "Block")
+    checkpointed = _peak_bytes(model, loss_fn)
+    handle.remove()
+    assert checkpointed < 0.5 * baseline, (checkpointed, baseline)
+
+
+def _resident_peak(depth: int, checkpoint: bool) -> int:
+    model, loss_fn = _gpt(depth)
+    if checkpoint:
+        apply_checkpointing(model, "Block")
+    # Block inputs (32 KiB) move; smaller saved tensors (LayerNorm statistics, ...) stay.
+    with offload_activations(model, min_bytes="16KiB", devices=("cpu",), prefetch=0) as off:
+        loss = loss_fn(model)
+    loss.backward()
+    return off.stats.peak_resident_bytes
+
+
+def test_checkpoint_with_offload_keeps_device_resident_bytes_flat_as_depth_grows():
+    assert _resident_peak(6, checkpoint=True) == _resident_peak(12, checkpoint=True)
+    assert _resident_peak(12, checkpoint=False) > _resident_peak(6, checkpoint=False)
+
+
+def test_block_inputs_of_checkpointed_blocks_pass_through_offload():
+    model, loss_fn = _gpt(depth=4)
+    apply_checkpointing(model, "Block")
+    with offload_activations(model, min_bytes=0, devices=("cpu",)) as off:
+        loss = loss_fn(model)
+    loss.backward()
+    block_input_bytes = 4 * 32 * 64 * 4  # (batch, seq, dim) float32 entering each block
+    assert off.stats.offloaded_bytes >= 4 * block_input_bytes
+
+
+def test_handle_lists_outermost_blocks_in_order_and_every_nth():
+    model, _ = _gpt(depth=5)
+    handle = apply_checkpointing(model, ["Block", "blocks.*.attn"], every_n=2)
+    assert handle.modules == ["blocks.0", "blocks.2", "blocks.4"]
+    assert [is_checkpointed(b) for b in model.blocks] == [True, False, True, False, True]
+    assert not any(is_checkpointed(m) for m in model.modules() if not isinstance(m, Block))
+
+
+def test_classes_and_patterns_mix():
+    model, _ = _gpt(depth=3)
+    handle = apply_checkpointing(model, [Block, "ln_f"])
+    assert handle.modules == ["blocks.0", "blocks.1", "blocks.2", "ln_f"]
+
+
+def test_names_state_dict_and_parameters_are_unchanged():
+    model, _ = _gpt()
+    names = [n for n, _ in model.named_modules()]
+    keys = list(model.state_dict())
+    params = list(model.parameters())
+    handle = apply_checkpointing(model, "Block")
+    assert [n for n, _ in model.named_modules()] == names
+    assert list(model.state_dict()) == keys
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    handle.remove()
+
+
+def test_remove_restores_the_original_forward_and_bitwise_behaviour():
+    model, loss_fn = _gpt()
+    expected, _ = run_grads(model, loss_fn)
+    handle = apply_checkpointing(model, "Block")
+    handle.remove()
+    assert not any("forward" in b.__dict__ for b in model.blocks)
+    actual, _ = run_grads(model, loss_fn)
+    assert_bitwise_equal(expected, actual)
+
+
+def test_applying_twice_does_not_wrap_twice():
+    model, _ = _gpt(depth=2)
+    first = apply_checkpointing(model, "Block")
+    wrapper = model.blocks[0].forward
+    second = apply_checkpointing(model, "Block")
+    assert model.blocks[0].forward is wrapper
+    assert wrapper.inner.__func__ is Block.forward  # the original, not another wrapper
+    assert second.modules == first.modules
+    first.remove()
+    assert is_checkpointed(model.blocks[0])  # still applied by the second call
+    second.remove()
+    assert not is_checkpointed(model.blocks[0])
+    second.remove()  # removing twice is harmless
+
+
+def test_an_instance_forward_set_before_is_restored():
+    model, _ = _gpt(depth=1)
+    custom = model.blocks[0].forward
+    model.blocks[0].forward = custom
+    handle = apply_checkpointing(model, "Block")
+    handle.remove()
+    assert model.blocks[0].__dict__["forward"] is custom
+
+
+def test_deepcopy_and_pickle_rebind_to_the_copied_module():
+    model, loss_fn = _gpt(depth=2)
+    apply_checkpointing(model, "Block")
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert clone.blocks[0].forward.inner.__self__ is clone.blocks[0]
+        loss_fn(clone).backward()
+        assert clone.blocks[0].ln1.weight.grad is not None
+        assert model.blocks[0].ln1.weight.grad is None
+
+
+class _Flexible(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x, *, scale=1.0, as_dict=False):
+        y = torch.tanh(self.linear(x)) * scale
+        return {"y": y, "z": y.sum()} if as_dict else (y, y.mean())
+
+
+class _UsesBlockTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Flexible()
+
+    def forward(self, x):
+        y, _ = self.block(x, scale=2.0)
+        out = self.block(y, as_dict=True)
+        return out["y"].sum() + out["z"]
+
+
+def test_keyword_arguments_tuple_and_dict_outputs_and_repeated_calls():
+    torch.manual_seed(0)
+    model = _UsesBlockTwice()
+    x = torch.randn(8, 16, requires_grad=True)
+    expected, _ = run_grads(model, lambda m: m(x))
+    actual, _ = run_grads(model, lambda m: m(x), _Maybe(_checkpointed(["_Flexible"])))
+    assert_bitwise_equal(expected, actual)
+
+
+def test_without_grad_the_block_runs_plainly():
+    model, _ = _gpt(depth=1)
+    apply_checkpointing(model, "Block")
+    with torch.no_grad():
+        out = model(torch.randint(0, 128, (2, 8)))
+    assert out.shape == (2, 8, 128)
+
+
+def test_target_matching_nothing_names_the_closest_classes_and_modules():
+    model, _ = _gpt()
+    with pytest.raises(ValueError) as error:
+        apply_checkpointing(model, "Blok")
+    assert str(error.value) == (
+        "apply_checkpointing(targets=...): 'Blok' matches no module of the model; closest names: Block, blocks"
+    )
+
+
+@pytest.mark.parametrize("every_n", [0, -1, 1.5, True])
+def test_every_n_must_be_a_positive_integer(every_n):
+    model, _ = _gpt()
+    with pytest.raises(ValueError) as error:
+        apply_checkpointing(model, "Block", every_n=every_n)
+    assert str(error.value) == f"apply_checkpointing(every_n=...): expected an integer >= 1; got {every_n!r}"
