@@ -1,0 +1,158 @@
+"""The ``lightmem`` command: ``lightmem estimate package.module:factory --batch-size 32 --budget 24GiB``.
+
+The factory is ``factory(batch_size: int) -> (model, batch)`` or ``(model, batch, loss_fn)``, named
+as ``package.module:function`` (importable from the current directory) or ``path/to/file.py:function``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+
+
+def load_factory(spec: str) -> Callable[[int], Any]:
+    """Import ``module:function`` or ``file.py:function``.
+
+    Raises:
+        ValueError: the spec has no ':', or the module or function cannot be found.
+    """
+    if ":" not in spec:
+        raise ValueError(f"factory: expected 'package.module:function' or 'file.py:function'; got {spec!r}")
+    module_name, _, attribute = spec.rpartition(":")
+    if module_name.endswith(".py") or os.sep in module_name:
+        path = os.path.abspath(module_name)
+        if not os.path.exists(path):
+            raise ValueError(f"factory: no such file {module_name!r}")
+        name = os.path.splitext(os.path.basename(path))[0]
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as `python -m` would: modules of the current project
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"factory: cannot import {module_name!r} ({error})") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"factory: {module_name!r} has no function {attribute!r}")
+    return factory
+
+
+def _call_factory(factory: Callable[[int], Any], batch_size: int) -> tuple[Any, Any, Any]:
+    made = factory(batch_size)
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise ValueError(
+            "factory: must return (model, batch) or (model, batch, loss_fn); "
+            f"got {type(made).__name__}"
+        )
+    model, batch = made[0], made[1]
+    loss_fn = made[2] if len(made) == 3 else None
+    return model, batch, loss_fn
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightmem", description="lightmem: memory tools for PyTorch Lightning")
+    commands = parser.add_subparsers(dest="command", required=True)
+    estimate = commands.add_parser(
+        "estimate",
+        help="predict the memory of one training step (fake tensors: no GPU, no real allocation)",
+        description="Predict the peak memory of one steady-state training step and where it goes.",
+    )
+    estimate.add_argument("factory", help="package.module:function or file.py:function; function(batch_size) -> (model, batch[, loss_fn])")
+    estimate.add_argument("--batch-size", type=int, required=True, help="batch size passed to the factory")
+    estimate.add_argument("--budget", help="device memory to fit, e.g. 24GiB")
+    estimate.add_argument("--optimizer", default=None, help="torch.optim name (default: adamw, or configure_optimizers of a LightningModule)")
+    estimate.add_argument("--precision", default="32-true", help="Lightning precision: 32-true, 16-mixed, bf16-mixed, bf16-true, ...")
+    estimate.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    estimate.add_argument("--overhead", default=None, help="allowance for what is not modelled (default 1GiB on cuda, 0 on cpu)")
+    estimate.add_argument("--checkpoint", nargs="+", default=None, metavar="TARGET", help="checkpoint these blocks (names, class names, globs)")
+    estimate.add_argument("--offload", action="store_true", help="simulate lightmem's activation offload")
+    estimate.add_argument("--offload-min-bytes", default=None, help="offload threshold (default 1MiB)")
+    estimate.add_argument("--offload-include", nargs="+", default=None, metavar="PATTERN", help="offload only in these modules")
+    estimate.add_argument("--offload-exclude", nargs="+", default=None, metavar="PATTERN", help="never offload in these modules")
+    estimate.add_argument("--plan", action="store_true", help="also plan the cheapest configuration that fits --budget")
+    estimate.add_argument("--max-batch-size", action="store_true", help="also search the largest batch that fits --budget")
+    estimate.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return parser
+
+
+def _offload_arg(args: argparse.Namespace) -> dict[str, Any] | None:
+    if not (args.offload or args.offload_min_bytes or args.offload_include or args.offload_exclude):
+        return None
+    offload: dict[str, Any] = {}
+    if args.offload_min_bytes is not None:
+        offload["min_bytes"] = args.offload_min_bytes
+    if args.offload_include:
+        offload["include"] = args.offload_include
+    if args.offload_exclude:
+        offload["exclude"] = args.offload_exclude
+    return offload
+
+
+def run_estimate(args: argparse.Namespace, console: Console) -> int:
+    from lightmem.estimate import estimate_memory, max_batch_size, plan
+
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: expected a positive integer; got {args.batch_size}")
+    if (args.plan or args.max_batch_size) and args.budget is None:
+        raise ValueError("--plan and --max-batch-size need --budget")
+    factory = load_factory(args.factory)
+    model, batch, loss_fn = _call_factory(factory, args.batch_size)
+    common = dict(optimizer=args.optimizer, precision=args.precision, device=args.device, overhead_bytes=args.overhead)
+    offload = _offload_arg(args)
+    result = estimate_memory(model, batch, loss_fn, offload=offload, checkpoint=args.checkpoint, budget=args.budget, **common)
+    output: dict[str, Any] = {"estimate": result.to_dict()}
+    found_plan = search = None
+    if args.plan:
+        found_plan = plan(model, batch, args.budget, loss_fn, **common)
+        output["plan"] = found_plan.to_dict()
+    if args.max_batch_size:
+        search = max_batch_size(model, batch, args.budget, loss_fn, offload=offload, checkpoint=args.checkpoint, **common)
+        output["max_batch_size"] = search.to_dict()
+    if args.json:
+        print(json.dumps(output, indent=2))
+        return 0
+    console.print(result.render())
+    if found_plan is not None:
+        console.print(f"Plan: {found_plan.describe()}")
+        if found_plan.fits and (found_plan.checkpoint or found_plan.offload):
+            console.print(f"LightMem(**{found_plan.lightmem_kwargs()})")
+    if search is not None:
+        line = f"Largest batch that fits {args.budget}: {search.baseline} without lightmem"
+        if search.configured is not None:
+            line += f", {search.configured} with the given offload/checkpoint flags"
+        console.print(line)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lightmem`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    console = Console()
+    try:
+        if args.command == "estimate":
+            return run_estimate(args, console)
+    except ValueError as error:
+        print(f"lightmem {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except RuntimeError as error:  # EstimateError and failures of the user's model on fake tensors
+        print(f"lightmem {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

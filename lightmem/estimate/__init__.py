@@ -1,0 +1,20 @@
+"""Memory estimator: a fake-tensor dry run of one training step -> peak, breakdown, advice, plan."""
+
+from lightmem.estimate.estimator import estimate_memory
+from lightmem.estimate.planner import Plan, plan
+from lightmem.estimate.report import Advice, BlockMemory, MemoryEstimate, StepMemory
+from lightmem.estimate.search import BatchSearch, max_batch_size
+from lightmem.estimate.step import EstimateError
+
+__all__ = [
+    "Advice",
+    "BatchSearch",
+    "BlockMemory",
+    "EstimateError",
+    "MemoryEstimate",
+    "Plan",
+    "StepMemory",
+    "estimate_memory",
+    "max_batch_size",
+    "plan",
+]

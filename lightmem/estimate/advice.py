@@ -1,0 +1,193 @@
+"""Advice rules: what the estimate says the user should change, each rule one function.
+
+Rules (identifiers as they appear in ``Advice.rule``):
+
+- ``static-exceeds-budget``: parameters + gradients + optimizer state (+ overhead) exceed the
+  budget by themselves, so no activation technique can help; name the options that can.
+- ``dense-zero-input``: a floating-point batch tensor is mostly zeros (read from the real values):
+  one-hot features belong in an embedding, other sparse inputs in a sparse layout.
+- ``quadratic-attention``: tensors saved for backward have two trailing dims equal to the sequence
+  length (attention scores kept per layer): use scaled_dot_product_attention.
+- ``reach-budget``: the step does not fit but could: which blocks to checkpoint or offload.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from lightmem.config import format_bytes
+from lightmem.estimate.batch import BatchInfo
+from lightmem.estimate.report import Advice, MemoryEstimate
+from lightmem.estimate.step import ROOT_BLOCK, StepTrace
+
+QUADRATIC_MIN_SHARE = 0.05
+"""Quadratic saved tensors must be at least this share of saved activations to be worth a word."""
+QUADRATIC_MIN_LENGTH = 16
+
+
+def advise(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace) -> list[Advice]:
+    """Every rule that applies, in the order a user should act on them."""
+    found: list[Advice] = []
+    for rule in (static_exceeds_budget, dense_zero_input, quadratic_attention, reach_budget):
+        found.extend(rule(estimate, info, baseline))
+    return found
+
+
+def static_exceeds_budget(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace) -> list[Advice]:
+    if estimate.budget_bytes is None:
+        return []
+    static = estimate.static_bytes
+    if static + estimate.overhead_bytes <= estimate.budget_bytes:
+        return []
+    parts = estimate.scenarios["baseline"].breakdown
+    return [
+        Advice(
+            "static-exceeds-budget",
+            f"parameters ({format_bytes(parts['parameters'])}), gradients ({format_bytes(parts['gradients'])}) "
+            f"and optimizer state ({format_bytes(parts['optimizer_state'])}) alone take {format_bytes(static)}, "
+            f"over the {format_bytes(estimate.budget_bytes)} budget with the {format_bytes(estimate.overhead_bytes)} "
+            "overhead allowance: no activation technique (offload, checkpointing, a smaller batch) can help. "
+            "Options: bf16 weights (precision='bf16-true' halves parameters, gradients and state); an 8-bit "
+            "optimizer (bitsandbytes AdamW8bit) or a stateless one (SGD without momentum; Adafactor keeps "
+            "factored state); sharding across GPUs (FSDP, DeepSpeed ZeRO); optimizer state offload to CPU "
+            "(DeepSpeed ZeRO-Offload); or a smaller model.",
+        )
+    ]
+
+
+def dense_zero_input(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace) -> list[Advice]:
+    found = []
+    for item in info.sparse_inputs:
+        if item.one_hot:
+            fix = (
+                "it is one-hot: pass the indices (argmax over the last dim) to an nn.Embedding, which "
+                "computes the same as one-hot @ weight without the dense tensor"
+            )
+        else:
+            fix = "store it as indices for an nn.Embedding / nn.EmbeddingBag, or as a sparse tensor"
+        found.append(
+            Advice(
+                "dense-zero-input",
+                f"{item.path} is a dense {item.dtype} tensor of shape {list(item.shape)} "
+                f"({format_bytes(item.nbytes)}) that is {100 * item.zero_fraction:.1f}% zeros; {fix}.",
+            )
+        )
+    return found
+
+
+def quadratic_attention(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace) -> list[Advice]:
+    lengths = {n + delta for n in info.sequence_lengths for delta in (-1, 0, 1) if n + delta >= QUADRATIC_MIN_LENGTH}
+    if not lengths:
+        return []
+    total = sum(saved.nbytes for saved in baseline.saved_at_forward_end) or 1
+    quadratic = 0
+    count = 0
+    by_block: dict[str, int] = defaultdict(int)
+    shape = None
+    for saved in baseline.saved_at_forward_end:
+        dims = saved.shape
+        if len(dims) >= 3 and dims[-1] == dims[-2] and dims[-1] in lengths:
+            quadratic += saved.nbytes
+            count += 1
+            by_block[saved.block] += saved.nbytes
+            shape = dims
+    if quadratic < QUADRATIC_MIN_SHARE * total:
+        return []
+    blocks = compact_names(sorted(by_block, key=_natural))
+    return [
+        Advice(
+            "quadratic-attention",
+            f"{count} saved tensors of shape like {list(shape or ())} take {format_bytes(quadratic)} "
+            f"({100 * quadratic / total:.0f}% of saved activations, in {blocks}): attention scores kept for "
+            "backward grow with the square of the sequence length. "
+            "torch.nn.functional.scaled_dot_product_attention computes attention without keeping them "
+            "(memory linear in sequence length).",
+        )
+    ]
+
+
+def reach_budget(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace) -> list[Advice]:
+    from lightmem.estimate.planner import CHECKPOINT, DEFAULT_FLOPS_PER_S, DEFAULT_MIN_BYTES, OFFLOAD, Costs, choose_actions
+    from lightmem.config import parse_size
+
+    if estimate.budget_bytes is None:
+        return []
+    peak = estimate.scenarios["baseline"].peak_bytes
+    available = estimate.budget_bytes - estimate.overhead_bytes
+    if peak <= available or estimate.static_bytes >= available:
+        return []
+    need = peak - available
+    costs = Costs(
+        DEFAULT_FLOPS_PER_S[estimate.device], float(parse_size("25GB", flag="link")),
+        parse_size(DEFAULT_MIN_BYTES, flag="min_bytes"), allow_offload=estimate.device != "cpu",
+    )  # fmt: skip
+    actions = choose_actions(estimate.blocks, need, costs)
+    saves = {
+        name: (estimate.blocks[name].offloadable_bytes(costs.min_bytes) if action == OFFLOAD
+               else max(0, estimate.blocks[name].saved_bytes - estimate.blocks[name].input_bytes))
+        for name, action in actions.items()
+    }  # fmt: skip
+    checkpoint = sorted((n for n, a in actions.items() if a == CHECKPOINT), key=_natural)
+    offload = sorted((n for n, a in actions.items() if a == OFFLOAD), key=_natural)
+    if sum(saves.values()) < need:
+        return [
+            Advice(
+                "reach-budget",
+                f"the step needs {format_bytes(need)} less to fit {format_bytes(estimate.budget_bytes)}, but "
+                f"checkpointing or offloading every block saves about {format_bytes(sum(saves.values()))}; "
+                "reduce the batch size (lightmem.max_batch_size finds the largest that fits) or the model.",
+            )
+        ]
+    parts = []
+    if offload:
+        parts.append(f"offload {compact_names(offload)} (offload_include, min_bytes {DEFAULT_MIN_BYTES})")
+    if checkpoint:
+        parts.append(f"checkpoint {compact_names(checkpoint)}")
+    return [
+        Advice(
+            "reach-budget",
+            f"to fit {format_bytes(estimate.budget_bytes)} the step needs {format_bytes(need)} less: "
+            + " and ".join(parts)
+            + f" saves about {format_bytes(sum(saves.values()))} (first guess; lightmem.plan(...) verifies it "
+            "with the estimator).",
+        )
+    ]
+
+
+def _natural(name: str) -> list[object]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def compact_names(names: list[str]) -> str:
+    """'blocks.0', 'blocks.1', 'blocks.2', 'head' -> 'blocks.0-2, head'."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    order: list[str] = []
+    others: list[str] = []
+    for name in names:
+        match = re.fullmatch(r"(.*\.)(\d+)", name)
+        if match is None:
+            others.append(name)
+            order.append(name)
+            continue
+        prefix = match.group(1)
+        if prefix not in groups:
+            order.append(prefix)
+        groups[prefix].append(int(match.group(2)))
+    parts = []
+    for key in order:
+        if key not in groups:
+            if key == ROOT_BLOCK:
+                continue
+            parts.append(key)
+            continue
+        numbers = sorted(groups[key])
+        start = previous = numbers[0]
+        for number in numbers[1:] + [None]:  # type: ignore[list-item]
+            if number is not None and number == previous + 1:
+                previous = number
+                continue
+            parts.append(f"{key}{start}" if start == previous else f"{key}{start}-{previous}")
+            if number is not None:
+                start = previous = number
+    return ", ".join(parts)

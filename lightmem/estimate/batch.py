@@ -1,0 +1,141 @@
+"""The batch as the estimator sees it: its real values looked at once, then fake tensors of any size.
+
+Values are only needed for one question (is a dense input mostly zeros?), so ``inspect_batch``
+reads them from the real batch before anything is faked; everything after works on shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+ZERO_FRACTION_ADVICE = 0.9
+"""A dense float input at least this fraction zeros is worth an embedding or a sparse layout."""
+MIN_ELEMENTS_FOR_ZERO_ADVICE = 4096
+
+
+@dataclass(frozen=True)
+class SparseInput:
+    """A floating-point batch tensor that is mostly zeros."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    zero_fraction: float
+    one_hot: bool
+    """Every row holds exactly one non-zero, equal to 1: a one-hot encoding."""
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    batch_size: int | None
+    """Dim 0 shared by the batch's tensors (the most common one), None without tensors."""
+    nbytes: int
+    sparse_inputs: tuple[SparseInput, ...]
+    sequence_lengths: tuple[int, ...]
+    """Dim 1 of batch tensors of rank 2 or 3 (tokens, sequences of features): candidate lengths."""
+
+
+def _leaves(batch: Any) -> tuple[list[Any], Any]:
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        batch = dict(batch)  # e.g. a tokenizer's BatchEncoding: read it as the dict it is
+    return tree_flatten(batch)
+
+
+def _paths(batch: Any) -> list[str]:
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        batch = dict(batch)
+    return [keystr(path) or "batch" for path, _ in tree_flatten_with_path(batch)[0]]
+
+
+def inspect_batch(batch: Any) -> BatchInfo:
+    """Sizes, the batch dimension, and mostly-zero dense inputs (read from real values)."""
+    leaves, _ = _leaves(batch)
+    paths = _paths(batch)
+    sizes: dict[int, int] = {}
+    nbytes = 0
+    sparse: list[SparseInput] = []
+    lengths: list[int] = []
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        nbytes += leaf.numel() * leaf.element_size()
+        if leaf.dim() >= 1:
+            sizes[leaf.shape[0]] = sizes.get(leaf.shape[0], 0) + 1
+        if leaf.dim() in (2, 3) and leaf.shape[1] > 1:
+            lengths.append(int(leaf.shape[1]))
+        found = _sparse_input(path, leaf)
+        if found is not None:
+            sparse.append(found)
+    batch_size = max(sizes, key=lambda size: sizes[size]) if sizes else None
+    return BatchInfo(batch_size, nbytes, tuple(sparse), tuple(sorted(set(lengths))))
+
+
+def _sparse_input(path: str, tensor: torch.Tensor) -> SparseInput | None:
+    if (
+        not tensor.is_floating_point()
+        or tensor.is_meta
+        or _is_fake(tensor)
+        or tensor.layout != torch.strided
+        or tensor.numel() < MIN_ELEMENTS_FOR_ZERO_ADVICE
+    ):
+        return None
+    values = tensor.detach()
+    zeros = float((values == 0).sum()) / values.numel()
+    if zeros < ZERO_FRACTION_ADVICE:
+        return None
+    one_hot = False
+    if values.dim() >= 2:
+        rows = values.reshape(-1, values.shape[-1])
+        one_hot = bool(((rows != 0).sum(dim=1) == 1).all()) and bool((rows.sum(dim=1) == 1).all())
+    return SparseInput(
+        path, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+        tensor.numel() * tensor.element_size(), zeros, one_hot,
+    )  # fmt: skip
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def fake_batch(
+    batch: Any,
+    *,
+    device: str,
+    batch_size: int | None = None,
+    original_batch_size: int | None = None,
+    float_dtype: torch.dtype | None = None,
+) -> Any:
+    """The batch rebuilt with empty tensors; call under ``FakeTensorMode`` so nothing is allocated.
+
+    ``batch_size`` replaces dim 0 of every tensor whose dim 0 is ``original_batch_size``;
+    ``float_dtype`` converts floating-point tensors (Lightning's "-true" precisions do the same).
+    """
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        batch = dict(batch)
+    leaves, spec = tree_flatten(batch)
+    out = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            continue
+        shape = list(leaf.shape)
+        if batch_size is not None and shape and shape[0] == original_batch_size:
+            shape[0] = batch_size
+        dtype = float_dtype if float_dtype is not None and leaf.is_floating_point() else leaf.dtype
+        out.append(torch.empty(shape, dtype=dtype, device=device, requires_grad=leaf.requires_grad))
+    return tree_unflatten(out, spec)
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    leaves, _ = _leaves(batch)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]

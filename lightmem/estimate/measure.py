@@ -1,0 +1,118 @@
+"""A real CPU step measured by an independent tracker, to check the estimator against.
+
+``measure_cpu_step`` runs the same steady-state step as the estimator (a first step, then a
+measured one: forward, zero_grad(set_to_none=True), backward, optimizer step) with real tensors on
+the CPU, under ``torch.distributed._tools.mem_tracker.MemTracker``: torch's own tracker of live
+storages by category. Its categories map onto the estimator's as follows:
+
+    Parameter + Buffer  -> parameters        Gradient -> gradients
+    Optstate            -> optimizer_state   Activation -> activations
+    Temp + Other        -> temporaries
+
+Two adjustments make the definitions the same: MemTracker files every tensor created during the
+optimizer step under "Optstate", temporaries included, so at the peak only the bytes of the
+optimizer's state tensors (all present in a steady step) count as optimizer state and the rest
+as temporaries; and the input batch, registered as "Other", counts as activations, as it does in
+the estimator. The real model is stepped twice: pass a copy if its values matter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightmem.estimate.batch import batch_tensors
+from lightmem.estimate.settings import parse_optimizer, parse_precision
+from lightmem.estimate.tracer import CATEGORIES
+
+_MAPPING = {
+    "Parameter": "parameters",
+    "Buffer": "parameters",
+    "Gradient": "gradients",
+    "Optstate": "optimizer_state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "activations",  # only the batch is registered as external tensors
+}
+
+
+@dataclass
+class MeasuredStep:
+    peak_bytes: int
+    breakdown: dict[str, int]
+    input_bytes: int
+
+
+def measure_cpu_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
+    precision: str = "32-true",
+) -> MeasuredStep:
+    """Peak and breakdown of a real steady-state CPU step, by MemTracker (see the module docstring)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    choice = parse_optimizer(optimizer, flag="measure_cpu_step(optimizer=...)")
+    mode = parse_precision(precision, flag="measure_cpu_step(precision=...)")
+    if mode.param_dtype is not None:
+        model = model.to(mode.param_dtype)
+    model.train()
+    opt = choice.factory([p for p in model.parameters() if p.requires_grad])
+
+    def forward() -> torch.Tensor:
+        context = (
+            torch.autocast("cpu", dtype=mode.autocast_dtype)
+            if mode.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with context:
+            return loss_fn(model, batch)
+
+    loss = forward()
+    loss.backward()
+    opt.step()
+    del loss
+    tracker = MemTracker()
+    tracker.track_external(model, opt, *batch_tensors(batch))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tracker:
+            loss = forward()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            del loss
+    snapshot = tracker.get_tracker_snapshot("peak")
+    breakdown = dict.fromkeys(CATEGORIES, 0)
+    total = 0
+    for device_snapshot in snapshot.values():
+        for key, value in device_snapshot.items():
+            name = getattr(key, "value", key)
+            if name == "Total":
+                total += value
+            else:
+                breakdown[_MAPPING[name]] += value
+    state_bytes = _state_bytes(opt)
+    if breakdown["optimizer_state"] > state_bytes:
+        breakdown["temporaries"] += breakdown["optimizer_state"] - state_bytes
+        breakdown["optimizer_state"] = state_bytes
+    input_bytes = sum(t.untyped_storage().nbytes() for t in batch_tensors(batch))
+    return MeasuredStep(total, breakdown, input_bytes)
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    storages = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

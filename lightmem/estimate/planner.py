@@ -1,0 +1,286 @@
+"""``plan``: the cheapest lightmem configuration that fits a memory budget.
+
+Each top-level block is kept, offloaded or checkpointed. Checkpointing a block saves its saved
+activations less its input (which checkpoint keeps) and costs one re-run of its forward, priced
+by its forward FLOPs over ``flops_per_s``. Offloading saves its saved storages of at least
+``min_bytes`` and costs only the part of the transfer (bytes over ``link_bytes_per_s``, out during
+forward, back during backward) that the block's compute does not hide: free while it hides.
+Blocks are chosen greedily by cost per byte saved until the predicted excess is covered; the
+choice is then verified by the estimator, and the excess still found is added for another round.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightmem.config import format_bytes, parse_size
+from lightmem.estimate.batch import inspect_batch
+from lightmem.estimate.report import BlockMemory, MemoryEstimate
+from lightmem.estimate.settings import parse_offload
+from lightmem.estimate.step import ROOT_BLOCK
+
+DEFAULT_LINK_BYTES_PER_S = "25GB"
+"""Host link bandwidth per second (PCIe 4.0 x16 sustains about this)."""
+DEFAULT_FLOPS_PER_S = {"cuda": 100e12, "cpu": 0.2e12}
+"""Sustained forward throughput used to price re-computation; pass your device's own."""
+DEFAULT_MIN_BYTES = "1MiB"
+KEEP, OFFLOAD, CHECKPOINT = "keep", "offload", "checkpoint"
+
+
+@dataclass
+class Costs:
+    flops_per_s: float
+    link_bytes_per_s: float
+    min_bytes: int
+    allow_offload: bool
+
+
+def _saves(block: BlockMemory, action: str, costs: Costs) -> int:
+    if action == OFFLOAD:
+        return block.offloadable_bytes(costs.min_bytes)
+    if action == CHECKPOINT:
+        return max(0, block.saved_bytes - block.input_bytes)
+    return 0
+
+
+def _cost_s(block: BlockMemory, action: str, costs: Costs) -> float:
+    forward_s = block.forward_flops / costs.flops_per_s
+    if action == CHECKPOINT:
+        return forward_s
+    if action == OFFLOAD:
+        transfer_s = _saves(block, OFFLOAD, costs) / costs.link_bytes_per_s
+        # Out while forward runs on, back while backward (about twice forward) runs.
+        return max(0.0, transfer_s - forward_s) + max(0.0, transfer_s - 2 * forward_s)
+    return 0.0
+
+
+def _natural(name: str) -> tuple[Any, ...]:
+    """Sort key for block names: "blocks.2" before "blocks.10"."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def choose_actions(
+    blocks: Mapping[str, BlockMemory], need_bytes: int, costs: Costs, start: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Per-block actions, cheapest per byte first, until ``need_bytes`` of activations are saved.
+
+    Free offloads (transfer hidden by compute) go first; a block may later move from offload to
+    checkpoint. Returns the actions (blocks left out are kept), possibly short of the need.
+    """
+    actions = dict(start or {})
+    saved = sum(_saves(blocks[name], action, costs) for name, action in actions.items())
+    order = [CHECKPOINT] if not costs.allow_offload else [OFFLOAD, CHECKPOINT]
+    while saved < need_bytes:
+        best: tuple[float, int, str, str] | None = None
+        for name, block in blocks.items():
+            if name == ROOT_BLOCK:
+                continue
+            current = actions.get(name, KEEP)
+            for action in order:
+                if action == current or (current == CHECKPOINT):
+                    continue
+                if current == OFFLOAD and action == OFFLOAD:
+                    continue
+                gain = _saves(block, action, costs) - _saves(block, current, costs)
+                if gain <= 0:
+                    continue
+                extra = _cost_s(block, action, costs) - _cost_s(block, current, costs)
+                key = (max(extra, 0.0) / gain, -gain, _natural(name), action)
+                if best is None or key < best:
+                    best = key
+        if best is None:
+            break
+        _, negative_gain, name_key, action = best
+        name = "".join(str(part) for part in name_key)
+        actions[name] = action
+        saved += -negative_gain
+    return actions
+
+
+@dataclass
+class Plan:
+    """A lightmem configuration for a budget, verified by the estimator.
+
+    ``checkpoint`` lists the blocks to checkpoint; ``offload`` is the estimator's offload dict
+    (``min_bytes``, ``include``) or None; ``fits`` says whether the verified peak plus overhead is
+    within the budget; ``reason`` says why not when it is not.
+    """
+
+    checkpoint: list[str]
+    offload: dict[str, Any] | None
+    predicted_peak_bytes: int
+    overhead_bytes: int
+    budget_bytes: int
+    fits: bool
+    reason: str
+    actions: dict[str, str] = field(default_factory=dict)
+    recompute_s: float = 0.0
+    exposed_transfer_s: float = 0.0
+    estimate: MemoryEstimate | None = None
+    seconds: float = 0.0
+
+    @property
+    def predicted_total_bytes(self) -> int:
+        return self.predicted_peak_bytes + self.overhead_bytes
+
+    def lightmem_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``LightMem(...)``: offload, offload_min_bytes, offload_include, checkpoint."""
+        return {
+            "offload": self.offload is not None,
+            "offload_min_bytes": self.offload["min_bytes"] if self.offload is not None else None,
+            "offload_include": list(self.offload["include"]) if self.offload is not None else None,
+            "checkpoint": list(self.checkpoint),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "checkpoint": list(self.checkpoint),
+            "offload": dict(self.offload) if self.offload is not None else None,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_total_bytes": self.predicted_total_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "reason": self.reason,
+            "recompute_s": self.recompute_s,
+            "exposed_transfer_s": self.exposed_transfer_s,
+            "lightmem_kwargs": self.lightmem_kwargs(),
+        }
+
+    def describe(self) -> str:
+        if not self.fits:
+            return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
+        if not self.checkpoint and self.offload is None:
+            return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
+        parts = []
+        if self.checkpoint:
+            parts.append(f"checkpoint {', '.join(self.checkpoint)}")
+        if self.offload is not None:
+            parts.append(f"offload {', '.join(self.offload['include'])} (min_bytes {format_bytes(self.offload['min_bytes'])})")
+        return (
+            f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
+            + "; ".join(parts)
+            + f" (about {self.recompute_s * 1e3:.1f} ms re-computation and "
+            f"{self.exposed_transfer_s * 1e3:.1f} ms exposed transfer per step)"
+        )
+
+
+def config_for(actions: Mapping[str, str], min_bytes: int) -> tuple[list[str], dict[str, Any] | None]:
+    """Map per-block actions onto lightmem flags: checkpoint names and the offload dict."""
+    checkpoint = [name for name, action in actions.items() if action == CHECKPOINT]
+    offloaded = [name for name, action in actions.items() if action == OFFLOAD]
+    offload = {"min_bytes": min_bytes, "include": offloaded} if offloaded else None
+    return checkpoint, offload
+
+
+def plan(
+    model: nn.Module,
+    batch: Any,
+    budget: int | str,
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+    *,
+    optimizer: str | Callable[..., Any] | None = None,
+    precision: str | int = "32-true",
+    device: str = "cuda",
+    overhead_bytes: int | str | None = None,
+    flops_per_s: float | None = None,
+    link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
+    offload_min_bytes: int | str = DEFAULT_MIN_BYTES,
+    max_rounds: int = 4,
+) -> Plan:
+    """Pick, per top-level block, keep / offload / checkpoint so the step fits ``budget``.
+
+    Args:
+        budget: device memory for the whole step, overhead allowance included ("24GiB", bytes).
+        flops_per_s: sustained forward throughput used to price re-computation (default 100e12
+            on CUDA, 0.2e12 on CPU).
+        link_bytes_per_s: host link bandwidth per second for offload ("25GB" by default).
+        offload_min_bytes: the offload threshold the plan uses.
+        max_rounds: verification rounds before giving up.
+        Other arguments: as for :func:`estimate_memory`.
+
+    On "cpu" only checkpointing is planned (offloading CPU memory to CPU memory saves nothing).
+
+    Returns:
+        A :class:`Plan`; ``plan.fits`` is False with a ``reason`` when parameters, gradients and
+        optimizer state alone exceed the budget or no combination of actions gets under it.
+
+    Raises:
+        ValueError: a bad argument (named in the message).
+    """
+    from lightmem.estimate.estimator import build_estimate, parse_settings, run_configuration
+
+    started = time.perf_counter()
+    settings = parse_settings(
+        "plan", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
+        overhead_bytes=overhead_bytes, budget=budget,
+    )  # fmt: skip
+    budget_bytes = settings.budget_bytes
+    assert budget_bytes is not None
+    min_bytes = parse_size(offload_min_bytes, flag="plan(offload_min_bytes=...)")
+    link = parse_size(link_bytes_per_s, flag="plan(link_bytes_per_s=...)")
+    if link <= 0:
+        raise ValueError(f"plan(link_bytes_per_s=...): must be positive; got {link_bytes_per_s!r}")
+    throughput = DEFAULT_FLOPS_PER_S[settings.device] if flops_per_s is None else float(flops_per_s)
+    if throughput <= 0:
+        raise ValueError(f"plan(flops_per_s=...): must be positive; got {flops_per_s!r}")
+    costs = Costs(throughput, float(link), min_bytes, allow_offload=settings.device != "cpu")
+    info = inspect_batch(batch)
+    base = build_estimate(model, batch, settings, info, None, None)
+    available = budget_bytes - settings.overhead_bytes
+    result = Plan([], None, base.peak_bytes, settings.overhead_bytes, budget_bytes, False, "", estimate=base)
+    if base.static_bytes >= available:
+        result.reason = (
+            f"parameters + gradients + optimizer state alone take {format_bytes(base.static_bytes)} "
+            f"of the {format_bytes(available)} left after the {format_bytes(settings.overhead_bytes)} "
+            "overhead allowance; no activation technique helps (see the advice)"
+        )
+        result.seconds = time.perf_counter() - started
+        return result
+    if base.peak_bytes <= available:
+        result.fits = True
+        result.reason = "the baseline step already fits"
+        result.seconds = time.perf_counter() - started
+        return result
+
+    need = base.peak_bytes - available
+    actions: dict[str, str] = {}
+    exhausted = False
+    for _ in range(max_rounds):
+        chosen = choose_actions(base.blocks, need, costs, actions)
+        if chosen == actions:
+            exhausted = True
+            break
+        actions = chosen
+        checkpoint, offload = config_for(actions, min_bytes)
+        trace = run_configuration(
+            model, batch, settings, info=info, checkpoint=tuple(checkpoint) or None,
+            offload=parse_offload(offload, flag="plan") if offload else None,
+        )  # fmt: skip
+        result.checkpoint, result.offload, result.actions = checkpoint, offload, dict(actions)
+        result.predicted_peak_bytes = trace.peak.bytes
+        result.recompute_s = sum(_cost_s(base.blocks[n], a, costs) for n, a in actions.items() if a == CHECKPOINT)
+        result.exposed_transfer_s = sum(_cost_s(base.blocks[n], a, costs) for n, a in actions.items() if a == OFFLOAD)
+        result.estimate = None
+        if trace.peak.bytes <= available:
+            result.fits = True
+            result.reason = f"verified peak {format_bytes(trace.peak.bytes)} + overhead {format_bytes(settings.overhead_bytes)}"
+            break
+        # The peak fell by less than predicted (reloads, re-runs, what stays outside blocks):
+        # ask for the shortfall on top of what was already asked.
+        need += trace.peak.bytes - available
+    if not result.fits:
+        what = "with every block checkpointed or offloaded" if exhausted else f"after {max_rounds} rounds"
+        result.reason = (
+            f"{what} the verified peak is {format_bytes(result.predicted_peak_bytes)}, over the "
+            f"{format_bytes(available)} available after the overhead allowance; what remains is parameters, "
+            "gradients, optimizer state, temporaries and tensors outside the blocks"
+        )
+    result.seconds = time.perf_counter() - started
+    return result

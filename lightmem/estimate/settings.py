@@ -1,0 +1,187 @@
+"""The estimator's arguments, validated once: precision, optimizer, device, offload and checkpoint.
+
+Each ``parse_*`` turns what the user wrote into a plain value and fails with a ``ValueError`` that
+names the argument (``estimate_memory(precision=...)``) and lists what is accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightmem.config import parse_patterns, parse_size
+
+DEFAULT_CUDA_OVERHEAD = "1GiB"
+CUDA_ALLOCATION_BYTES = 512  # CUDA's caching allocator rounds every block up to this multiple
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Lightning precision flag, as the estimator runs it."""
+
+    name: str
+    autocast_dtype: torch.dtype | None
+    """Mixed precision: forward under ``torch.autocast`` with this dtype."""
+    param_dtype: torch.dtype | None
+    """True half/double precision: parameters, buffers and float inputs in this dtype."""
+
+
+_PRECISIONS = {
+    "32-true": Precision("32-true", None, None),
+    "64-true": Precision("64-true", None, torch.float64),
+    "16-mixed": Precision("16-mixed", torch.float16, None),
+    "bf16-mixed": Precision("bf16-mixed", torch.bfloat16, None),
+    "16-true": Precision("16-true", None, torch.float16),
+    "bf16-true": Precision("bf16-true", None, torch.bfloat16),
+}
+# Lightning's short spellings.
+_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def parse_precision(value: str | int, *, flag: str) -> Precision:
+    """Lightning's precision strings ("32-true", "bf16-mixed", ...) and their short forms."""
+    key = str(value).strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in _PRECISIONS:
+        accepted = ", ".join(list(_PRECISIONS) + list(_ALIASES))
+        raise ValueError(f"{flag}: unknown precision {value!r}; accepted: {accepted}")
+    return _PRECISIONS[key]
+
+
+def parse_device(value: str | torch.device, *, flag: str) -> str:
+    """'cuda' or 'cpu' (an index such as 'cuda:1' is accepted and dropped)."""
+    kind = torch.device(value).type if isinstance(value, (str, torch.device)) else None
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"{flag}: expected 'cuda' or 'cpu'; got {value!r}")
+    return kind
+
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def _optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
+    classes = {}
+    for name in dir(torch.optim):
+        cls = getattr(torch.optim, name)
+        # LBFGS needs a closure and SparseAdam sparse gradients: neither runs a plain step.
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, torch.optim.Optimizer)
+            and cls is not torch.optim.Optimizer
+            and name not in ("LBFGS", "SparseAdam")
+        ):
+            classes[name.lower()] = cls
+    return classes
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    name: str
+    factory: OptimizerFactory | None
+    """None: the LightningModule's ``configure_optimizers``."""
+
+
+def parse_optimizer(value: str | OptimizerFactory | None, *, flag: str) -> OptimizerChoice:
+    """A torch.optim name ("adamw", "sgd", ...), a callable ``params -> Optimizer``, or None."""
+    if value is None:
+        return OptimizerChoice("configure_optimizers", None)
+    if callable(value) and not isinstance(value, str):
+        name = getattr(value, "__name__", type(value).__name__)
+        return OptimizerChoice(name, value)
+    classes = _optimizer_classes()
+    if isinstance(value, str) and value.strip().lower() in classes:
+        cls = classes[value.strip().lower()]
+        return OptimizerChoice(value.strip().lower(), lambda params: cls(params, lr=1e-3))
+    accepted = ", ".join(sorted(classes))
+    raise ValueError(
+        f"{flag}: unknown optimizer {value!r}; accepted: {accepted}, or a callable "
+        "params -> torch.optim.Optimizer"
+    )
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Which saved tensors lightmem's offload would move to host memory (see ``parse_offload``)."""
+
+    min_bytes: int
+    include: tuple[str, ...] | None
+    exclude: tuple[str, ...] | None
+    prefetch_bytes: int
+    host_budget_bytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "min_bytes": self.min_bytes,
+            "include": list(self.include) if self.include is not None else None,
+            "exclude": list(self.exclude) if self.exclude is not None else None,
+            "prefetch": self.prefetch_bytes,
+            "host_budget": self.host_budget_bytes,
+        }
+
+
+_OFFLOAD_KEYS = ("min_bytes", "include", "exclude", "prefetch", "host_budget")
+
+
+def parse_offload(value: bool | Mapping[str, Any] | None, *, flag: str) -> OffloadConfig | None:
+    """``None``/``False`` (no offload), ``True`` (lightmem's defaults), or a dict.
+
+    The dict takes the keys of ``offload_activations``: ``min_bytes`` (default "1MiB"),
+    ``include`` / ``exclude`` (module patterns), ``prefetch`` (bytes of reloads in flight ahead of
+    backward, default "256MiB") and ``host_budget`` (host bytes; default unlimited, since the
+    host of the target machine is not this one).
+    """
+    from lightmem.offload.context import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH
+
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"{flag}: expected None, True or a dict with keys {', '.join(_OFFLOAD_KEYS)}; got {value!r}"
+        )
+    unknown = sorted(set(value) - set(_OFFLOAD_KEYS))
+    if unknown:
+        raise ValueError(f"{flag}: unknown key(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(_OFFLOAD_KEYS)}")
+    host_budget = value.get("host_budget")
+    return OffloadConfig(
+        min_bytes=parse_size(value.get("min_bytes", DEFAULT_MIN_BYTES), flag=f"{flag}['min_bytes']"),
+        include=parse_patterns(value.get("include"), flag=f"{flag}['include']"),
+        exclude=parse_patterns(value.get("exclude"), flag=f"{flag}['exclude']"),
+        prefetch_bytes=parse_size(value.get("prefetch", DEFAULT_PREFETCH), flag=f"{flag}['prefetch']"),
+        host_budget_bytes=None if host_budget is None else parse_size(host_budget, flag=f"{flag}['host_budget']"),
+    )
+
+
+def parse_checkpoint(value: Iterable[str | type] | str | None, *, flag: str) -> tuple[str | type, ...] | None:
+    """Checkpoint targets as ``apply_checkpointing`` takes them (names, classes, globs)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, type)):
+        value = [value]
+    try:
+        targets = tuple(value)
+    except TypeError:
+        raise ValueError(f"{flag}: expected a list of module names, classes or glob patterns; got {value!r}") from None
+    for target in targets:
+        if not (isinstance(target, str) and target) and not (
+            isinstance(target, type) and issubclass(target, torch.nn.Module)
+        ):
+            raise ValueError(
+                f"{flag}: expected module names, nn.Module classes or glob patterns; got {target!r}"
+            )
+    return targets or None
+
+
+def parse_overhead(value: int | str | None, device: str, *, flag: str) -> int:
+    """Bytes set aside for what the estimate does not model: default 1 GiB on CUDA, 0 on CPU."""
+    if value is None:
+        value = DEFAULT_CUDA_OVERHEAD if device == "cuda" else 0
+    return parse_size(value, flag=flag)
+
+
+def allocation_rounding(device: str) -> int:
+    return CUDA_ALLOCATION_BYTES if device == "cuda" else 1

@@ -1,0 +1,575 @@
+"""One steady-state training step, run on fake tensors: the estimator's measurement.
+
+The real model keeps its tensors: fake parameters and buffers are swapped in for the duration of
+the step (``torch.nn.utils.stateless._reparametrize_module``) and swapped back afterwards. The
+step follows Lightning's automatic optimization after its first step:
+
+    (gradients and optimizer state of the previous step are alive)
+    forward (training_step, under autocast for "-mixed" precision)
+    zero_grad(set_to_none=True)
+    backward
+    optimizer.step()
+
+The previous step is not run: each trainable parameter is given a gradient and the optimizer
+steps once, which creates its state. Parameters that then get no gradient in the measured step
+are taken out again (a real run would never have given them gradient or state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor, FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+
+from lightmem.estimate.batch import fake_batch
+from lightmem.estimate.cuda_model import CudaBehaviour
+from lightmem.estimate.kernels import CORRECTIONS
+from lightmem.estimate.offload_sim import SavedTensorHooks
+from lightmem.estimate.settings import OffloadConfig, OptimizerChoice, Precision, allocation_rounding
+from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
+
+ROOT_BLOCK = "(outside blocks)"
+
+
+@dataclass
+class StepRequest:
+    """Everything that decides what one fake step allocates."""
+
+    device: str
+    precision: Precision
+    optimizer: OptimizerChoice
+    loss_fn: Callable[[nn.Module, Any], Any] | None
+    offload: OffloadConfig | None = None
+    checkpoint: tuple[Any, ...] | None = None
+    batch_size: int | None = None
+    """Replace dim 0 of the batch's tensors (whose dim 0 is ``original_batch_size``)."""
+    original_batch_size: int | None = None
+
+
+@dataclass
+class SavedTensor:
+    shape: tuple[int, ...]
+    nbytes: int
+    block: str
+
+
+@dataclass
+class StepTrace:
+    """What the fake step measured."""
+
+    peak: PeakInfo
+    blocks: dict[str, BlockUsage]
+    saved_at_forward_end: list[SavedTensor]
+    activations_at_forward_end: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    checkpointed: list[str] = field(default_factory=list)
+    offloaded_bytes: int = 0
+    host_bytes: int = 0
+    reloaded_bytes: int = 0
+    optimizers: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class EstimateError(RuntimeError):
+    """The step could not be run on fake tensors; the message says why and what to change."""
+
+
+def top_level_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's direct children, by qualified name, with containers expanded one level.
+
+    A root whose parameters all live in one child (a LightningModule around its model) is looked
+    through, so the blocks are the model's own. ``ModuleList``, ``Sequential`` and ``ModuleDict``
+    children are replaced by their children ("blocks.0", "blocks.1", ...).
+    """
+    prefix = ""
+    root = model
+    while True:
+        children = list(root.named_children())
+        with_params = [(name, child) for name, child in children if any(True for _ in child.parameters())]
+        own = any(True for _ in root.parameters(recurse=False))
+        if len(with_params) == 1 and not own and not isinstance(with_params[0][1], (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            name, root = with_params[0]
+            prefix = f"{prefix}{name}."
+            continue
+        break
+    blocks: dict[str, nn.Module] = {}
+    for name, child in root.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            for inner, grandchild in child.named_children():
+                blocks[f"{prefix}{name}.{inner}"] = grandchild
+        else:
+            blocks[f"{prefix}{name}"] = child
+    return blocks
+
+
+def _is_lightning(model: nn.Module) -> bool:
+    try:
+        from pytorch_lightning import LightningModule
+    except ImportError:  # pragma: no cover - Lightning is a dependency
+        return False
+    return isinstance(model, LightningModule)
+
+
+def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
+    """Run one steady-state step of ``model`` on fake tensors and trace its memory.
+
+    Raises:
+        EstimateError: the step reads tensor values (``.item()``, data-dependent shapes), a
+            LightningModule hook needs a Trainer, or the model fails on fake tensors.
+        ValueError: the loss is not a scalar, or a module pattern matches nothing.
+    """
+    started = time.perf_counter()
+    is_lightning = _is_lightning(model)
+    blocks = top_level_blocks(model)
+    handle = None
+    checkpointed: list[str] = []
+    if request.checkpoint:
+        from lightmem.checkpoint import apply_checkpointing
+
+        handle = apply_checkpointing(model, list(request.checkpoint))
+        checkpointed = _checkpointed_names(model, handle)
+    try:
+        with _preserved_module_state(model), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*self.log.*")
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            warnings.filterwarnings("ignore", message=".*trainer.*reference is not registered.*")
+            trace = _run(model, batch, request, blocks, is_lightning)
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise EstimateError(
+            "the training step reads tensor values (e.g. .item(), .tolist(), a Python `if` on a "
+            "tensor, boolean-mask indexing or nonzero), which fake tensors do not have. Move such "
+            f"code out of the step or pass loss_fn=... that avoids it. ({type(error).__name__}: {error})"
+        ) from None
+    finally:
+        if handle is not None:
+            handle.remove()
+    trace.checkpointed = checkpointed
+    trace.seconds = time.perf_counter() - started
+    return trace
+
+
+def _checkpointed_names(model: nn.Module, handle: Any) -> list[str]:
+    modules = getattr(handle, "modules", None)
+    if isinstance(modules, Mapping):
+        return list(modules)
+    names = {id(module): name for name, module in model.named_modules()}
+    result = []
+    for item in modules or []:
+        result.append(item if isinstance(item, str) else names.get(id(item), type(item).__name__))
+    return result
+
+
+@contextlib.contextmanager
+def _preserved_module_state(model: nn.Module) -> Iterator[None]:
+    """Train mode for the step, then every module's mode and plain tensor attributes as they were."""
+    modes = [(module, module.training) for module in model.modules()]
+    attributes = [
+        (module, dict((key, value) for key, value in vars(module).items() if isinstance(value, torch.Tensor)))
+        for module in model.modules()
+    ]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+        for module, before in attributes:
+            for key, value in list(vars(module).items()):
+                if isinstance(value, FakeTensor):  # a cache the forward left behind
+                    if key in before:
+                        setattr(module, key, before[key])
+                    else:
+                        delattr(module, key)
+
+
+def _fake_like(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=target, device="cpu")
+
+
+def _fake_state(model: nn.Module, param_dtype: torch.dtype | None) -> tuple[dict[str, torch.Tensor], list[nn.Parameter], list[torch.Tensor]]:
+    """Fake parameters and buffers by every name they have (tied weights stay tied)."""
+    by_id: dict[int, torch.Tensor] = {}
+    named: dict[str, torch.Tensor] = {}
+    params: list[nn.Parameter] = []
+    buffers: list[torch.Tensor] = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        fake = by_id.get(id(param))
+        if fake is None:
+            fake = nn.Parameter(_fake_like(param, param_dtype), requires_grad=param.requires_grad)
+            by_id[id(param)] = fake
+            params.append(fake)
+        named[name] = fake
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        fake = by_id.get(id(buffer))
+        if fake is None:
+            fake = _fake_like(buffer, param_dtype)
+            by_id[id(buffer)] = fake
+            buffers.append(fake)
+        named[name] = fake
+    return named, params, buffers
+
+
+def _run(model: nn.Module, batch: Any, request: StepRequest, blocks: dict[str, nn.Module], is_lightning: bool) -> StepTrace:
+    precision = request.precision
+    tracer = StorageTracer(allocation_rounding(request.device), CORRECTIONS)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        named, params, buffers = _fake_state(model, precision.param_dtype)
+        inputs = fake_batch(
+            batch, device="cpu", batch_size=request.batch_size,
+            original_batch_size=request.original_batch_size, float_dtype=precision.param_dtype,
+        )  # fmt: skip
+        protected = {id(t.untyped_storage()) for t in params + buffers}
+        for param in params:
+            tracer.track(param, PARAMETER)
+        for buffer in buffers:
+            tracer.track(buffer, BUFFER)
+        from lightmem.estimate.batch import batch_tensors
+
+        for tensor in batch_tensors(inputs):
+            tracer.track(tensor, INPUT)
+        with _reparametrize_module(model, named), tracer, torch.enable_grad():
+            return _steady_step(model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected)
+
+
+def _steady_step(
+    model: nn.Module, batch: Any, request: StepRequest, blocks: dict[str, nn.Module], is_lightning: bool,
+    tracer: StorageTracer, params: list[nn.Parameter], buffers: list[torch.Tensor], protected: set[int],
+) -> StepTrace:  # fmt: skip
+    optimizers = _build_optimizers(model, request.optimizer, is_lightning)
+    if request.device == "cuda":
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                if group.get("foreach", False) is None and not group.get("fused"):
+                    group["foreach"] = True  # what torch picks for CUDA tensors
+
+    # The previous step: its gradients and the optimizer state it created.
+    tracer.set_phase("previous step")
+    trainable = [p for p in params if p.requires_grad]
+    previous_grads: dict[int, int] = {}
+    for param in trainable:
+        param.grad = torch.empty_like(param)
+        previous_grads[id(param)] = tracer.track(param.grad, GRADIENT)
+    for optimizer in optimizers:
+        optimizer.step()
+    state_of = _mark_state(tracer, optimizers, request.device)
+    grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: tracer.mark_gradient(p.grad)) for p in trainable]
+
+    block_names = {id(module): name for name, module in blocks.items()}
+    tracker = _BlockTracker(tracer, block_names)
+    hooks = SavedTensorHooks(tracer, tracker.current, request.offload, model, protected)
+    precision = request.precision
+
+    tracer.window.start = tracer.now()
+    tracer.set_phase("forward")
+    tracer.count_flops = True
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(tracker)
+            if precision.autocast_dtype is not None:
+                stack.enter_context(torch.autocast("cpu", dtype=precision.autocast_dtype))
+            if precision.param_dtype is not None:
+                stack.enter_context(_default_dtype(precision.param_dtype))
+            if request.device == "cuda":
+                stack.enter_context(CudaBehaviour())
+            hooks.attach()
+            stack.callback(hooks.detach)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack))
+            loss = _as_loss(_forward(model, batch, request.loss_fn, is_lightning), request.loss_fn, is_lightning)
+    finally:
+        tracer.count_flops = False
+    tracer.window.forward_end = tracer.now()
+    usage, saved_list, activations = _forward_end_usage(tracer, tracker)
+
+    tracer.set_phase("backward")
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    with tracker, (CudaBehaviour() if request.device == "cuda" else contextlib.nullcontext()):
+        # Checkpoint re-runs forwards in here and they must allocate as the forward did, so the
+        # engine is called directly: Tensor.backward would pass through (and switch off) the mode.
+        _run_backward(loss)
+    tracer.set_phase("optimizer")
+    for optimizer in optimizers:
+        optimizer.step()
+    tracer.window.end = tracer.now()
+    for hook in grad_hooks:
+        hook.remove()
+
+    # Parameters without a gradient in this step would have had neither gradient nor state.
+    unused = {id(p) for p in trainable if p.grad is None}
+    for owner in unused:
+        tracer.excluded.add(previous_grads[owner])
+    for rid, owner in state_of.items():
+        if owner in unused:
+            tracer.excluded.add(rid)
+    _mark_state(tracer, optimizers, request.device)
+
+    peak = tracer.peak()
+    return StepTrace(
+        peak=peak,
+        blocks=usage,
+        saved_at_forward_end=saved_list,
+        activations_at_forward_end=activations,
+        parameter_bytes=sum(tracer.records[tracer.track(t)].nbytes for t in _unique_storages(params + buffers)),
+        gradient_bytes=sum(
+            tracer.records[tracer.track(grad)].nbytes
+            for grad in _unique_storages([p.grad for p in trainable if p.grad is not None])
+        ),
+        optimizer_state_bytes=sum(
+            tracer.records[rid].nbytes for rid in _state_records(tracer, optimizers, request.device)
+        ),
+        offloaded_bytes=hooks.offloaded_bytes,
+        host_bytes=hooks.peak_host_bytes,
+        reloaded_bytes=hooks.reloaded_bytes,
+        optimizers=[type(optimizer).__name__ for optimizer in optimizers],
+    )
+
+
+def _run_backward(loss: torch.Tensor) -> None:
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.run_backward((loss,), (torch.ones_like(loss),), False, False, (), True, True)
+
+
+def _unique_storages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    result = []
+    for tensor in tensors:
+        key = id(tensor.untyped_storage())
+        if key not in seen:
+            seen.add(key)
+            result.append(tensor)
+    return result
+
+
+def _state_records(tracer: StorageTracer, optimizers: list[torch.optim.Optimizer], device: str) -> list[int]:
+    rids = []
+    seen: set[int] = set()
+    for optimizer in optimizers:
+        for param, state in optimizer.state.items():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    rid = tracer.track(value)
+                    if rid not in seen and rid not in tracer.excluded:
+                        seen.add(rid)
+                        rids.append(rid)
+    return rids
+
+
+def _mark_state(tracer: StorageTracer, optimizers: list[torch.optim.Optimizer], device: str) -> dict[int, int]:
+    """Give optimizer state its role; returns record id -> id of the parameter it belongs to."""
+    owners: dict[int, int] = {}
+    for optimizer in optimizers:
+        host_steps = {
+            id(p) for group in optimizer.param_groups if not (group.get("capturable") or group.get("fused"))
+            for p in group["params"]
+        }  # fmt: skip
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                rid = tracer.mark_state(value)
+                owners[rid] = id(param)
+                if device == "cuda" and key == "step" and value.dim() == 0 and id(param) in host_steps:
+                    tracer.excluded.add(rid)  # torch keeps this step counter in host memory
+    return owners
+
+
+def _build_optimizers(model: nn.Module, choice: OptimizerChoice, is_lightning: bool) -> list[torch.optim.Optimizer]:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if choice.factory is not None:
+        optimizer = choice.factory(trainable)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"estimate_memory(optimizer=...): the callable returned {type(optimizer).__name__}, "
+                "not a torch.optim.Optimizer"
+            )
+        return [optimizer]
+    if not is_lightning:
+        raise ValueError("estimate_memory(optimizer=None): a plain nn.Module needs an optimizer name or callable")
+    try:
+        config = model.configure_optimizers()
+    except Exception as error:
+        raise EstimateError(
+            f"configure_optimizers() failed outside a Trainer ({type(error).__name__}: {error}); "
+            "pass optimizer='adamw' (or another name, or a callable params -> Optimizer)"
+        ) from None
+    optimizers = _optimizers_from(config)
+    if not optimizers:
+        raise EstimateError(
+            "configure_optimizers() returned no optimizer; pass optimizer='adamw' (or another name, "
+            "or a callable params -> Optimizer)"
+        )
+    return optimizers
+
+
+def _optimizers_from(config: Any) -> list[torch.optim.Optimizer]:
+    """Lightning's configure_optimizers return forms: optimizer, list, (list, list), dict(s)."""
+    if isinstance(config, torch.optim.Optimizer):
+        return [config]
+    if isinstance(config, Mapping):
+        return _optimizers_from(config.get("optimizer"))
+    if isinstance(config, (list, tuple)):
+        if len(config) == 2 and isinstance(config[0], (list, tuple)):
+            return _optimizers_from(list(config[0]))
+        found = []
+        for item in config:
+            found.extend(_optimizers_from(item))
+        return found
+    return []
+
+
+def _forward(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None, is_lightning: bool) -> Any:
+    if loss_fn is not None:
+        return loss_fn(model, batch)
+    if is_lightning:
+        try:
+            return model.training_step(batch, 0)
+        except RuntimeError as error:
+            if "Trainer" in str(error) or "trainer" in str(error):
+                raise EstimateError(
+                    f"training_step needs a Trainer ({error}); pass loss_fn(model, batch) -> loss"
+                ) from None
+            raise
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(*batch)
+    return model(batch)
+
+
+def _as_loss(output: Any, loss_fn: Any, is_lightning: bool) -> torch.Tensor:
+    candidate = output
+    if isinstance(candidate, Mapping) and "loss" in candidate:
+        candidate = candidate["loss"]
+    elif not isinstance(candidate, torch.Tensor) and isinstance(getattr(candidate, "loss", None), torch.Tensor):
+        candidate = candidate.loss
+    if isinstance(candidate, torch.Tensor) and candidate.numel() == 1 and candidate.requires_grad:
+        return candidate.reshape(())
+    source = "loss_fn" if loss_fn is not None else ("training_step" if is_lightning else "the model")
+    if isinstance(candidate, torch.Tensor):
+        what = f"a tensor of shape {tuple(candidate.shape)}" + ("" if candidate.requires_grad else " that does not require grad")
+    else:
+        what = type(candidate).__name__
+    raise ValueError(
+        f"estimate_memory(loss_fn=...): {source} returned {what}, not a scalar loss that requires "
+        "grad; pass loss_fn(model, batch) -> scalar loss"
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class _BlockTracker:
+    """Which top-level block runs (forward), which one backward is in, and forward re-runs.
+
+    Global module hooks see every module call; the block names are looked up by module identity.
+    During backward, any module forward is a re-run by activation checkpointing.
+    """
+
+    def __init__(self, tracer: StorageTracer, block_names: dict[int, str]) -> None:
+        self.tracer = tracer
+        self.block_names = block_names
+        self.stack: list[str] = []
+        self.depth = 0
+        self.input_bytes: dict[str, int] = {}
+        self._handles: list[Any] = []
+
+    def current(self) -> str | None:
+        if self.tracer.context.phase == "backward":
+            return self.tracer.forward_block if self.tracer.in_recompute else self.tracer.backward_block
+        return self.stack[-1] if self.stack else None
+
+    def __enter__(self) -> _BlockTracker:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        tracer = self.tracer
+        self.depth += 1
+        if tracer.context.phase == "backward":
+            tracer.in_recompute = True
+        name = self.block_names.get(id(module))
+        if name is not None:
+            self.stack.append(name)
+            tracer.forward_block = name
+            if tracer.context.phase == "forward" and name not in self.input_bytes:
+                seen: set[int] = set()
+                total = 0
+                for arg in args:
+                    if isinstance(arg, torch.Tensor) and id(arg.untyped_storage()) not in seen:
+                        seen.add(id(arg.untyped_storage()))
+                        total += tracer.record_of(arg).nbytes
+                self.input_bytes[name] = total
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        tracer = self.tracer
+        self.depth -= 1
+        name = self.block_names.get(id(module))
+        if name is not None and self.stack and self.stack[-1] == name:
+            self.stack.pop()
+            tracer.forward_block = self.stack[-1] if self.stack else None
+            if tracer.context.phase == "forward":
+                for leaf in torch.utils._pytree.tree_leaves(output):
+                    if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                        leaf.register_hook(lambda grad, name=name: self._backward_enters(name))
+        if self.depth <= 0:
+            self.depth = 0
+            tracer.in_recompute = False
+            if tracer.context.phase != "backward":
+                tracer.forward_block = None
+
+    def _backward_enters(self, name: str) -> None:
+        self.tracer.backward_block = name
+
+
+def _forward_end_usage(tracer: StorageTracer, tracker: _BlockTracker) -> tuple[dict[str, BlockUsage], list[SavedTensor], int]:
+    """Per-block saved bytes still alive at the end of forward, and the saved tensors' shapes."""
+    usage = {name: BlockUsage() for name in tracker.block_names.values()}
+    saved: list[SavedTensor] = []
+    total = 0
+    for rid in tracer.saved:
+        record = tracer.records[rid]
+        if record.freed or record.saved_at < tracer.window.start or record.role in (PARAMETER, BUFFER):
+            continue
+        block = record.saved_block or ROOT_BLOCK
+        entry = usage.setdefault(block, BlockUsage())
+        entry.saved_bytes += record.nbytes
+        entry.saved_sizes.append(record.nbytes)
+        total += record.nbytes
+        saved.append(SavedTensor(record.saved_shape or (), record.nbytes, block))
+    for name, flops in tracer.block_flops.items():
+        usage.setdefault(name or ROOT_BLOCK, BlockUsage()).forward_flops += flops
+    for name, nbytes in tracker.input_bytes.items():
+        usage[name].input_bytes = nbytes
+    return usage, saved, total

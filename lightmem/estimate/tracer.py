@@ -1,0 +1,305 @@
+"""Storage lifetimes of a fake training step: every allocation and free, in order, with its role.
+
+``StorageTracer`` is a ``TorchDispatchMode`` that sits above ``FakeTensorMode``: it sees each op's
+outputs, registers every storage it has not seen yet as an allocation, and learns of frees through
+weak references on the storages. Roles (parameter, input, gradient, optimizer state, saved for
+backward) are attached by the step driver as the step unfolds; the peak and its breakdown are
+worked out afterwards by replaying the event list, so a late discovery (a parameter that never
+receives a gradient, hence never has optimizer state) can still be taken out of the past.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+
+# Roles a storage can start with; "other" is anything allocated by an op.
+PARAMETER, BUFFER, INPUT, GRADIENT, STATE, OTHER = range(6)
+
+
+@dataclass(slots=True)
+class StorageRecord:
+    """One device allocation (a storage) of the traced step."""
+
+    nbytes: int
+    """Bytes as the allocator hands them out (rounded up on CUDA)."""
+    role: int
+    alloc_event: int
+    grad_at: int = -1
+    """Event index from which the storage is a parameter's ``.grad`` (-1: never)."""
+    saved_at: int = -1
+    """Event index at which autograd first saved it for backward (-1: never)."""
+    saved_block: str | None = None
+    saved_shape: tuple[int, ...] | None = None
+    freed: bool = False
+    recomputed: bool = False
+    """Allocated by a forward re-run during backward (activation checkpointing)."""
+
+
+@dataclass(slots=True)
+class PeakInfo:
+    """Where and what the highest point of the measured step is."""
+
+    bytes: int
+    breakdown: dict[str, int]
+    phase: str
+    op: str
+    block: str | None
+    event: int
+    inputs_bytes: int = 0
+    buffers_bytes: int = 0
+
+
+@dataclass
+class _Context:
+    phase: str = "setup"
+    op: str = ""
+    block: str | None = None
+
+
+@dataclass
+class TraceWindow:
+    start: int = 0
+    end: int = 0
+    forward_end: int = 0
+
+
+def _cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    # CPU's attention kernel is missing from torch's FLOP registry; same count as the CUDA kernels.
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+_EXTRA_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+
+
+class StorageTracer(TorchDispatchMode):
+    """Records allocations and frees of storages seen as op outputs while it is active.
+
+    Args:
+        round_bytes: allocation granularity; every storage's size is rounded up to a multiple of
+            it (512 for CUDA's caching allocator, 1 for the CPU allocator).
+    """
+
+    def __init__(self, round_bytes: int = 1, corrections: dict[Any, Any] | None = None) -> None:
+        super().__init__()
+        self.round_bytes = round_bytes
+        self.corrections = corrections or {}
+        self.records: list[StorageRecord] = []
+        self.events: list[int] = []  # rid + 1 for an allocation, -(rid + 1) for a free
+        self.event_context: list[int] = []
+        self._contexts: dict[tuple[str, str, str | None], int] = {}
+        self._context_list: list[tuple[str, str, str | None]] = []
+        self._live: dict[int, int] = {}  # id(storage) -> rid
+        self._refs: dict[int, weakref.ref] = {}  # rid -> weak reference with the free callback
+        self.context = _Context()
+        self.window = TraceWindow()
+        self.forward_block: str | None = None
+        self.backward_block: str | None = None
+        self.in_recompute = False
+        self.count_flops = False
+        self.block_flops: dict[str | None, float] = {}
+        self.excluded: set[int] = set()
+        self.saved: list[int] = []  # record ids in the order autograd first saved them
+
+    # -- allocation tracking ---------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        correction = self.corrections.get(func)
+        if correction is not None:
+            out = correction(args, kwargs or {}, out)
+        name = func.__name__
+        self.context.op = name[:-8] if name.endswith(".default") else name
+        if type(out) is not tuple and type(out) is not list:
+            if isinstance(out, torch.Tensor):
+                self._see(out)
+        else:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self._see(leaf)
+        if self.count_flops:
+            self._count_flops(func, out, args, kwargs or {})
+        return out
+
+    def _count_flops(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
+        packet = func._overloadpacket
+        counter = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+        if counter is None:
+            return
+        flops = counter(*args, **kwargs, out_val=out)
+        block = self.forward_block
+        self.block_flops[block] = self.block_flops.get(block, 0.0) + flops
+
+    def track(self, tensor: torch.Tensor, role: int = OTHER) -> int:
+        """Register ``tensor``'s storage (if new) with ``role`` and return its record id."""
+        rid = self._see(tensor, role)
+        if role != OTHER:
+            self.records[rid].role = role
+        return rid
+
+    def _see(self, tensor: torch.Tensor, role: int = OTHER) -> int:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        rid = self._live.get(key)
+        nbytes = storage.nbytes()
+        if rid is not None:
+            record = self.records[rid]
+            if record.nbytes != self._round(nbytes):  # resized in place (an out= op, resize_)
+                self._free(key, rid)
+                rid = None
+        if rid is None:
+            rid = len(self.records)
+            record = StorageRecord(self._round(nbytes), role, len(self.events))
+            if self.in_recompute:
+                record.recomputed = True
+            self.records.append(record)
+            self._live[key] = rid
+            self._refs[rid] = weakref.ref(storage, lambda _ref, key=key, rid=rid: self._free(key, rid))
+            self._push(rid + 1)
+        return rid
+
+    def _round(self, nbytes: int) -> int:
+        step = self.round_bytes
+        return (nbytes + step - 1) // step * step
+
+    def _free(self, key: int, rid: int) -> None:
+        if self._live.get(key) == rid:
+            del self._live[key]
+        if self._refs.pop(rid, None) is None:
+            return
+        self.records[rid].freed = True
+        self._push(-(rid + 1))
+
+    def _push(self, event: int) -> None:
+        ctx = self.context
+        block = self.forward_block if ctx.phase == "forward" else self.backward_block
+        if ctx.phase == "backward" and self.in_recompute and self.forward_block is not None:
+            block = self.forward_block
+        key = (ctx.phase, ctx.op, block)
+        cid = self._contexts.get(key)
+        if cid is None:
+            cid = len(self._context_list)
+            self._contexts[key] = cid
+            self._context_list.append(key)
+        self.events.append(event)
+        self.event_context.append(cid)
+
+    # -- roles -----------------------------------------------------------------------------------
+
+    def record_of(self, tensor: torch.Tensor) -> StorageRecord:
+        return self.records[self._see(tensor)]
+
+    def mark_gradient(self, tensor: torch.Tensor) -> None:
+        record = self.record_of(tensor)
+        if record.grad_at < 0:
+            record.grad_at = len(self.events)
+
+    def mark_saved(self, tensor: torch.Tensor, block: str | None) -> StorageRecord:
+        rid = self._see(tensor)
+        record = self.records[rid]
+        if record.saved_at < 0:
+            self.saved.append(rid)
+            record.saved_at = len(self.events)
+            record.saved_block = block
+            record.saved_shape = tuple(tensor.shape)
+        return record
+
+    def mark_state(self, tensor: torch.Tensor) -> int:
+        rid = self._see(tensor)
+        self.records[rid].role = STATE
+        return rid
+
+    def set_phase(self, phase: str) -> None:
+        self.context.phase = phase
+        self.context.op = ""
+
+    def now(self) -> int:
+        return len(self.events)
+
+    # -- analysis --------------------------------------------------------------------------------
+
+    def category(self, record: StorageRecord, at_event: int) -> str:
+        role = record.role
+        if role == PARAMETER or role == BUFFER:
+            return "parameters"
+        if role == STATE:
+            return "optimizer_state"
+        if role == GRADIENT or 0 <= record.grad_at <= at_event:
+            return "gradients"
+        # Activations: the input batch, what forward allocated, and what backward re-creates of
+        # it (checkpoint re-runs, offload reloads). Everything else is a temporary.
+        if role == INPUT or record.recomputed:
+            return "activations"
+        if self.window.start <= record.alloc_event < self.window.forward_end:
+            return "activations"
+        return "temporaries"
+
+    def peak(self) -> PeakInfo:
+        """The highest live total inside the measured window and what made it up."""
+        excluded = self.excluded
+        records = self.records
+        events = self.events
+        live = 0
+        start, end = self.window.start, self.window.end
+        for event in events[:start]:
+            rid = event - 1 if event > 0 else -event - 1
+            if rid in excluded:
+                continue
+            live += records[rid].nbytes if event > 0 else -records[rid].nbytes
+        best, best_at = live, start - 1
+        for index in range(start, end):
+            event = events[index]
+            rid = event - 1 if event > 0 else -event - 1
+            if rid in excluded:
+                continue
+            if event > 0:
+                live += records[rid].nbytes
+                if live > best:
+                    best, best_at = live, index
+            else:
+                live -= records[rid].nbytes
+        alive = self.alive_at(best_at)
+        breakdown = dict.fromkeys(CATEGORIES, 0)
+        inputs = buffers = 0
+        for rid in alive:
+            record = records[rid]
+            breakdown[self.category(record, best_at)] += record.nbytes
+            if record.role == INPUT:
+                inputs += record.nbytes
+            elif record.role == BUFFER:
+                buffers += record.nbytes
+        if best_at >= 0 and best_at < len(self.event_context):
+            phase, op, block = self._context_list[self.event_context[best_at]]
+        else:
+            phase, op, block = "forward", "", None
+        if best_at < start:
+            phase, op, block = "forward", "(start of step)", None
+        return PeakInfo(best, breakdown, phase, op, block, best_at, inputs, buffers)
+
+    def alive_at(self, at_event: int) -> list[int]:
+        """Record ids alive just after event ``at_event`` (excluded records left out)."""
+        alive: dict[int, None] = {}
+        for event in self.events[: at_event + 1]:
+            if event > 0:
+                alive[event - 1] = None
+            else:
+                alive.pop(-event - 1, None)
+        return [rid for rid in alive if rid not in self.excluded]
+
+
+@dataclass
+class BlockUsage:
+    """Saved-for-backward storages of one top-level block, at the end of forward."""
+
+    saved_bytes: int = 0
+    saved_sizes: list[int] = field(default_factory=list)
+    forward_flops: float = 0.0
+    input_bytes: int = 0
