@@ -105,3 +105,53 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     print("  ".join("-" * w for w in widths))
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+
+
+class StoragePeak:
+    """Peak bytes of live tensor storages during a block of code (a TorchDispatchMode tracker).
+
+    Every storage an op reads or writes is counted from the moment it is first seen until it is
+    freed (weakref callback on the storage). ``ignore(storage)`` excludes storages, e.g. lightmem's
+    host pool, which on a GPU would not be device memory.
+    """
+
+    def __init__(self, ignore: Callable[[torch.UntypedStorage], bool] = lambda storage: False) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+        self.ignore = ignore
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, object] = {}
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for value in torch.utils._pytree.tree_leaves((args, kwargs, out)):
+                    if isinstance(value, torch.Tensor):
+                        tracker._see(value.untyped_storage())
+                return out
+
+        self._mode = _Mode()
+
+    def _see(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self._live or self.ignore(storage):
+            return
+        import weakref
+
+        nbytes = storage.nbytes()
+        self._live[key] = weakref.ref(storage, lambda _, key=key, nbytes=nbytes: self._free(key, nbytes))
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._live.pop(key, None)
+        self.current -= nbytes
+
+    def __enter__(self) -> StoragePeak:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
