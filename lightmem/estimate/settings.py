@@ -53,7 +53,10 @@ def parse_precision(value: str | int, *, flag: str) -> Precision:
 
 def parse_device(value: str | torch.device, *, flag: str) -> str:
     """'cuda' or 'cpu' (an index such as 'cuda:1' is accepted and dropped)."""
-    kind = torch.device(value).type if isinstance(value, (str, torch.device)) else None
+    try:
+        kind = torch.device(value).type if isinstance(value, (str, torch.device)) else None
+    except RuntimeError:  # not a device string torch knows
+        kind = None
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"{flag}: expected 'cuda' or 'cpu'; got {value!r}")
     return kind

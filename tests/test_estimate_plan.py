@@ -1,0 +1,93 @@
+"""max_batch_size and plan: answers verified by the estimator itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import TinyGPT, gpt_loss
+
+from lightmem import estimate_memory, max_batch_size, plan
+from lightmem.estimate.planner import CHECKPOINT, OFFLOAD, Costs, choose_actions
+from lightmem.estimate.report import BlockMemory
+from lightmem.estimate.search import largest_fitting
+
+
+def _tokens(batch: int = 4) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, 33), generator=torch.Generator().manual_seed(0))
+
+
+def test_largest_fitting_finds_the_exact_answer_of_an_affine_cost_in_few_evaluations():
+    calls = []
+
+    def total(size: int) -> int:
+        calls.append(size)
+        return 1000 + 37 * size
+
+    answer, seen = largest_fitting(total, budget_bytes=1000 + 37 * 123 + 5, start=8, limit=10_000)
+    assert answer == 123
+    assert len(calls) <= 4 and len(calls) == len(set(calls))
+    assert dict(seen)[123] <= 1000 + 37 * 123 + 5 < dict(seen)[124]
+
+
+def test_largest_fitting_handles_nothing_fitting_and_the_limit():
+    assert largest_fitting(lambda size: 100 + size, budget_bytes=50, start=4, limit=64)[0] == 0
+    assert largest_fitting(lambda size: 100, budget_bytes=500, start=4, limit=64)[0] == 64
+
+
+def test_max_batch_size_answer_fits_and_the_next_size_does_not():
+    budget = 12 * 2**20
+    search = max_batch_size(TinyGPT(), _tokens(4), budget, gpt_loss, device="cpu", checkpoint=["Block"])
+    assert search.baseline >= 1 and search.configured > search.baseline
+    for size in (search.baseline, search.baseline + 1):
+        est = estimate_memory(TinyGPT(), _tokens(size), gpt_loss, device="cpu")
+        assert (est.total_bytes <= budget) == (size == search.baseline)
+    assert len(search.evaluations["baseline"]) <= 6
+
+
+def test_plan_fits_when_the_budget_allows_and_its_flags_verify():
+    base = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cuda", overhead_bytes=0)
+    budget = base.static_bytes + (base.peak_bytes - base.static_bytes) * 6 // 10
+    result = plan(TinyGPT(), _tokens(16), budget, gpt_loss, device="cuda", overhead_bytes=0)
+    assert result.fits and result.predicted_total_bytes <= budget
+    kwargs = result.lightmem_kwargs()
+    assert set(kwargs) == {"offload", "offload_min_bytes", "offload_include", "checkpoint"}
+    check = estimate_memory(
+        TinyGPT(), _tokens(16), gpt_loss, device="cuda", overhead_bytes=0,
+        checkpoint=result.checkpoint or None, offload=result.offload,
+    )  # fmt: skip
+    assert check.total_bytes == result.predicted_total_bytes <= budget
+
+
+def test_plan_is_empty_when_the_baseline_fits():
+    result = plan(TinyGPT(), _tokens(), "1GiB", gpt_loss, device="cpu")
+    assert result.fits and result.checkpoint == [] and result.offload is None
+    assert result.lightmem_kwargs() == {"offload": False, "offload_min_bytes": None, "offload_include": None, "checkpoint": []}
+
+
+def test_plan_says_it_cannot_when_static_memory_exceeds_the_budget():
+    result = plan(TinyGPT(), _tokens(), "2MiB", gpt_loss, device="cpu")
+    assert not result.fits
+    assert "parameters + gradients + optimizer state alone" in result.reason
+    assert result.checkpoint == [] and result.offload is None
+
+
+def test_plan_rejects_a_bad_bandwidth():
+    with pytest.raises(ValueError, match=r"plan\(link_bytes_per_s=...\)"):
+        plan(TinyGPT(), _tokens(), "1GiB", gpt_loss, link_bytes_per_s="fast")
+
+
+def _block(name: str, saved: int, flops: float, sizes: list[int]) -> BlockMemory:
+    return BlockMemory(name, saved, flops, input_bytes=sizes[0], saved_sizes=sizes)
+
+
+def test_choose_actions_prefers_offload_while_compute_hides_the_transfer():
+    costs = Costs(flops_per_s=1e12, link_bytes_per_s=1e9, min_bytes=1, allow_offload=True)
+    blocks = {
+        # 10 MB at 1 GB/s is 10 ms; 1e11 FLOP at 1e12 FLOP/s is 100 ms: the transfer hides.
+        "heavy": _block("heavy", 10_000_000, 1e11, [1_000_000] * 10),
+        # Same bytes, 1 ms of compute: offloading would stall, re-running costs 1 ms.
+        "light": _block("light", 10_000_000, 1e9, [1_000_000] * 10),
+    }
+    actions = choose_actions(blocks, 15_000_000, costs)
+    assert actions == {"heavy": OFFLOAD, "light": CHECKPOINT}
+    assert choose_actions(blocks, 15_000_000, Costs(1e12, 1e9, 1, allow_offload=False)) == {"light": CHECKPOINT, "heavy": CHECKPOINT}
