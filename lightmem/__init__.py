@@ -1,8 +1,9 @@
 """lightmem: train PyTorch Lightning models that do not fit in GPU memory, and see where every byte goes."""
 
+from lightmem.callback import LightMem
 from lightmem.checkpoint import apply_checkpointing
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.offload import offload_activations
 
-__all__ = ["apply_checkpointing", "estimate_memory", "max_batch_size", "offload_activations", "plan"]
+__all__ = ["LightMem", "apply_checkpointing", "estimate_memory", "max_batch_size", "offload_activations", "plan"]
 __version__ = "0.1.0"

@@ -82,17 +82,22 @@ class CheckpointHandle:
 
 
 def select_blocks(
-    model: nn.Module, targets: Target | Iterable[Target], every_n: int = 1, *, flag: str = "apply_checkpointing"
+    model: nn.Module,
+    targets: Target | Iterable[Target],
+    every_n: int = 1,
+    *,
+    targets_flag: str = "apply_checkpointing(targets=...)",
+    every_n_flag: str = "apply_checkpointing(every_n=...)",
 ) -> dict[str, nn.Module]:
     """The blocks ``apply_checkpointing`` would wrap: outermost matches, every n-th in module order."""
     if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
-        raise ValueError(f"{flag}(every_n=...): expected an integer >= 1; got {every_n!r}")
+        raise ValueError(f"{every_n_flag}: expected an integer >= 1; got {every_n!r}")
     if isinstance(targets, (str, type)):
         targets = [targets]
     targets = list(targets)
     if not targets:
-        raise ValueError(f"{flag}(targets=...): expected at least one class name, class or module-name pattern")
-    matched = select_modules(model, targets, flag=f"{flag}(targets=...)")
+        raise ValueError(f"{targets_flag}: expected at least one class name, class or module-name pattern")
+    matched = select_modules(model, targets, flag=targets_flag)
     outermost: dict[str, nn.Module] = {}
     for name, module in matched.items():  # pre-order: an ancestor is seen before its children
         if not any(kept == "" or name.startswith(f"{kept}.") for kept in outermost):

@@ -1,0 +1,469 @@
+"""``LightMem``: one callback that offloads, checkpoints and shows where memory goes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import psutil
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightmem import oom
+from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, select_blocks
+from lightmem.config import (
+    format_bytes,
+    parse_devices,
+    parse_patterns,
+    parse_size,
+    total_ram_bytes,
+    warn_once,
+)
+from lightmem.metrics.names import BY_KEY, GROUPS, GiB, key
+from lightmem.metrics.probes import (
+    HostProbe,
+    LightmemProbe,
+    NvmlProbe,
+    ProbeUnavailable,
+    TorchAllocatorProbe,
+)
+from lightmem.metrics.tensorboard import custom_scalars_layout
+from lightmem.offload.context import (
+    DEFAULT_HOST_BUDGET,
+    DEFAULT_HOST_MIN_AVAILABLE,
+    DEFAULT_MIN_BYTES,
+    DEFAULT_PREFETCH,
+    ActivationOffloader,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _flag(name: str) -> str:
+    return f"LightMem({name}=...)"
+
+
+class LightMem(Callback):
+    r"""Train models that do not fit in GPU memory, and log where every byte goes.
+
+    Activation offload wraps every training forward; selective checkpointing is applied to the chosen
+    blocks before the strategy wraps the model; memory metrics go to every logger of the Trainer.
+    Validation, testing and prediction run untouched.
+
+    Args:
+        offload: move saved activations to host memory during each training forward.
+        offload_min_bytes: only offload saved tensors whose storage is at least this big.
+        offload_include: module-name globs (or class names); when given, only tensors saved inside
+            them are offloaded.
+        offload_exclude: module-name globs (or class names) whose saved tensors stay on the device.
+        offload_devices: device types whose saved tensors move (default ``["cuda"]``).
+        host_budget: hard cap on host bytes for offload: bytes, a size string, or a fraction of
+            available RAM (default 0.5).
+        host_min_available: when the machine's available RAM falls under this (bytes, a size string
+            or a fraction of total RAM, default 0.10), stop offloading, give cached host buffers back,
+            and warn once, instead of letting the host OOM killer end the job.
+        prefetch_bytes: bytes of reloads kept in flight ahead of backward (0: no prefetch).
+        checkpoint: blocks to recompute in backward: class names or module-name globs.
+        checkpoint_every: checkpoint every n-th matched block.
+        log_every_n_steps: log metrics every n optimizer steps, starting with the first (default:
+            the Trainer's ``log_every_n_steps``).
+        metrics: probe groups to log: any of ``"gpu"`` (PyTorch allocator), ``"device"`` (NVML),
+            ``"host"`` (psutil), ``"lightmem"`` (offload traffic, checkpointed blocks).
+        tensorboard_panels: write ready-made panels to the Custom Scalars tab of TensorBoard loggers.
+        oom_snapshot: path for a ``torch.cuda.memory`` snapshot (for https://pytorch.org/memory_viz)
+            dumped when training runs out of GPU memory; records allocation history from the start.
+
+    Raises:
+        ValueError: at construction, for a flag with a bad value; the message names the flag and
+            what it accepts. Module patterns that match nothing fail when training starts.
+
+    Example::
+
+        from pytorch_lightning import Trainer
+        from lightmem import LightMem
+
+        trainer = Trainer(callbacks=[LightMem(offload_min_bytes="1MiB", checkpoint=["Block"],
+                                              host_budget="64GiB")])
+    """
+
+    def __init__(
+        self,
+        offload: bool = True,
+        offload_min_bytes: int | str = DEFAULT_MIN_BYTES,
+        offload_include: list[str] | None = None,
+        offload_exclude: list[str] | None = None,
+        offload_devices: Sequence[str] = ("cuda",),
+        host_budget: int | float | str = DEFAULT_HOST_BUDGET,
+        host_min_available: int | float | str = DEFAULT_HOST_MIN_AVAILABLE,
+        prefetch_bytes: int | str = DEFAULT_PREFETCH,
+        checkpoint: list[str] | str | None = None,
+        checkpoint_every: int = 1,
+        log_every_n_steps: int | None = None,
+        metrics: Sequence[str] = GROUPS,
+        tensorboard_panels: bool = True,
+        oom_snapshot: str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("offload", offload), ("tensorboard_panels", tensorboard_panels)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{_flag(name)}: expected True or False; got {value!r}")
+        self.offload = offload
+        self.offload_min_bytes = parse_size(offload_min_bytes, flag=_flag("offload_min_bytes"))
+        self.offload_include = parse_patterns(offload_include, flag=_flag("offload_include"))
+        self.offload_exclude = parse_patterns(offload_exclude, flag=_flag("offload_exclude"))
+        self.offload_devices = parse_devices(offload_devices, flag=_flag("offload_devices"))
+        self.host_budget = host_budget
+        self.host_budget_bytes = parse_size(host_budget, flag=_flag("host_budget"), fraction_of=_available)
+        self.host_min_available_bytes = parse_size(
+            host_min_available, flag=_flag("host_min_available"), fraction_of=total_ram_bytes,
+            fraction_name="total RAM",
+        )  # fmt: skip
+        self.prefetch_bytes = parse_size(prefetch_bytes, flag=_flag("prefetch_bytes"))
+        self.checkpoint = list(parse_patterns(checkpoint, flag=_flag("checkpoint")) or ())
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+            raise ValueError(f"{_flag('checkpoint_every')}: expected an integer >= 1; got {checkpoint_every!r}")
+        self.checkpoint_every = checkpoint_every
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"{_flag('log_every_n_steps')}: expected an integer >= 1 or None; got {log_every_n_steps!r}"
+            )
+        self.log_every_n_steps = log_every_n_steps
+        groups = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+        unknown = [group for group in groups if group not in GROUPS]
+        if unknown:
+            raise ValueError(
+                f"{_flag('metrics')}: unknown probe group {unknown[0]!r}; accepted: {', '.join(GROUPS)}"
+            )
+        self.metrics = groups
+        self.tensorboard_panels = tensorboard_panels
+        if oom_snapshot is not None and not isinstance(oom_snapshot, str):
+            raise ValueError(f"{_flag('oom_snapshot')}: expected a file path or None; got {oom_snapshot!r}")
+        self.oom_snapshot = oom_snapshot
+
+        self._offloader: ActivationOffloader | None = None
+        self._checkpoint_handle: CheckpointHandle | None = None
+        self._patched_module: pl.LightningModule | None = None
+        self._probes: list[Any] = []
+        self._traffic: LightmemProbe | None = None
+        self._last_step = -1
+        self.last_metrics: dict[str, float] = {}
+        """The metrics of the last logged step, as logged (with DDP: the max over ranks)."""
+        self.last_local_metrics: dict[str, float] = {}
+        """The same figures for this process alone."""
+        self._peaks: dict[str, float] = {}
+        self._totals: dict[str, float] = {}
+        self._steps_seen = 0
+        self._below_floor = False
+
+    # -- checkpointing, before the strategy wraps the model --------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or not self.checkpoint:
+            return
+        # Lightning calls configure_model after this hook and before strategy.setup wraps the model;
+        # applying right after it also finds blocks that configure_model creates.
+        original = pl_module.configure_model
+
+        def configure_model_then_checkpoint() -> None:
+            original()
+            self._apply_checkpointing(trainer, pl_module)
+
+        pl_module.configure_model = configure_model_then_checkpoint  # type: ignore[method-assign]
+        self._patched_module = pl_module
+
+    def _apply_checkpointing(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._checkpoint_handle is not None:
+            return
+        reason = _existing_checkpointing(trainer, pl_module)
+        if reason is not None:
+            rank_zero_warn(
+                f"lightmem: not applying LightMem(checkpoint={self.checkpoint!r}) because {reason}; "
+                "checkpointing twice would recompute twice."
+            )
+            return
+        select_blocks(  # fails with this callback's flag names before anything is wrapped
+            pl_module, self.checkpoint, self.checkpoint_every,
+            targets_flag=_flag("checkpoint"), every_n_flag=_flag("checkpoint_every"),
+        )  # fmt: skip
+        self._checkpoint_handle = apply_checkpointing(pl_module, self.checkpoint, self.checkpoint_every)
+        rank_zero_info(
+            f"lightmem: checkpointing {len(self._checkpoint_handle)} blocks: "
+            f"{', '.join(self._checkpoint_handle.modules[:6])}{' ...' if len(self._checkpoint_handle) > 6 else ''}"
+        )
+
+    # -- offload and probes ----------------------------------------------------------------------
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.checkpoint and self._checkpoint_handle is None and self._patched_module is None:
+            self._apply_checkpointing(trainer, pl_module)
+        self._offloader = self._build_offloader(pl_module)
+        self._probes = self._build_probes(pl_module)
+        self._last_step = trainer.global_step
+        self._peaks, self._totals, self._steps_seen = {}, {}, 0
+        if self.tensorboard_panels and trainer.is_global_zero:
+            layout = custom_scalars_layout(self._enabled_groups())
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_custom_scalars(layout)
+        if self.oom_snapshot and torch.cuda.is_available():  # pragma: no cover - needs CUDA
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def _build_offloader(self, pl_module: pl.LightningModule) -> ActivationOffloader | None:
+        if not self.offload:
+            return None
+        if self.offload_devices == ("cuda",) and not torch.cuda.is_available():
+            rank_zero_info(
+                "lightmem: no CUDA device, so activation offload is off (moving CPU tensors to host "
+                "memory gains nothing); checkpointing and host metrics are on."
+            )
+            return None
+        return ActivationOffloader(
+            pl_module,
+            min_bytes=self.offload_min_bytes,
+            devices=self.offload_devices,
+            include=self.offload_include,
+            exclude=self.offload_exclude,
+            host_budget=self.host_budget_bytes,
+            prefetch=self.prefetch_bytes,
+            host_min_available=self.host_min_available_bytes,
+            flag_names={
+                "min_bytes": _flag("offload_min_bytes"),
+                "devices": _flag("offload_devices"),
+                "include": _flag("offload_include"),
+                "exclude": _flag("offload_exclude"),
+                "host_budget": _flag("host_budget"),
+                "prefetch": _flag("prefetch_bytes"),
+                "host_min_available": _flag("host_min_available"),
+            },
+        )
+
+    def _build_probes(self, pl_module: pl.LightningModule) -> list[Any]:
+        probes: list[Any] = []
+        device = pl_module.device
+        self._traffic = None
+        for group in self.metrics:
+            try:
+                if group == "gpu":
+                    probes.append(TorchAllocatorProbe(device))
+                elif group == "device":
+                    probes.append(NvmlProbe(device))
+                elif group == "host":
+                    probes.append(HostProbe(self._host_bytes_held))
+                elif group == "lightmem":
+                    self._traffic = LightmemProbe(self._checkpointed_blocks)
+                    probes.append(self._traffic)
+            except ProbeUnavailable as error:
+                rank_zero_info(f"lightmem: {group!r} memory metrics are off: {error}.")
+        return probes
+
+    def _enabled_groups(self) -> list[str]:
+        return [probe.group for probe in self._probes]
+
+    def _host_bytes_held(self) -> int:
+        return self._offloader.host_bytes_held if self._offloader is not None else 0
+
+    def _checkpointed_blocks(self) -> int:
+        return len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0
+
+    # -- one training step -----------------------------------------------------------------------
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        offloader = self._offloader
+        if offloader is None:
+            return
+        if psutil.virtual_memory().available < self.host_min_available_bytes:
+            if not self._below_floor:
+                warn_once(
+                    f"lightmem: available host memory fell under host_min_available "
+                    f"({format_bytes(self.host_min_available_bytes)}); offload is paused and cached host "
+                    "buffers were released so the host OOM killer does not end the job."
+                )
+            self._below_floor = True
+            offloader.release_host_memory()
+            return
+        self._below_floor = False
+        self._exit_offload()
+        offloader.__enter__()
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        # Automatic optimization calls backward after training_step returns; manual optimization
+        # from inside it. Either way the forward is over: leave the hooks before backward runs.
+        self._exit_offload()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._exit_offload()  # training_step returned None: no backward ran
+        if self._offloader is not None and self._traffic is not None and not self._below_floor:
+            self._traffic.add(self._offloader.stats)
+        if trainer.global_step == self._last_step:
+            return  # gradient accumulation: the optimizer has not stepped yet
+        self._last_step = trainer.global_step
+        self._end_of_step(trainer, pl_module)
+
+    def _exit_offload(self) -> None:
+        if self._offloader is not None and self._offloader.active:
+            self._offloader.__exit__(None, None, None)
+
+    def _end_of_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        values: dict[str, float] = {}
+        for probe in self._probes:
+            values.update(probe.collect())
+            probe.end_step()
+        self._steps_seen += 1
+        for name in _SUMMARY_PEAKS.values():
+            if name in values:
+                self._peaks[name] = max(self._peaks.get(name, 0.0), values[name])
+        for name in _SUMMARY_PER_STEP.values():
+            if name in values:
+                self._totals[name] = self._totals.get(name, 0.0) + values[name]
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if (trainer.global_step - 1) % every != 0:
+            return
+        self.last_local_metrics = values
+        values = self._max_over_ranks(trainer, pl_module, values)
+        self.last_metrics = values
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=trainer.global_step)
+
+    def _max_over_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule, values: dict[str, float]) -> dict[str, float]:
+        if trainer.world_size <= 1:
+            return values
+        names = [name for name in values if BY_KEY[name].reduce_max]
+        local = torch.tensor([values[name] for name in names], dtype=torch.float64, device=pl_module.device)
+        reduced = trainer.strategy.reduce(local, reduce_op="max")
+        return {**values, **dict(zip(names, reduced.tolist()))}
+
+    # -- leaving -----------------------------------------------------------------------------------
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit_offload()  # never leave hooks active into validation
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._exit_offload()
+        if isinstance(exception, torch.cuda.OutOfMemoryError) or "out of memory" in str(exception).lower():
+            print(self.oom_report(trainer, pl_module))
+            if self.oom_snapshot and torch.cuda.is_available():  # pragma: no cover - needs CUDA
+                torch.cuda.memory._dump_snapshot(self.oom_snapshot)
+                print(f"lightmem: memory snapshot written to {self.oom_snapshot} (open it at https://pytorch.org/memory_viz)")
+
+    def oom_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        """What was on the device, the last metrics, and the flags that would help."""
+        offloader = self._offloader
+        breakdown = oom.device_breakdown(
+            pl_module, trainer.optimizers, pl_module.device, offloader.resident_bytes if offloader else 0
+        )
+        if offloader is not None:
+            breakdown["host_buffers_held_by_lightmem"] = offloader.host_bytes_held
+        lines = oom.advice(
+            offload=offloader is not None,
+            offload_min_bytes=self.offload_min_bytes,
+            checkpointed_blocks=self._checkpointed_blocks(),
+            repeated_block=oom.repeated_block_class(pl_module),
+            breakdown=breakdown,
+        )
+        return oom.render(breakdown, self.last_metrics, lines)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        summary = self.summary()
+        if not summary or not trainer.is_global_zero:
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="lightmem: memory summary of this fit")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        for name, value in summary.items():
+            table.add_row(name, value)
+        Console().print(table)
+        for logger in trainer.loggers:
+            logger.log_hyperparams({f"lightmem/summary/{name}": value for name, value in summary.items()})
+
+    def summary(self) -> dict[str, str]:
+        """Readable end-of-fit figures: peaks, traffic per step, waits, checkpointed blocks."""
+        figures: dict[str, str] = {}
+        for label, name in _SUMMARY_PEAKS.items():
+            if name in self._peaks:
+                figures[label] = format_bytes(self._peaks[name] * GiB)
+        steps = max(self._steps_seen, 1)
+        if self._offloader is not None:
+            for label, name in _SUMMARY_PER_STEP.items():
+                if name in self._totals:
+                    per_step = self._totals[name] / steps
+                    figures[label] = format_bytes(per_step * GiB) if name.endswith("GiB") else f"{per_step:.2f} ms"
+        if self._checkpoint_handle is not None:
+            figures["blocks checkpointed"] = str(len(self._checkpoint_handle))
+        return figures
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._exit_offload()
+        if self._checkpoint_handle is not None:
+            self._checkpoint_handle.remove()
+            self._checkpoint_handle = None
+        if self._patched_module is not None:
+            self._patched_module.__dict__.pop("configure_model", None)
+            self._patched_module = None
+        if self._offloader is not None:
+            self._offloader.release_host_memory()
+            self._offloader = None
+        if self.oom_snapshot and torch.cuda.is_available():  # pragma: no cover - needs CUDA
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+_SUMMARY_PEAKS = {
+    "peak GPU allocated": key("gpu/step_peak_allocated_GiB"),
+    "peak GPU reserved": key("gpu/reserved_GiB"),
+    "peak device used (NVML)": key("device/used_GiB"),
+    "peak host RSS": key("host/rss_GiB"),
+    "peak host buffers held": key("host/pinned_GiB"),
+}
+_SUMMARY_PER_STEP = {
+    "offloaded per step": key("offload/offloaded_GiB"),
+    "compute waited per step": key("offload/wait_ms"),
+}
+
+
+def _available() -> int:
+    return int(psutil.virtual_memory().available)
+
+
+def _existing_checkpointing(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+    """Why the model is already checkpointed by someone else, or None."""
+    strategy = trainer.strategy
+    if getattr(strategy, "_activation_checkpointing_kwargs", None):
+        return f"the {type(strategy).__name__} already checkpoints (activation_checkpointing_policy)"
+    config = getattr(strategy, "config", None)
+    if isinstance(config, dict):
+        section = config.get("activation_checkpointing") or {}
+        if section.get("partition_activations") or section.get("cpu_checkpointing"):
+            return "DeepSpeed activation checkpointing is configured"
+    for name, module in pl_module.named_modules():
+        if type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
+            return f"module {name or type(module).__name__!r} is already a checkpoint wrapper"
+        if getattr(module, "gradient_checkpointing", False) is True:
+            return f"module {name or type(module).__name__!r} has gradient_checkpointing enabled"
+    return None

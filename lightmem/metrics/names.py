@@ -1,0 +1,70 @@
+"""Every metric lightmem logs, defined once: key, probe group, unit, meaning, panel.
+
+The TensorBoard layout, the README table and the DDP reduction are all built from ``METRICS``.
+Bytes are logged as GiB floats; counts as plain numbers; times in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "lightmem/memory"
+GiB = float(1024**3)
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    """Full name as logged, e.g. ``lightmem/memory/gpu/allocated_GiB``."""
+    group: str
+    """Probe group that produces it: ``gpu``, ``device``, ``host`` or ``lightmem``."""
+    unit: str
+    meaning: str
+    panel: str
+    """TensorBoard custom-scalars chart the metric is drawn in."""
+    reduce_max: bool = True
+    """With DDP, log the maximum over ranks (memory figures); otherwise rank zero's value."""
+
+
+def _m(name: str, group: str, unit: str, meaning: str, panel: str, reduce_max: bool = True) -> Metric:
+    return Metric(f"{PREFIX}/{name}", group, unit, meaning, panel, reduce_max)
+
+
+METRICS: tuple[Metric, ...] = (
+    # PyTorch's caching allocator (torch.cuda.memory_stats): what PyTorch itself holds.
+    _m("gpu/allocated_GiB", "gpu", "GiB", "bytes in live tensors at the end of the step", "GPU memory (PyTorch)"),
+    _m("gpu/reserved_GiB", "gpu", "GiB", "bytes the caching allocator holds from the driver", "GPU memory (PyTorch)"),
+    _m("gpu/step_peak_allocated_GiB", "gpu", "GiB", "peak of allocated during the step (reset every step)", "GPU memory (PyTorch)"),
+    _m("gpu/inactive_split_GiB", "gpu", "GiB", "reserved but unusable fragments of split blocks (fragmentation)", "GPU fragmentation and retries"),
+    _m("gpu/alloc_retries", "gpu", "count", "allocations that had to free cached blocks and retry (since start)", "GPU fragmentation and retries"),
+    _m("gpu/ooms", "gpu", "count", "out-of-memory errors raised by the allocator (since start)", "GPU fragmentation and retries"),
+    # The driver's view (NVML): includes the CUDA context and other processes.
+    _m("device/used_GiB", "device", "GiB", "device memory in use by every process, CUDA context included (NVML)", "GPU device (NVML)"),
+    _m("device/total_GiB", "device", "GiB", "device memory capacity (NVML)", "GPU device (NVML)"),
+    # Host memory (psutil).
+    _m("host/rss_GiB", "host", "GiB", "resident set size of this process", "Host memory"),
+    _m("host/available_GiB", "host", "GiB", "memory the OS can still hand out without swapping", "Host memory", reduce_max=False),
+    _m("host/swap_used_GiB", "host", "GiB", "swap in use on the machine", "Host memory"),
+    _m("host/pinned_GiB", "host", "GiB", "host buffers held by lightmem's offload pool (page-locked on CUDA)", "Host memory"),
+    # lightmem's own traffic, summed over the micro-batches of the step.
+    _m("offload/offloaded_GiB", "lightmem", "GiB", "saved activations copied to host", "Offload traffic"),
+    _m("offload/reloaded_GiB", "lightmem", "GiB", "bytes copied back to the device during backward", "Offload traffic"),
+    _m("offload/kept_GiB", "lightmem", "GiB", "saved activations left on the device by policy (size, scope)", "Offload kept on device"),
+    _m("offload/deduplicated_GiB", "lightmem", "GiB", "saves served by a storage already on host (not copied again)", "Offload kept on device"),
+    _m("offload/budget_kept_GiB", "lightmem", "GiB", "eligible bytes left on the device because the host budget or floor was reached", "Offload kept on device"),
+    _m("offload/prefetch_hits", "lightmem", "count", "reloads already issued ahead of need when backward asked", "Offload prefetch and waits"),
+    _m("offload/prefetch_misses", "lightmem", "count", "reloads issued only when backward asked", "Offload prefetch and waits"),
+    _m("offload/wait_ms", "lightmem", "ms", "time the compute stream waited for copies", "Offload prefetch and waits"),
+    _m("checkpoint/blocks", "lightmem", "count", "blocks recomputed in backward (selective checkpointing)", "Checkpointing", reduce_max=False),
+)
+
+GROUPS: tuple[str, ...] = ("gpu", "device", "host", "lightmem")
+BY_KEY: dict[str, Metric] = {metric.key: metric for metric in METRICS}
+
+
+def key(name: str) -> str:
+    """Full metric key for a short name (``"gpu/allocated_GiB"``); fails on unknown names."""
+    full = f"{PREFIX}/{name}"
+    if full not in BY_KEY:
+        raise KeyError(f"unknown lightmem metric {name!r}")
+    return full

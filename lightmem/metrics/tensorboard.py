@@ -1,0 +1,27 @@
+"""Ready-made TensorBoard panels (the Custom Scalars tab), built from the metric definitions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from lightmem.metrics.names import METRICS, Metric
+
+CATEGORY = "lightmem memory"
+
+
+def custom_scalars_layout(groups: Iterable[str]) -> dict[str, dict[str, list]]:
+    """``{category: {chart title: ["Multiline", [tags]]}}`` for ``SummaryWriter.add_custom_scalars``.
+
+    Only charts whose metrics come from an enabled probe group appear.
+    """
+    enabled = set(groups)
+    charts: dict[str, list[str]] = {}
+    for metric in METRICS:
+        if metric.group in enabled:
+            charts.setdefault(metric.panel, []).append(metric.key)
+    return {CATEGORY: {title: ["Multiline", tags] for title, tags in charts.items()}}
+
+
+def metrics_in_panels(groups: Iterable[str]) -> list[Metric]:
+    enabled = set(groups)
+    return [metric for metric in METRICS if metric.group in enabled]

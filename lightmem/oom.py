@@ -1,0 +1,109 @@
+"""What was on the device when training ran out of memory, and which flag would help."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from lightmem.config import format_bytes
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor) or tensor.device != device:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def device_breakdown(
+    model: nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    device: torch.device,
+    saved_on_device_bytes: int,
+) -> dict[str, int]:
+    """Bytes by category on ``device``; ``rest`` is allocated memory none of them explains (CUDA)."""
+    params = list(model.parameters())
+    state = [
+        value
+        for optimizer in optimizers
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    breakdown = {
+        "parameters": _unique_bytes([*params, *model.buffers()], device),
+        "gradients": _unique_bytes([p.grad for p in params if p.grad is not None], device),
+        "optimizer_state": _unique_bytes(state, device),
+        "saved_activations_known_to_lightmem": saved_on_device_bytes,
+    }
+    if device.type == "cuda" and torch.cuda.is_available():  # pragma: no cover - needs CUDA
+        allocated = torch.cuda.memory_allocated(device)
+        breakdown["rest"] = max(0, allocated - sum(breakdown.values()))
+        breakdown["allocated"] = allocated
+        breakdown["reserved"] = torch.cuda.memory_reserved(device)
+    return breakdown
+
+
+def advice(
+    *,
+    offload: bool,
+    offload_min_bytes: int,
+    checkpointed_blocks: int,
+    repeated_block: str | None,
+    breakdown: Mapping[str, int],
+) -> list[str]:
+    """Concrete LightMem flags (and other levers) that address what the breakdown shows."""
+    lines = []
+    fixed = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"]
+    allocated = breakdown.get("allocated", 0)
+    if allocated and fixed > 0.8 * allocated:
+        lines.append(
+            "Parameters, gradients and optimizer state take most of the device: activation offload or "
+            "checkpointing cannot fix that. Use bf16 weights, an optimizer with less state, or sharding "
+            "(FSDP / DeepSpeed ZeRO)."
+        )
+    if checkpointed_blocks == 0 and repeated_block is not None:
+        lines.append(f"Checkpoint the repeated blocks: LightMem(checkpoint=[{repeated_block!r}]).")
+    if not offload:
+        lines.append("Move saved activations to host memory: LightMem(offload=True, offload_min_bytes='1MiB').")
+    elif offload_min_bytes > 1024**2:
+        lines.append("Offload smaller activations too: LightMem(offload_min_bytes='1MiB').")
+    lines.append(
+        "Estimate before training to find the largest batch that fits: "
+        "lightmem.estimate_memory(...) / max_batch_size(...), or `lightmem estimate` on the command line."
+    )
+    return lines
+
+
+def repeated_block_class(model: nn.Module) -> str | None:
+    """The class name of the largest group of identical sibling blocks (``ModuleList`` children)."""
+    best: tuple[int, str] | None = None
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            names = [type(child).__name__ for child in module.children()]
+            for name in set(names):
+                count = names.count(name)
+                if count > 1 and any(True for _ in module.parameters()) and (best is None or count > best[0]):
+                    best = (count, name)
+    return best[1] if best else None
+
+
+def render(breakdown: Mapping[str, int], last_metrics: Mapping[str, float], lines: list[str]) -> str:
+    out = ["lightmem: out of memory during training. What was on the device:"]
+    for name, value in breakdown.items():
+        out.append(f"  {name:<38} {format_bytes(value)}")
+    if last_metrics:
+        out.append("Last logged metrics:")
+        for name, value in last_metrics.items():
+            out.append(f"  {name:<48} {value:.4f}")
+    out.append("What would help:")
+    out.extend(f"  - {line}" for line in lines)
+    return "\n".join(out)

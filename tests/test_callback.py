@@ -1,0 +1,192 @@
+"""LightMem in a real Trainer on CPU: exact weights, hook discipline, lifecycle, errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from lit_models import LitGPT, token_loader
+
+from lightmem import LightMem
+from lightmem.checkpoint import is_checkpointed
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
+
+
+def _trainer(callbacks=(), **kwargs):
+    defaults = dict(
+        accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    defaults.update(kwargs)
+    return pl.Trainer(callbacks=list(callbacks), **defaults)
+
+
+def _fit(callback=None, module_kwargs=None, **trainer_kwargs):
+    pl.seed_everything(0, verbose=False)
+    module = LitGPT(**(module_kwargs or {}))
+    trainer = _trainer([callback] if callback else [], **trainer_kwargs)
+    trainer.fit(module, token_loader())
+    return module, trainer
+
+
+def _cpu_lightmem(**kwargs):
+    kwargs.setdefault("offload_devices", ["cpu"])
+    kwargs.setdefault("offload_min_bytes", 0)
+    kwargs.setdefault("checkpoint", ["Block"])
+    return LightMem(**kwargs)
+
+
+def _assert_same_weights(a, b):
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize(
+    ("module_kwargs", "trainer_kwargs"),
+    [
+        ({}, {}),
+        ({}, {"accumulate_grad_batches": 2}),
+        ({}, {"precision": "bf16-mixed"}),
+        ({"manual": True}, {}),
+        ({"skip_every": 2}, {}),
+        ({"build_in_configure_model": True}, {}),
+    ],
+    ids=["automatic", "accumulation", "bf16-mixed", "manual", "step-returns-none", "configure-model"],
+)
+def test_trained_weights_are_bitwise_equal_to_a_run_without_the_callback(module_kwargs, trainer_kwargs):
+    expected, _ = _fit(None, module_kwargs, **trainer_kwargs)
+    callback = _cpu_lightmem()
+    actual, _ = _fit(callback, module_kwargs, **trainer_kwargs)
+    _assert_same_weights(expected, actual)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_offload_and_checkpointing_really_ran():
+    callback = _cpu_lightmem(log_every_n_steps=1)
+    seen = {}
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen["checkpointed"] = [is_checkpointed(b) for b in pl_module.model.blocks]
+
+    module = LitGPT()
+    trainer = _trainer([callback, Spy()])
+    trainer.fit(module, token_loader())
+    assert seen["checkpointed"] == [True, True, True]
+    assert callback.last_metrics["lightmem/memory/offload/offloaded_GiB"] > 0
+    assert callback.last_metrics["lightmem/memory/checkpoint/blocks"] == 3
+    assert not any(is_checkpointed(b) for b in module.model.blocks)  # undone at teardown
+
+
+def test_hooks_are_active_in_training_forward_only():
+    module = LitGPT(manual=True)
+    trainer = _trainer([_cpu_lightmem()], limit_val_batches=2, val_check_interval=2)
+    trainer.fit(module, token_loader(), token_loader(batches=2))
+    trainer.predict(module, token_loader(batches=2))
+    train = module.hooks_seen["train"]
+    assert train[0::2] == [True] * (len(train) // 2)  # inside training_step, before backward
+    assert train[1::2] == [False] * (len(train) // 2)  # after manual_backward
+    assert module.hooks_seen["validation"] and not any(module.hooks_seen["validation"])
+    assert module.hooks_seen["predict"] and not any(module.hooks_seen["predict"])
+
+
+def test_fit_twice_validate_predict_and_checkpoint_round_trip(tmp_path):
+    callback = _cpu_lightmem()
+    module = LitGPT()
+    trainer = _trainer([callback], default_root_dir=tmp_path, enable_checkpointing=True, max_steps=2)
+    trainer.fit(module, token_loader())
+    trainer2 = _trainer([callback], max_steps=2)
+    trainer2.fit(module, token_loader())
+    assert not any(is_checkpointed(b) for b in module.model.blocks)
+    trainer2.validate(module, token_loader(batches=1), verbose=False)
+    predictions = trainer2.predict(module, token_loader(batches=1))
+    assert predictions[0].shape == (4, 32)
+    path = tmp_path / "model.ckpt"
+    trainer2.save_checkpoint(path)
+    restored = LitGPT.load_from_checkpoint(path)
+    _assert_same_weights(module, restored)
+    assert "configure_model" not in module.__dict__
+
+
+def test_exception_in_training_step_leaves_no_hooks_behind():
+    class Fails(LitGPT):
+        def training_step(self, batch, batch_idx):
+            gpt_out = self.model(batch[0][:, :-1])
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        _trainer([_cpu_lightmem()]).fit(Fails(), token_loader())
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_out_of_memory_prints_a_report_and_re_raises(capsys):
+    class OutOfMemory(LitGPT):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _trainer([_cpu_lightmem(checkpoint=None, log_every_n_steps=1)]).fit(OutOfMemory(), token_loader())
+    report = capsys.readouterr().out
+    assert "lightmem: out of memory during training. What was on the device:" in report
+    assert "  parameters " in report and "  optimizer_state " in report
+    assert "Checkpoint the repeated blocks: LightMem(checkpoint=['Block'])." in report
+    assert "lightmem/memory/host/rss_GiB" in report
+
+
+def test_cpu_only_default_turns_offload_off_and_says_so(caplog):
+    callback = LightMem(checkpoint=["Block"])
+    with caplog.at_level("INFO"):
+        module, _ = _fit(callback)
+    assert "no CUDA device, so activation offload is off" in caplog.text
+    assert callback._offloader is None
+
+
+def test_existing_checkpoint_wrapper_is_not_checkpointed_twice():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    class Wrapped(LitGPT):
+        def __init__(self):
+            super().__init__()
+            self.model.blocks[0] = checkpoint_wrapper(self.model.blocks[0])
+
+    with pytest.warns(UserWarning, match="is already a checkpoint wrapper; checkpointing twice would recompute twice"):
+        _trainer([_cpu_lightmem(checkpoint=["Block"])], max_steps=1).fit(Wrapped(), token_loader())
+
+
+def test_host_floor_pauses_offload_with_one_warning():
+    callback = _cpu_lightmem(host_min_available=1.0, checkpoint=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(callback)
+    messages = [str(w.message) for w in caught if "offload is paused" in str(w.message)]
+    assert len(messages) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"offload": "yes"}, "LightMem(offload=...): expected True or False; got 'yes'"),
+        ({"offload_min_bytes": "big"}, "LightMem(offload_min_bytes=...): expected a byte count (int), or a string"),
+        ({"host_budget": "lots"}, "LightMem(host_budget=...): expected a byte count (int), or a string"),
+        ({"offload_devices": ["tpu"]}, "LightMem(offload_devices=...): unknown device type 'tpu'"),
+        ({"checkpoint_every": 0}, "LightMem(checkpoint_every=...): expected an integer >= 1; got 0"),
+        ({"log_every_n_steps": 0}, "LightMem(log_every_n_steps=...): expected an integer >= 1 or None; got 0"),
+        ({"metrics": ["gpu", "disk"]}, "LightMem(metrics=...): unknown probe group 'disk'; accepted: gpu, device, host, lightmem"),
+        ({"checkpoint": [""]}, "LightMem(checkpoint=...): every pattern must be a non-empty string"),
+        ({"prefetch_bytes": -5}, "LightMem(prefetch_bytes=...): a size cannot be negative; got -5"),
+    ],
+)
+def test_bad_flags_fail_at_construction_naming_the_flag(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        LightMem(**kwargs)
+    assert str(error.value).startswith(message)
+
+
+def test_checkpoint_target_matching_nothing_fails_when_fit_starts():
+    with pytest.raises(ValueError, match=r"LightMem\(checkpoint=...\): 'Blok' matches no module of the model; closest names: Block"):
+        _fit(_cpu_lightmem(checkpoint=["Blok"]))

@@ -1,0 +1,138 @@
+"""Memory metrics every step: names, steps, loggers, TensorBoard panels, DDP, end-of-fit summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+from lit_models import LitGPT, token_loader
+from pytorch_lightning.loggers import Logger, TensorBoardLogger
+
+from lightmem import LightMem
+from lightmem.metrics.names import METRICS
+from lightmem.metrics.tensorboard import CATEGORY
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
+
+
+class MemoryLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[int, dict]] = []
+        self.hparams: dict = {}
+
+    @property
+    def name(self):
+        return "memory"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        self.hparams.update(params)
+
+
+def _fit(callback, logger, max_steps=5, **kwargs):
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, logger=logger, callbacks=[callback], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+    trainer.fit(LitGPT(), token_loader())
+    return trainer
+
+
+def _lightmem_rows(logger):
+    return [(step, m) for step, m in logger.metrics if any(k.startswith("lightmem/") for k in m)]
+
+
+def test_metrics_are_logged_every_n_steps_starting_with_the_first():
+    logger = MemoryLogger()
+    _fit(LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"], log_every_n_steps=2), logger)
+    rows = _lightmem_rows(logger)
+    assert [step for step, _ in rows] == [1, 3, 5]
+    expected_keys = {m.key for m in METRICS if m.group in ("host", "lightmem")}
+    for _, metrics in rows:
+        assert set(metrics) == expected_keys
+        assert metrics["lightmem/memory/host/rss_GiB"] > 0.01
+        assert metrics["lightmem/memory/host/available_GiB"] > 0
+        assert metrics["lightmem/memory/offload/offloaded_GiB"] > 0
+        assert metrics["lightmem/memory/offload/offloaded_GiB"] == metrics["lightmem/memory/offload/reloaded_GiB"]
+        assert metrics["lightmem/memory/host/pinned_GiB"] >= metrics["lightmem/memory/offload/offloaded_GiB"]
+        assert metrics["lightmem/memory/checkpoint/blocks"] == 3
+
+
+def test_traffic_is_summed_over_the_micro_batches_of_a_step():
+    single, double = MemoryLogger(), MemoryLogger()
+    _fit(LightMem(offload_devices=["cpu"], offload_min_bytes=0, log_every_n_steps=1), single, max_steps=2)
+    _fit(LightMem(offload_devices=["cpu"], offload_min_bytes=0, log_every_n_steps=1), double, max_steps=2,
+         accumulate_grad_batches=2)  # fmt: skip
+    key = "lightmem/memory/offload/offloaded_GiB"
+    one = _lightmem_rows(single)[0][1][key]
+    two = _lightmem_rows(double)[0][1][key]
+    assert two == 2 * one
+
+
+def test_metric_groups_can_be_chosen():
+    logger = MemoryLogger()
+    _fit(LightMem(offload=False, metrics=["host"], log_every_n_steps=1), logger, max_steps=1)
+    (_, metrics), = _lightmem_rows(logger)
+    assert set(metrics) == {m.key for m in METRICS if m.group == "host"}
+
+
+def test_end_of_fit_summary_goes_to_console_and_loggers(capsys):
+    logger = MemoryLogger()
+    _fit(LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"]), logger, max_steps=2)
+    out = capsys.readouterr().out
+    assert "lightmem: memory summary of this fit" in out
+    assert logger.hparams["lightmem/summary/blocks checkpointed"] == "3"
+    assert logger.hparams["lightmem/summary/peak host RSS"].endswith("iB")
+    assert logger.hparams["lightmem/summary/offloaded per step"].endswith("iB")
+
+
+def test_tensorboard_event_files_hold_the_panels_and_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    logger = TensorBoardLogger(tmp_path, name="run")
+    _fit(LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"], log_every_n_steps=1), logger, max_steps=3)
+    accumulator = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
+    accumulator.Reload()
+    scalars = accumulator.Tags()["scalars"]
+    assert "lightmem/memory/host/rss_GiB" in scalars
+    assert [e.step for e in accumulator.Scalars("lightmem/memory/offload/offloaded_GiB")] == [1, 2, 3]
+    config = accumulator.Tensors("custom_scalars__config__")[0]
+    layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
+    (category,) = layout.category
+    assert category.title == CATEGORY
+    charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
+    assert charts["Host memory"] == [
+        "lightmem/memory/host/rss_GiB", "lightmem/memory/host/available_GiB",
+        "lightmem/memory/host/swap_used_GiB", "lightmem/memory/host/pinned_GiB",
+    ]  # fmt: skip
+    assert charts["Offload traffic"] == ["lightmem/memory/offload/offloaded_GiB", "lightmem/memory/offload/reloaded_GiB"]
+    assert "Checkpointing" in charts
+    assert "GPU memory (PyTorch)" not in charts  # no CUDA here: that probe group is off
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo DDP subprocess test is Linux-only here")
+def test_ddp_on_two_cpu_processes_gives_equal_weights_and_logs_max_over_ranks(tmp_path):
+    script = Path(__file__).parent / "ddp_script.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["weights_equal"] is True
+    assert report["logged_steps"] == [1, 2, 3]
+    assert report["logged_rss_GiB"] == max(report["local_rss_GiB"])  # the max over the two ranks
