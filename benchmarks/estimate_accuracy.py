@@ -66,7 +66,9 @@ def _classification_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 def _tagging_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.zeros(tokens.numel(), dtype=torch.long))
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), torch.zeros(tokens.numel(), dtype=torch.long)
+    )
 
 
 @dataclass
@@ -81,13 +83,25 @@ def make_case(name: str, small: bool = False) -> Case:
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
     if name == "mlp":
-        return Case(MLP(256 if small else 1024), torch.randn(64 if small else 256, 512, generator=generator), _classification_loss)
+        return Case(
+            MLP(256 if small else 1024),
+            torch.randn(64 if small else 256, 512, generator=generator),
+            _classification_loss,
+        )
     if name == "cnn-batchnorm":
-        return Case(ConvNet(), torch.randn(8 if small else 32, 3, 16 if small else 32, 16 if small else 32, generator=generator), _classification_loss)
+        return Case(
+            ConvNet(),
+            torch.randn(8 if small else 32, 3, 16 if small else 32, 16 if small else 32, generator=generator),
+            _classification_loss,
+        )
     if name == "transformer":
         return Case(TinyGPT(), torch.randint(0, 128, (4 if small else 16, 33), generator=generator), gpt_loss)
     if name == "lstm":
-        return Case(LSTMTagger(), torch.randint(0, 100, (4 if small else 16, 20 if small else 40), generator=generator), _tagging_loss)
+        return Case(
+            LSTMTagger(),
+            torch.randint(0, 100, (4 if small else 16, 20 if small else 40), generator=generator),
+            _tagging_loss,
+        )
     if name == "embedding":
         return Case(
             EmbeddingClassifier(2000 if small else 5000, 64),
@@ -116,11 +130,15 @@ def compare(name: str, precision: str = "32-true", small: bool = False) -> Compa
     """Estimate and measure one case; the real step runs on a copy of the model."""
     case = make_case(name, small)
     started = time.perf_counter()
-    estimate = estimate_memory(case.model, case.batch, case.loss_fn, optimizer="adamw", precision=precision, device="cpu")
+    estimate = estimate_memory(
+        case.model, case.batch, case.loss_fn, optimizer="adamw", precision=precision, device="cpu"
+    )
     seconds = time.perf_counter() - started
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        measured = measure_cpu_step(copy.deepcopy(case.model), case.batch, case.loss_fn, optimizer="adamw", precision=precision)
+        measured = measure_cpu_step(
+            copy.deepcopy(case.model), case.batch, case.loss_fn, optimizer="adamw", precision=precision
+        )
     return Comparison(
         name, precision, estimate.peak_bytes, measured.peak_bytes, dict(estimate.breakdown), dict(measured.breakdown),
         f"{estimate.peak_phase}: {estimate.peak_op}", seconds,
@@ -139,8 +157,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     print(f"Hardware: {hardware()}")
-    print("Estimate: lightmem.estimate_memory(device='cpu', optimizer='adamw'); measured: real CPU step under MemTracker")
-    print("Each cell: predicted / measured (ratio). Steady-state step: previous step's gradients and state alive.\n")
+    print(
+        "Estimate: lightmem.estimate_memory(device='cpu', optimizer='adamw'); measured: real CPU step under MemTracker"
+    )
+    print(
+        "Each cell: predicted / measured (ratio). Steady-state step: previous step's gradients and state alive.\n"
+    )
     header = ["model", "precision", "peak"] + list(CATEGORIES) + ["peak at", "estimate s"]
     rows = []
     for precision in ("32-true", "bf16-mixed"):
@@ -148,7 +170,11 @@ def main() -> None:
             if name == "lstm" and precision == "bf16-mixed":
                 continue  # oneDNN has no bfloat16 LSTM on every CPU, so the real step cannot run
             result = compare(name, precision, args.small)
-            cells = [name, precision, f"{format_bytes(result.predicted_peak)} / {format_bytes(result.measured_peak)} ({_ratio(result.predicted_peak, result.measured_peak)})"]
+            cells = [
+                name,
+                precision,
+                f"{format_bytes(result.predicted_peak)} / {format_bytes(result.measured_peak)} ({_ratio(result.predicted_peak, result.measured_peak)})",
+            ]
             for category in CATEGORIES:
                 p, m = result.predicted[category], result.measured[category]
                 cells.append(f"{format_bytes(p)} / {format_bytes(m)} ({_ratio(p, m)})")

@@ -39,7 +39,9 @@ class CausalSelfAttention(nn.Module):
             mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
             scores = scores.masked_fill(~mask, float("-inf"))
             out = F.dropout(scores.softmax(dim=-1), p, self.training) @ v
-        return self.proj(F.dropout(out.transpose(1, 2).reshape(batch, seq, width), self.dropout, self.training))
+        return self.proj(
+            F.dropout(out.transpose(1, 2).reshape(batch, seq, width), self.dropout, self.training)
+        )
 
 
 class Block(nn.Module):
@@ -48,7 +50,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(width)
         self.attn = CausalSelfAttention(width, heads, dropout, fused)
         self.ln_2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -58,7 +62,16 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2 layout: token and position embeddings, pre-norm blocks, tied output head."""
 
-    def __init__(self, vocab: int, seq: int, width: int, depth: int, heads: int, dropout: float = 0.1, fused: bool = True) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        seq: int,
+        width: int,
+        depth: int,
+        heads: int,
+        dropout: float = 0.1,
+        fused: bool = True,
+    ) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(seq, width)

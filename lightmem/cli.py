@@ -54,8 +54,7 @@ def _call_factory(factory: Callable[[int], Any], batch_size: int) -> tuple[Any, 
     made = factory(batch_size)
     if not isinstance(made, tuple) or len(made) not in (2, 3):
         raise ValueError(
-            "factory: must return (model, batch) or (model, batch, loss_fn); "
-            f"got {type(made).__name__}"
+            f"factory: must return (model, batch) or (model, batch, loss_fn); got {type(made).__name__}"
         )
     model, batch = made[0], made[1]
     loss_fn = made[2] if len(made) == 3 else None
@@ -63,27 +62,56 @@ def _call_factory(factory: Callable[[int], Any], batch_size: int) -> tuple[Any, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightmem", description="lightmem: memory tools for PyTorch Lightning")
+    parser = argparse.ArgumentParser(
+        prog="lightmem", description="lightmem: memory tools for PyTorch Lightning"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     estimate = commands.add_parser(
         "estimate",
         help="predict the memory of one training step (fake tensors: no GPU, no real allocation)",
         description="Predict the peak memory of one steady-state training step and where it goes.",
     )
-    estimate.add_argument("factory", help="package.module:function or file.py:function; function(batch_size) -> (model, batch[, loss_fn])")
+    estimate.add_argument(
+        "factory",
+        help="package.module:function or file.py:function; function(batch_size) -> (model, batch[, loss_fn])",
+    )
     estimate.add_argument("--batch-size", type=int, required=True, help="batch size passed to the factory")
     estimate.add_argument("--budget", help="device memory to fit, e.g. 24GiB")
-    estimate.add_argument("--optimizer", default=None, help="torch.optim name (default: adamw, or configure_optimizers of a LightningModule)")
-    estimate.add_argument("--precision", default="32-true", help="Lightning precision: 32-true, 16-mixed, bf16-mixed, bf16-true, ...")
+    estimate.add_argument(
+        "--optimizer",
+        default=None,
+        help="torch.optim name (default: adamw, or configure_optimizers of a LightningModule)",
+    )
+    estimate.add_argument(
+        "--precision",
+        default="32-true",
+        help="Lightning precision: 32-true, 16-mixed, bf16-mixed, bf16-true, ...",
+    )
     estimate.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    estimate.add_argument("--overhead", default=None, help="allowance for what is not modelled (default 1GiB on cuda, 0 on cpu)")
-    estimate.add_argument("--checkpoint", nargs="+", default=None, metavar="TARGET", help="checkpoint these blocks (names, class names, globs)")
+    estimate.add_argument(
+        "--overhead", default=None, help="allowance for what is not modelled (default 1GiB on cuda, 0 on cpu)"
+    )
+    estimate.add_argument(
+        "--checkpoint",
+        nargs="+",
+        default=None,
+        metavar="TARGET",
+        help="checkpoint these blocks (names, class names, globs)",
+    )
     estimate.add_argument("--offload", action="store_true", help="simulate lightmem's activation offload")
     estimate.add_argument("--offload-min-bytes", default=None, help="offload threshold (default 1MiB)")
-    estimate.add_argument("--offload-include", nargs="+", default=None, metavar="PATTERN", help="offload only in these modules")
-    estimate.add_argument("--offload-exclude", nargs="+", default=None, metavar="PATTERN", help="never offload in these modules")
-    estimate.add_argument("--plan", action="store_true", help="also plan the cheapest configuration that fits --budget")
-    estimate.add_argument("--max-batch-size", action="store_true", help="also search the largest batch that fits --budget")
+    estimate.add_argument(
+        "--offload-include", nargs="+", default=None, metavar="PATTERN", help="offload only in these modules"
+    )
+    estimate.add_argument(
+        "--offload-exclude", nargs="+", default=None, metavar="PATTERN", help="never offload in these modules"
+    )
+    estimate.add_argument(
+        "--plan", action="store_true", help="also plan the cheapest configuration that fits --budget"
+    )
+    estimate.add_argument(
+        "--max-batch-size", action="store_true", help="also search the largest batch that fits --budget"
+    )
     estimate.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
 
@@ -110,16 +138,25 @@ def run_estimate(args: argparse.Namespace, console: Console) -> int:
         raise ValueError("--plan and --max-batch-size need --budget")
     factory = load_factory(args.factory)
     model, batch, loss_fn = _call_factory(factory, args.batch_size)
-    common = dict(optimizer=args.optimizer, precision=args.precision, device=args.device, overhead_bytes=args.overhead)
+    common = {
+        "optimizer": args.optimizer,
+        "precision": args.precision,
+        "device": args.device,
+        "overhead_bytes": args.overhead,
+    }
     offload = _offload_arg(args)
-    result = estimate_memory(model, batch, loss_fn, offload=offload, checkpoint=args.checkpoint, budget=args.budget, **common)
+    result = estimate_memory(
+        model, batch, loss_fn, offload=offload, checkpoint=args.checkpoint, budget=args.budget, **common
+    )
     output: dict[str, Any] = {"estimate": result.to_dict()}
     found_plan = search = None
     if args.plan:
         found_plan = plan(model, batch, args.budget, loss_fn, **common)
         output["plan"] = found_plan.to_dict()
     if args.max_batch_size:
-        search = max_batch_size(model, batch, args.budget, loss_fn, offload=offload, checkpoint=args.checkpoint, **common)
+        search = max_batch_size(
+            model, batch, args.budget, loss_fn, offload=offload, checkpoint=args.checkpoint, **common
+        )
         output["max_batch_size"] = search.to_dict()
     if args.json:
         print(json.dumps(output, indent=2))

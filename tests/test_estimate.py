@@ -88,7 +88,12 @@ def test_peak_location_names_phase_op_and_block():
 
 def test_saved_activations_are_reported_per_top_level_block():
     est = estimate_memory(TinyGPT(), _tokens(), gpt_loss, device="cpu")
-    assert [name for name in est.blocks if name.startswith("blocks.")] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert [name for name in est.blocks if name.startswith("blocks.")] == [
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "blocks.3",
+    ]
     sizes = {est.blocks[f"blocks.{i}"].saved_bytes for i in range(4)}
     assert len(sizes) == 1 and sizes.pop() > 0  # identical blocks keep identical activations
     assert est.blocks["blocks.0"].forward_flops == est.blocks["blocks.3"].forward_flops > 0
@@ -122,8 +127,14 @@ def test_offload_and_checkpoint_reduce_predicted_activations():
 
 def test_offload_scope_limits_what_is_offloaded():
     everything = estimate_memory(TinyGPT(), _tokens(8), gpt_loss, device="cuda", offload={"min_bytes": 0})
-    one_block = estimate_memory(TinyGPT(), _tokens(8), gpt_loss, device="cuda", offload={"min_bytes": 0, "include": ["blocks.0"]})
-    assert 0 < one_block.scenarios["offload"].offloaded_bytes < everything.scenarios["offload"].offloaded_bytes / 3
+    one_block = estimate_memory(
+        TinyGPT(), _tokens(8), gpt_loss, device="cuda", offload={"min_bytes": 0, "include": ["blocks.0"]}
+    )
+    assert (
+        0
+        < one_block.scenarios["offload"].offloaded_bytes
+        < everything.scenarios["offload"].offloaded_bytes / 3
+    )
 
 
 class LitMLP(pl.LightningModule):
@@ -168,7 +179,10 @@ def test_gpt2_large_on_meta_is_estimated_without_real_allocation():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"optimizer": "adamx"}, r"estimate_memory\(optimizer=...\): unknown optimizer 'adamx'; accepted: .*adamw"),
+        (
+            {"optimizer": "adamx"},
+            r"estimate_memory\(optimizer=...\): unknown optimizer 'adamx'; accepted: .*adamw",
+        ),
         ({"precision": "8-mixed"}, r"estimate_memory\(precision=...\): unknown precision '8-mixed'"),
         ({"device": "tpu"}, r"estimate_memory\(device=...\): expected 'cuda' or 'cpu'"),
         ({"budget": "lots"}, r"estimate_memory\(budget=...\)"),

@@ -24,7 +24,15 @@ def test_static_memory_over_budget_says_no_activation_trick_helps_and_names_opti
     assert est.static_bytes > 2 * 2**20
     assert _rules(est)[0] == "static-exceeds-budget"
     message = est.advice[0].message
-    for option in ("no activation technique", "bf16", "8-bit", "stateless", "FSDP", "ZeRO-Offload", "smaller model"):
+    for option in (
+        "no activation technique",
+        "bf16",
+        "8-bit",
+        "stateless",
+        "FSDP",
+        "ZeRO-Offload",
+        "smaller model",
+    ):
         assert option in message, option
     assert "reach-budget" not in _rules(est)
 
@@ -63,7 +71,11 @@ def test_one_hot_dense_input_suggests_an_embedding():
     est = estimate_memory(OneHotClassifier(), one_hot, _classify, device="cpu")
     advice = [item for item in est.advice if item.rule == "dense-zero-input"]
     assert len(advice) == 1
-    assert "99.9% zeros" in advice[0].message and "one-hot" in advice[0].message and "nn.Embedding" in advice[0].message
+    assert (
+        "99.9% zeros" in advice[0].message
+        and "one-hot" in advice[0].message
+        and "nn.Embedding" in advice[0].message
+    )
 
 
 def test_dense_random_input_gets_no_sparse_advice():
@@ -101,4 +113,7 @@ def test_fused_attention_gets_no_quadratic_advice():
 
 
 def test_block_names_are_compacted_into_ranges():
-    assert compact_names(["blocks.0", "blocks.1", "blocks.2", "blocks.5", "head"]) == "blocks.0-2, blocks.5, head"
+    assert (
+        compact_names(["blocks.0", "blocks.1", "blocks.2", "blocks.5", "head"])
+        == "blocks.0-2, blocks.5, head"
+    )

@@ -48,7 +48,10 @@ def test_table_output_with_a_file_factory_and_plan(capsys):
         (["examples.estimate_factories:nope", "--batch-size", "2"], "has no function 'nope'"),
         (["no_such_module:f", "--batch-size", "2"], "cannot import 'no_such_module'"),
         (["examples.estimate_factories", "--batch-size", "2"], "expected 'package.module:function'"),
-        (["examples.estimate_factories:tiny_gpt", "--batch-size", "2", "--precision", "fp8"], "unknown precision 'fp8'"),
+        (
+            ["examples.estimate_factories:tiny_gpt", "--batch-size", "2", "--precision", "fp8"],
+            "unknown precision 'fp8'",
+        ),
         (["examples.estimate_factories:tiny_gpt", "--batch-size", "2", "--plan"], "need --budget"),
     ],
 )

@@ -7,7 +7,7 @@ import torch
 from models import TinyGPT, gpt_loss
 
 from lightmem import estimate_memory, max_batch_size, plan
-from lightmem.estimate.planner import CHECKPOINT, OFFLOAD, Costs, choose_actions
+from lightmem.estimate.planner import BOTH, CHECKPOINT, OFFLOAD, Costs, choose_actions, config_for
 from lightmem.estimate.report import BlockMemory
 from lightmem.estimate.search import largest_fitting
 
@@ -61,7 +61,12 @@ def test_plan_fits_when_the_budget_allows_and_its_flags_verify():
 def test_plan_is_empty_when_the_baseline_fits():
     result = plan(TinyGPT(), _tokens(), "1GiB", gpt_loss, device="cpu")
     assert result.fits and result.checkpoint == [] and result.offload is None
-    assert result.lightmem_kwargs() == {"offload": False, "offload_min_bytes": None, "offload_include": None, "checkpoint": []}
+    assert result.lightmem_kwargs() == {
+        "offload": False,
+        "offload_min_bytes": None,
+        "offload_include": None,
+        "checkpoint": [],
+    }
 
 
 def test_plan_says_it_cannot_when_static_memory_exceeds_the_budget():
@@ -85,9 +90,14 @@ def test_choose_actions_prefers_offload_while_compute_hides_the_transfer():
     blocks = {
         # 10 MB at 1 GB/s is 10 ms; 1e11 FLOP at 1e12 FLOP/s is 100 ms: the transfer hides.
         "heavy": _block("heavy", 10_000_000, 1e11, [1_000_000] * 10),
-        # Same bytes, 1 ms of compute: offloading would stall, re-running costs 1 ms.
+        # Same bytes, 1 ms of compute: offloading all would stall, re-running costs 1 ms, and the
+        # 1 MB input checkpoint keeps moves in 1 ms, hidden by the re-run: checkpoint + offload.
         "light": _block("light", 10_000_000, 1e9, [1_000_000] * 10),
     }
     actions = choose_actions(blocks, 15_000_000, costs)
-    assert actions == {"heavy": OFFLOAD, "light": CHECKPOINT}
-    assert choose_actions(blocks, 15_000_000, Costs(1e12, 1e9, 1, allow_offload=False)) == {"light": CHECKPOINT, "heavy": CHECKPOINT}
+    assert actions == {"heavy": OFFLOAD, "light": BOTH}
+    assert config_for(actions, 1) == (["light"], {"min_bytes": 1, "include": ["heavy", "light"]})
+    assert choose_actions(blocks, 15_000_000, Costs(1e12, 1e9, 1, allow_offload=False)) == {
+        "light": CHECKPOINT,
+        "heavy": CHECKPOINT,
+    }

@@ -77,7 +77,9 @@ def dense_zero_input(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTr
 
 
 def quadratic_attention(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace) -> list[Advice]:
-    lengths = {n + delta for n in info.sequence_lengths for delta in (-1, 0, 1) if n + delta >= QUADRATIC_MIN_LENGTH}
+    lengths = {
+        n + delta for n in info.sequence_lengths for delta in (-1, 0, 1) if n + delta >= QUADRATIC_MIN_LENGTH
+    }
     if not lengths:
         return []
     total = sum(saved.nbytes for saved in baseline.saved_at_forward_end) or 1
@@ -108,8 +110,15 @@ def quadratic_attention(estimate: MemoryEstimate, info: BatchInfo, baseline: Ste
 
 
 def reach_budget(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace) -> list[Advice]:
-    from lightmem.estimate.planner import CHECKPOINT, DEFAULT_FLOPS_PER_S, DEFAULT_MIN_BYTES, OFFLOAD, Costs, choose_actions
     from lightmem.config import parse_size
+    from lightmem.estimate.planner import (
+        DEFAULT_FLOPS_PER_S,
+        DEFAULT_MIN_BYTES,
+        Costs,
+        choose_actions,
+        config_for,
+        saves_bytes,
+    )
 
     if estimate.budget_bytes is None:
         return []
@@ -123,33 +132,31 @@ def reach_budget(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace)
         parse_size(DEFAULT_MIN_BYTES, flag="min_bytes"), allow_offload=estimate.device != "cpu",
     )  # fmt: skip
     actions = choose_actions(estimate.blocks, need, costs)
-    saves = {
-        name: (estimate.blocks[name].offloadable_bytes(costs.min_bytes) if action == OFFLOAD
-               else max(0, estimate.blocks[name].saved_bytes - estimate.blocks[name].input_bytes))
-        for name, action in actions.items()
-    }  # fmt: skip
-    checkpoint = sorted((n for n, a in actions.items() if a == CHECKPOINT), key=_natural)
-    offload = sorted((n for n, a in actions.items() if a == OFFLOAD), key=_natural)
-    if sum(saves.values()) < need:
+    saved = sum(saves_bytes(estimate.blocks[name], action, costs) for name, action in actions.items())
+    checkpoint, offload = config_for(actions, costs.min_bytes)
+    if saved < need:
         return [
             Advice(
                 "reach-budget",
                 f"the step needs {format_bytes(need)} less to fit {format_bytes(estimate.budget_bytes)}, but "
-                f"checkpointing or offloading every block saves about {format_bytes(sum(saves.values()))}; "
+                f"checkpointing or offloading every block saves about {format_bytes(saved)}; "
                 "reduce the batch size (lightmem.max_batch_size finds the largest that fits) or the model.",
             )
         ]
     parts = []
-    if offload:
-        parts.append(f"offload {compact_names(offload)} (offload_include, min_bytes {DEFAULT_MIN_BYTES})")
     if checkpoint:
-        parts.append(f"checkpoint {compact_names(checkpoint)}")
+        parts.append(f"checkpoint {compact_names(sorted(checkpoint, key=_natural))}")
+    if offload is not None:
+        parts.append(
+            f"offload {compact_names(sorted(offload['include'], key=_natural))} "
+            f"(offload_include, min_bytes {DEFAULT_MIN_BYTES})"
+        )
     return [
         Advice(
             "reach-budget",
             f"to fit {format_bytes(estimate.budget_bytes)} the step needs {format_bytes(need)} less: "
             + " and ".join(parts)
-            + f" saves about {format_bytes(sum(saves.values()))} (first guess; lightmem.plan(...) verifies it "
+            + f" saves about {format_bytes(saved)} (first guess; lightmem.plan(...) verifies it "
             "with the estimator).",
         )
     ]

@@ -40,7 +40,16 @@ _FP32_NAMES = (
 # CUDA's fp32_set_opt_dtype policy: computed and returned in float32 (no input copy).
 _OPT_DTYPE_NAMES = ("softmax", "log_softmax", "cumsum", "cumprod", "prod", "sum")
 # CUDA's lower-precision policy for ops CPU autocast does not cast.
-_LOWER_NAMES = ("addmv", "addr", "mv", "chain_matmul", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
+_LOWER_NAMES = (
+    "addmv",
+    "addr",
+    "mv",
+    "chain_matmul",
+    "lstm_cell",
+    "gru_cell",
+    "rnn_tanh_cell",
+    "rnn_relu_cell",
+)
 # CPU autocast casts these to float32; CUDA autocast leaves them in the input dtype.
 _KEEP_NAMES = (
     "avg_pool3d", "max_pool3d", "adaptive_avg_pool3d", "max_unpool2d", "max_unpool3d", "polar",
@@ -84,7 +93,9 @@ def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
 class CudaBehaviour(TorchFunctionMode):
     """Makes a fake CPU step allocate as the same step would on CUDA (see the module docstring)."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _DROPOUT:
             return _fused_dropout(func, args, kwargs)
@@ -139,12 +150,27 @@ def _fused_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _cross_entropy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+    names = (
+        "input",
+        "target",
+        "weight",
+        "size_average",
+        "ignore_index",
+        "reduce",
+        "reduction",
+        "label_smoothing",
+    )
     bound = dict(zip(names, args))
     bound.update(kwargs)
     x, target = bound["input"], bound["target"]
     smoothing = bound.get("label_smoothing", 0.0)
-    if x.dtype not in _LOW or target.is_floating_point() or smoothing or bound.get("size_average") is not None or bound.get("reduce") is not None:
+    if (
+        x.dtype not in _LOW
+        or target.is_floating_point()
+        or smoothing
+        or bound.get("size_average") is not None
+        or bound.get("reduce") is not None
+    ):
         return F.cross_entropy(*args, **kwargs)
     with torch.autocast("cpu", enabled=False):
         log_probs = torch.log_softmax(x, dim=1 if x.dim() > 1 else 0, dtype=torch.float32)

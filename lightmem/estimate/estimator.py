@@ -53,9 +53,13 @@ def parse_settings(
 ) -> EstimateSettings:
     """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``."""
     if not isinstance(model, nn.Module):
-        raise ValueError(f"{fn_name}(model=...): expected an nn.Module or LightningModule; got {type(model).__name__}")
+        raise ValueError(
+            f"{fn_name}(model=...): expected an nn.Module or LightningModule; got {type(model).__name__}"
+        )
     if loss_fn is not None and not callable(loss_fn):
-        raise ValueError(f"{fn_name}(loss_fn=...): expected a callable loss_fn(model, batch) -> loss; got {loss_fn!r}")
+        raise ValueError(
+            f"{fn_name}(loss_fn=...): expected a callable loss_fn(model, batch) -> loss; got {loss_fn!r}"
+        )
     if optimizer is None and not _is_lightning(model):
         optimizer = "adamw"
     kind = parse_device(device, flag=f"{fn_name}(device=...)")
@@ -113,7 +117,9 @@ def scenario_from(name: str, trace: StepTrace) -> StepMemory:
 
 def blocks_from(trace: StepTrace) -> dict[str, BlockMemory]:
     return {
-        name: BlockMemory(name, usage.saved_bytes, usage.forward_flops, usage.input_bytes, list(usage.saved_sizes))
+        name: BlockMemory(
+            name, usage.saved_bytes, usage.forward_flops, usage.input_bytes, list(usage.saved_sizes)
+        )
         for name, usage in trace.blocks.items()
     }
 
@@ -220,7 +226,9 @@ def build_estimate(
     from lightmem.estimate.advice import advise
 
     started = time.perf_counter() if started is None else started
-    configurations: list[tuple[str, OffloadConfig | None, tuple[Any, ...] | None]] = [("baseline", None, None)]
+    configurations: list[tuple[str, OffloadConfig | None, tuple[Any, ...] | None]] = [
+        ("baseline", None, None)
+    ]
     if checkpoint:
         configurations.append(("checkpoint", None, checkpoint))
     if offload is not None:
@@ -230,7 +238,13 @@ def build_estimate(
     traces: dict[str, StepTrace] = {}
     for name, offload_config, targets in configurations:
         traces[name] = run_configuration(
-            model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=batch_size, info=info
+            model,
+            batch,
+            settings,
+            offload=offload_config,
+            checkpoint=targets,
+            batch_size=batch_size,
+            info=info,
         )
     scenarios = {name: scenario_from(name, trace) for name, trace in traces.items()}
     chosen = scenarios[configurations[-1][0]]
@@ -245,7 +259,9 @@ def build_estimate(
         budget_bytes=settings.budget_bytes,
         device=settings.device,
         precision=settings.precision.name,
-        optimizer=settings.optimizer.name if settings.optimizer.factory is not None else "+".join(baseline.optimizers),
+        optimizer=settings.optimizer.name
+        if settings.optimizer.factory is not None
+        else "+".join(baseline.optimizers),
         batch_size=batch_size if batch_size is not None else info.batch_size,
         parameter_count=parameter_count(model),
         blocks=blocks_from(baseline),

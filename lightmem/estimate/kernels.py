@@ -29,7 +29,10 @@ def _probe(args: tuple[Any, ...], batch: int, steps: int, time_major: bool) -> i
     with unset_fake_temporarily(), torch.enable_grad():
         real = [torch.zeros(shape, dtype=inp.dtype)]
         real += [torch.zeros(tuple(w.shape), dtype=w.dtype) for w in (w0, w1, w2, w3)]
-        real += [torch.zeros((batch, *hx.shape[1:]), dtype=hx.dtype), torch.zeros((batch, *cx.shape[1:]), dtype=cx.dtype)]
+        real += [
+            torch.zeros((batch, *hx.shape[1:]), dtype=hx.dtype),
+            torch.zeros((batch, *cx.shape[1:]), dtype=cx.dtype),
+        ]
         out = torch.ops.aten.mkldnn_rnn_layer.default(*real, *args[7:])
         return int(out[3].numel() * out[3].element_size())
 
@@ -58,7 +61,7 @@ def mkldnn_workspace_bytes(args: tuple[Any, ...]) -> int:
             return probes[(b1, t)] + (batch - b1) * slope
 
         slope_t = (at_steps(t2) - at_steps(t1)) / (t2 - t1) if t2 != t1 else 0.0
-        size = int(round(at_steps(t1) + (steps - t1) * slope_t))
+        size = round(at_steps(t1) + (steps - t1) * slope_t)
     _workspace_cache[key] = size
     return size
 

@@ -26,7 +26,18 @@ from lightmem.offload.scope import ModuleScope
 class _Entry:
     """One offloaded storage, shared by every save of it."""
 
-    __slots__ = ("nbytes", "index", "version", "restored", "handles", "unpacks", "prefetched", "block", "done", "__weakref__")
+    __slots__ = (
+        "__weakref__",
+        "block",
+        "done",
+        "handles",
+        "index",
+        "nbytes",
+        "prefetched",
+        "restored",
+        "unpacks",
+        "version",
+    )
 
     def __init__(self, nbytes: int, index: int, version: int, block: str | None) -> None:
         self.nbytes = nbytes
@@ -43,7 +54,7 @@ class _Entry:
 class _Handle:
     """What autograd holds for one save of an offloaded storage."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "seen", "owner")
+    __slots__ = ("dtype", "entry", "offset", "owner", "seen", "size", "stride")
 
     def __init__(self, owner: SavedTensorHooks, entry: _Entry, tensor: Tensor) -> None:
         self.owner = owner
@@ -154,8 +165,7 @@ class SavedTensorHooks:
             return handle
         entry = handle.entry
         if entry.restored is None:
-            if entry.index < self._cursor:
-                self._cursor = entry.index
+            self._cursor = min(self._cursor, entry.index)
             self._reload(entry)
         elif entry.prefetched:
             entry.prefetched = False

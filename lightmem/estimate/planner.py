@@ -1,6 +1,7 @@
 """``plan``: the cheapest lightmem configuration that fits a memory budget.
 
-Each top-level block is kept, offloaded or checkpointed. Checkpointing a block saves its saved
+Each top-level block is kept, offloaded, checkpointed, or both (checkpointed, with the inputs it
+keeps offloaded: the two compose). Checkpointing a block saves its saved
 activations less its input (which checkpoint keeps) and costs one re-run of its forward, priced
 by its forward FLOPs over ``flops_per_s``. Offloading saves its saved storages of at least
 ``min_bytes`` and costs only the part of the transfer (bytes over ``link_bytes_per_s``, out during
@@ -30,7 +31,8 @@ DEFAULT_LINK_BYTES_PER_S = "25GB"
 DEFAULT_FLOPS_PER_S = {"cuda": 100e12, "cpu": 0.2e12}
 """Sustained forward throughput used to price re-computation; pass your device's own."""
 DEFAULT_MIN_BYTES = "1MiB"
-KEEP, OFFLOAD, CHECKPOINT = "keep", "offload", "checkpoint"
+KEEP, OFFLOAD, CHECKPOINT, BOTH = "keep", "offload", "checkpoint", "checkpoint+offload"
+_RANK = {KEEP: 0, OFFLOAD: 1, CHECKPOINT: 2, BOTH: 3}  # a block only moves up this list
 
 
 @dataclass
@@ -41,11 +43,24 @@ class Costs:
     allow_offload: bool
 
 
-def _saves(block: BlockMemory, action: str, costs: Costs) -> int:
+def _offload_s(nbytes: int, forward_s: float, costs: Costs) -> float:
+    """Transfer time compute does not hide: out while forward runs on, back during backward (~2x)."""
+    transfer_s = nbytes / costs.link_bytes_per_s
+    return max(0.0, transfer_s - forward_s) + max(0.0, transfer_s - 2 * forward_s)
+
+
+def _kept_input(block: BlockMemory, costs: Costs) -> int:
+    return block.input_bytes if block.input_bytes >= costs.min_bytes else 0
+
+
+def saves_bytes(block: BlockMemory, action: str, costs: Costs) -> int:
+    """Predicted activation bytes ``action`` takes off the device for ``block``."""
     if action == OFFLOAD:
         return block.offloadable_bytes(costs.min_bytes)
     if action == CHECKPOINT:
         return max(0, block.saved_bytes - block.input_bytes)
+    if action == BOTH:  # checkpoint keeps only the input, and offload moves that to host
+        return max(0, block.saved_bytes - block.input_bytes) + _kept_input(block, costs)
     return 0
 
 
@@ -54,9 +69,9 @@ def _cost_s(block: BlockMemory, action: str, costs: Costs) -> float:
     if action == CHECKPOINT:
         return forward_s
     if action == OFFLOAD:
-        transfer_s = _saves(block, OFFLOAD, costs) / costs.link_bytes_per_s
-        # Out while forward runs on, back while backward (about twice forward) runs.
-        return max(0.0, transfer_s - forward_s) + max(0.0, transfer_s - 2 * forward_s)
+        return _offload_s(saves_bytes(block, OFFLOAD, costs), forward_s, costs)
+    if action == BOTH:
+        return forward_s + _offload_s(_kept_input(block, costs), forward_s, costs)
     return 0.0
 
 
@@ -74,8 +89,8 @@ def choose_actions(
     checkpoint. Returns the actions (blocks left out are kept), possibly short of the need.
     """
     actions = dict(start or {})
-    saved = sum(_saves(blocks[name], action, costs) for name, action in actions.items())
-    order = [CHECKPOINT] if not costs.allow_offload else [OFFLOAD, CHECKPOINT]
+    saved = sum(saves_bytes(blocks[name], action, costs) for name, action in actions.items())
+    order = [CHECKPOINT] if not costs.allow_offload else [OFFLOAD, CHECKPOINT, BOTH]
     while saved < need_bytes:
         best: tuple[float, int, str, str] | None = None
         for name, block in blocks.items():
@@ -83,11 +98,9 @@ def choose_actions(
                 continue
             current = actions.get(name, KEEP)
             for action in order:
-                if action == current or (current == CHECKPOINT):
+                if _RANK[action] <= _RANK[current]:
                     continue
-                if current == OFFLOAD and action == OFFLOAD:
-                    continue
-                gain = _saves(block, action, costs) - _saves(block, current, costs)
+                gain = saves_bytes(block, action, costs) - saves_bytes(block, current, costs)
                 if gain <= 0:
                     continue
                 extra = _cost_s(block, action, costs) - _cost_s(block, current, costs)
@@ -158,11 +171,14 @@ class Plan:
             return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
         if not self.checkpoint and self.offload is None:
             return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
+        from lightmem.estimate.advice import compact_names
+
         parts = []
         if self.checkpoint:
-            parts.append(f"checkpoint {', '.join(self.checkpoint)}")
+            parts.append(f"checkpoint {compact_names(sorted(self.checkpoint, key=_natural))}")
         if self.offload is not None:
-            parts.append(f"offload {', '.join(self.offload['include'])} (min_bytes {format_bytes(self.offload['min_bytes'])})")
+            names = compact_names(sorted(self.offload["include"], key=_natural))
+            parts.append(f"offload {names} (min_bytes {format_bytes(self.offload['min_bytes'])})")
         return (
             f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
             + "; ".join(parts)
@@ -173,8 +189,8 @@ class Plan:
 
 def config_for(actions: Mapping[str, str], min_bytes: int) -> tuple[list[str], dict[str, Any] | None]:
     """Map per-block actions onto lightmem flags: checkpoint names and the offload dict."""
-    checkpoint = [name for name, action in actions.items() if action == CHECKPOINT]
-    offloaded = [name for name, action in actions.items() if action == OFFLOAD]
+    checkpoint = [name for name, action in actions.items() if action in (CHECKPOINT, BOTH)]
+    offloaded = [name for name, action in actions.items() if action in (OFFLOAD, BOTH)]
     offload = {"min_bytes": min_bytes, "include": offloaded} if offloaded else None
     return checkpoint, offload
 
@@ -194,7 +210,7 @@ def plan(
     offload_min_bytes: int | str = DEFAULT_MIN_BYTES,
     max_rounds: int = 4,
 ) -> Plan:
-    """Pick, per top-level block, keep / offload / checkpoint so the step fits ``budget``.
+    """Pick, per top-level block, keep / offload / checkpoint / both so the step fits ``budget``.
 
     Args:
         budget: device memory for the whole step, overhead allowance included ("24GiB", bytes).
@@ -265,8 +281,14 @@ def plan(
         )  # fmt: skip
         result.checkpoint, result.offload, result.actions = checkpoint, offload, dict(actions)
         result.predicted_peak_bytes = trace.peak.bytes
-        result.recompute_s = sum(_cost_s(base.blocks[n], a, costs) for n, a in actions.items() if a == CHECKPOINT)
-        result.exposed_transfer_s = sum(_cost_s(base.blocks[n], a, costs) for n, a in actions.items() if a == OFFLOAD)
+        result.recompute_s = sum(
+            base.blocks[n].forward_flops / costs.flops_per_s
+            for n, a in actions.items()
+            if a in (CHECKPOINT, BOTH)
+        )
+        result.exposed_transfer_s = (
+            sum(_cost_s(base.blocks[n], a, costs) for n, a in actions.items()) - result.recompute_s
+        )
         result.estimate = None
         if trace.peak.bytes <= available:
             result.fits = True

@@ -24,9 +24,11 @@ NOT_MODELLED = (
     "GradScaler's unscale and gradient clipping temporaries; LR schedulers; logging",
 )
 CUDA_NOTES = (
-    "CUDA figures come from a CPU trace corrected for CUDA (autocast policy, fused dropout, "
-    "foreach optimizers, 512-byte allocation rounding); cuDNN RNN reserve space is approximated "
-    "by oneDNN's workspace; no figure here was measured on a GPU",
+    (
+        "CUDA figures come from a CPU trace corrected for CUDA (autocast policy, fused dropout and "
+        "attention, foreach optimizers, 512-byte allocation rounding); cuDNN RNN reserve space is "
+        "approximated by oneDNN's workspace; no figure here was measured on a GPU"
+    ),
 )
 
 
@@ -160,7 +162,7 @@ class MemoryEstimate:
             "seconds": round(self.seconds, 3),
         }
 
-    def render(self, *, width: int = 100, max_blocks: int = 12) -> Group:
+    def render(self, *, max_blocks: int = 12) -> Group:
         """The report as ``rich`` renderables: breakdown per configuration, blocks, advice."""
         title = (
             f"Estimated step memory on {self.device} ({self.precision}, {self.optimizer}, "
@@ -171,20 +173,37 @@ class MemoryEstimate:
         for name in self.scenarios:
             table.add_column(name, justify="right")
         for category in CATEGORIES:
-            table.add_row(category.replace("_", " "), *(format_bytes(s.breakdown[category]) for s in self.scenarios.values()))
+            table.add_row(
+                category.replace("_", " "),
+                *(format_bytes(s.breakdown[category]) for s in self.scenarios.values()),
+            )
         table.add_section()
-        table.add_row(Text("peak", style="bold"), *(Text(format_bytes(s.peak_bytes), style="bold") for s in self.scenarios.values()))
-        table.add_row("overhead allowance", *(format_bytes(self.overhead_bytes) for _ in self.scenarios))
+        table.add_row(
+            Text("peak", style="bold"),
+            *(Text(format_bytes(s.peak_bytes), style="bold") for s in self.scenarios.values()),
+        )
+        table.add_row("overhead", *(format_bytes(self.overhead_bytes) for _ in self.scenarios))
         totals = [s.peak_bytes + self.overhead_bytes for s in self.scenarios.values()]
         table.add_row(Text("total", style="bold"), *(Text(format_bytes(t), style="bold") for t in totals))
         if self.budget_bytes is not None:
             table.add_row(
                 f"fits {format_bytes(self.budget_bytes)}?",
-                *(Text("yes", style="green") if t <= self.budget_bytes else Text("no", style="red") for t in totals),
+                *(
+                    Text("yes", style="green") if t <= self.budget_bytes else Text("no", style="red")
+                    for t in totals
+                ),
             )
-        table.add_row("peak in", *(f"{s.peak_phase}: {s.peak_op}" + (f" ({s.peak_block})" if s.peak_block else "") for s in self.scenarios.values()))
+        table.add_row(
+            "peak in",
+            *(
+                f"{s.peak_phase}: {s.peak_op}" + (f" ({s.peak_block})" if s.peak_block else "")
+                for s in self.scenarios.values()
+            ),
+        )
         if any(s.offloaded_bytes for s in self.scenarios.values()):
-            table.add_row("host memory (offload)", *(format_bytes(s.host_bytes) for s in self.scenarios.values()))
+            table.add_row(
+                "host memory (offload)", *(format_bytes(s.host_bytes) for s in self.scenarios.values())
+            )
 
         blocks = Table(title="Saved activations per block (end of forward, baseline)", title_justify="left")
         blocks.add_column("block")
@@ -214,7 +233,7 @@ class MemoryEstimate:
         """The rendered report as plain text."""
         buffer = io.StringIO()
         console = Console(file=buffer, width=width, record=False, color_system=None, force_terminal=False)
-        console.print(self.render(width=width))
+        console.print(self.render())
         return buffer.getvalue()
 
     def print(self, console: Console | None = None) -> None:

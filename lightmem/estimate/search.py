@@ -142,11 +142,15 @@ def max_batch_size(
     targets = parse_checkpoint(checkpoint, flag="max_batch_size(checkpoint=...)")
     info = inspect_batch(batch)
     if info.batch_size is None:
-        raise ValueError("max_batch_size(batch=...): the batch holds no tensor with a batch dimension to scale")
+        raise ValueError(
+            "max_batch_size(batch=...): the batch holds no tensor with a batch dimension to scale"
+        )
     budget_bytes = settings.budget_bytes
     assert budget_bytes is not None
 
-    def search(offload_config: OffloadConfig | None, targets: tuple[Any, ...] | None) -> tuple[int, list[tuple[int, int]]]:
+    def search(
+        offload_config: OffloadConfig | None, targets: tuple[Any, ...] | None
+    ) -> tuple[int, list[tuple[int, int]]]:
         def total(size: int) -> int:
             trace = run_configuration(
                 model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info

@@ -148,14 +148,18 @@ def parse_offload(value: bool | Mapping[str, Any] | None, *, flag: str) -> Offlo
         )
     unknown = sorted(set(value) - set(_OFFLOAD_KEYS))
     if unknown:
-        raise ValueError(f"{flag}: unknown key(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(_OFFLOAD_KEYS)}")
+        raise ValueError(
+            f"{flag}: unknown key(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(_OFFLOAD_KEYS)}"
+        )
     host_budget = value.get("host_budget")
     return OffloadConfig(
         min_bytes=parse_size(value.get("min_bytes", DEFAULT_MIN_BYTES), flag=f"{flag}['min_bytes']"),
         include=parse_patterns(value.get("include"), flag=f"{flag}['include']"),
         exclude=parse_patterns(value.get("exclude"), flag=f"{flag}['exclude']"),
         prefetch_bytes=parse_size(value.get("prefetch", DEFAULT_PREFETCH), flag=f"{flag}['prefetch']"),
-        host_budget_bytes=None if host_budget is None else parse_size(host_budget, flag=f"{flag}['host_budget']"),
+        host_budget_bytes=None
+        if host_budget is None
+        else parse_size(host_budget, flag=f"{flag}['host_budget']"),
     )
 
 
@@ -168,7 +172,9 @@ def parse_checkpoint(value: Iterable[str | type] | str | None, *, flag: str) -> 
     try:
         targets = tuple(value)
     except TypeError:
-        raise ValueError(f"{flag}: expected a list of module names, classes or glob patterns; got {value!r}") from None
+        raise ValueError(
+            f"{flag}: expected a list of module names, classes or glob patterns; got {value!r}"
+        ) from None
     for target in targets:
         if not (isinstance(target, str) and target) and not (
             isinstance(target, type) and issubclass(target, torch.nn.Module)

@@ -26,10 +26,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.nn.utils.stateless import _reparametrize_module
 
-from lightmem.estimate.batch import fake_batch
+from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CudaBehaviour
 from lightmem.estimate.kernels import CORRECTIONS
 from lightmem.estimate.offload_sim import SavedTensorHooks
@@ -97,7 +102,11 @@ def top_level_blocks(model: nn.Module) -> dict[str, nn.Module]:
         children = list(root.named_children())
         with_params = [(name, child) for name, child in children if any(True for _ in child.parameters())]
         own = any(True for _ in root.parameters(recurse=False))
-        if len(with_params) == 1 and not own and not isinstance(with_params[0][1], (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+        if (
+            len(with_params) == 1
+            and not own
+            and not isinstance(with_params[0][1], (nn.ModuleList, nn.Sequential, nn.ModuleDict))
+        ):
             name, root = with_params[0]
             prefix = f"{prefix}{name}."
             continue
@@ -174,7 +183,7 @@ def _preserved_module_state(model: nn.Module) -> Iterator[None]:
     """Train mode for the step, then every module's mode and plain tensor attributes as they were."""
     modes = [(module, module.training) for module in model.modules()]
     attributes = [
-        (module, dict((key, value) for key, value in vars(module).items() if isinstance(value, torch.Tensor)))
+        (module, {key: value for key, value in vars(module).items() if isinstance(value, torch.Tensor)})
         for module in model.modules()
     ]
     model.train()
@@ -197,7 +206,9 @@ def _fake_like(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=target, device="cpu")
 
 
-def _fake_state(model: nn.Module, param_dtype: torch.dtype | None) -> tuple[dict[str, torch.Tensor], list[nn.Parameter], list[torch.Tensor]]:
+def _fake_state(
+    model: nn.Module, param_dtype: torch.dtype | None
+) -> tuple[dict[str, torch.Tensor], list[nn.Parameter], list[torch.Tensor]]:
     """Fake parameters and buffers by every name they have (tied weights stay tied)."""
     by_id: dict[int, torch.Tensor] = {}
     named: dict[str, torch.Tensor] = {}
@@ -220,7 +231,9 @@ def _fake_state(model: nn.Module, param_dtype: torch.dtype | None) -> tuple[dict
     return named, params, buffers
 
 
-def _run(model: nn.Module, batch: Any, request: StepRequest, blocks: dict[str, nn.Module], is_lightning: bool) -> StepTrace:
+def _run(
+    model: nn.Module, batch: Any, request: StepRequest, blocks: dict[str, nn.Module], is_lightning: bool
+) -> StepTrace:
     precision = request.precision
     tracer = StorageTracer(allocation_rounding(request.device), CORRECTIONS)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -235,12 +248,12 @@ def _run(model: nn.Module, batch: Any, request: StepRequest, blocks: dict[str, n
             tracer.track(param, PARAMETER)
         for buffer in buffers:
             tracer.track(buffer, BUFFER)
-        from lightmem.estimate.batch import batch_tensors
-
         for tensor in batch_tensors(inputs):
             tracer.track(tensor, INPUT)
         with _reparametrize_module(model, named), tracer, torch.enable_grad():
-            return _steady_step(model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected)
+            return _steady_step(
+                model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected
+            )
 
 
 def _steady_step(
@@ -264,7 +277,9 @@ def _steady_step(
     for optimizer in optimizers:
         optimizer.step()
     state_of = _mark_state(tracer, optimizers, request.device)
-    grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: tracer.mark_gradient(p.grad)) for p in trainable]
+    grad_hooks = [
+        p.register_post_accumulate_grad_hook(lambda p: tracer.mark_gradient(p.grad)) for p in trainable
+    ]
 
     block_names = {id(module): name for name, module in blocks.items()}
     tracker = _BlockTracker(tracer, block_names)
@@ -286,7 +301,9 @@ def _steady_step(
             hooks.attach()
             stack.callback(hooks.detach)
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack))
-            loss = _as_loss(_forward(model, batch, request.loss_fn, is_lightning), request.loss_fn, is_lightning)
+            loss = _as_loss(
+                _forward(model, batch, request.loss_fn, is_lightning), request.loss_fn, is_lightning
+            )
     finally:
         tracer.count_flops = False
     tracer.window.forward_end = tracer.now()
@@ -295,7 +312,7 @@ def _steady_step(
     tracer.set_phase("backward")
     for optimizer in optimizers:
         optimizer.zero_grad(set_to_none=True)
-    with tracker, (CudaBehaviour() if request.device == "cuda" else contextlib.nullcontext()):
+    with tracker, CudaBehaviour() if request.device == "cuda" else contextlib.nullcontext():
         # Checkpoint re-runs forwards in here and they must allocate as the forward did, so the
         # engine is called directly: Tensor.backward would pass through (and switch off) the mode.
         _run_backward(loss)
@@ -321,7 +338,9 @@ def _steady_step(
         blocks=usage,
         saved_at_forward_end=saved_list,
         activations_at_forward_end=activations,
-        parameter_bytes=sum(tracer.records[tracer.track(t)].nbytes for t in _unique_storages(params + buffers)),
+        parameter_bytes=sum(
+            tracer.records[tracer.track(t)].nbytes for t in _unique_storages(params + buffers)
+        ),
         gradient_bytes=sum(
             tracer.records[tracer.track(grad)].nbytes
             for grad in _unique_storages([p.grad for p in trainable if p.grad is not None])
@@ -357,7 +376,7 @@ def _state_records(tracer: StorageTracer, optimizers: list[torch.optim.Optimizer
     rids = []
     seen: set[int] = set()
     for optimizer in optimizers:
-        for param, state in optimizer.state.items():
+        for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     rid = tracer.track(value)
@@ -367,7 +386,9 @@ def _state_records(tracer: StorageTracer, optimizers: list[torch.optim.Optimizer
     return rids
 
 
-def _mark_state(tracer: StorageTracer, optimizers: list[torch.optim.Optimizer], device: str) -> dict[int, int]:
+def _mark_state(
+    tracer: StorageTracer, optimizers: list[torch.optim.Optimizer], device: str
+) -> dict[int, int]:
     """Give optimizer state its role; returns record id -> id of the parameter it belongs to."""
     owners: dict[int, int] = {}
     for optimizer in optimizers:
@@ -386,7 +407,9 @@ def _mark_state(tracer: StorageTracer, optimizers: list[torch.optim.Optimizer], 
     return owners
 
 
-def _build_optimizers(model: nn.Module, choice: OptimizerChoice, is_lightning: bool) -> list[torch.optim.Optimizer]:
+def _build_optimizers(
+    model: nn.Module, choice: OptimizerChoice, is_lightning: bool
+) -> list[torch.optim.Optimizer]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     if choice.factory is not None:
         optimizer = choice.factory(trainable)
@@ -397,7 +420,9 @@ def _build_optimizers(model: nn.Module, choice: OptimizerChoice, is_lightning: b
             )
         return [optimizer]
     if not is_lightning:
-        raise ValueError("estimate_memory(optimizer=None): a plain nn.Module needs an optimizer name or callable")
+        raise ValueError(
+            "estimate_memory(optimizer=None): a plain nn.Module needs an optimizer name or callable"
+        )
     try:
         config = model.configure_optimizers()
     except Exception as error:
@@ -455,13 +480,17 @@ def _as_loss(output: Any, loss_fn: Any, is_lightning: bool) -> torch.Tensor:
     candidate = output
     if isinstance(candidate, Mapping) and "loss" in candidate:
         candidate = candidate["loss"]
-    elif not isinstance(candidate, torch.Tensor) and isinstance(getattr(candidate, "loss", None), torch.Tensor):
+    elif not isinstance(candidate, torch.Tensor) and isinstance(
+        getattr(candidate, "loss", None), torch.Tensor
+    ):
         candidate = candidate.loss
     if isinstance(candidate, torch.Tensor) and candidate.numel() == 1 and candidate.requires_grad:
         return candidate.reshape(())
     source = "loss_fn" if loss_fn is not None else ("training_step" if is_lightning else "the model")
     if isinstance(candidate, torch.Tensor):
-        what = f"a tensor of shape {tuple(candidate.shape)}" + ("" if candidate.requires_grad else " that does not require grad")
+        what = f"a tensor of shape {tuple(candidate.shape)}" + (
+            "" if candidate.requires_grad else " that does not require grad"
+        )
     else:
         what = type(candidate).__name__
     raise ValueError(
@@ -509,7 +538,7 @@ class _BlockTracker:
         ]
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -553,7 +582,9 @@ class _BlockTracker:
         self.tracer.backward_block = name
 
 
-def _forward_end_usage(tracer: StorageTracer, tracker: _BlockTracker) -> tuple[dict[str, BlockUsage], list[SavedTensor], int]:
+def _forward_end_usage(
+    tracer: StorageTracer, tracker: _BlockTracker
+) -> tuple[dict[str, BlockUsage], list[SavedTensor], int]:
     """Per-block saved bytes still alive at the end of forward, and the saved tensors' shapes."""
     usage = {name: BlockUsage() for name in tracker.block_names.values()}
     saved: list[SavedTensor] = []

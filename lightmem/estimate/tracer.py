@@ -117,7 +117,7 @@ class StorageTracer(TorchDispatchMode):
         if correction is not None:
             out = correction(args, kwargs or {}, out)
         name = func.__name__
-        self.context.op = name[:-8] if name.endswith(".default") else name
+        self.context.op = name.removesuffix(".default")
         if type(out) is not tuple and type(out) is not list:
             if isinstance(out, torch.Tensor):
                 self._see(out)
