@@ -42,19 +42,19 @@ METRICS: tuple[Metric, ...] = (
     _m("device/used_GiB", "device", "GiB", "device memory in use by every process, CUDA context included (NVML)", "GPU device (NVML)"),
     _m("device/total_GiB", "device", "GiB", "device memory capacity (NVML)", "GPU device (NVML)"),
     # Host memory (psutil).
-    _m("host/rss_GiB", "host", "GiB", "resident set size of this process", "Host memory"),
-    _m("host/available_GiB", "host", "GiB", "memory the OS can still hand out without swapping", "Host memory", reduce_max=False),
-    _m("host/swap_used_GiB", "host", "GiB", "swap in use on the machine", "Host memory"),
-    _m("host/pinned_GiB", "host", "GiB", "host buffers held by lightmem's offload pool (page-locked on CUDA)", "Host memory"),
+    _m("host/rss_GiB", "host", "GiB", "resident set size of this process", "Host memory (this process)"),
+    _m("host/available_GiB", "host", "GiB", "memory the OS can still hand out without swapping", "Host memory (machine)", reduce_max=False),
+    _m("host/swap_used_GiB", "host", "GiB", "swap in use on the machine", "Host memory (machine)"),
+    _m("host/pinned_GiB", "host", "GiB", "host buffers held by lightmem's offload pool (page-locked on CUDA)", "Host memory (this process)"),
     # lightmem's own traffic, summed over the micro-batches of the step.
     _m("offload/offloaded_GiB", "lightmem", "GiB", "saved activations copied to host", "Offload traffic"),
     _m("offload/reloaded_GiB", "lightmem", "GiB", "bytes copied back to the device during backward", "Offload traffic"),
     _m("offload/kept_GiB", "lightmem", "GiB", "saved activations left on the device by policy (size, scope)", "Offload kept on device"),
     _m("offload/deduplicated_GiB", "lightmem", "GiB", "saves served by a storage already on host (not copied again)", "Offload kept on device"),
     _m("offload/budget_kept_GiB", "lightmem", "GiB", "eligible bytes left on the device because the host budget or floor was reached", "Offload kept on device"),
-    _m("offload/prefetch_hits", "lightmem", "count", "reloads already issued ahead of need when backward asked", "Offload prefetch and waits"),
-    _m("offload/prefetch_misses", "lightmem", "count", "reloads issued only when backward asked", "Offload prefetch and waits"),
-    _m("offload/wait_ms", "lightmem", "ms", "time the compute stream waited for copies", "Offload prefetch and waits"),
+    _m("offload/prefetch_hits", "lightmem", "count", "reloads already issued ahead of need when backward asked", "Offload prefetch"),
+    _m("offload/prefetch_misses", "lightmem", "count", "reloads issued only when backward asked", "Offload prefetch"),
+    _m("offload/wait_ms", "lightmem", "ms", "time the compute stream waited for copies", "Offload waits"),
     _m("checkpoint/blocks", "lightmem", "count", "blocks recomputed in backward (selective checkpointing)", "Checkpointing", reduce_max=False),
 )
 
