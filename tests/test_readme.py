@@ -25,3 +25,16 @@ def test_readme_opens_with_the_example_command_and_the_test_command():
 def test_ci_runs_exactly_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci == _readme_commands()[1]
+
+
+def test_readme_lists_every_metric_and_every_callback_flag():
+    import inspect
+
+    from lightmem import LightMem
+    from lightmem.metrics.names import METRICS
+
+    text = (ROOT / "README.md").read_text()
+    for metric in METRICS:
+        assert f"`{metric.key}`" in text, metric.key
+    for flag in inspect.signature(LightMem).parameters:
+        assert f"`{flag}`" in text, flag
