@@ -169,7 +169,7 @@ def test_two_hundred_steps_do_not_grow_host_memory_or_live_tensors():
     gc.collect()
     assert off.host_bytes_held == held
     assert off._pool.allocations == allocations  # steady state: every buffer came from the pool
-    assert _live_tensors() == live_tensors
+    assert _live_tensors() <= live_tensors  # no growth (other tests' leftovers may be freed meanwhile)
     assert off.host_bytes_held <= 1.10 * off.stats.offloaded_bytes
     _nothing_left(off)
 
