@@ -29,11 +29,45 @@ DEFAULT_HOST_MIN_AVAILABLE = 0.10
 
 
 class ActivationOffloader:
-    """Moves tensors that autograd saves during forward to host memory, and back for backward.
+    """Offload the tensors autograd saves during forward to host memory, and back for backward.
 
-    Build it with :func:`offload_activations`. It is a reusable context manager: enter it around
+    ``offload_activations(...)`` builds one. It is a reusable context manager: enter it around
     each forward; the backward that follows may run after the ``with`` block. ``stats`` describes
     the last use (its forward and the backward after it) and resets on every entry.
+
+    Args:
+        model: the model whose parameters and buffers must never be offloaded (recognised by
+            storage, so views and compiled graphs are covered) and whose module names
+            ``include`` / ``exclude`` refer to. Optional without patterns.
+        min_bytes: offload a saved tensor only if the storage it keeps alive is at least this big.
+        devices: device types whose saved tensors move to host. ``("cpu",)`` drives the whole
+            path on a CPU-only machine (useful for tests; it saves nothing there).
+        include: glob patterns (or class names) of modules; when given, only tensors saved while
+            one of them runs are offloaded.
+        exclude: glob patterns (or class names) of modules whose saved tensors stay on the device.
+            The innermost matching module decides; ``exclude`` wins over ``include``.
+        host_budget: hard cap on host bytes held: bytes, a size string, or a fraction of the RAM
+            available when the context is built (default 0.5). Past it, tensors stay on the device,
+            are counted in ``stats.budget_kept_bytes``, and one warning says so.
+        prefetch: bytes of reloads kept in flight ahead of backward (0 disables prefetch).
+        host_min_available: never grow host buffers when it would leave less than this much RAM
+            available to the machine: bytes, a size string, or a fraction of total RAM (default 0.10).
+        transport: how copies run; by default CUDA side streams when CUDA is available, otherwise
+            synchronous copies.
+
+    Raises:
+        ValueError: a flag has a bad value, or a pattern matches no module (with the closest names).
+
+    Example::
+
+        >>> import torch
+        >>> from lightmem import offload_activations
+        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
+        >>> with offload_activations(model, min_bytes="64KiB", devices=("cpu",)) as off:
+        ...     loss = model(torch.randn(512, 256)).sum()
+        >>> loss.backward()
+        >>> off.stats.offloaded_tensors
+        3
     """
 
     def __init__(
@@ -194,62 +228,5 @@ def _default_transport(devices: tuple[str, ...]) -> Transport:
     return SyncTransport()
 
 
-def offload_activations(
-    model: nn.Module | None = None,
-    *,
-    min_bytes: int | str = DEFAULT_MIN_BYTES,
-    devices: Iterable[str] = ("cuda",),
-    include: Iterable[str] | None = None,
-    exclude: Iterable[str] | None = None,
-    host_budget: int | float | str | None = DEFAULT_HOST_BUDGET,
-    prefetch: int | str = DEFAULT_PREFETCH,
-    host_min_available: int | float | str = DEFAULT_HOST_MIN_AVAILABLE,
-    transport: Transport | None = None,
-) -> ActivationOffloader:
-    """Offload the tensors autograd saves during forward to host memory.
-
-    Args:
-        model: the model whose parameters and buffers must never be offloaded (recognised by
-            storage, so views and compiled graphs are covered) and whose module names
-            ``include`` / ``exclude`` refer to. Optional without patterns.
-        min_bytes: offload a saved tensor only if the storage it keeps alive is at least this big.
-        devices: device types whose saved tensors move to host. ``("cpu",)`` drives the whole
-            path on a CPU-only machine (useful for tests; it saves nothing there).
-        include: glob patterns (or class names) of modules; when given, only tensors saved while
-            one of them runs are offloaded.
-        exclude: glob patterns (or class names) of modules whose saved tensors stay on the device.
-            The innermost matching module decides; ``exclude`` wins over ``include``.
-        host_budget: hard cap on host bytes held: bytes, a size string, or a fraction of the RAM
-            available when the context is built (default 0.5). Past it, tensors stay on the device,
-            are counted in ``stats.budget_kept_bytes``, and one warning says so.
-        prefetch: bytes of reloads kept in flight ahead of backward (0 disables prefetch).
-        host_min_available: never grow host buffers when it would leave less than this much RAM
-            available to the machine: bytes, a size string, or a fraction of total RAM (default 0.10).
-        transport: how copies run; by default CUDA side streams when CUDA is available, otherwise
-            synchronous copies.
-
-    Raises:
-        ValueError: a flag has a bad value, or a pattern matches no module (with the closest names).
-
-    Example::
-
-        >>> import torch
-        >>> from lightmem import offload_activations
-        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
-        >>> with offload_activations(model, min_bytes="64KiB", devices=("cpu",)) as off:
-        ...     loss = model(torch.randn(512, 256)).sum()
-        >>> loss.backward()
-        >>> off.stats.offloaded_tensors
-        3
-    """
-    return ActivationOffloader(
-        model,
-        min_bytes=min_bytes,
-        devices=devices,
-        include=include,
-        exclude=exclude,
-        host_budget=host_budget,
-        prefetch=prefetch,
-        host_min_available=host_min_available,
-        transport=transport,
-    )
+offload_activations = ActivationOffloader
+"""The public name (DESIGN.md): ``with offload_activations(model, min_bytes="1MiB") as off: ...``."""
