@@ -1,0 +1,44 @@
+"""LightMem on a real GPU: skipped where CUDA is not available."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+import pytorch_lightning as pl  # noqa: E402
+from lit_models import LitGPT, token_loader  # noqa: E402
+from test_callback_metrics import MemoryLogger  # noqa: E402
+
+from lightmem import LightMem  # noqa: E402
+from lightmem.metrics.names import METRICS  # noqa: E402
+
+
+def _fit(callbacks, logger=False):
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = True
+    pl.seed_everything(0, verbose=False)
+    module = LitGPT()
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, max_steps=4, logger=logger, callbacks=callbacks,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, token_loader())
+    return module
+
+
+def test_weights_bitwise_equal_and_every_metric_group_logged_on_gpu():
+    expected = _fit([])
+    logger = MemoryLogger()
+    callback = LightMem(offload_min_bytes=0, checkpoint=["Block"], log_every_n_steps=1)
+    actual = _fit([callback], logger)
+    for (name, a), (_, b) in zip(expected.state_dict().items(), actual.state_dict().items()):
+        assert torch.equal(a, b), name
+    logged = [m for _, m in logger.metrics if "lightmem/memory/gpu/allocated_GiB" in m]
+    assert logged
+    assert set(logged[-1]) == {m.key for m in METRICS}
+    assert logged[-1]["lightmem/memory/device/total_GiB"] > 0
+    assert logged[-1]["lightmem/memory/offload/offloaded_GiB"] > 0
