@@ -2,6 +2,7 @@
 
     python benchmarks/estimate_accuracy.py            # the five architectures, float32 and bf16-mixed
     python benchmarks/estimate_accuracy.py --small    # the sizes the test suite uses
+    python benchmarks/estimate_accuracy.py --small --json   # what the test suite reads
 
 The measurement is independent of the estimator: the real step runs on real tensors under
 torch's MemTracker (torch.distributed._tools.mem_tracker), whose categories are mapped as
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 import time
@@ -112,6 +114,8 @@ def make_case(name: str, small: bool = False) -> Case:
 
 
 CASES = ("mlp", "cnn-batchnorm", "transformer", "lstm", "embedding")
+# oneDNN has no bfloat16 LSTM on every CPU, so that real step cannot run.
+RUNS = [("32-true", name) for name in CASES] + [("bf16-mixed", name) for name in CASES if name != "lstm"]
 
 
 @dataclass
@@ -154,8 +158,15 @@ def _ratio(predicted: int, measured: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true", help="the sizes the test suite uses")
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON list of comparisons instead of the table"
+    )
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.json:
+        results = [compare(name, precision, args.small) for precision, name in RUNS]
+        print(json.dumps([vars(result) for result in results]))
+        return
     print(f"Hardware: {hardware()}")
     print(
         "Estimate: lightmem.estimate_memory(device='cpu', optimizer='adamw'); measured: real CPU step under MemTracker"
@@ -165,21 +176,18 @@ def main() -> None:
     )
     header = ["model", "precision", "peak"] + list(CATEGORIES) + ["peak at", "estimate s"]
     rows = []
-    for precision in ("32-true", "bf16-mixed"):
-        for name in CASES:
-            if name == "lstm" and precision == "bf16-mixed":
-                continue  # oneDNN has no bfloat16 LSTM on every CPU, so the real step cannot run
-            result = compare(name, precision, args.small)
-            cells = [
-                name,
-                precision,
-                f"{format_bytes(result.predicted_peak)} / {format_bytes(result.measured_peak)} ({_ratio(result.predicted_peak, result.measured_peak)})",
-            ]
-            for category in CATEGORIES:
-                p, m = result.predicted[category], result.measured[category]
-                cells.append(f"{format_bytes(p)} / {format_bytes(m)} ({_ratio(p, m)})")
-            cells += [result.phase, f"{result.seconds:.2f}"]
-            rows.append(cells)
+    for precision, name in RUNS:
+        result = compare(name, precision, args.small)
+        cells = [
+            name,
+            precision,
+            f"{format_bytes(result.predicted_peak)} / {format_bytes(result.measured_peak)} ({_ratio(result.predicted_peak, result.measured_peak)})",
+        ]
+        for category in CATEGORIES:
+            p, m = result.predicted[category], result.measured[category]
+            cells.append(f"{format_bytes(p)} / {format_bytes(m)} ({_ratio(p, m)})")
+        cells += [result.phase, f"{result.seconds:.2f}"]
+        rows.append(cells)
     widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
     print(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
     print("-|-".join("-" * w for w in widths))

@@ -13,7 +13,9 @@ Two adjustments make the definitions the same: MemTracker files every tensor cre
 optimizer step under "Optstate", temporaries included, so at the peak only the bytes of the
 optimizer's state tensors (all present in a steady step) count as optimizer state and the rest
 as temporaries; and the input batch, registered as "Other", counts as activations, as it does in
-the estimator. The real model is stepped twice: pass a copy if its values matter.
+the estimator. The real model is stepped twice: pass a copy if its values matter. MemTracker's module hooks
+keep the measured model alive from C++ after the measurement, so run it in a separate process
+where the rest of the process counts live tensors (the test suite does).
 """
 
 from __future__ import annotations
