@@ -77,6 +77,10 @@ class LightMem(Callback):
         tensorboard_panels: write ready-made panels to the Custom Scalars tab of TensorBoard loggers.
         oom_snapshot: path for a ``torch.cuda.memory`` snapshot (for https://pytorch.org/memory_viz)
             dumped when training runs out of GPU memory; records allocation history from the start.
+        plan: ``"auto"``: at the first training batch, ``lightmem.plan`` picks the blocks to
+            checkpoint and to offload so the step fits ``device_budget`` (a fake-tensor dry run of
+            the LightningModule, seconds), and LightMem applies that choice.
+        device_budget: device memory the step must fit in with ``plan="auto"``.
 
     Raises:
         ValueError: at construction, for a flag with a bad value; the message names the flag and
@@ -107,6 +111,8 @@ class LightMem(Callback):
         metrics: Sequence[str] = GROUPS,
         tensorboard_panels: bool = True,
         oom_snapshot: str | None = None,
+        plan: str | None = None,
+        device_budget: int | str | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("offload", offload), ("tensorboard_panels", tensorboard_panels)):
@@ -146,6 +152,21 @@ class LightMem(Callback):
         if oom_snapshot is not None and not isinstance(oom_snapshot, str):
             raise ValueError(f"{_flag('oom_snapshot')}: expected a file path or None; got {oom_snapshot!r}")
         self.oom_snapshot = oom_snapshot
+        if plan not in (None, "auto"):
+            raise ValueError(f"{_flag('plan')}: expected None or 'auto'; got {plan!r}")
+        self.plan = plan
+        self.device_budget_bytes = (
+            parse_size(device_budget, flag=_flag("device_budget")) if device_budget is not None else None
+        )
+        if plan == "auto":
+            if self.device_budget_bytes is None:
+                raise ValueError(f"{_flag('plan')}: 'auto' needs device_budget, e.g. LightMem(plan='auto', device_budget='20GiB')")
+            if self.checkpoint or self.offload_include is not None:
+                raise ValueError(
+                    f"{_flag('plan')}: 'auto' chooses checkpoint and offload_include itself; leave them unset"
+                )
+        self.chosen_plan: Any = None
+        """With plan='auto': the ``lightmem.estimate.Plan`` chosen from the first training batch."""
 
         self._offloader: ActivationOffloader | None = None
         self._checkpoint_handle: CheckpointHandle | None = None
@@ -174,26 +195,27 @@ class LightMem(Callback):
 
         def configure_model_then_checkpoint() -> None:
             original()
-            self._apply_checkpointing(trainer, pl_module)
+            self._apply_checkpointing(trainer, pl_module, self.checkpoint, self.checkpoint_every)
 
         pl_module.configure_model = configure_model_then_checkpoint  # type: ignore[method-assign]
         self._patched_module = pl_module
 
-    def _apply_checkpointing(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _apply_checkpointing(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, targets: list[str], every_n: int
+    ) -> None:
         if self._checkpoint_handle is not None:
             return
         reason = _existing_checkpointing(trainer, pl_module)
         if reason is not None:
             rank_zero_warn(
-                f"lightmem: not applying LightMem(checkpoint={self.checkpoint!r}) because {reason}; "
+                f"lightmem: not applying LightMem(checkpoint={targets!r}) because {reason}; "
                 "checkpointing twice would recompute twice."
             )
             return
         select_blocks(  # fails with this callback's flag names before anything is wrapped
-            pl_module, self.checkpoint, self.checkpoint_every,
-            targets_flag=_flag("checkpoint"), every_n_flag=_flag("checkpoint_every"),
-        )  # fmt: skip
-        self._checkpoint_handle = apply_checkpointing(pl_module, self.checkpoint, self.checkpoint_every)
+            pl_module, targets, every_n, targets_flag=_flag("checkpoint"), every_n_flag=_flag("checkpoint_every")
+        )
+        self._checkpoint_handle = apply_checkpointing(pl_module, targets, every_n)
         rank_zero_info(
             f"lightmem: checkpointing {len(self._checkpoint_handle)} blocks: "
             f"{', '.join(self._checkpoint_handle.modules[:6])}{' ...' if len(self._checkpoint_handle) > 6 else ''}"
@@ -204,8 +226,10 @@ class LightMem(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.checkpoint and self._checkpoint_handle is None and self._patched_module is None:
-            self._apply_checkpointing(trainer, pl_module)
-        self._offloader = self._build_offloader(pl_module)
+            self._apply_checkpointing(trainer, pl_module, self.checkpoint, self.checkpoint_every)
+        if self.plan == "auto":  # every fit plans for its own first batch
+            self.chosen_plan = None
+        self._offloader = None if self.plan == "auto" else self._build_offloader(pl_module)
         self._probes = self._build_probes(pl_module)
         self._last_step = trainer.global_step
         self._peaks, self._totals, self._steps_seen = {}, {}, 0
@@ -217,8 +241,11 @@ class LightMem(Callback):
         if self.oom_snapshot and torch.cuda.is_available():  # pragma: no cover - needs CUDA
             torch.cuda.memory._record_memory_history(max_entries=100_000)
 
-    def _build_offloader(self, pl_module: pl.LightningModule) -> ActivationOffloader | None:
-        if not self.offload:
+    def _build_offloader(
+        self, pl_module: pl.LightningModule, min_bytes: int | None = None, include: tuple[str, ...] | None = None
+    ) -> ActivationOffloader | None:
+        planned = min_bytes is not None
+        if not self.offload and not planned:
             return None
         if self.offload_devices == ("cuda",) and not torch.cuda.is_available():
             rank_zero_info(
@@ -228,9 +255,9 @@ class LightMem(Callback):
             return None
         return ActivationOffloader(
             pl_module,
-            min_bytes=self.offload_min_bytes,
+            min_bytes=min_bytes if planned else self.offload_min_bytes,
             devices=self.offload_devices,
-            include=self.offload_include,
+            include=include if planned else self.offload_include,
             exclude=self.offload_exclude,
             host_budget=self.host_budget_bytes,
             prefetch=self.prefetch_bytes,
@@ -278,6 +305,8 @@ class LightMem(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.plan == "auto" and self.chosen_plan is None:
+            self._plan_from(trainer, pl_module, batch)
         offloader = self._offloader
         if offloader is None:
             return
@@ -312,6 +341,39 @@ class LightMem(Callback):
             return  # gradient accumulation: the optimizer has not stepped yet
         self._last_step = trainer.global_step
         self._end_of_step(trainer, pl_module)
+
+    def _plan_from(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        from lightmem.estimate import plan
+
+        # The dry run calls training_step on fake tensors; its self.log calls must not reach the
+        # Trainer's results.
+        pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        try:
+            chosen = plan(
+                pl_module, batch, self.device_budget_bytes, device=pl_module.device.type,
+                precision=str(trainer.precision), offload_min_bytes=self.offload_min_bytes,
+            )  # fmt: skip
+        finally:
+            del pl_module.log, pl_module.log_dict
+        self.chosen_plan = chosen
+        summary = (
+            f"lightmem: plan for a {format_bytes(chosen.budget_bytes)} device budget: checkpoint "
+            f"{chosen.checkpoint or 'nothing'}, offload {chosen.offload['include'] if chosen.offload else 'nothing'}; "
+            f"predicted peak {format_bytes(chosen.predicted_total_bytes)}"
+        )
+        if chosen.fits:
+            rank_zero_info(summary)
+        else:
+            rank_zero_warn(f"{summary}. It does not fit: {chosen.reason}")
+        if chosen.checkpoint:
+            self._apply_checkpointing(trainer, pl_module, list(chosen.checkpoint), every_n=1)
+        self._offloader = None
+        if chosen.offload is not None:
+            self._offloader = self._build_offloader(
+                pl_module,
+                min_bytes=parse_size(chosen.offload["min_bytes"], flag=_flag("offload_min_bytes")),
+                include=tuple(chosen.offload["include"]),
+            )
 
     def _exit_offload(self) -> None:
         if self._offloader is not None and self._offloader.active:

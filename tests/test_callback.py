@@ -190,3 +190,42 @@ def test_bad_flags_fail_at_construction_naming_the_flag(kwargs, message):
 def test_checkpoint_target_matching_nothing_fails_when_fit_starts():
     with pytest.raises(ValueError, match=r"LightMem\(checkpoint=...\): 'Blok' matches no module of the model; closest names: Block"):
         _fit(_cpu_lightmem(checkpoint=["Blok"]))
+
+
+def test_plan_auto_checkpoints_what_the_budget_needs_and_keeps_weights_exact():
+    from lightmem import estimate_memory
+
+    module = LitGPT()
+    (tokens,) = next(iter(token_loader()))
+    baseline = estimate_memory(module, (tokens,), device="cpu")
+    budget = baseline.static_bytes + (baseline.peak_bytes - baseline.static_bytes) * 6 // 10
+    expected, _ = _fit(None)
+    callback = LightMem(plan="auto", device_budget=budget, offload_devices=["cpu"])
+    seen = {}
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen["checkpointed"] = [name for name, m in pl_module.named_modules() if is_checkpointed(m)]
+
+    pl.seed_everything(0, verbose=False)
+    actual = LitGPT()
+    _trainer([callback, Spy()]).fit(actual, token_loader())
+    chosen = callback.chosen_plan
+    assert chosen.fits and chosen.predicted_total_bytes <= budget
+    assert chosen.checkpoint and set(seen["checkpointed"]) == set(chosen.checkpoint)
+    _assert_same_weights(expected, actual)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"plan": "manual"}, "LightMem(plan=...): expected None or 'auto'; got 'manual'"),
+        ({"plan": "auto"}, "LightMem(plan=...): 'auto' needs device_budget"),
+        ({"plan": "auto", "device_budget": "8GiB", "checkpoint": ["Block"]}, "LightMem(plan=...): 'auto' chooses checkpoint"),
+        ({"device_budget": "lots"}, "LightMem(device_budget=...): expected a byte count"),
+    ],
+)
+def test_bad_plan_flags(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        LightMem(**kwargs)
+    assert str(error.value).startswith(message)

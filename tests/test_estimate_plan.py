@@ -50,7 +50,11 @@ def test_plan_fits_when_the_budget_allows_and_its_flags_verify():
     result = plan(TinyGPT(), _tokens(16), budget, gpt_loss, device="cuda", overhead_bytes=0)
     assert result.fits and result.predicted_total_bytes <= budget
     kwargs = result.lightmem_kwargs()
-    assert set(kwargs) == {"offload", "offload_min_bytes", "offload_include", "checkpoint"}
+    expected_keys = {"offload", "checkpoint"} | ({"offload_min_bytes", "offload_include"} if result.offload else set())
+    assert set(kwargs) == expected_keys
+    from lightmem import LightMem
+
+    LightMem(**kwargs)  # the plan's flags are valid LightMem flags
     check = estimate_memory(
         TinyGPT(), _tokens(16), gpt_loss, device="cuda", overhead_bytes=0,
         checkpoint=result.checkpoint or None, offload=result.offload,
@@ -61,12 +65,7 @@ def test_plan_fits_when_the_budget_allows_and_its_flags_verify():
 def test_plan_is_empty_when_the_baseline_fits():
     result = plan(TinyGPT(), _tokens(), "1GiB", gpt_loss, device="cpu")
     assert result.fits and result.checkpoint == [] and result.offload is None
-    assert result.lightmem_kwargs() == {
-        "offload": False,
-        "offload_min_bytes": None,
-        "offload_include": None,
-        "checkpoint": [],
-    }
+    assert result.lightmem_kwargs() == {"offload": False, "checkpoint": []}
 
 
 def test_plan_says_it_cannot_when_static_memory_exceeds_the_budget():

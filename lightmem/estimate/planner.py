@@ -143,11 +143,14 @@ class Plan:
         return self.predicted_peak_bytes + self.overhead_bytes
 
     def lightmem_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``LightMem(...)``: offload, offload_min_bytes, offload_include, checkpoint."""
+        """Keyword arguments for ``LightMem(...)``: offload, checkpoint, and when offloading,
+        offload_min_bytes and offload_include."""
+        if self.offload is None:
+            return {"offload": False, "checkpoint": list(self.checkpoint)}
         return {
-            "offload": self.offload is not None,
-            "offload_min_bytes": self.offload["min_bytes"] if self.offload is not None else None,
-            "offload_include": list(self.offload["include"]) if self.offload is not None else None,
+            "offload": True,
+            "offload_min_bytes": self.offload["min_bytes"],
+            "offload_include": list(self.offload["include"]),
             "checkpoint": list(self.checkpoint),
         }
 
