@@ -61,7 +61,7 @@ def main() -> None:
     estimate = estimate_memory(meta_model, batch, device="cuda", budget="2GiB")
     estimate.print()
 
-    steps = int(os.environ.get("LIGHTMEM_EXAMPLE_STEPS", 4))
+    steps = int(os.environ.get("LIGHTMEM_EXAMPLE_STEPS", "4"))
     data = TensorDataset(torch.rand(32, 1, 16, 16), torch.rand(32, 1))
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,

@@ -18,9 +18,9 @@ import torch
 from pytorch_lightning.loggers import TensorBoardLogger
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpt_model import GPT, CountingData  # noqa: E402
+from gpt_model import GPT, CountingData
 
-from lightmem import LightMem  # noqa: E402
+from lightmem import LightMem
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
         log_every_n_steps=5,
     )
     trainer = pl.Trainer(
-        max_steps=int(os.environ.get("LIGHTMEM_EXAMPLE_STEPS", 40)),
+        max_steps=int(os.environ.get("LIGHTMEM_EXAMPLE_STEPS", "40")),
         accelerator="gpu" if on_gpu else "cpu",
         devices=1,
         precision="bf16-mixed" if on_gpu else "32-true",

@@ -12,7 +12,7 @@ import sys
 from pytorch_lightning.cli import LightningCLI
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpt_model import GPT, CountingData  # noqa: E402
+from gpt_model import GPT, CountingData
 
 
 def main() -> None:

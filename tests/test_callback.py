@@ -114,7 +114,7 @@ def test_fit_twice_validate_predict_and_checkpoint_round_trip(tmp_path):
 def test_exception_in_training_step_leaves_no_hooks_behind():
     class Fails(LitGPT):
         def training_step(self, batch, batch_idx):
-            gpt_out = self.model(batch[0][:, :-1])
+            self.model(batch[0][:, :-1])  # a forward with saved tensors, then the failure
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
@@ -141,7 +141,7 @@ def test_out_of_memory_prints_a_report_and_re_raises(capsys):
 def test_cpu_only_default_turns_offload_off_and_says_so(caplog):
     callback = LightMem(checkpoint=["Block"])
     with caplog.at_level("INFO"):
-        module, _ = _fit(callback)
+        _fit(callback)
     assert "no CUDA device, so activation offload is off" in caplog.text
     assert callback._offloader is None
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

@@ -168,14 +168,7 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
 
 
 def _checkpointed_names(model: nn.Module, handle: Any) -> list[str]:
-    modules = getattr(handle, "modules", None)
-    if isinstance(modules, Mapping):
-        return list(modules)
-    names = {id(module): name for name, module in model.named_modules()}
-    result = []
-    for item in modules or []:
-        result.append(item if isinstance(item, str) else names.get(id(item), type(item).__name__))
-    return result
+    return list(handle.modules)
 
 
 @contextlib.contextmanager

@@ -9,12 +9,12 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-import pytorch_lightning as pl  # noqa: E402
-from lit_models import LitGPT, token_loader  # noqa: E402
-from test_callback_metrics import MemoryLogger  # noqa: E402
+import pytorch_lightning as pl
+from lit_models import LitGPT, token_loader
+from test_callback_metrics import MemoryLogger
 
-from lightmem import LightMem  # noqa: E402
-from lightmem.metrics.names import METRICS  # noqa: E402
+from lightmem import LightMem
+from lightmem.metrics.names import METRICS
 
 
 def _fit(callbacks, logger=False):

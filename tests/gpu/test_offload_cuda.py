@@ -10,11 +10,11 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from conftest import assert_bitwise_equal  # noqa: E402
-from models import CASES, make_case  # noqa: E402
+from conftest import assert_bitwise_equal
+from models import CASES, make_case
 
-from lightmem import offload_activations  # noqa: E402
-from lightmem.offload.transport import CudaTransport  # noqa: E402
+from lightmem import offload_activations
+from lightmem.offload.transport import CudaTransport
 
 
 @pytest.fixture(autouse=True)
