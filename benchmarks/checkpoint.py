@@ -17,10 +17,10 @@ from contextlib import nullcontext
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import GPT, StoragePeak, gpt_loss, hardware, interleaved_median_s, print_table  # noqa: E402
+from _common import GPT, StoragePeak, gpt_loss, hardware, interleaved_median_s, print_table
 
-from lightmem import apply_checkpointing, offload_activations  # noqa: E402
-from lightmem.config import format_bytes  # noqa: E402
+from lightmem import apply_checkpointing, offload_activations
+from lightmem.config import format_bytes
 
 
 def main() -> None:

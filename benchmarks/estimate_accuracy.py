@@ -29,13 +29,13 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from _common import hardware  # noqa: E402
-from models import ConvNet, LSTMTagger, TinyGPT, gpt_loss  # noqa: E402
+from _common import hardware
+from models import ConvNet, LSTMTagger, TinyGPT, gpt_loss
 
-from lightmem import estimate_memory  # noqa: E402
-from lightmem.config import format_bytes  # noqa: E402
-from lightmem.estimate.measure import measure_cpu_step  # noqa: E402
-from lightmem.estimate.tracer import CATEGORIES  # noqa: E402
+from lightmem import estimate_memory
+from lightmem.config import format_bytes
+from lightmem.estimate.measure import measure_cpu_step
+from lightmem.estimate.tracer import CATEGORIES
 
 
 class MLP(nn.Module):

@@ -14,10 +14,10 @@ import timeit
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import GPT, gpt_loss, hardware, median_time_s, print_table  # noqa: E402
+from _common import GPT, gpt_loss, hardware, median_time_s, print_table
 
-from lightmem.metrics.probes import HostProbe, LightmemProbe, NvmlProbe, ProbeUnavailable, TorchAllocatorProbe  # noqa: E402
-from lightmem.offload.stats import OffloadStats  # noqa: E402
+from lightmem.metrics.probes import HostProbe, LightmemProbe, NvmlProbe, ProbeUnavailable, TorchAllocatorProbe
+from lightmem.offload.stats import OffloadStats
 
 
 def main() -> None:

@@ -18,10 +18,10 @@ import torch
 from torch.autograd.graph import save_on_cpu
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import GPT, gpt_loss, hardware, interleaved_median_s, print_table  # noqa: E402
+from _common import GPT, gpt_loss, hardware, interleaved_median_s, print_table
 
-from lightmem import offload_activations  # noqa: E402
-from lightmem.config import format_bytes  # noqa: E402
+from lightmem import offload_activations
+from lightmem.config import format_bytes
 
 
 class _Counter:

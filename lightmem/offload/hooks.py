@@ -34,7 +34,7 @@ from lightmem.offload.transport import Transport
 class _Session:
     """The entries of one forward, in pack order, held weakly (for prefetch in reverse order)."""
 
-    __slots__ = ("refs", "cursor", "sweep", "inflight_bytes", "__weakref__")
+    __slots__ = ("__weakref__", "cursor", "inflight_bytes", "refs", "sweep")
 
     def __init__(self) -> None:
         self.refs: list[weakref.ref[_HostEntry]] = []
@@ -46,7 +46,7 @@ class _Session:
 class _KeptStorage:
     """A saved storage left on the device; counts as resident while any save of it lives."""
 
-    __slots__ = ("owner", "nbytes", "alias", "version")
+    __slots__ = ("alias", "nbytes", "owner", "version")
 
     def __init__(self, owner: Offloader, nbytes: int, alias: Tensor, version: int) -> None:
         self.owner = owner
@@ -62,7 +62,7 @@ class _KeptStorage:
 class _Kept:
     """What autograd holds for a saved tensor left on the device."""
 
-    __slots__ = ("tensor", "version", "storage")
+    __slots__ = ("storage", "tensor", "version")
 
     def __init__(self, tensor: Tensor, version: int, storage: _KeptStorage) -> None:
         self.tensor = tensor
@@ -74,9 +74,25 @@ class _HostEntry:
     """One device storage copied to a host block, shared by every save of that storage."""
 
     __slots__ = (
-        "owner", "session", "index", "block", "host", "nbytes", "device", "alias", "version",
-        "host_event", "restored", "reload_event", "alloc_stream", "prefetched", "handles",
-        "unpacks", "generation", "sweep", "__weakref__",
+        "__weakref__",
+        "alias",
+        "alloc_stream",
+        "block",
+        "device",
+        "generation",
+        "handles",
+        "host",
+        "host_event",
+        "index",
+        "nbytes",
+        "owner",
+        "prefetched",
+        "reload_event",
+        "restored",
+        "session",
+        "sweep",
+        "unpacks",
+        "version",
     )  # fmt: skip
 
     def __init__(
@@ -118,7 +134,7 @@ class _HostEntry:
 class _Offloaded:
     """What autograd holds for a saved tensor whose storage went to host memory."""
 
-    __slots__ = ("entry", "alias", "version", "dtype", "size", "stride", "offset", "seen")
+    __slots__ = ("alias", "dtype", "entry", "offset", "seen", "size", "stride", "version")
 
     def __init__(self, entry: _HostEntry, tensor: Tensor, alias: Tensor, version: int) -> None:
         self.entry = entry

@@ -33,7 +33,7 @@ def size_class(nbytes: int) -> int:
 class HostBlock:
     """One host allocation of ``capacity`` bytes; ``storage`` is the untyped storage to slice."""
 
-    __slots__ = ("tensor", "storage", "capacity", "registered", "_span", "_span_bytes")
+    __slots__ = ("_span", "_span_bytes", "capacity", "registered", "storage", "tensor")
 
     def __init__(self, capacity: int, pin: bool, poison: bool) -> None:
         self.capacity = capacity
