@@ -78,6 +78,7 @@ class _HostEntry:
         "alias",
         "alloc_stream",
         "block",
+        "dense",
         "device",
         "generation",
         "handles",
@@ -89,6 +90,7 @@ class _HostEntry:
         "prefetched",
         "reload_event",
         "restored",
+        "restored_tensor",
         "session",
         "sweep",
         "unpacks",
@@ -108,6 +110,10 @@ class _HostEntry:
         self.version = version
         self.host_event: Any = None
         self.restored: torch.UntypedStorage | None = None
+        # For a storage saved as one dense tensor (the common case) the reload is allocated as
+        # that tensor, and its first unpack returns it without building a view.
+        self.dense: tuple[torch.dtype, Any, Any] | None = None
+        self.restored_tensor: Tensor | None = None
         self.reload_event: Any = None
         self.alloc_stream: Any = None
         self.prefetched = False
@@ -134,7 +140,7 @@ class _HostEntry:
 class _Offloaded:
     """What autograd holds for a saved tensor whose storage went to host memory."""
 
-    __slots__ = ("alias", "dtype", "entry", "offset", "seen", "size", "stride", "version")
+    __slots__ = ("alias", "dense", "dtype", "entry", "offset", "seen", "size", "stride", "version")
 
     def __init__(self, entry: _HostEntry, tensor: Tensor, alias: Tensor, version: int) -> None:
         self.entry = entry
@@ -145,6 +151,7 @@ class _Offloaded:
         self.stride = tensor.stride()
         self.offset = tensor.storage_offset()
         self.seen = -1  # the entry generation this handle last took a view of
+        self.dense = False  # this save is the entry's dense layout: it may take the reload itself
         entry.handles += 1
 
     def __del__(self) -> None:
@@ -229,7 +236,11 @@ class Offloader:
             if block is not None:
                 entry = self._offload(tensor, storage, block, nbytes, alias, version)
                 self._by_storage[key] = entry
-                return _Offloaded(entry, tensor, alias, version)
+                handle = _Offloaded(entry, tensor, alias, version)
+                if handle.offset == 0 and tensor.nbytes == nbytes and tensor.is_contiguous():
+                    entry.dense = (handle.dtype, handle.size, handle.stride)
+                    handle.dense = True
+                return handle
             self._note_budget(nbytes)
         else:
             stats.kept_bytes += nbytes
@@ -301,10 +312,13 @@ class Offloader:
             compute = transport.streams(entry.device)[0]
             transport.wait(compute, entry.reload_event)
             entry.reload_event = None
-        storage = entry.restored
-        view = torch.empty(0, dtype=handle.dtype, device=entry.device).set_(
-            storage, handle.offset, handle.size, handle.stride
-        )
+        view = entry.restored_tensor
+        if handle.dense and view is not None:
+            entry.restored_tensor = None  # handed out once; other saves build their own view
+        else:
+            view = torch.empty(0, dtype=handle.dtype, device=entry.device).set_(
+                entry.restored, handle.offset, handle.size, handle.stride
+            )
         if handle.seen != entry.generation:
             handle.seen = entry.generation
             entry.unpacks += 1
@@ -317,7 +331,12 @@ class Offloader:
     def _reload(self, entry: _HostEntry) -> None:
         transport = self._transport
         compute, _, to_device = transport.streams(entry.device)
-        storage = transport.alloc(entry.nbytes, entry.device)
+        if entry.dense is not None:
+            dtype, size, stride = entry.dense
+            entry.restored_tensor = transport.alloc_tensor(size, stride, dtype, entry.device)
+            storage = entry.restored_tensor.untyped_storage()
+        else:
+            storage = transport.alloc(entry.nbytes, entry.device)
         transport.wait(to_device, transport.record(compute))
         transport.wait(to_device, entry.host_event)
         transport.copy_to_device(storage, entry.host, to_device)
@@ -345,7 +364,7 @@ class Offloader:
             index -= 1
 
     def _let_go(self, entry: _HostEntry) -> None:
-        entry.restored = None
+        entry.restored = entry.restored_tensor = None
         entry.unpacks = 0
         entry.generation += 1
         self._resident_bytes -= entry.nbytes
@@ -355,7 +374,7 @@ class Offloader:
             self._transport.wait(entry.alloc_stream, entry.reload_event)
         if entry.prefetched:
             entry.session.inflight_bytes -= entry.nbytes
-        entry.restored = None
+        entry.restored = entry.restored_tensor = None
         self._resident_bytes -= entry.nbytes
 
     def _add_resident(self, nbytes: int) -> None:

@@ -175,6 +175,11 @@ class SimulatedAsyncTransport:
         torch.empty(0, dtype=torch.uint8, device=device).set_(storage).fill_(_POISON)
         return storage
 
+    def alloc_tensor(self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        tensor = torch.empty_strided(size, stride, dtype=dtype, device=device)
+        torch.empty(0, dtype=torch.uint8, device=device).set_(tensor.untyped_storage()).fill_(_POISON)
+        return tensor
+
     def done(self, event: _Event | None) -> bool:
         return event is None or event.flag.is_set()
 

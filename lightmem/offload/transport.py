@@ -44,6 +44,9 @@ class Transport(Protocol):
     def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         """Uninitialised device storage, allocated on the compute stream."""
 
+    def alloc_tensor(self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised dense tensor, allocated on the compute stream."""
+
     def done(self, event: Any) -> bool:
         """Whether ``event`` has completed (``None`` has)."""
 
@@ -82,6 +85,9 @@ class SyncTransport:
 
     def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         return torch.UntypedStorage(nbytes, device=device)
+
+    def alloc_tensor(self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
     def done(self, event: Any) -> bool:
         return True
@@ -143,6 +149,9 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
 
     def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         return torch.UntypedStorage(nbytes, device=device)
+
+    def alloc_tensor(self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
     def done(self, event: torch.cuda.Event | None) -> bool:
         return event is None or event.query()
