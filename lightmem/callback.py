@@ -428,6 +428,8 @@ class LightMem(Callback):
             if self.oom_snapshot and torch.cuda.is_available():  # pragma: no cover - needs CUDA
                 torch.cuda.memory._dump_snapshot(self.oom_snapshot)
                 print(f"lightmem: memory snapshot written to {self.oom_snapshot} (open it at https://pytorch.org/memory_viz)")
+        # Lightning does not call teardown after an exception: undo everything here.
+        self._undo()
 
     def oom_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
         """What was on the device, the last metrics, and the flags that would help."""
@@ -480,8 +482,11 @@ class LightMem(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+        if stage == "fit":
+            self._undo()
+
+    def _undo(self) -> None:
+        """Leave the model and the process as they were before fit: no wrapper, patch or hooks."""
         self._exit_offload()
         if self._checkpoint_handle is not None:
             self._checkpoint_handle.remove()

@@ -117,9 +117,12 @@ def test_exception_in_training_step_leaves_no_hooks_behind():
             self.model(batch[0][:, :-1])  # a forward with saved tensors, then the failure
             raise RuntimeError("boom")
 
+    module = Fails()
     with pytest.raises(RuntimeError, match="boom"):
-        _trainer([_cpu_lightmem()]).fit(Fails(), token_loader())
+        _trainer([_cpu_lightmem()]).fit(module, token_loader())
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not any(is_checkpointed(b) for b in module.model.blocks)
+    assert "configure_model" not in module.__dict__
 
 
 def test_out_of_memory_prints_a_report_and_re_raises(capsys):
