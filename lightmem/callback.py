@@ -421,6 +421,16 @@ class LightMem(Callback):
         self._exit_offload()  # never leave hooks active into validation
 
     @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A LightningModule.on_train_batch_start returning -1 ends the epoch without
+        # on_train_batch_end: the hooks entered for that batch must not outlive it.
+        self._exit_offload()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit_offload()
+
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._exit_offload()
         if isinstance(exception, torch.cuda.OutOfMemoryError) or "out of memory" in str(exception).lower():
@@ -487,7 +497,12 @@ class LightMem(Callback):
 
     def _undo(self) -> None:
         """Leave the model and the process as they were before fit: no wrapper, patch or hooks."""
-        self._exit_offload()
+        try:
+            self._exit_offload()
+        finally:
+            self._undo_model()
+
+    def _undo_model(self) -> None:
         if self._checkpoint_handle is not None:
             self._checkpoint_handle.remove()
             self._checkpoint_handle = None

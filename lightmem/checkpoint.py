@@ -12,6 +12,7 @@ offload keeps one block's activations on the device at a time.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,8 +38,11 @@ class CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
-        # preserve_rng_state: dropout in the recomputation draws the same mask as in forward.
-        return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        # preserve_rng_state: dropout in the recomputation draws the same mask as in forward. The
+        # block's keyword arguments are bound first, so one named like a checkpoint option
+        # (debug, context_fn, ...) reaches the block, not checkpoint.
+        function = functools.partial(self.inner, **kwargs) if kwargs else self.inner
+        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
 
 
 def is_checkpointed(module: nn.Module) -> bool:

@@ -125,6 +125,20 @@ def test_exception_in_training_step_leaves_no_hooks_behind():
     assert "configure_model" not in module.__dict__
 
 
+def test_batch_skipped_by_on_train_batch_start_does_not_leave_hooks_active():
+    seen = []
+
+    class Skips(LitGPT):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 1 else None  # Lightning ends the epoch here
+
+        def on_train_epoch_end(self):
+            seen.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+
+    _trainer([_cpu_lightmem()], max_epochs=1).fit(Skips(), token_loader())
+    assert seen == [False]
+
+
 def test_out_of_memory_prints_a_report_and_re_raises(capsys):
     class OutOfMemory(LitGPT):
         def training_step(self, batch, batch_idx):

@@ -239,3 +239,20 @@ def test_every_n_must_be_a_positive_integer(every_n):
     with pytest.raises(ValueError) as error:
         apply_checkpointing(model, "Block", every_n=every_n)
     assert str(error.value) == f"apply_checkpointing(every_n=...): expected an integer >= 1; got {every_n!r}"
+
+
+class _TakesDebug(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, debug=False):  # a keyword named like a torch.utils.checkpoint option
+        return self.linear(x) * (2.0 if debug else 1.0)
+
+
+def test_block_keywords_named_like_checkpoint_options_reach_the_block():
+    block = _TakesDebug()
+    x = torch.randn(2, 4, requires_grad=True)
+    expected = block(x, debug=True)
+    apply_checkpointing(block, "_TakesDebug")
+    assert torch.equal(block(x, debug=True), expected)

@@ -222,3 +222,57 @@ def test_bad_configuration_fails_at_construction_naming_the_flag(kwargs, message
     with pytest.raises(ValueError) as error:
         offload_activations(nn.Linear(2, 2), **kwargs)
     assert str(error.value).startswith(message)
+
+
+def test_parameter_changed_in_place_between_forward_and_backward_raises():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    with offload_activations(model, min_bytes=0, devices=("cpu",)):
+        loss = model(torch.randn(256, 64)).sum()
+    with torch.no_grad():
+        model[2].weight.mul_(10)  # e.g. another optimizer's step before this backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_tensors_on_devices_that_are_not_offloaded_are_still_version_checked():
+    a = torch.randn(1000, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with offload_activations(devices=("cuda",)):  # nothing on CPU moves
+            b = a * 2
+            c = b.sin()
+    with torch.no_grad():
+        b.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        c.sum().backward()
+
+
+def test_sparse_and_nested_saved_tensors_stay_where_they_are():
+    indices = torch.randint(0, 64, (2, 300), generator=torch.Generator().manual_seed(0))
+    adjacency = torch.sparse_coo_tensor(indices, torch.randn(300), (64, 64)).coalesce()
+    h = torch.randn(64, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    torch.sparse.mm(adjacency, h @ w).sum().backward()
+    expected = w.grad.clone()
+    w.grad = None
+    with offload_activations(min_bytes=0, devices=("cpu",)) as off:
+        out = torch.sparse.mm(adjacency, h @ w)  # saves the sparse adjacency
+    out.sum().backward()
+    assert torch.equal(w.grad, expected)
+    assert off.stats.offloaded_tensors > 0  # the dense ones still moved
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], requires_grad=True)
+        with offload_activations(min_bytes=0, devices=("cpu",)):
+            product = nested * nested
+    assert product.is_nested
+
+
+def test_autocast_copies_of_parameters_are_not_offloaded():
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with offload_activations(model, min_bytes="1MiB", devices=("cpu",)) as off:
+            loss = model(torch.randn(8, 1024)).float().sum()
+    loss.backward()
+    # the second layer saves the bfloat16 copy of its weight (2 MiB); that is a parameter, not an activation
+    assert off.stats.offloaded_bytes == 0

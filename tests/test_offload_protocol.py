@@ -13,10 +13,10 @@ import gc
 import pytest
 import torch
 from conftest import assert_bitwise_equal, run_grads
-from models import CASES, make_case
+from models import CASES, TinyGPT, make_case
 
 from lightmem import offload_activations
-from lightmem.offload.pool import HostPool
+from lightmem.offload import hooks
 from lightmem.offload.simulated import COMPUTE, SimulatedAsyncTransport
 
 
@@ -89,11 +89,6 @@ class _NoWaitForHostBytes(SimulatedAsyncTransport):
         super().wait(stream, event)
 
 
-class _NoKeepAlive(SimulatedAsyncTransport):
-    """No record_stream: the source of a device-to-host copy may be reused before it is read."""
-
-    def keep_alive(self, tensor, stream):
-        return None
 
 
 def test_sabotage_compute_not_waiting_for_reload_is_detected():
@@ -104,31 +99,47 @@ def test_sabotage_reload_not_waiting_for_offload_copy_is_detected():
     assert _sabotaged_run(_NoWaitForHostBytes(seed=1, max_delay_s=0.002))
 
 
-def test_sabotage_missing_record_stream_is_detected():
-    transport = _NoKeepAlive(seed=1, max_delay_s=0.002)
+def test_sabotage_source_released_before_its_copy_ran_is_detected(monkeypatch):
+    def careless_settle(self):  # lets go of saved tensors without asking whether their copy ran
+        while self._pending:
+            self._pending.popleft().in_flight_alias = None
+
+    monkeypatch.setattr(hooks.Offloader, "_settle", careless_settle)
+    transport = SimulatedAsyncTransport(seed=1, max_delay_s=0.002)
     assert _sabotaged_run(transport)
     assert transport.stale_reads > 0
 
 
-def _drop_graphs_while_copies_are_queued(transport) -> int:
-    """Forwards whose graphs are freed at once, while their copies to host are still queued."""
-    model, loss_fn = make_case("transformer")
-    off = offload_activations(model, min_bytes=0, devices=("cpu",), transport=transport)
+def test_in_place_change_while_the_copy_is_queued_raises_instead_of_wrong_gradients():
+    transport = SimulatedAsyncTransport(seed=1, max_delay_s=0.02)
+    x = torch.randn(4096, requires_grad=True)
+    with offload_activations(min_bytes=0, devices=("cpu",), transport=transport, prefetch=0):
+        a = x * 2
+        b = a.sin()  # saves a
+        a.mul_(3)  # plain autograd raises at backward; the queued copy would read the new bytes
+        del a
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        b.sum().backward()
+
+
+def _drop_graphs_while_reloads_are_queued(transport) -> int:
+    """Backward through the loss only: its first unpack prefetches the entries before it, which
+    nothing consumes; the graph is then freed while those reloads are still queued."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    tokens = torch.randint(0, 128, (4, 33))
+    off = offload_activations(model, min_bytes=0, devices=("cpu",), transport=transport, prefetch="64MiB")
     for _ in range(3):
         with off:
-            loss = loss_fn(model)
-        del loss
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), tokens[:, 1:].reshape(-1))
+        torch.autograd.grad(loss, logits)
+        del loss, logits
     transport.synchronize()
     with off:  # reaps the pending buffers
-        loss_fn(model)
+        model(tokens[:, :-1])
     return transport.reuse_hazards
 
 
 def test_host_buffers_wait_for_their_last_copy_before_reuse():
-    assert _drop_graphs_while_copies_are_queued(SimulatedAsyncTransport(seed=3, max_delay_s=0.002)) == 0
-
-
-def test_sabotage_host_buffer_reused_before_its_copy_finished_is_detected(monkeypatch):
-    original = HostPool.release
-    monkeypatch.setattr(HostPool, "release", lambda self, block, event=None: original(self, block, None))
-    assert _drop_graphs_while_copies_are_queued(SimulatedAsyncTransport(seed=3, max_delay_s=0.002)) > 0
+    assert _drop_graphs_while_reloads_are_queued(SimulatedAsyncTransport(seed=3, max_delay_s=0.002)) == 0

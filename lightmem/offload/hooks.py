@@ -3,8 +3,9 @@
 Protocol (every wait lives here; transports only provide the primitives):
 
 forward, pack(t)            d2h waits for compute; copy t's storage -> host block on d2h;
-                            keep t's memory from reuse until d2h passes (record_stream);
-                            entry.host_event = event on d2h.
+                            entry.host_event = event on d2h; t is held until that event has
+                            completed, so its memory is not reused (nor changed unseen) before
+                            the copy has read it (the role record_stream plays elsewhere).
 backward, reload(entry)     allocate on compute; h2d waits for compute (the memory's last users)
                             and for entry.host_event (the host bytes are complete); copy on h2d;
                             entry.reload_event = host_event = event on h2d.
@@ -19,7 +20,9 @@ entry, and an entry returns its host block when the last handle is gone.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -59,8 +62,20 @@ class _KeptStorage:
         self.owner._resident_bytes -= self.nbytes
 
 
+class _Checked:
+    """What autograd holds for a saved tensor left where it is (parameters, other devices,
+    sparse or nested layouts, tensor subclasses): hooks switch off autograd's own version check,
+    so this handle does it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+
+
 class _Kept:
-    """What autograd holds for a saved tensor left on the device."""
+    """What autograd holds for a saved tensor left on the device by policy (size, scope, budget)."""
 
     __slots__ = ("storage", "tensor", "version")
 
@@ -84,6 +99,8 @@ class _HostEntry:
         "handles",
         "host",
         "host_event",
+        "in_flight_alias",
+        "modified",
         "index",
         "nbytes",
         "owner",
@@ -108,6 +125,10 @@ class _HostEntry:
         self.device = device
         self.alias = weakref.ref(alias)
         self.version = version
+        # While the copy to host is queued, the saved tensor is held so that an in-place change
+        # to it is still seen (it would corrupt the copy); see Offloader._settle.
+        self.in_flight_alias: Tensor | None = None
+        self.modified: int | None = None  # the version seen when an in-place change was caught
         self.host_event: Any = None
         self.restored: torch.UntypedStorage | None = None
         # For a storage saved as one dense tensor (the common case) the reload is allocated as
@@ -129,12 +150,13 @@ class _HostEntry:
 
     def __del__(self) -> None:
         owner = self.owner
-        try:
-            if self.restored is not None:
-                owner._drop_restored(self)
-            owner._pool.release(self.block, self.host_event)
-        finally:
-            owner._live_entries -= 1
+        with owner._lock:
+            try:
+                if self.restored is not None:
+                    owner._drop_restored(self)
+                owner._pool.release(self.block, self.host_event)
+            finally:
+                owner._live_entries -= 1
 
 
 class _Offloaded:
@@ -156,11 +178,12 @@ class _Offloaded:
 
     def __del__(self) -> None:
         entry = self.entry
-        entry.handles -= 1
-        if self.seen == entry.generation:
-            entry.unpacks -= 1
-        elif entry.restored is not None and entry.handles and entry.unpacks >= entry.handles:
-            entry.owner._let_go(entry)  # the save that had not taken its view is gone
+        with entry.owner._lock:
+            entry.handles -= 1
+            if self.seen == entry.generation:
+                entry.unpacks -= 1
+            elif entry.restored is not None and entry.handles and entry.unpacks >= entry.handles:
+                entry.owner._let_go(entry)  # the save that had not taken its view is gone
 
 
 def _modified_error(tensor_type: str, size: Any, version: int, expected: int) -> RuntimeError:
@@ -202,27 +225,37 @@ class Offloader:
         self._resident_bytes = 0
         self._live_entries = 0
         self._wait_base_s = 0.0
+        self._pending: deque[_HostEntry] = deque()  # entries whose copy to host is still queued
+        # Backward runs one autograd thread per device; handles die on any thread.
+        self._lock = threading.RLock()
 
     # -- forward -------------------------------------------------------------------------------
 
     def pack(self, tensor: Tensor) -> Any:
         stats = self.stats
         stats.packed_tensors += 1
-        if type(tensor) is not Tensor:  # parameters and tensor subclasses stay where they are
-            return tensor
-        if not (
-            (self._on_cuda and tensor.is_cuda)
-            or (self._on_cpu and tensor.is_cpu)
-            or (self._on_other and tensor.device.type in self._devices)
+        if self._pending:
+            self._settle()
+        if (
+            type(tensor) is not Tensor  # parameters and tensor subclasses stay where they are
+            or tensor.layout is not torch.strided  # sparse, mkldnn: no plain storage to move
+            or tensor.is_nested
+            or not (
+                (self._on_cuda and tensor.is_cuda)
+                or (self._on_cpu and tensor.is_cpu)
+                or (self._on_other and tensor.device.type in self._devices)
+            )
         ):
-            return tensor
+            return _Checked(tensor)
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key in self._protected:  # a parameter or buffer, recognised by its storage
-            return tensor
+            return _Checked(tensor)
         alias = tensor._base
         if alias is None:
             alias = tensor
+        if alias.grad_fn is not None and self._is_parameter_copy(alias):
+            return _Checked(tensor)
         version = tensor._version
         known = self._by_storage.get(key)
         if known is not None and known.alias() is alias and known.version == version:
@@ -248,6 +281,15 @@ class Offloader:
         self._by_storage[key] = kept
         return _Kept(tensor, version, kept)
 
+    def _is_parameter_copy(self, tensor: Tensor) -> bool:
+        """An autocast (or .to()) copy of a parameter: moving it every step would move the weights."""
+        grad_fn = tensor.grad_fn
+        if grad_fn.name() != "ToCopyBackward0":
+            return False
+        source = grad_fn.next_functions[0][0]
+        variable = getattr(source, "variable", None)  # AccumulateGrad of a leaf
+        return variable is not None and variable.untyped_storage().data_ptr() in self._protected
+
     def _offload(
         self, tensor: Tensor, storage: torch.UntypedStorage, block: HostBlock, nbytes: int,
         alias: Tensor, version: int,
@@ -257,8 +299,10 @@ class Offloader:
         compute, to_host, _ = transport.streams(entry.device)
         transport.wait(to_host, transport.record(compute))
         transport.copy_to_host(entry.host, storage, to_host)
-        transport.keep_alive(tensor, to_host)
         entry.host_event = transport.record(to_host)
+        if not transport.done(entry.host_event):
+            entry.in_flight_alias = alias
+            self._pending.append(entry)
         stats = self.stats
         stats.offloaded_tensors += 1
         stats.offloaded_bytes += nbytes
@@ -266,6 +310,18 @@ class Offloader:
         if held > stats.peak_host_bytes:
             stats.peak_host_bytes = held
         return entry
+
+    def _settle(self) -> None:
+        """Let go of saved tensors whose copy to host has finished, noting any in-place change
+        that happened while the copy was queued (the host bytes may then be the changed ones)."""
+        pending = self._pending
+        done = self._transport.done
+        while pending and done(pending[0].host_event):
+            entry = pending.popleft()
+            alias = entry.in_flight_alias
+            entry.in_flight_alias = None
+            if alias is not None and alias._version != entry.version:
+                entry.modified = alias._version
 
     def _note_budget(self, nbytes: int) -> None:
         self.stats.budget_kept_bytes += nbytes
@@ -280,19 +336,24 @@ class Offloader:
     def unpack(self, handle: Any) -> Tensor:
         cls = type(handle)
         if cls is _Offloaded:
-            return self._unpack_offloaded(handle)
-        if cls is _Kept:
-            tensor = handle.tensor
-            if tensor._version != handle.version:
-                raise _modified_error(tensor.type(), tensor.size(), tensor._version, handle.version)
-            return tensor
-        return handle
+            with self._lock:
+                return self._unpack_offloaded(handle)
+        tensor = handle.tensor
+        if tensor._version != handle.version:
+            raise _modified_error(tensor.type(), tensor.size(), tensor._version, handle.version)
+        return tensor
 
     def _unpack_offloaded(self, handle: _Offloaded) -> Tensor:
-        alias = handle.alias()
+        entry = handle.entry
+        if self._pending:
+            self._settle()
+        alias = entry.in_flight_alias
+        if alias is None:
+            alias = handle.alias()
         if alias is not None and alias._version != handle.version:
             raise _modified_error(alias.type(), handle.size, alias._version, handle.version)
-        entry = handle.entry
+        if entry.modified is not None:
+            raise _modified_error(str(handle.dtype), handle.size, entry.modified, entry.version)
         transport = self._transport
         stats = self.stats
         session = entry.session
@@ -385,6 +446,7 @@ class Offloader:
     # -- per-context bookkeeping ----------------------------------------------------------------
 
     def begin(self, protected_storages: set[int]) -> None:
+        self._settle()
         self.stats = OffloadStats(
             peak_host_bytes=self._pool.held_bytes, peak_resident_bytes=self._resident_bytes
         )
@@ -407,6 +469,7 @@ class Offloader:
     @property
     def live_entries(self) -> int:
         """Host entries still referenced by some autograd graph (0 once every graph is freed)."""
+        self._settle()
         return self._live_entries
 
     @property

@@ -54,6 +54,9 @@ class HostBlock:
             self._span_bytes = nbytes
         return self._span
 
+    def __del__(self) -> None:
+        self.close()  # a pinned block must be unregistered however it dies
+
     def close(self) -> None:
         if self.registered:  # pragma: no cover - needs CUDA
             self.registered = False

@@ -6,8 +6,8 @@ visible as wrong numbers instead of silent luck:
 
 - a reload buffer starts filled with NaN bytes (as uninitialised device memory would be garbage);
 - a host buffer is NaN-filled the moment it becomes reusable in the pool;
-- a device-to-host copy whose source was neither kept alive by the caller nor by ``keep_alive``
-  (``record_stream`` on CUDA) reads NaN bytes, as it would read reused memory on a GPU.
+- a device-to-host copy whose source the caller did not keep alive until the copy ran reads NaN
+  bytes, as it would read reused memory on a GPU.
 
 The compute "stream" is the calling thread, which is synchronous: waits queued on it block the
 caller. It is not part of the public API and not fast; it exists so the waiting and lifetime logic
@@ -121,8 +121,8 @@ class SimulatedAsyncTransport:
         stream.submit(event.flag.wait)
 
     def copy_to_host(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
-        # Hold the device source weakly: only the caller or keep_alive may keep its memory from
-        # reuse, as with CUDA's caching allocator.
+        # Hold the device source weakly: only the caller may keep its memory from reuse, as with
+        # CUDA's caching allocator.
         src_ref = weakref.ref(src)
         del src
         host = self._track(dst)
@@ -165,10 +165,6 @@ class SimulatedAsyncTransport:
             if self._inflight.get(host_buffer.data_ptr(), 0):
                 self.reuse_hazards += 1
         host_buffer.fill_(_POISON)
-
-    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
-        held = [tensor]
-        stream.submit(held.clear)
 
     def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         storage = torch.UntypedStorage(nbytes, device=device)

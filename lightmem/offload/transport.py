@@ -33,13 +33,10 @@ class Transport(Protocol):
         """Work queued on ``stream`` after this call starts after ``event`` completes."""
 
     def copy_to_host(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
-        """Queue ``dst <- src`` on ``stream``; the device ``src`` must be kept alive by ``keep_alive``."""
+        """Queue ``dst <- src`` on ``stream``; the caller keeps the device ``src`` alive until it ran."""
 
     def copy_to_device(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
         """Queue ``dst <- src`` on ``stream``; the host ``src`` is protected by the pool's events."""
-
-    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Do not reuse ``tensor``'s memory until ``stream`` has finished the work queued so far."""
 
     def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         """Uninitialised device storage, allocated on the compute stream."""
@@ -79,9 +76,6 @@ class SyncTransport:
         self._waited_s += time.perf_counter() - start
 
     copy_to_device = copy_to_host
-
-    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
-        return None
 
     def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         return torch.UntypedStorage(nbytes, device=device)
@@ -126,7 +120,8 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event | None) -> None:
         if event is None:
             return
-        if stream is torch.cuda.current_stream(stream.device) and not event.query():
+        # current_stream() builds a new Stream object on each call: compare streams, not objects.
+        if stream == torch.cuda.current_stream(stream.device) and not event.query():
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record(stream)
@@ -143,9 +138,6 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
             dst.copy_(src, non_blocking=True)
 
     copy_to_device = copy_to_host
-
-    def keep_alive(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        tensor.record_stream(stream)
 
     def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         return torch.UntypedStorage(nbytes, device=device)
