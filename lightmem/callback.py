@@ -225,8 +225,6 @@ class LightMem(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.checkpoint and self._checkpoint_handle is None and self._patched_module is None:
-            self._apply_checkpointing(trainer, pl_module, self.checkpoint, self.checkpoint_every)
         if self.plan == "auto":  # every fit plans for its own first batch
             self.chosen_plan = None
         self._offloader = None if self.plan == "auto" else self._build_offloader(pl_module)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from lightmem.metrics.names import METRICS, Metric
+from lightmem.metrics.names import METRICS
 
 CATEGORY = "lightmem memory"
 
@@ -20,8 +20,3 @@ def custom_scalars_layout(groups: Iterable[str]) -> dict[str, dict[str, list]]:
         if metric.group in enabled:
             charts.setdefault(metric.panel, []).append(metric.key)
     return {CATEGORY: {title: ["Multiline", tags] for title, tags in charts.items()}}
-
-
-def metrics_in_panels(groups: Iterable[str]) -> list[Metric]:
-    enabled = set(groups)
-    return [metric for metric in METRICS if metric.group in enabled]

@@ -140,8 +140,7 @@ class ActivationOffloader:
             f"{self.host_min_available_bytes} bytes",
         )
         if self._scope is not None:
-            scope = self._scope
-            self._offloader._scope_allows = lambda: scope.allowed
+            self._offloader.scope = self._scope
         self._active = False
 
     def __enter__(self) -> ActivationOffloader:

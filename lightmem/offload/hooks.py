@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightmem.config import format_bytes, warn_once
+from lightmem.config import warn_once
 from lightmem.offload.pool import HostBlock, HostPool
+from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
 from lightmem.offload.transport import Transport
 
@@ -221,7 +222,7 @@ class Offloader:
         self._session = _Session()
         self._by_storage: dict[int, _HostEntry | _KeptStorage] = {}
         self._protected: set[int] = set()
-        self._scope_allows = lambda: True
+        self.scope: ModuleScope | None = None  # include/exclude rules, when given
         self._resident_bytes = 0
         self._live_entries = 0
         self._wait_base_s = 0.0
@@ -264,7 +265,8 @@ class Offloader:
                 return _Offloaded(known, tensor, alias, version)
             return _Kept(tensor, version, known)
         nbytes = storage.nbytes()
-        if nbytes >= self._min_bytes and self._scope_allows() and not tensor.is_complex():
+        scope = self.scope
+        if nbytes >= self._min_bytes and (scope is None or scope.allowed) and not tensor.is_complex():
             block = self._pool.acquire(nbytes)
             if block is not None:
                 entry = self._offload(tensor, storage, block, nbytes, alias, version)
@@ -306,9 +308,6 @@ class Offloader:
         stats = self.stats
         stats.offloaded_tensors += 1
         stats.offloaded_bytes += nbytes
-        held = self._pool.held_bytes
-        if held > stats.peak_host_bytes:
-            stats.peak_host_bytes = held
         return entry
 
     def _settle(self) -> None:
@@ -448,7 +447,7 @@ class Offloader:
     def begin(self, protected_storages: set[int]) -> None:
         self._settle()
         self.stats = OffloadStats(
-            peak_host_bytes=self._pool.held_bytes, peak_resident_bytes=self._resident_bytes
+            peak_host_bytes=self._pool.reset_peak(), peak_resident_bytes=self._resident_bytes
         )
         self._wait_base_s = self._transport.waited_s()
         self._protected = protected_storages
@@ -461,9 +460,7 @@ class Offloader:
 
     def refresh_stats(self) -> OffloadStats:
         self.stats.wait_s = self._transport.waited_s() - self._wait_base_s
-        held = self._pool.held_bytes
-        if held > self.stats.peak_host_bytes:
-            self.stats.peak_host_bytes = held
+        self.stats.peak_host_bytes = self._pool.peak_held_bytes
         return self.stats
 
     @property
@@ -475,6 +472,3 @@ class Offloader:
     @property
     def resident_bytes(self) -> int:
         return self._resident_bytes
-
-    def describe_budget(self) -> str:
-        return format_bytes(self._pool.budget_bytes)

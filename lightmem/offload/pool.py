@@ -102,6 +102,7 @@ class HostPool:
         self.budget_bytes = budget_bytes
         self.min_available_bytes = min_available_bytes
         self.held_bytes = 0
+        self.peak_held_bytes = 0
         self.in_use_bytes = 0
         self.allocations = 0
         self.floor_hits = 0
@@ -137,8 +138,15 @@ class HostPool:
             block = HostBlock(capacity, self._pin, self._poison)
             self.allocations += 1
             self.held_bytes += capacity
+            if self.held_bytes > self.peak_held_bytes:
+                self.peak_held_bytes = self.held_bytes
             self.in_use_bytes += capacity
             return block
+
+    def reset_peak(self) -> int:
+        """Start a new peak of ``held_bytes`` from the current value, and return it."""
+        self.peak_held_bytes = self.held_bytes
+        return self.held_bytes
 
     def release(self, block: HostBlock, event: Any = None) -> None:
         with self._lock:
