@@ -79,7 +79,9 @@ def relative(value: float, reference: float) -> str:
 
 
 def _gpt(config: dict[str, int | float]) -> torch.nn.Module:
-    sys.path.insert(0, str(CHECKOUT / "examples"))
+    examples = str(CHECKOUT / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
     from gpt_model import GPT
 
     torch.manual_seed(0)
