@@ -32,6 +32,7 @@ from lightmem.metrics.probes import (
     ProbeUnavailable,
     TorchAllocatorProbe,
 )
+from lightmem.metrics.ranks import RankMax
 from lightmem.metrics.tensorboard import custom_scalars_layout
 from lightmem.offload.context import (
     DEFAULT_HOST_BUDGET,
@@ -172,6 +173,7 @@ class LightMem(Callback):
         self._checkpoint_handle: CheckpointHandle | None = None
         self._patched_module: pl.LightningModule | None = None
         self._probes: list[Any] = []
+        self._rank_max = RankMax()
         self._traffic: LightmemProbe | None = None
         self._last_step = -1
         self.last_metrics: dict[str, float] = {}
@@ -408,9 +410,8 @@ class LightMem(Callback):
         if trainer.world_size <= 1:
             return values
         names = [name for name in values if BY_KEY[name].reduce_max]
-        local = torch.tensor([values[name] for name in names], dtype=torch.float64, device=pl_module.device)
-        reduced = trainer.strategy.reduce(local, reduce_op="max")
-        return {**values, **dict(zip(names, reduced.tolist()))}
+        reduced = self._rank_max([values[name] for name in names])  # CPU tensors over gloo: no GPU sync
+        return {**values, **dict(zip(names, reduced))}
 
     # -- leaving -----------------------------------------------------------------------------------
 

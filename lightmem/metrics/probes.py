@@ -7,6 +7,7 @@ construction with a one-line reason; the callback switches that group off and sa
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 import torch
@@ -19,16 +20,24 @@ class ProbeUnavailable(RuntimeError):
 
 
 class TorchAllocatorProbe:
-    """PyTorch's caching allocator: ``torch.cuda.memory_stats`` (a host-side read, no sync)."""
+    """PyTorch's caching allocator: ``torch.cuda.memory_stats`` (a host-side read, no sync).
+
+    The allocator keeps one peak per device, the one ``torch.cuda.max_memory_allocated`` returns.
+    By default lightmem never resets it, so a user's own peak readings stay true; the logged
+    ``step_peak_allocated`` is then the peak since the process started (or since the user's
+    last reset). With ``reset_peak=True`` lightmem resets it after each logged step and the
+    metric is the peak of that step alone, at the cost of the user's ``max_memory_allocated``.
+    """
 
     group = "gpu"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, reset_peak: bool = False) -> None:
         if device.type != "cuda" or not torch.cuda.is_available():
             raise ProbeUnavailable("the training device is not a CUDA device")
         self.device = device
+        self.reset_peak = reset_peak
 
-    def collect(self) -> dict[str, float]:  # pragma: no cover - needs CUDA
+    def collect(self) -> dict[str, float]:
         stats = torch.cuda.memory_stats(self.device)
         return {
             key("gpu/allocated_GiB"): stats.get("allocated_bytes.all.current", 0) / GiB,
@@ -39,39 +48,83 @@ class TorchAllocatorProbe:
             key("gpu/ooms"): float(stats.get("num_ooms", 0)),
         }
 
-    def end_step(self) -> None:  # pragma: no cover - needs CUDA
-        torch.cuda.reset_peak_memory_stats(self.device)
+    def end_step(self) -> None:
+        if self.reset_peak:
+            torch.cuda.reset_peak_memory_stats(self.device)
 
 
 class NvmlProbe:
-    """The driver's view of the device through NVML (``pynvml`` from nvidia-ml-py)."""
+    """The driver's view of the device through NVML (``pynvml`` from nvidia-ml-py).
+
+    The NVML device is found by the UUID CUDA reports for the training device, never by index:
+    CUDA's index is relative to ``CUDA_VISIBLE_DEVICES`` (which may list UUIDs, in any order)
+    while NVML numbers every GPU of the machine, and a MIG instance has no NVML index at all.
+    """
 
     group = "device"
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" or not torch.cuda.is_available():
             raise ProbeUnavailable("the training device is not a CUDA device")
-        try:  # pragma: no cover - needs a GPU driver
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
             import pynvml
 
             pynvml.nvmlInit()
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            try:
-                uuid = str(torch.cuda.get_device_properties(index).uuid)
-                self._handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-            except Exception:
-                self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = str(torch.cuda.get_device_properties(index).uuid)
+            self._handle = nvml_handle_by_uuid(pynvml, uuid)
             self._memory_info = pynvml.nvmlDeviceGetMemoryInfo
             self._memory_info(self._handle)
-        except Exception as error:  # pragma: no cover - depends on the driver
+        except ProbeUnavailable:
+            raise
+        except Exception as error:  # depends on the driver
             raise ProbeUnavailable(f"NVML is not usable ({type(error).__name__}: {error})") from None
 
-    def collect(self) -> dict[str, float]:  # pragma: no cover - needs a GPU driver
+    def collect(self) -> dict[str, float]:
         info = self._memory_info(self._handle)
         return {key("device/used_GiB"): info.used / GiB, key("device/total_GiB"): info.total / GiB}
 
     def end_step(self) -> None:
         return None
+
+
+def nvml_handle_by_uuid(pynvml: Any, uuid: str) -> Any:
+    """The NVML handle of the GPU or MIG instance whose UUID CUDA reports as ``uuid``.
+
+    CUDA gives the bare UUID; NVML names a full GPU ``GPU-<uuid>`` and a MIG instance
+    ``MIG-<uuid>``. Both are tried directly, then every GPU and MIG instance NVML lists is
+    compared by UUID (drivers that reject a MIG UUID in ``nvmlDeviceGetHandleByUUID``).
+
+    Raises:
+        ProbeUnavailable: no device NVML knows has that UUID.
+    """
+    bare = uuid.lower().removeprefix("gpu-").removeprefix("mig-")
+    for name in (f"GPU-{bare}", f"MIG-{bare}"):
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(name)
+        except pynvml.NVMLError:
+            pass
+    for gpu in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(gpu)
+        candidates = [handle]
+        try:
+            for mig in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+                try:
+                    candidates.append(pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, mig))
+                except pynvml.NVMLError:
+                    pass  # an empty MIG slot
+        except pynvml.NVMLError:
+            pass  # MIG not supported on this GPU
+        for candidate in candidates:
+            if _bare_uuid(pynvml.nvmlDeviceGetUUID(candidate)) == bare:
+                return candidate
+    raise ProbeUnavailable(f"NVML lists no GPU or MIG instance with the UUID {bare} that CUDA reports")
+
+
+def _bare_uuid(name: str | bytes) -> str:
+    if isinstance(name, bytes):
+        name = name.decode()
+    return name.lower().removeprefix("gpu-").removeprefix("mig-")
 
 
 class HostProbe:

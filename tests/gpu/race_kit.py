@@ -1,0 +1,193 @@
+"""Tools that make a missing stream wait show as a wrong result on a real GPU.
+
+Three ingredients, after the usual way such races are provoked:
+
+- activations of 64 MiB, so a copy takes milliseconds rather than microseconds;
+- ``torch.cuda._sleep`` queued on one stream, so it runs ~0.1 s behind the others and any work
+  that is not ordered after it by an event wait overtakes it;
+- freed device memory (and the host buffers of the previous step) filled with NaN, so reading a
+  buffer before it was written gives NaN instead of a stale but correct copy.
+
+``wait_kinds`` / ``drop_wait`` wrap the transport's ``record`` and ``wait`` to name each wait by
+(stream that waits, stream the event was recorded on), so a negative control removes exactly one
+kind of wait and must then produce a wrong result.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS across streams
+
+from typing import Any
+
+import torch
+from torch import nn
+
+ROWS = WIDTH = 4096
+ACTIVATION_BYTES = ROWS * WIDTH * 4  # 64 MiB of float32
+SLEEP_CYCLES = 200_000_000  # ~0.1 s at 1.5-2 GHz, far longer than copying 64 MiB
+ROLES = ("compute", "to_host", "to_device")
+
+# Each kind of wait of the protocol (lightmem/offload/hooks.py), and the delay that exposes its absence.
+DELAY_EXPOSING = {
+    ("to_host", "compute"): "compute_in_forward",  # the copy to host would read an unwritten activation
+    ("to_device", "to_host"): "copy_to_host",  # the reload would read a host buffer not yet written
+    ("compute", "to_device"): "copy_to_device",  # backward would read a reload buffer not yet written
+    ("to_device", "compute"): "compute_in_backward",  # the reload would be overwritten by older kernels
+}
+DELAYS = tuple(DELAY_EXPOSING.values())
+
+
+class Mlp(nn.Module):
+    """``depth`` x (Linear -> GELU) of width 4096: each saved activation is 64 MiB at 4096 rows.
+
+    A step saves 2 * depth + 1 activations: the input, each Linear output (GELU input), each GELU
+    output (the next Linear's input, or the loss's ``square`` input for the last one).
+    """
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = nn.functional.gelu(layer(x))
+        return x
+
+
+def make_model(device: torch.device | str, depth: int = 3) -> Mlp:
+    torch.manual_seed(0)
+    return Mlp(depth).to(device)
+
+
+def make_input(device: torch.device | str) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(ROWS, WIDTH, generator=generator).to(device)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def stall(stream: torch.cuda.Stream) -> None:
+    """Queue ~0.1 s of sleep on ``stream``: what is queued on it next runs that much later."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+
+
+def fill_free_memory_with_nan(device: torch.device) -> None:
+    """Hand every cached free block of activation size out once, fill it with NaN, free it again."""
+    reserved = torch.cuda.memory_reserved(device)
+    chunks = []
+    while len(chunks) < 64:
+        chunks.append(torch.full((ACTIVATION_BYTES // 4,), float("nan"), device=device))
+        if torch.cuda.memory_reserved(device) > reserved:  # the cache is used up: this one is new
+            break
+    del chunks
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def baseline_step(model: nn.Module, x: torch.Tensor, backward_passes: int = 1) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(model, x)
+    for index in range(backward_passes):
+        loss.backward(retain_graph=index + 1 < backward_passes)
+    torch.cuda.synchronize(x.device)
+    return grads(model)
+
+
+def offloaded_step(
+    model: nn.Module, x: torch.Tensor, offloader: Any, delay: str | None = None, backward_passes: int = 1
+) -> dict[str, torch.Tensor]:
+    """One step through ``offloader`` with ``delay`` (one of ``DELAYS``) queued where it bites.
+
+    A first step on a NaN input leaves NaN in the host buffers the pool hands out again.
+    """
+    device = x.device
+    compute, to_host, to_device = offloader.transport.streams(device)
+    with offloader:
+        poisoned = loss_of(model, torch.full_like(x, float("nan")))
+    poisoned.backward()
+    del poisoned
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    offloader.live_entries  # let go of the saved tensors whose copies have run
+    fill_free_memory_with_nan(device)
+    torch.cuda.synchronize(device)
+    if delay == "compute_in_forward":
+        stall(compute)
+    elif delay == "copy_to_host":
+        stall(to_host)
+    with offloader:
+        loss = loss_of(model, x)
+    if delay in ("copy_to_device", "compute_in_backward"):
+        torch.cuda.synchronize(device)
+        offloader.live_entries
+        if delay == "compute_in_backward":
+            stall(compute)
+            fill_free_memory_with_nan(device)  # runs after the stall: a reload must wait for it
+        else:
+            fill_free_memory_with_nan(device)
+            torch.cuda.synchronize(device)
+            stall(to_device)
+    for index in range(backward_passes):
+        loss.backward(retain_graph=index + 1 < backward_passes)
+    torch.cuda.synchronize(device)
+    return grads(model)
+
+
+def _tag_waits(transport: Any, device: torch.device, on_wait: Any) -> None:
+    """Route the transport's waits through ``on_wait(kind, stream, event, original_wait)``."""
+    streams = dict(zip(ROLES, transport.streams(device)))
+    recorded: dict[int, tuple[str, Any]] = {}  # holds each event, so its id is not reused
+    original_record, original_wait = transport.record, transport.wait
+
+    def role(stream: Any) -> str:
+        return next(name for name, known in streams.items() if known == stream)
+
+    def record(stream: Any) -> Any:
+        event = original_record(stream)
+        recorded[id(event)] = (role(stream), event)
+        return event
+
+    def wait(stream: Any, event: Any) -> None:
+        after = recorded[id(event)][0] if event is not None else None
+        on_wait((role(stream), after), stream, event, original_wait)
+
+    transport.record = record
+    transport.wait = wait
+
+
+def wait_kinds(transport: Any, device: torch.device) -> set[tuple[str, str]]:
+    """Collect the kinds of cross-stream wait the transport is asked for (same-stream ones are no-ops)."""
+    kinds: set[tuple[str, str]] = set()
+
+    def on_wait(kind, stream, event, original_wait):
+        if kind[1] is not None and kind[0] != kind[1]:
+            kinds.add(kind)
+        original_wait(stream, event)
+
+    _tag_waits(transport, device, on_wait)
+    return kinds
+
+
+def drop_wait(transport: Any, device: torch.device, kind: tuple[str, str]) -> list[tuple[str, str]]:
+    """Remove every wait of ``kind``; the returned list grows by one per wait removed."""
+    dropped: list[tuple[str, str]] = []
+
+    def on_wait(seen, stream, event, original_wait):
+        if seen == kind:
+            dropped.append(seen)
+            return
+        original_wait(stream, event)
+
+    _tag_waits(transport, device, on_wait)
+    return dropped
+
+
+def differs(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(expected[name], actual[name]) for name in expected)
