@@ -4,8 +4,8 @@ training need so much more memory than the parameters, and what would fit?
     python examples/deep_convnet.py
 
 The network has 206.5 M parameters (826 MB in float32), a size a user once met on a 2 GB GTX 960:
-the parameters fit, yet the step ran out of memory. ``estimate_memory`` shows why before any real step: gradients are as large as
-the parameters, and the optimizer and the workspace need the rest. It then trains a few real
+the parameters fit, yet the step ran out of memory. ``estimate_memory`` shows why before any real
+step: gradients are as large as the parameters, and the optimizer and the workspace need the rest. It then trains a few real
 steps on the CPU with LightMem checkpointing the conv stack.
 """
 
