@@ -176,3 +176,15 @@ def test_every_op_that_saves_a_mutated_argument_gives_bitwise_equal_gradients():
                     assert (e is None and a is None) or torch.equal(e, a), f"{opinfo.name}: {sample}"
                 checked += 1
     assert checked > len(ops)
+
+
+def test_sabotage_copying_at_pack_time_is_detected(monkeypatch):
+    """Without waiting for the saving op to return, RReLU's noise is copied before it is written."""
+    from lightmem.offload import hooks
+
+    counter = iter(range(1 << 62))
+    monkeypatch.setattr(hooks, "_sequence_nr", lambda: next(counter))  # every pack looks like a new op
+    model = _rrelu_model()
+    expected = _train(model, steps=1)
+    actual = _train(model, lambda m: offload_activations(m, min_bytes=0, devices=("cpu",)), steps=1)
+    assert not torch.equal(expected[0]["0.weight"], actual[0]["0.weight"])
