@@ -38,8 +38,11 @@ def test_in_place_change_through_a_detached_alias_raises_like_autograd(min_bytes
         _save_then_change_through_detached_alias().sum().backward()
     with offload_activations(min_bytes=min_bytes, devices=("cpu",)) as off:
         z = _save_then_change_through_detached_alias()
-    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch.FloatTensor \[1024\]\] "
-                       r"is at version 1; expected version 0 instead"):  # fmt: skip
+    expected = (
+        r"modified by an inplace operation: \[torch.FloatTensor \[1024\]\] "
+        r"is at version 1; expected version 0 instead"
+    )
+    with pytest.raises(RuntimeError, match=expected):
         z.sum().backward()
     assert (off.stats.offloaded_tensors, off.stats.kept_bytes) == ((1, 0) if min_bytes == 0 else (0, 4096))
 
@@ -120,8 +123,11 @@ def test_contexts_exited_out_of_order_leave_the_hook_stack_correct():
     second = offload_activations(min_bytes=0, devices=("cpu",))
     first.__enter__()
     second.__enter__()
-    with pytest.raises(RuntimeError, match=r"^offload_activations: exited out of order: 1 saved-tensor hooks "
-                       r"context\(s\) entered after it are still active\. lightmem removed its own hooks"):  # fmt: skip
+    expected = (
+        r"^offload_activations: exited out of order: 1 saved-tensor hooks context\(s\) entered after it "
+        r"are still active\. lightmem removed its own hooks and left those in place"
+    )
+    with pytest.raises(RuntimeError, match=expected):
         first.__exit__(None, None, None)
     assert _hooks_top()[0] == second._offloader.pack
     second.__exit__(None, None, None)
@@ -191,7 +197,7 @@ def test_one_context_entered_from_two_threads_is_an_error():
     thread.start()
     entered.wait(10)
     try:
-        with pytest.raises(RuntimeError, match="already active in another thread; saved-tensor hooks are per thread"):
+        with pytest.raises(RuntimeError, match="already active in another thread; saved-tensor hooks are"):
             off.__enter__()
         with pytest.raises(RuntimeError, match="exited from another thread than the one that entered it"):
             off.__exit__(None, None, None)

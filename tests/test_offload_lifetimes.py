@@ -51,9 +51,9 @@ def _hf_case(name: str):
                             bos_token_id=None, eos_token_id=None)  # fmt: skip
         model = GPT2LMHeadModel(config)
     else:
-        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64,
-                             bos_token_id=None, eos_token_id=None)  # fmt: skip
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                             max_position_embeddings=64, bos_token_id=None, eos_token_id=None)  # fmt: skip
         model = LlamaForCausalLM(config)
     model.config._attn_implementation = "eager"
     tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(1))
