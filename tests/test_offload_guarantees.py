@@ -86,7 +86,8 @@ def test_saved_tensor_on_a_freed_storage_is_left_untouched():
     assert (off.stats.packed_tensors, off.stats.offloaded_tensors, off.stats.kept_bytes) == (1, 0, 0)
 
 
-def test_fully_shard_on_one_process_offloads_no_weight(tmp_path):
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_fully_shard_on_one_process_offloads_no_weight(tmp_path, reshard_after_forward):
     dist = pytest.importorskip("torch.distributed")
     from torch.distributed.fsdp import fully_shard
 
@@ -99,8 +100,8 @@ def test_fully_shard_on_one_process_offloads_no_weight(tmp_path):
         reference = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
         reference.load_state_dict(model.state_dict())
         for layer in (model[0], model[2]):
-            fully_shard(layer, reshard_after_forward=True)
-        fully_shard(model, reshard_after_forward=True)
+            fully_shard(layer, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
         x = torch.randn(64, 128)
         reference(x).square().sum().backward()
         with offload_activations(model, min_bytes=0, devices=("cpu",)) as off:
