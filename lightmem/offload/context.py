@@ -67,6 +67,9 @@ class ActivationOffloader:
 
     Raises:
         ValueError: a flag has a bad value, or a pattern matches no module (with the closest names).
+        RuntimeError: the context is entered while active (also from another thread: saved-tensor
+            hooks are per thread, so a forward in another thread is not offloaded), or exited out
+            of order (its hooks are removed anyway); a ``torch.func`` transform ran inside it.
 
     Example::
 
@@ -200,7 +203,11 @@ class ActivationOffloader:
                 "offload_activations: exited from another thread than the one that entered it; "
                 "saved-tensor hooks are per thread, so enter and exit the context in the same thread"
             )
-        if isinstance(exc, RuntimeError) and _TORCH_FUNC_REFUSES_HOOKS in str(exc):
+        if (
+            isinstance(exc, RuntimeError)
+            and _TORCH_FUNC_REFUSES_HOOKS in str(exc)
+            and not str(exc).startswith(TORCH_FUNC_MESSAGE)
+        ):
             exc.args = (f"{TORCH_FUNC_MESSAGE}\n(torch said: {exc})",)  # the user sees lightmem's words
         try:
             above = self._pop_own_hooks()

@@ -45,6 +45,11 @@ from lightmem.offload.transport import Transport
 _sequence_nr = torch._C._autograd._get_sequence_nr  # the next autograd node's number (per thread)
 
 
+def _held(tensor: Tensor) -> Tensor:
+    """What a handle may hold of a saved tensor: never one with a grad_fn (see the module doc)."""
+    return tensor if tensor.is_leaf else tensor.detach()
+
+
 def _version_holder(tensor: Tensor, empty: Tensor) -> Tensor:
     """A tensor sharing ``tensor``'s version counter but none of its memory.
 
@@ -274,7 +279,7 @@ class Offloader:
                 or (self._on_other and tensor.device.type in self._devices)
             )
         ):
-            return _Checked(tensor if tensor.is_leaf else tensor.detach())
+            return _Checked(_held(tensor))
         alias = tensor._base
         if alias is None:
             alias = tensor
@@ -283,17 +288,17 @@ class Offloader:
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0:  # nothing to move; or freed by resize_(0) (FSDP): never touch its pointer
-            return _Checked(tensor if tensor.is_leaf else tensor.detach())
+            return _Checked(_held(tensor))
         key = storage.data_ptr()
         if key in self._protected or (alias.grad_fn is not None and self._is_parameter_copy(alias)):
-            return _Checked(tensor if tensor.is_leaf else tensor.detach())
+            return _Checked(_held(tensor))
         version = tensor._version
         known = self._by_storage.get(key)
         if known is not None and known.alias() is alias and known.version == version:
             if type(known) is _HostEntry:
                 stats.deduplicated_bytes += known.nbytes
                 return _Offloaded(known, tensor, version)
-            return _Kept(tensor if tensor.is_leaf else tensor.detach(), version, known)
+            return _Kept(_held(tensor), version, known)
         scope = self.scope
         if nbytes >= self._min_bytes and (scope is None or scope.allowed) and not tensor.is_complex():
             block = self._pool.acquire(nbytes)
@@ -310,7 +315,7 @@ class Offloader:
             stats.kept_bytes += nbytes
         kept = _KeptStorage(self, nbytes, alias, version)
         self._by_storage[key] = kept
-        return _Kept(tensor if tensor.is_leaf else tensor.detach(), version, kept)
+        return _Kept(_held(tensor), version, kept)
 
     def _is_parameter_copy(self, tensor: Tensor) -> bool:
         """An autocast (or .to()) copy of a parameter: moving it every step would move the weights."""
