@@ -431,7 +431,8 @@ class LightMem(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._exit_offload()
+        if self._offloader is not None and self._offloader.active:  # it words torch.func's error itself
+            self._offloader.__exit__(type(exception), exception, exception.__traceback__)
         if isinstance(exception, torch.cuda.OutOfMemoryError) or "out of memory" in str(exception).lower():
             print(self.oom_report(trainer, pl_module))
             if self.oom_snapshot and torch.cuda.is_available():  # pragma: no cover - needs CUDA

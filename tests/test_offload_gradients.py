@@ -8,6 +8,7 @@ from conftest import assert_bitwise_equal, run_grads
 from models import CASES, make_case
 
 from lightmem import offload_activations
+from lightmem.config import warn_once
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
@@ -35,7 +36,8 @@ def test_gradients_bitwise_equal_with_threshold_and_no_prefetch(case):
     assert off.stats.prefetch_hits == 0
 
 
-def test_default_devices_offload_nothing_on_cpu_tensors():
+def test_default_devices_offload_nothing_on_cpu_tensors(monkeypatch):
+    monkeypatch.setitem(warn_once.__globals__, "_warned", set())  # an earlier test may have said it once
     model, loss_fn = make_case("transformer")
     expected, _ = run_grads(model, loss_fn)
     with pytest.warns(UserWarning, match="CUDA is not available") if not torch.cuda.is_available() else _null():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from types import TracebackType
 
@@ -26,6 +27,15 @@ DEFAULT_MIN_BYTES = "1MiB"
 DEFAULT_HOST_BUDGET = 0.5
 DEFAULT_PREFETCH = "256MiB"
 DEFAULT_HOST_MIN_AVAILABLE = 0.10
+
+_TORCH_FUNC_REFUSES_HOOKS = "don't yet support saved tensor hooks"  # torch.func's own error
+TORCH_FUNC_MESSAGE = (
+    "offload_activations: torch.func.grad/vjp/jacrev/hessian (also inside vmap) cannot run while "
+    "saved-tensor hooks are active, and activation offload is made of them (a torch limitation). "
+    "Call the torch.func transform outside the offload context (before entering it or after leaving "
+    "it); under LightMem, call it outside training_step or set LightMem(offload=False). Excluding "
+    "modules does not help: the hooks stay active for the whole forward."
+)
 
 
 class ActivationOffloader:
@@ -57,6 +67,9 @@ class ActivationOffloader:
 
     Raises:
         ValueError: a flag has a bad value, or a pattern matches no module (with the closest names).
+        RuntimeError: the context is entered while active (also from another thread: saved-tensor
+            hooks are per thread, so a forward in another thread is not offloaded), or exited out
+            of order (its hooks are removed anyway); a ``torch.func`` transform ran inside it.
 
     Example::
 
@@ -142,22 +155,40 @@ class ActivationOffloader:
         if self._scope is not None:
             self._offloader.scope = self._scope
         self._active = False
+        self._thread: int | None = None  # the thread that entered (saved-tensor hooks are per thread)
+        self._entering = threading.Lock()
 
     def __enter__(self) -> ActivationOffloader:
-        if self._active:
-            raise RuntimeError("offload_activations: this context is already active; it cannot be nested")
+        with self._entering:
+            if self._active:
+                if self._thread != threading.get_ident():
+                    raise RuntimeError(
+                        "offload_activations: this context is already active in another thread; "
+                        "saved-tensor hooks are per thread, so give each thread its own context"
+                    )
+                raise RuntimeError("offload_activations: this context is already active; it cannot be nested")
+            self._active = True
+            self._thread = threading.get_ident()
+        try:
+            self._push()
+        except BaseException:
+            self._active = False
+            raise
+        return self
+
+    def _push(self) -> None:
         protected: set[int] = set()
         if self.model is not None:
-            for tensor in self.model.parameters():
-                protected.add(tensor.untyped_storage().data_ptr())
-            for tensor in self.model.buffers():
-                protected.add(tensor.untyped_storage().data_ptr())
+            for tensor in (*self.model.parameters(), *self.model.buffers()):
+                if type(tensor) not in (torch.Tensor, nn.Parameter):
+                    continue  # e.g. FSDP2's sharded DTensors: no plain storage; never saved as such
+                storage = tensor.untyped_storage()
+                if storage.nbytes():  # a storage freed by resize_(0) has no pointer to protect
+                    protected.add(storage.data_ptr())
         self._offloader.begin(protected)
         if self._scope is not None:
             self._scope.attach()
         torch._C._autograd._push_saved_tensors_default_hooks(self._offloader.pack, self._offloader.unpack)
-        self._active = True
-        return self
 
     def __exit__(
         self,
@@ -167,19 +198,61 @@ class ActivationOffloader:
     ) -> None:
         if not self._active:
             return
-        self._active = False
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if self._thread != threading.get_ident():
+            raise RuntimeError(
+                "offload_activations: exited from another thread than the one that entered it; "
+                "saved-tensor hooks are per thread, so enter and exit the context in the same thread"
+            )
+        if (
+            isinstance(exc, RuntimeError)
+            and _TORCH_FUNC_REFUSES_HOOKS in str(exc)
+            and not str(exc).startswith(TORCH_FUNC_MESSAGE)
+        ):
+            exc.args = (f"{TORCH_FUNC_MESSAGE}\n(torch said: {exc})",)  # the user sees lightmem's words
         try:
-            if top is None or top[0] != self._offloader.pack:
-                raise RuntimeError(
-                    "offload_activations: other saved-tensor hooks were entered inside this context "
-                    "and are still active; exit them first (saved-tensor hooks are a stack)"
-                )
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            above = self._pop_own_hooks()
         finally:
+            self._active = False
+            self._thread = None
             if self._scope is not None:
                 self._scope.detach()
             self._offloader.end()
+        if above is None:
+            message = (
+                "offload_activations: its saved-tensor hooks were already removed by the exit of a "
+                "context entered before it (contexts exited out of order); exit contexts in the "
+                "reverse order of entering them"
+            )
+        elif above:
+            message = (
+                f"offload_activations: exited out of order: {above} saved-tensor hooks context(s) "
+                "entered after it are still active. lightmem removed its own hooks and left those in "
+                "place; exit contexts in the reverse order of entering them"
+            )
+        else:
+            return
+        if exc is None:
+            raise RuntimeError(message)
+        warn_once(message)  # do not hide the exception already on its way
+
+    def _pop_own_hooks(self) -> int | None:
+        """Remove this context's hooks from the thread's hook stack, wherever they are.
+
+        Returns how many hooks above ours were put back, or None when ours were not on the stack.
+        """
+        pack = self._offloader.pack
+        above = []
+        while True:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            if top is None:
+                break
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            if top[0] == pack:
+                break
+            above.append(top)
+        for hooks in reversed(above):
+            torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
+        return None if top is None else len(above)
 
     @property
     def active(self) -> bool:

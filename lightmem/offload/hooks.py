@@ -2,10 +2,14 @@
 
 Protocol (every wait lives here; transports only provide the primitives):
 
-forward, pack(t)            d2h waits for compute; copy t's storage -> host block on d2h;
+forward, pack(t)            an entry and its host block; t is held and its copy deferred until
+                            the op that saved t has returned (an op may save an argument and
+                            then write it, as rrelu does with its noise): the next pack of a
+                            later op (a new autograd node), the context's exit, or an unpack.
+forward, copy(entry)        d2h waits for compute; copy t's storage -> host block on d2h;
                             entry.host_event = event on d2h; t is held until that event has
-                            completed, so its memory is not reused (nor changed unseen) before
-                            the copy has read it (the role record_stream plays elsewhere).
+                            completed, so its memory is not reused before the copy has read it
+                            (the role record_stream plays elsewhere).
 backward, reload(entry)     allocate on compute; h2d waits for compute (the memory's last users)
                             and for entry.host_event (the host bytes are complete); copy on h2d;
                             entry.reload_event = host_event = event on h2d.
@@ -14,7 +18,11 @@ graph freed (entry dies)    host block returns to the pool after entry.host_even
                             reload makes its allocation stream wait before the storage is freed.
 
 Lifetimes follow the autograd graph: autograd holds one handle per save, handles hold their
-entry, and an entry returns its host block when the last handle is gone.
+entry, and an entry returns its host block when the last handle is gone. No handle holds a
+tensor that has a grad_fn (it holds a detached alias): autograd passes a saved output with its
+own grad_fn to pack, and holding it would make a cycle (tensor -> grad_fn -> handle -> tensor)
+through C++ that Python's collector cannot break. In-place changes are caught through the saved
+tensor's version counter, which an entry keeps alive without the storage (``_version_holder``).
 """
 
 from __future__ import annotations
@@ -33,6 +41,25 @@ from lightmem.offload.pool import HostBlock, HostPool
 from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
 from lightmem.offload.transport import Transport
+
+_sequence_nr = torch._C._autograd._get_sequence_nr  # the next autograd node's number (per thread)
+
+
+def _held(tensor: Tensor) -> Tensor:
+    """What a handle may hold of a saved tensor: never one with a grad_fn (see the module doc)."""
+    return tensor if tensor.is_leaf else tensor.detach()
+
+
+def _version_holder(tensor: Tensor, empty: Tensor) -> Tensor:
+    """A tensor sharing ``tensor``'s version counter but none of its memory.
+
+    ``detach()`` shares the version counter; assigning ``.data`` swaps the storage for an empty
+    one and keeps the counter, so in-place changes through any alias stay visible after the saved
+    tensor itself (and its storage on the device) is gone.
+    """
+    holder = tensor.detach()
+    holder.data = empty
+    return holder
 
 
 class _Session:
@@ -65,8 +92,8 @@ class _KeptStorage:
 
 class _Checked:
     """What autograd holds for a saved tensor left where it is (parameters, other devices,
-    sparse or nested layouts, tensor subclasses): hooks switch off autograd's own version check,
-    so this handle does it."""
+    sparse or nested layouts, tensor subclasses, freed storages): hooks switch off autograd's own
+    version check, so this handle does it. ``tensor`` never has a grad_fn (see the module doc)."""
 
     __slots__ = ("tensor", "version")
 
@@ -76,7 +103,8 @@ class _Checked:
 
 
 class _Kept:
-    """What autograd holds for a saved tensor left on the device by policy (size, scope, budget)."""
+    """What autograd holds for a saved tensor left on the device by policy (size, scope, budget);
+    ``tensor`` never has a grad_fn (see the module doc)."""
 
     __slots__ = ("storage", "tensor", "version")
 
@@ -101,7 +129,6 @@ class _HostEntry:
         "host",
         "host_event",
         "in_flight_alias",
-        "modified",
         "index",
         "nbytes",
         "owner",
@@ -113,23 +140,24 @@ class _HostEntry:
         "sweep",
         "unpacks",
         "version",
+        "version_holder",
     )  # fmt: skip
 
     def __init__(
         self, owner: Offloader, block: HostBlock, nbytes: int, device: torch.device,
-        alias: Tensor, version: int,
+        alias: Tensor, version: int, version_holder: Tensor,
     ) -> None:  # fmt: skip
         self.owner = owner
         self.block = block
         self.host = block.span(nbytes)
         self.nbytes = nbytes
         self.device = device
-        self.alias = weakref.ref(alias)
+        self.alias = weakref.ref(alias)  # identity, for dedupe within one forward
         self.version = version
-        # While the copy to host is queued, the saved tensor is held so that an in-place change
-        # to it is still seen (it would corrupt the copy); see Offloader._settle.
-        self.in_flight_alias: Tensor | None = None
-        self.modified: int | None = None  # the version seen when an in-place change was caught
+        self.version_holder = version_holder
+        # Until the copy to host has run, the saved tensor is held so that its memory is not
+        # reused before the copy reads it; see Offloader._copy_deferred and Offloader._settle.
+        self.in_flight_alias: Tensor | None = alias
         self.host_event: Any = None
         self.restored: torch.UntypedStorage | None = None
         # For a storage saved as one dense tensor (the common case) the reload is allocated as
@@ -163,11 +191,10 @@ class _HostEntry:
 class _Offloaded:
     """What autograd holds for a saved tensor whose storage went to host memory."""
 
-    __slots__ = ("alias", "dense", "dtype", "entry", "offset", "seen", "size", "stride", "version")
+    __slots__ = ("dense", "dtype", "entry", "offset", "seen", "size", "stride", "version")
 
-    def __init__(self, entry: _HostEntry, tensor: Tensor, alias: Tensor, version: int) -> None:
+    def __init__(self, entry: _HostEntry, tensor: Tensor, version: int) -> None:
         self.entry = entry
-        self.alias = weakref.ref(alias)
         self.version = version
         self.dtype = tensor.dtype
         self.size = tensor.size()
@@ -226,7 +253,10 @@ class Offloader:
         self._resident_bytes = 0
         self._live_entries = 0
         self._wait_base_s = 0.0
+        self._deferred: list[_HostEntry] = []  # entries whose copy waits for their op to return
+        self._deferred_after = -1  # the autograd sequence number when the last of them was saved
         self._pending: deque[_HostEntry] = deque()  # entries whose copy to host is still queued
+        self._empty: dict[torch.device, Tensor] = {}  # storage for version holders, per device
         # Backward runs one autograd thread per device; handles die on any thread.
         self._lock = threading.RLock()
 
@@ -235,6 +265,8 @@ class Offloader:
     def pack(self, tensor: Tensor) -> Any:
         stats = self.stats
         stats.packed_tensors += 1
+        if self._deferred and _sequence_nr() != self._deferred_after:
+            self._copy_deferred()  # a later op has begun: the ops that saved them have returned
         if self._pending:
             self._settle()
         if (
@@ -247,31 +279,33 @@ class Offloader:
                 or (self._on_other and tensor.device.type in self._devices)
             )
         ):
-            return _Checked(tensor)
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._protected:  # a parameter or buffer, recognised by its storage
-            return _Checked(tensor)
+            return _Checked(_held(tensor))
         alias = tensor._base
         if alias is None:
             alias = tensor
-        if alias.grad_fn is not None and self._is_parameter_copy(alias):
-            return _Checked(tensor)
+        elif type(alias) is not Tensor:  # a view of a parameter, known at enter or not (FSDP)
+            return _Checked(tensor.detach())
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:  # nothing to move; or freed by resize_(0) (FSDP): never touch its pointer
+            return _Checked(_held(tensor))
+        key = storage.data_ptr()
+        if key in self._protected or (alias.grad_fn is not None and self._is_parameter_copy(alias)):
+            return _Checked(_held(tensor))
         version = tensor._version
         known = self._by_storage.get(key)
         if known is not None and known.alias() is alias and known.version == version:
             if type(known) is _HostEntry:
                 stats.deduplicated_bytes += known.nbytes
-                return _Offloaded(known, tensor, alias, version)
-            return _Kept(tensor, version, known)
-        nbytes = storage.nbytes()
+                return _Offloaded(known, tensor, version)
+            return _Kept(_held(tensor), version, known)
         scope = self.scope
         if nbytes >= self._min_bytes and (scope is None or scope.allowed) and not tensor.is_complex():
             block = self._pool.acquire(nbytes)
             if block is not None:
                 entry = self._offload(tensor, storage, block, nbytes, alias, version)
                 self._by_storage[key] = entry
-                handle = _Offloaded(entry, tensor, alias, version)
+                handle = _Offloaded(entry, tensor, version)
                 if handle.offset == 0 and tensor.nbytes == nbytes and tensor.is_contiguous():
                     entry.dense = (handle.dtype, handle.size, handle.stride)
                     handle.dense = True
@@ -281,7 +315,7 @@ class Offloader:
             stats.kept_bytes += nbytes
         kept = _KeptStorage(self, nbytes, alias, version)
         self._by_storage[key] = kept
-        return _Kept(tensor, version, kept)
+        return _Kept(_held(tensor), version, kept)
 
     def _is_parameter_copy(self, tensor: Tensor) -> bool:
         """An autocast (or .to()) copy of a parameter: moving it every step would move the weights."""
@@ -290,37 +324,51 @@ class Offloader:
             return False
         source = grad_fn.next_functions[0][0]
         variable = getattr(source, "variable", None)  # AccumulateGrad of a leaf
-        return variable is not None and variable.untyped_storage().data_ptr() in self._protected
+        if variable is None:
+            return False
+        if type(variable) is not Tensor:  # a parameter, also one created after enter (FSDP)
+            return True
+        storage = variable.untyped_storage()
+        return storage.nbytes() > 0 and storage.data_ptr() in self._protected
 
     def _offload(
         self, tensor: Tensor, storage: torch.UntypedStorage, block: HostBlock, nbytes: int,
         alias: Tensor, version: int,
     ) -> _HostEntry:  # fmt: skip
-        transport = self._transport
-        entry = _HostEntry(self, block, nbytes, storage.device, alias, version)
-        compute, to_host, _ = transport.streams(entry.device)
-        transport.wait(to_host, transport.record(compute))
-        transport.copy_to_host(entry.host, storage, to_host)
-        entry.host_event = transport.record(to_host)
-        if not transport.done(entry.host_event):
-            entry.in_flight_alias = alias
-            self._pending.append(entry)
+        empty = self._empty.get(storage.device)
+        if empty is None:
+            empty = self._empty[storage.device] = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        entry = _HostEntry(self, block, nbytes, storage.device, alias, version, _version_holder(alias, empty))
+        # The copy waits until the op that saved the tensor has returned: an op may write an
+        # argument after saving it (rrelu_with_noise's noise, schema ``Tensor(b!) noise``).
+        self._deferred.append(entry)
+        self._deferred_after = _sequence_nr()
         stats = self.stats
         stats.offloaded_tensors += 1
         stats.offloaded_bytes += nbytes
         return entry
 
+    def _copy_deferred(self) -> None:
+        """Queue the copies to host of the tensors saved by ops that have since returned."""
+        deferred = self._deferred
+        self._deferred = []
+        transport = self._transport
+        for entry in deferred:
+            compute, to_host, _ = transport.streams(entry.device)
+            transport.wait(to_host, transport.record(compute))
+            transport.copy_to_host(entry.host, entry.in_flight_alias.untyped_storage(), to_host)
+            entry.host_event = transport.record(to_host)
+            if transport.done(entry.host_event):
+                entry.in_flight_alias = None
+            else:
+                self._pending.append(entry)
+
     def _settle(self) -> None:
-        """Let go of saved tensors whose copy to host has finished, noting any in-place change
-        that happened while the copy was queued (the host bytes may then be the changed ones)."""
+        """Let go of saved tensors whose copy to host has finished."""
         pending = self._pending
         done = self._transport.done
         while pending and done(pending[0].host_event):
-            entry = pending.popleft()
-            alias = entry.in_flight_alias
-            entry.in_flight_alias = None
-            if alias is not None and alias._version != entry.version:
-                entry.modified = alias._version
+            pending.popleft().in_flight_alias = None
 
     def _note_budget(self, nbytes: int) -> None:
         self.stats.budget_kept_bytes += nbytes
@@ -343,16 +391,15 @@ class Offloader:
         return tensor
 
     def _unpack_offloaded(self, handle: _Offloaded) -> Tensor:
-        entry = handle.entry
+        if self._deferred:
+            self._copy_deferred()
         if self._pending:
             self._settle()
-        alias = entry.in_flight_alias
-        if alias is None:
-            alias = handle.alias()
-        if alias is not None and alias._version != handle.version:
-            raise _modified_error(alias.type(), handle.size, alias._version, handle.version)
-        if entry.modified is not None:
-            raise _modified_error(str(handle.dtype), handle.size, entry.modified, entry.version)
+        entry = handle.entry
+        current = entry.version_holder._version
+        if current != handle.version:
+            tensor_type = torch.empty(0, dtype=handle.dtype, device=entry.device).type()
+            raise _modified_error(tensor_type, handle.size, current, handle.version)
         transport = self._transport
         stats = self.stats
         session = entry.session
@@ -445,6 +492,7 @@ class Offloader:
     # -- per-context bookkeeping ----------------------------------------------------------------
 
     def begin(self, protected_storages: set[int]) -> None:
+        self._copy_deferred()
         self._settle()
         self.stats = OffloadStats(
             peak_host_bytes=self._pool.reset_peak(), peak_resident_bytes=self._resident_bytes
@@ -455,6 +503,8 @@ class Offloader:
         self._by_storage = {}
 
     def end(self) -> None:
+        # Every op of the forward has returned: nothing can write a saved tensor unseen any more.
+        self._copy_deferred()
         # Dedupe only looks within one forward; afterwards entries live only through the graph.
         self._by_storage = {}
 
@@ -466,6 +516,7 @@ class Offloader:
     @property
     def live_entries(self) -> int:
         """Host entries still referenced by some autograd graph (0 once every graph is freed)."""
+        self._copy_deferred()
         self._settle()
         return self._live_entries
 
