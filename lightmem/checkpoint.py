@@ -12,8 +12,9 @@ offload keeps one block's activations on the device at a time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -23,6 +24,85 @@ from torch.utils.checkpoint import checkpoint
 from lightmem.matching import Target, select_modules
 
 
+class BufferSnapshots:
+    """Makes a block's recomputation leave its buffers alone and see them as its forward did.
+
+    Recomputing a block in backward re-runs its forward in train mode: BatchNorm would take a second
+    momentum update and ``num_batches_tracked`` would count twice, and a buffer updated in forward
+    (a step counter) would be read with its post-forward value. So the recomputation runs with every
+    buffer of the block swapped for a copy: the value it had before the forward for the buffers the
+    forward updates, the current value for the others. The real buffers are never written by a
+    recomputation, whatever the module does (BatchNorm's kernels write running statistics without
+    bumping the version counter, so no detection is trusted for that part).
+
+    The copies made at forward time are kept small: the first forward copies every buffer once and
+    learns which ones it updates (by version counter or by value); later forwards copy only those.
+    The recomputation's copies live as long as the recomputed block's graph (one block at a time).
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.updated: set[str] | None = None  # qualified names of the buffers the forward updates
+
+    def _slots(self) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+        return [
+            (f"{prefix}.{name}" if prefix else name, module, name, tensor)
+            for prefix, module in self.block.named_modules(remove_duplicate=False)
+            for name, tensor in module._buffers.items()
+            if tensor is not None
+        ]
+
+    def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """``context_fn`` for ``torch.utils.checkpoint``: a (forward, recompute) pair per call."""
+        before: dict[str, torch.Tensor] = {}
+        return self._forward(before), self._recompute(before)
+
+    @contextlib.contextmanager
+    def _forward(self, before: dict[str, torch.Tensor]) -> Iterator[None]:
+        slots = self._slots()
+        versions = [tensor._version for _, _, _, tensor in slots]
+        with torch.no_grad():
+            for qualified, _, _, tensor in slots:
+                if self.updated is None or qualified in self.updated:
+                    before[qualified] = tensor.detach().clone()
+        yield
+        updated = {
+            qualified
+            for (qualified, _, _, tensor), version in zip(slots, versions)
+            if tensor._version != version or (qualified in before and not torch.equal(tensor, before[qualified]))
+        }
+        for qualified in [name for name in before if name not in updated]:
+            del before[qualified]  # the recomputation copies the current value
+        self.updated = updated if self.updated is None else self.updated | updated
+
+    def _recompute(self, before: dict[str, torch.Tensor]) -> _SwappedBuffers:
+        return _SwappedBuffers(self, before)
+
+
+class _SwappedBuffers:
+    """The recompute context: re-entered once per recomputation (a retained graph recomputes again)."""
+
+    def __init__(self, snapshots: BufferSnapshots, before: dict[str, torch.Tensor]) -> None:
+        self.snapshots = snapshots
+        self.before = before
+        self.swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        copies: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for qualified, module, name, tensor in self.snapshots._slots():
+                # Fresh copies each time, so a second recomputation starts from the same values.
+                source = self.before.get(qualified, tensor)
+                copy = copies.setdefault(id(tensor), source.detach().clone())
+                self.swapped.append((module, name, tensor))
+                module._buffers[name] = copy
+
+    def __exit__(self, *exc: object) -> None:
+        swapped, self.swapped = self.swapped, []
+        for module, name, tensor in swapped:
+            module._buffers[name] = tensor
+
+
 class CheckpointedForward:
     """The instance ``forward`` of a checkpointed block.
 
@@ -30,10 +110,11 @@ class CheckpointedForward:
     rebind it to the copied module. Without grad (validation, inference) the block runs as usual.
     """
 
-    def __init__(self, inner: Any, had_instance_forward: bool) -> None:
+    def __init__(self, inner: Any, had_instance_forward: bool, block: nn.Module) -> None:
         self.inner = inner
         self.had_instance_forward = had_instance_forward
         self.users = 0
+        self.buffers = BufferSnapshots(block)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -42,7 +123,9 @@ class CheckpointedForward:
         # block's keyword arguments are bound first, so one named like a checkpoint option
         # (debug, context_fn, ...) reaches the block, not checkpoint.
         function = functools.partial(self.inner, **kwargs) if kwargs else self.inner
-        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self.buffers.contexts
+        )
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -145,7 +228,7 @@ def apply_checkpointing(
         wrapper = block.__dict__.get("forward")
         if not isinstance(wrapper, CheckpointedForward):
             had_instance_forward = "forward" in block.__dict__
-            wrapper = CheckpointedForward(block.forward, had_instance_forward)
+            wrapper = CheckpointedForward(block.forward, had_instance_forward, block)
             block.forward = wrapper
         wrapper.users += 1
     return CheckpointHandle(model, blocks)
