@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from lightmem.matching import Target, select_modules
@@ -69,7 +70,7 @@ class BufferSnapshots:
         updated = {
             qualified
             for (qualified, _, _, tensor), version in zip(slots, versions)
-            if tensor._version != version or (qualified in before and not torch.equal(tensor, before[qualified]))
+            if tensor._version != version or (qualified in before and _values_changed(tensor, before[qualified]))
         }
         for qualified in [name for name in before if name not in updated]:
             del before[qualified]  # the recomputation copies the current value
@@ -77,6 +78,13 @@ class BufferSnapshots:
 
     def _recompute(self, before: dict[str, torch.Tensor]) -> _SwappedBuffers:
         return _SwappedBuffers(self, before)
+
+
+def _values_changed(tensor: torch.Tensor, before: torch.Tensor) -> bool:
+    # Fake tensors (the estimator's dry run) have no values: there the version counter decides.
+    if is_fake(tensor) or torch.compiler.is_compiling():
+        return False
+    return not torch.equal(tensor, before)
 
 
 class _SwappedBuffers:

@@ -38,10 +38,10 @@ class ResBlock(nn.Module):
 
 
 class Head(nn.Module):
-    def __init__(self, channels: int, classes: int) -> None:
+    def __init__(self, channels: int, classes: int, momentum: float | None = None) -> None:
         super().__init__()
         self.fc = nn.Linear(channels, channels)
-        self.bn = nn.BatchNorm1d(channels, momentum=None)
+        self.bn = nn.BatchNorm1d(channels, momentum=momentum)
         self.drop = nn.Dropout(0.2)
         self.out = nn.Linear(channels, classes)
 
@@ -53,11 +53,13 @@ class TinyResNet(nn.Module):
     """4 residual blocks (BatchNorm2d, block 2 with ``momentum=None``, Dropout2d, a step counter) and a
     BatchNorm1d head."""
 
-    def __init__(self, channels: int = 8, classes: int = 10) -> None:
+    def __init__(self, channels: int = 8, classes: int = 10, cumulative_average: bool = True) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, channels, 3, padding=1)
-        self.blocks = nn.Sequential(*[ResBlock(channels, momentum=None if i == 2 else 0.1) for i in range(4)])
-        self.head = Head(channels, classes)
+        self.blocks = nn.Sequential(
+            *[ResBlock(channels, momentum=None if i == 2 and cumulative_average else 0.1) for i in range(4)]
+        )
+        self.head = Head(channels, classes, momentum=None if cumulative_average else 0.1)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.stem(images)).mean(dim=(2, 3)))
@@ -75,9 +77,9 @@ def image_loader(steps: int = 4, batch_size: int = 8) -> DataLoader:
 
 
 class LitResNet(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, cumulative_average: bool = True) -> None:
         super().__init__()
-        self.model = TinyResNet()
+        self.model = TinyResNet(cumulative_average=cumulative_average)
 
     def training_step(self, batch, batch_idx):
         images, labels = batch
