@@ -330,3 +330,31 @@ def test_recompute_sees_buffer_values_of_its_forward_also_on_a_second_backward()
     assert int(model[1].steps) == 2
     assert_state_equal(plain, model)
     assert_same(grads[0], grads[1], "gradients")
+
+
+# -- class-name targets match through wrapper subclasses (issue 9) ---------------------------------
+
+
+def test_class_name_targets_match_subclasses_such_as_fsdp2_dynamic_classes():
+    from torch.distributed.fsdp import FSDPModule
+
+    model, loss_fn = _gpt(depth=3)
+    expected, _ = run_grads(model, loss_fn)
+    # fully_shard swaps each sharded module's class for a dynamic FSDP<Name>(FSDPModule, <Name>).
+    sharded = type("FSDPBlock", (FSDPModule, Block), {})
+    for block in model.blocks:
+        block.__class__ = sharded
+    handle = apply_checkpointing(model, "Block")
+    assert handle.modules == ["blocks.0", "blocks.1", "blocks.2"]
+    handle.remove()
+    assert apply_checkpointing(model, "FSDPBlock").modules == handle.modules
+    for block in model.blocks:
+        block.__class__ = Block
+    actual, _ = run_grads(model, loss_fn)
+    assert_bitwise_equal(expected, actual)
+
+
+def test_class_name_target_module_does_not_select_every_module():
+    model, _ = _gpt(depth=1)
+    with pytest.raises(ValueError, match="'Module' matches no module of the model"):
+        apply_checkpointing(model, "Module")
