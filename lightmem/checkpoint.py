@@ -240,3 +240,28 @@ def apply_checkpointing(
             block.forward = wrapper
         wrapper.users += 1
     return CheckpointHandle(model, blocks)
+
+
+def existing_checkpointing(strategy: Any, model: nn.Module) -> str | None:
+    """Why ``model`` is already checkpointed by someone other than lightmem, or None.
+
+    Recognised: Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)`` (FSDP1, which
+    wraps blocks after LightMem's setup), a ``DeepSpeedStrategy`` whose config turns on
+    ``activation_checkpointing`` (``partition_activations`` or ``cpu_checkpointing``),
+    ``torch.distributed`` ``checkpoint_wrapper`` modules, and Hugging Face models with
+    ``gradient_checkpointing`` enabled. LightMem then leaves checkpointing to them (and says so);
+    activation offload stays on under every strategy.
+    """
+    if getattr(strategy, "_activation_checkpointing_kwargs", None):
+        return f"the {type(strategy).__name__} already checkpoints (activation_checkpointing_policy)"
+    config = getattr(strategy, "config", None)
+    if isinstance(config, dict):
+        section = config.get("activation_checkpointing") or {}
+        if section.get("partition_activations") or section.get("cpu_checkpointing"):
+            return "DeepSpeed activation checkpointing is configured"
+    for name, module in model.named_modules():
+        if type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
+            return f"module {name or type(module).__name__!r} is already a checkpoint wrapper"
+        if getattr(module, "gradient_checkpointing", False) is True:
+            return f"module {name or type(module).__name__!r} has gradient_checkpointing enabled"
+    return None
