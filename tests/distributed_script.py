@@ -61,6 +61,30 @@ class ShardedGPT(LitGPT):
         fully_shard(self.model, mesh=mesh)
 
 
+class ShardedHFGPT2(LitGPT):
+    """A 2-layer GPT-2 from transformers (built from a config, nothing downloaded), each GPT2Block
+    and the root sharded by FSDP2: the case of issue 9."""
+
+    def __init__(self) -> None:
+        super().__init__(build_in_configure_model=True)
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+        self.model = GPT2LMHeadModel(config)
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+
 class RecordingDDP(DDPStrategy):
     """DDP that records whether LightMem's checkpointing was in place when the strategy wrapped the model."""
 
@@ -160,6 +184,23 @@ def main() -> None:
     checks["round_trip_max_abs_diff"] = max(
         (saved[name] - restored["lightmem"]["model"][name]).abs().max().item() for name in saved
     )
+
+    # transformers' GPT-2: "GPT2Block" finds the FSDPGPT2Block modules; the state stays exact.
+    states, classes = [], set()
+    for callbacks in ([], [LightMem(checkpoint=["GPT2Block"], offload_devices=["cpu"], offload_min_bytes=0)]):
+        pl.seed_everything(0, verbose=False)
+        module = ShardedHFGPT2()
+        trainer = fit(module, ModelParallelStrategy(), callbacks)
+        states.append(_state(module, trainer))
+        classes |= {type(b).__name__ for b in module.model.transformer.h}
+        if callbacks:
+            checks["gpt2_checkpointed_blocks"] = callbacks[0].last_metrics.get(key("checkpoint/blocks"))
+    checks["gpt2_classes"] = sorted(classes)
+    try:
+        assert_same(states[0], states[1], "GPT-2 FSDP2 state")
+        checks["gpt2_state_equal"] = True
+    except AssertionError as error:
+        checks["gpt2_state_equal"] = str(error)
 
     # DDP, same model and batches: LightMem's checkpoint is applied before the strategy wraps.
     pl.seed_everything(0, verbose=False)

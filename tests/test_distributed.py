@@ -64,3 +64,10 @@ def test_fit_twice_and_a_distributed_checkpoint_round_trip(ranks):
         # saved FSDP2 weights differ slightly here with or without LightMem: Lightning's
         # distributed-checkpoint resume; see the README's distributed section.)
         assert rank["round_trip_same_with_and_without_lightmem"] is True
+
+
+def test_transformers_gpt2_blocks_are_found_through_fsdp2_and_training_stays_exact(ranks):
+    for rank in ranks:
+        assert rank["gpt2_classes"] == ["FSDPGPT2Block"]
+        assert rank["gpt2_state_equal"] is True
+    assert ranks[0]["gpt2_checkpointed_blocks"] == 2.0
