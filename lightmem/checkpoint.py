@@ -44,17 +44,27 @@ class BufferSnapshots:
     def __init__(self, block: nn.Module) -> None:
         self.block = block
         self.updated: set[str] | None = None  # qualified names of the buffers the forward updates
+        self._modules: list[tuple[str, nn.Module]] | None = None
 
     def _slots(self) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+        # The block's submodules are listed once (this runs on every call); buffers are read fresh.
+        if self._modules is None:
+            self._modules = [
+                (f"{prefix}." if prefix else "", module)
+                for prefix, module in self.block.named_modules(remove_duplicate=False)
+            ]
         return [
-            (f"{prefix}.{name}" if prefix else name, module, name, tensor)
-            for prefix, module in self.block.named_modules(remove_duplicate=False)
+            (prefix + name, module, name, tensor)
+            for prefix, module in self._modules
+            if module._buffers
             for name, tensor in module._buffers.items()
             if tensor is not None
         ]
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """``context_fn`` for ``torch.utils.checkpoint``: a (forward, recompute) pair per call."""
+        if not self._slots():
+            return contextlib.nullcontext(), contextlib.nullcontext()
         before: dict[str, torch.Tensor] = {}
         return self._forward(before), self._recompute(before)
 
@@ -100,10 +110,10 @@ class _SwappedBuffers:
         with torch.no_grad():
             for qualified, module, name, tensor in self.snapshots._slots():
                 # Fresh copies each time, so a second recomputation starts from the same values.
-                source = self.before.get(qualified, tensor)
-                copy = copies.setdefault(id(tensor), source.detach().clone())
+                if id(tensor) not in copies:  # a buffer shared by two submodules is copied once
+                    copies[id(tensor)] = self.before.get(qualified, tensor).detach().clone()
                 self.swapped.append((module, name, tensor))
-                module._buffers[name] = copy
+                module._buffers[name] = copies[id(tensor)]
 
     def __exit__(self, *exc: object) -> None:
         swapped, self.swapped = self.swapped, []
