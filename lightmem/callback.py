@@ -442,7 +442,9 @@ class LightMem(Callback):
         self._exit_offload()
         if isinstance(exception, torch.cuda.OutOfMemoryError) or "out of memory" in str(exception).lower():
             print(self.oom_report(trainer, pl_module))
-            written = oom.dump_snapshot(self.oom_snapshot, trainer.global_rank, trainer.world_size) if self.oom_snapshot else None
+            written = None
+            if self.oom_snapshot:
+                written = oom.dump_snapshot(self.oom_snapshot, trainer.global_rank, trainer.world_size)
             if written is not None:
                 print(f"lightmem: memory snapshot written to {written} (open it at https://pytorch.org/memory_viz)")
         # Lightning does not call teardown after an exception: undo everything here.
