@@ -69,7 +69,8 @@ class LightMem(Callback):
             or a fraction of total RAM, default 0.10), stop offloading, give cached host buffers back,
             and warn once, instead of letting the host OOM killer end the job.
         prefetch_bytes: bytes of reloads kept in flight ahead of backward (0: no prefetch).
-        checkpoint: blocks to recompute in backward: class names or module-name globs.
+        checkpoint: blocks to recompute in backward: class names (subclasses match too, e.g. FSDP2's
+            ``FSDP<Name>``) or module-name globs.
         checkpoint_every: checkpoint every n-th matched block.
         log_every_n_steps: log metrics every n optimizer steps, starting with the first (default:
             the Trainer's ``log_every_n_steps``).

@@ -5,8 +5,9 @@ call through non-reentrant ``torch.utils.checkpoint``. Module names, ``state_dic
 parameter identity do not change, so optimizers and saved checkpoints keep working, and the
 returned handle restores the original forwards exactly.
 
-Non-reentrant checkpoint saves a block's inputs through the saved-tensor hooks active outside the
-block, so inside ``offload_activations`` those inputs go to host memory too: checkpoint plus
+The recomputation never updates a buffer a second time (BatchNorm statistics, step counters): see
+``BufferSnapshots``. Non-reentrant checkpoint saves a block's inputs through the saved-tensor hooks
+active outside the block, so inside ``offload_activations`` those inputs go to host memory too: checkpoint plus
 offload keeps one block's activations on the device at a time.
 """
 
@@ -141,6 +142,10 @@ class CheckpointedForward:
         # block's keyword arguments are bound first, so one named like a checkpoint option
         # (debug, context_fn, ...) reaches the block, not checkpoint.
         function = functools.partial(self.inner, **kwargs) if kwargs else self.inner
+        if torch.compiler.is_compiling():
+            # torch.compile traces checkpoint as one graph and accepts no plain context managers
+            # here; its recomputation is part of the compiled backward.
+            return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
         return checkpoint(
             function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self.buffers.contexts
         )
@@ -218,8 +223,9 @@ def apply_checkpointing(
     Args:
         model: the model whose blocks to wrap (in place).
         targets: class names (``"GPT2Block"``), ``nn.Module`` classes, or glob patterns over
-            qualified module names (``"encoder.layers.*"``), mixed freely. When a block and one of
-            its descendants both match, only the outer block is wrapped.
+            qualified module names (``"encoder.layers.*"``), mixed freely. A class name matches
+            subclasses too (FSDP2's ``FSDPGPT2Block``, a user's ``MyBlock(GPT2Block)``). When a
+            block and one of its descendants both match, only the outer block is wrapped.
         every_n: wrap every n-th matched block in module order (the 1st, the (n+1)-th, ...), to
             trade memory for recompute time.
 

@@ -358,3 +358,20 @@ def test_class_name_target_module_does_not_select_every_module():
     model, _ = _gpt(depth=1)
     with pytest.raises(ValueError, match="'Module' matches no module of the model"):
         apply_checkpointing(model, "Module")
+
+
+def test_under_torch_compile_buffers_take_one_update_per_forward():
+    # torch.compile accepts no plain context managers in checkpoint; its own recomputation is part
+    # of the compiled backward and does not re-apply buffer updates.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), nn.Linear(8, 1))
+    model = copy.deepcopy(plain)
+    apply_checkpointing(model, ["1"])
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 8)
+    for m in (plain, compiled):
+        for _ in range(2):
+            m(x).sum().backward()
+    assert int(model[1][1].num_batches_tracked) == 2
+    assert_state_equal(plain, model)
+    assert_same({n: p.grad for n, p in plain.named_parameters()}, {n: p.grad for n, p in model.named_parameters()})
