@@ -7,8 +7,8 @@ returned handle restores the original forwards exactly.
 
 The recomputation never updates a buffer a second time (BatchNorm statistics, step counters): see
 ``BufferSnapshots``. Non-reentrant checkpoint saves a block's inputs through the saved-tensor hooks
-active outside the block, so inside ``offload_activations`` those inputs go to host memory too: checkpoint plus
-offload keeps one block's activations on the device at a time.
+active outside the block, so inside ``offload_activations`` those inputs go to host memory too:
+checkpoint plus offload keeps one block's activations on the device at a time.
 """
 
 from __future__ import annotations
