@@ -375,3 +375,22 @@ def test_under_torch_compile_buffers_take_one_update_per_forward():
     assert int(model[1][1].num_batches_tracked) == 2
     assert_state_equal(plain, model)
     assert_same({n: p.grad for n, p in plain.named_parameters()}, {n: p.grad for n, p in model.named_parameters()})
+
+
+@pytest.mark.parametrize("targets", [["features"], ["Conv2d", "BatchNorm2d"]], ids=["whole-stack", "each-layer"])
+def test_convnet_batchnorm_state_is_exact_over_three_sgd_steps(targets):
+    from models import make_case
+
+    states = []
+    for checkpointed in (False, True):
+        model, loss_fn = make_case("cnn")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if checkpointed:
+            apply_checkpointing(model, targets)
+        for _ in range(3):
+            loss_fn(model).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        states.append((model, optimizer))
+    assert_state_equal(states[0][0], states[1][0], states[0][1], states[1][1])
+    assert int(states[1][0].features[1].num_batches_tracked) == 3
