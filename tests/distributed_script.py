@@ -49,7 +49,6 @@ class ShardedGPT(LitGPT):
 
     def __init__(self) -> None:
         super().__init__(depth=3, build_in_configure_model=True)
-        self.classes_seen_by_lightmem: list[str] = []
 
     def configure_model(self) -> None:
         if self.model is not None:
