@@ -15,9 +15,10 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightmem import oom
-from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, select_blocks
+from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing, select_blocks
 from lightmem.config import (
     format_bytes,
+    host_ram_share_bytes,
     parse_devices,
     parse_patterns,
     parse_size,
@@ -64,12 +65,13 @@ class LightMem(Callback):
         offload_exclude: module-name globs (or class names) whose saved tensors stay on the device.
         offload_devices: device types whose saved tensors move (default ``["cuda"]``).
         host_budget: hard cap on host bytes for offload: bytes, a size string, or a fraction of
-            available RAM (default 0.5).
+            available RAM (default 0.5), shared by the ranks of a node (each takes fraction / ranks).
         host_min_available: when the machine's available RAM falls under this (bytes, a size string
             or a fraction of total RAM, default 0.10), stop offloading, give cached host buffers back,
             and warn once, instead of letting the host OOM killer end the job.
         prefetch_bytes: bytes of reloads kept in flight ahead of backward (0: no prefetch).
-        checkpoint: blocks to recompute in backward: class names or module-name globs.
+        checkpoint: blocks to recompute in backward: class names (subclasses match too, e.g. FSDP2's
+            ``FSDP<Name>``) or module-name globs.
         checkpoint_every: checkpoint every n-th matched block.
         log_every_n_steps: log metrics every n optimizer steps, starting with the first (default:
             the Trainer's ``log_every_n_steps``).
@@ -77,7 +79,8 @@ class LightMem(Callback):
             ``"host"`` (psutil), ``"lightmem"`` (offload traffic, checkpointed blocks).
         tensorboard_panels: write ready-made panels to the Custom Scalars tab of TensorBoard loggers.
         oom_snapshot: path for a ``torch.cuda.memory`` snapshot (for https://pytorch.org/memory_viz)
-            dumped when training runs out of GPU memory; records allocation history from the start.
+            dumped when training runs out of GPU memory; records allocation history (Python stacks)
+            from the start. With several ranks each writes its own file (``oom.rank3.pickle``).
         plan: ``"auto"``: at the first training batch, ``lightmem.plan`` picks the blocks to
             checkpoint and to offload so the step fits ``device_budget`` (a fake-tensor dry run of
             the LightningModule, seconds), and LightMem applies that choice.
@@ -125,7 +128,7 @@ class LightMem(Callback):
         self.offload_exclude = parse_patterns(offload_exclude, flag=_flag("offload_exclude"))
         self.offload_devices = parse_devices(offload_devices, flag=_flag("offload_devices"))
         self.host_budget = host_budget
-        self.host_budget_bytes = parse_size(host_budget, flag=_flag("host_budget"), fraction_of=_available)
+        self.host_budget_bytes = parse_size(host_budget, flag=_flag("host_budget"), fraction_of=host_ram_share_bytes)
         self.host_min_available_bytes = parse_size(
             host_min_available, flag=_flag("host_min_available"), fraction_of=total_ram_bytes,
             fraction_name="total RAM",
@@ -189,7 +192,14 @@ class LightMem(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or not self.checkpoint:
+        if stage != "fit":
+            return
+        # A fractional host_budget is shared by this node's ranks (Lightning sets no LOCAL_WORLD_SIZE).
+        self.host_budget_bytes = parse_size(
+            self.host_budget, flag=_flag("host_budget"),
+            fraction_of=lambda: host_ram_share_bytes(trainer.num_devices),
+        )  # fmt: skip
+        if not self.checkpoint:
             return
         # Lightning calls configure_model after this hook and before strategy.setup wraps the model;
         # applying right after it also finds blocks that configure_model creates.
@@ -207,7 +217,7 @@ class LightMem(Callback):
     ) -> None:
         if self._checkpoint_handle is not None:
             return
-        reason = _existing_checkpointing(trainer, pl_module)
+        reason = existing_checkpointing(trainer.strategy, pl_module)
         if reason is not None:
             rank_zero_warn(
                 f"lightmem: not applying LightMem(checkpoint={targets!r}) because {reason}; "
@@ -238,8 +248,8 @@ class LightMem(Callback):
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
                     logger.experiment.add_custom_scalars(layout)
-        if self.oom_snapshot and torch.cuda.is_available():  # pragma: no cover - needs CUDA
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        if self.oom_snapshot:
+            oom.record_memory_history()
 
     def _build_offloader(
         self, pl_module: pl.LightningModule, min_bytes: int | None = None, include: tuple[str, ...] | None = None
@@ -435,9 +445,11 @@ class LightMem(Callback):
             self._offloader.__exit__(type(exception), exception, exception.__traceback__)
         if isinstance(exception, torch.cuda.OutOfMemoryError) or "out of memory" in str(exception).lower():
             print(self.oom_report(trainer, pl_module))
-            if self.oom_snapshot and torch.cuda.is_available():  # pragma: no cover - needs CUDA
-                torch.cuda.memory._dump_snapshot(self.oom_snapshot)
-                print(f"lightmem: memory snapshot written to {self.oom_snapshot} (open it at https://pytorch.org/memory_viz)")
+            written = None
+            if self.oom_snapshot:
+                written = oom.dump_snapshot(self.oom_snapshot, trainer.global_rank, trainer.world_size)
+            if written is not None:
+                print(f"lightmem: memory snapshot written to {written} (open it at https://pytorch.org/memory_viz)")
         # Lightning does not call teardown after an exception: undo everything here.
         self._undo()
 
@@ -512,8 +524,8 @@ class LightMem(Callback):
         if self._offloader is not None:
             self._offloader.release_host_memory()
             self._offloader = None
-        if self.oom_snapshot and torch.cuda.is_available():  # pragma: no cover - needs CUDA
-            torch.cuda.memory._record_memory_history(enabled=None)
+        if self.oom_snapshot:
+            oom.stop_memory_history()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -527,25 +539,3 @@ _SUMMARY_PEAKS = {
     "peak host RSS": key("host/rss_GiB"),
     "peak host buffers held": key("host/pinned_GiB"),
 }
-
-
-def _available() -> int:
-    return int(psutil.virtual_memory().available)
-
-
-def _existing_checkpointing(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
-    """Why the model is already checkpointed by someone else, or None."""
-    strategy = trainer.strategy
-    if getattr(strategy, "_activation_checkpointing_kwargs", None):
-        return f"the {type(strategy).__name__} already checkpoints (activation_checkpointing_policy)"
-    config = getattr(strategy, "config", None)
-    if isinstance(config, dict):
-        section = config.get("activation_checkpointing") or {}
-        if section.get("partition_activations") or section.get("cpu_checkpointing"):
-            return "DeepSpeed activation checkpointing is configured"
-    for name, module in pl_module.named_modules():
-        if type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
-            return f"module {name or type(module).__name__!r} is already a checkpoint wrapper"
-        if getattr(module, "gradient_checkpointing", False) is True:
-            return f"module {name or type(module).__name__!r} has gradient_checkpointing enabled"
-    return None

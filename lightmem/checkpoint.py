@@ -5,22 +5,121 @@ call through non-reentrant ``torch.utils.checkpoint``. Module names, ``state_dic
 parameter identity do not change, so optimizers and saved checkpoints keep working, and the
 returned handle restores the original forwards exactly.
 
-Non-reentrant checkpoint saves a block's inputs through the saved-tensor hooks active outside the
-block, so inside ``offload_activations`` those inputs go to host memory too: checkpoint plus
-offload keeps one block's activations on the device at a time.
+The recomputation never updates a buffer a second time (BatchNorm statistics, step counters): see
+``BufferSnapshots``. Non-reentrant checkpoint saves a block's inputs through the saved-tensor hooks
+active outside the block, so inside ``offload_activations`` those inputs go to host memory too:
+checkpoint plus offload keeps one block's activations on the device at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from lightmem.matching import Target, select_modules
+
+
+class BufferSnapshots:
+    """Makes a block's recomputation leave its buffers alone and see them as its forward did.
+
+    Recomputing a block in backward re-runs its forward in train mode: BatchNorm would take a second
+    momentum update and ``num_batches_tracked`` would count twice, and a buffer updated in forward
+    (a step counter) would be read with its post-forward value. So the recomputation runs with every
+    buffer of the block swapped for a copy: the value it had before the forward for the buffers the
+    forward updates, the current value for the others. The real buffers are never written by a
+    recomputation, whatever the module does (BatchNorm's kernels write running statistics without
+    bumping the version counter, so no detection is trusted for that part).
+
+    The copies made at forward time are kept small: the first forward copies every buffer once and
+    learns which ones it updates (by version counter or by value); later forwards copy only those.
+    The recomputation's copies live as long as the recomputed block's graph (one block at a time).
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.updated: set[str] | None = None  # qualified names of the buffers the forward updates
+        self._modules: list[tuple[str, nn.Module]] | None = None
+
+    def _slots(self) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+        # The block's submodules are listed once (this runs on every call); buffers are read fresh.
+        if self._modules is None:
+            self._modules = [
+                (f"{prefix}." if prefix else "", module)
+                for prefix, module in self.block.named_modules(remove_duplicate=False)
+            ]
+        return [
+            (prefix + name, module, name, tensor)
+            for prefix, module in self._modules
+            if module._buffers
+            for name, tensor in module._buffers.items()
+            if tensor is not None
+        ]
+
+    def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """``context_fn`` for ``torch.utils.checkpoint``: a (forward, recompute) pair per call."""
+        if not self._slots():
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        before: dict[str, torch.Tensor] = {}
+        return self._forward(before), self._recompute(before)
+
+    @contextlib.contextmanager
+    def _forward(self, before: dict[str, torch.Tensor]) -> Iterator[None]:
+        slots = self._slots()
+        versions = [tensor._version for _, _, _, tensor in slots]
+        with torch.no_grad():
+            for qualified, _, _, tensor in slots:
+                if self.updated is None or qualified in self.updated:
+                    before[qualified] = tensor.detach().clone()
+        yield
+        updated = {
+            qualified
+            for (qualified, _, _, tensor), version in zip(slots, versions)
+            if tensor._version != version or (qualified in before and _values_changed(tensor, before[qualified]))
+        }
+        for qualified in [name for name in before if name not in updated]:
+            del before[qualified]  # the recomputation copies the current value
+        self.updated = updated if self.updated is None else self.updated | updated
+
+    def _recompute(self, before: dict[str, torch.Tensor]) -> _SwappedBuffers:
+        return _SwappedBuffers(self, before)
+
+
+def _values_changed(tensor: torch.Tensor, before: torch.Tensor) -> bool:
+    # Fake tensors (the estimator's dry run) have no values: there the version counter decides.
+    if is_fake(tensor) or torch.compiler.is_compiling():
+        return False
+    return not torch.equal(tensor, before)
+
+
+class _SwappedBuffers:
+    """The recompute context: re-entered once per recomputation (a retained graph recomputes again)."""
+
+    def __init__(self, snapshots: BufferSnapshots, before: dict[str, torch.Tensor]) -> None:
+        self.snapshots = snapshots
+        self.before = before
+        self.swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        copies: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for qualified, module, name, tensor in self.snapshots._slots():
+                # Fresh copies each time, so a second recomputation starts from the same values.
+                if id(tensor) not in copies:  # a buffer shared by two submodules is copied once
+                    copies[id(tensor)] = self.before.get(qualified, tensor).detach().clone()
+                self.swapped.append((module, name, tensor))
+                module._buffers[name] = copies[id(tensor)]
+
+    def __exit__(self, *exc: object) -> None:
+        swapped, self.swapped = self.swapped, []
+        for module, name, tensor in swapped:
+            module._buffers[name] = tensor
 
 
 class CheckpointedForward:
@@ -30,10 +129,11 @@ class CheckpointedForward:
     rebind it to the copied module. Without grad (validation, inference) the block runs as usual.
     """
 
-    def __init__(self, inner: Any, had_instance_forward: bool) -> None:
+    def __init__(self, inner: Any, had_instance_forward: bool, block: nn.Module) -> None:
         self.inner = inner
         self.had_instance_forward = had_instance_forward
         self.users = 0
+        self.buffers = BufferSnapshots(block)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -42,7 +142,13 @@ class CheckpointedForward:
         # block's keyword arguments are bound first, so one named like a checkpoint option
         # (debug, context_fn, ...) reaches the block, not checkpoint.
         function = functools.partial(self.inner, **kwargs) if kwargs else self.inner
-        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+        if torch.compiler.is_compiling():
+            # torch.compile traces checkpoint as one graph and accepts no plain context managers
+            # here; its recomputation is part of the compiled backward.
+            return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self.buffers.contexts
+        )
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -117,8 +223,9 @@ def apply_checkpointing(
     Args:
         model: the model whose blocks to wrap (in place).
         targets: class names (``"GPT2Block"``), ``nn.Module`` classes, or glob patterns over
-            qualified module names (``"encoder.layers.*"``), mixed freely. When a block and one of
-            its descendants both match, only the outer block is wrapped.
+            qualified module names (``"encoder.layers.*"``), mixed freely. A class name matches
+            subclasses too (FSDP2's ``FSDPGPT2Block``, a user's ``MyBlock(GPT2Block)``). When a
+            block and one of its descendants both match, only the outer block is wrapped.
         every_n: wrap every n-th matched block in module order (the 1st, the (n+1)-th, ...), to
             trade memory for recompute time.
 
@@ -145,7 +252,32 @@ def apply_checkpointing(
         wrapper = block.__dict__.get("forward")
         if not isinstance(wrapper, CheckpointedForward):
             had_instance_forward = "forward" in block.__dict__
-            wrapper = CheckpointedForward(block.forward, had_instance_forward)
+            wrapper = CheckpointedForward(block.forward, had_instance_forward, block)
             block.forward = wrapper
         wrapper.users += 1
     return CheckpointHandle(model, blocks)
+
+
+def existing_checkpointing(strategy: Any, model: nn.Module) -> str | None:
+    """Why ``model`` is already checkpointed by someone other than lightmem, or None.
+
+    Recognised: Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)`` (FSDP1, which
+    wraps blocks after LightMem's setup), a ``DeepSpeedStrategy`` whose config turns on
+    ``activation_checkpointing`` (``partition_activations`` or ``cpu_checkpointing``),
+    ``torch.distributed`` ``checkpoint_wrapper`` modules, and Hugging Face models with
+    ``gradient_checkpointing`` enabled. LightMem then leaves checkpointing to them (and says so);
+    activation offload stays on under every strategy.
+    """
+    if getattr(strategy, "_activation_checkpointing_kwargs", None):
+        return f"the {type(strategy).__name__} already checkpoints (activation_checkpointing_policy)"
+    config = getattr(strategy, "config", None)
+    if isinstance(config, dict):
+        section = config.get("activation_checkpointing") or {}
+        if section.get("partition_activations") or section.get("cpu_checkpointing"):
+            return "DeepSpeed activation checkpointing is configured"
+    for name, module in model.named_modules():
+        if type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
+            return f"module {name or type(module).__name__!r} is already a checkpoint wrapper"
+        if getattr(module, "gradient_checkpointing", False) is True:
+            return f"module {name or type(module).__name__!r} has gradient_checkpointing enabled"
+    return None

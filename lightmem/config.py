@@ -7,6 +7,7 @@ and every bad value fails with a message that names the flag and what it accepts
 from __future__ import annotations
 
 import math
+import os
 import re
 import warnings
 from collections.abc import Callable, Iterable
@@ -42,6 +43,25 @@ def available_ram_bytes() -> int:
 
 def total_ram_bytes() -> int:
     return int(psutil.virtual_memory().total)
+
+
+def ranks_per_node_from_env() -> int:
+    """Processes on this node as torchrun announces it (``LOCAL_WORLD_SIZE``); 1 when unset."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def host_ram_share_bytes(ranks_per_node: int | None = None) -> int:
+    """This process's share of the node's available RAM: what a fractional ``host_budget`` is taken of.
+
+    The ranks of a node share its RAM, so ``host_budget=0.5`` on 8 ranks gives each rank 1/16 of
+    the available RAM, not half of it. ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE``; the
+    Lightning callback passes the Trainer's devices per node.
+    """
+    ranks = ranks_per_node if ranks_per_node is not None else ranks_per_node_from_env()
+    return available_ram_bytes() // max(1, ranks)
 
 
 def parse_size(

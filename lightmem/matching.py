@@ -7,6 +7,7 @@ way and fail the same way: a pattern that selects nothing is an error naming the
 from __future__ import annotations
 
 import difflib
+import functools
 import fnmatch
 from collections.abc import Iterable
 
@@ -22,12 +23,26 @@ def _describe(target: Target) -> str:
 def target_matches(target: Target, name: str, module: nn.Module) -> bool:
     """True when ``module`` (qualified name ``name``) is selected by ``target``.
 
-    A class selects its instances (subclasses included); a string selects modules whose class name
-    equals it or whose qualified name matches it as a glob (``"encoder.layers.*"``).
+    A class selects its instances (subclasses included); a string selects modules whose class, or
+    any class it derives from, has that name, or whose qualified name matches it as a glob
+    (``"encoder.layers.*"``). Matching through base classes is what lets ``"GPT2Block"`` find the
+    blocks after FSDP2's ``fully_shard`` swapped their class for a dynamic ``FSDPGPT2Block``
+    subclass, and a user's ``MyBlock(GPT2Block)`` too. ``nn.Module`` and ``object`` themselves are
+    not names a target can match.
     """
     if isinstance(target, type):
         return isinstance(module, target)
-    return type(module).__name__ == target or fnmatch.fnmatchcase(name, target)
+    return target in class_names(module) or fnmatch.fnmatchcase(name, target)
+
+
+def class_names(module: nn.Module) -> frozenset[str]:
+    """The names a class-name target matches: the module's class and its base classes (MRO)."""
+    return _class_names(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_names(cls: type) -> frozenset[str]:
+    return frozenset(base.__name__ for base in cls.__mro__ if base not in (nn.Module, object))
 
 
 def closest_names(target: Target, model: nn.Module, limit: int = 5) -> list[str]:

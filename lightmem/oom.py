@@ -3,11 +3,49 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from lightmem.config import format_bytes
+
+
+HISTORY_ENTRIES = 100_000
+
+
+def record_memory_history() -> bool:
+    """Start recording CUDA allocations for a snapshot; False (nothing done) without CUDA.
+
+    Python-only stacks: full C++ stacks make every allocation slower and a dump take minutes.
+    """
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+    return True
+
+
+def stop_memory_history() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def snapshot_path(path: str, rank: int, world_size: int) -> str:
+    """One file per rank: ``oom.pickle`` -> ``oom.rank3.pickle`` when several processes train."""
+    if world_size <= 1:
+        return path
+    file = Path(path)
+    return str(file.with_name(f"{file.stem}.rank{rank}{file.suffix}"))
+
+
+def dump_snapshot(path: str, rank: int, world_size: int) -> str | None:
+    """Write this rank's memory snapshot (open it at https://pytorch.org/memory_viz); its path, or
+    None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    target = snapshot_path(path, rank, world_size)
+    torch.cuda.memory._dump_snapshot(target)
+    return target
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:

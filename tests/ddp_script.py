@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from exact import assert_state_equal
 from lit_models import LitGPT, token_loader
 from pytorch_lightning.loggers import Logger
 
@@ -46,11 +47,15 @@ def fit(callbacks, logger):
 def main() -> None:
     out = Path(sys.argv[1])
     warnings.simplefilter("ignore")
-    baseline, _ = fit([], False)
+    baseline, baseline_trainer = fit([], False)
     logger = MemoryLogger()
     callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"], log_every_n_steps=1)
     module, trainer = fit([callback], logger)
-    equal = all(torch.equal(a, b) for a, b in zip(baseline.state_dict().values(), module.state_dict().values()))
+    try:  # the whole state_dict and the optimizer state
+        assert_state_equal(baseline, module, baseline_trainer.optimizers[0], trainer.optimizers[0])
+        equal = True
+    except AssertionError:
+        equal = False
     local_rss = [None, None]
     torch.distributed.all_gather_object(local_rss, callback.last_local_metrics[key("host/rss_GiB")])
     if trainer.is_global_zero:

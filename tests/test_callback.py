@@ -7,6 +7,8 @@ import warnings
 import pytest
 import pytorch_lightning as pl
 import torch
+from bn_models import LitResNet, image_loader
+from exact import assert_state_equal
 from lit_models import LitGPT, token_loader
 
 from lightmem import LightMem
@@ -24,11 +26,11 @@ def _trainer(callbacks=(), **kwargs):
     return pl.Trainer(callbacks=list(callbacks), **defaults)
 
 
-def _fit(callback=None, module_kwargs=None, **trainer_kwargs):
+def _fit(callback=None, module_kwargs=None, module_class=LitGPT, loader=token_loader, **trainer_kwargs):
     pl.seed_everything(0, verbose=False)
-    module = LitGPT(**(module_kwargs or {}))
+    module = module_class(**(module_kwargs or {}))
     trainer = _trainer([callback] if callback else [], **trainer_kwargs)
-    trainer.fit(module, token_loader())
+    trainer.fit(module, loader())
     return module, trainer
 
 
@@ -39,9 +41,11 @@ def _cpu_lightmem(**kwargs):
     return LightMem(**kwargs)
 
 
-def _assert_same_weights(a, b):
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-        assert torch.equal(x, y), name
+def _assert_same_state(expected, actual):
+    """(module, trainer) pairs: the whole state_dict and the optimizer state are bitwise equal."""
+    (module_a, trainer_a), (module_b, trainer_b) = expected, actual
+    assert len(trainer_a.optimizers) == len(trainer_b.optimizers) == 1
+    assert_state_equal(module_a, module_b, trainer_a.optimizers[0], trainer_b.optimizers[0])
 
 
 @pytest.mark.parametrize(
@@ -57,11 +61,21 @@ def _assert_same_weights(a, b):
     ids=["automatic", "accumulation", "bf16-mixed", "manual", "step-returns-none", "configure-model"],
 )
 def test_trained_weights_are_bitwise_equal_to_a_run_without_the_callback(module_kwargs, trainer_kwargs):
-    expected, _ = _fit(None, module_kwargs, **trainer_kwargs)
+    expected = _fit(None, module_kwargs, **trainer_kwargs)
     callback = _cpu_lightmem()
-    actual, _ = _fit(callback, module_kwargs, **trainer_kwargs)
-    _assert_same_weights(expected, actual)
+    actual = _fit(callback, module_kwargs, **trainer_kwargs)
+    _assert_same_state(expected, actual)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.mark.parametrize("min_bytes", [0, "1MiB"], ids=["offload-min-0", "offload-default"])
+@pytest.mark.parametrize("every", [1, 2])
+def test_batchnorm_statistics_and_step_counters_are_exact_under_checkpoint_and_offload(every, min_bytes):
+    expected = _fit(None, module_class=LitResNet, loader=image_loader)
+    callback = _cpu_lightmem(checkpoint=["ResBlock", "Head"], checkpoint_every=every, offload_min_bytes=min_bytes)
+    actual = _fit(callback, module_class=LitResNet, loader=image_loader)
+    _assert_same_state(expected, actual)
+    assert int(actual[0].model.blocks[2].bn1.num_batches_tracked) == 4
 
 
 def test_offload_and_checkpointing_really_ran():
@@ -107,7 +121,7 @@ def test_fit_twice_validate_predict_and_checkpoint_round_trip(tmp_path):
     path = tmp_path / "model.ckpt"
     trainer2.save_checkpoint(path)
     restored = LitGPT.load_from_checkpoint(path)
-    _assert_same_weights(module, restored)
+    assert_state_equal(module, restored)
     assert "configure_model" not in module.__dict__
 
 
@@ -216,7 +230,7 @@ def test_plan_auto_checkpoints_what_the_budget_needs_and_keeps_weights_exact():
     (tokens,) = next(iter(token_loader()))
     baseline = estimate_memory(module, (tokens,), device="cpu")
     budget = baseline.static_bytes + (baseline.peak_bytes - baseline.static_bytes) * 6 // 10
-    expected, _ = _fit(None)
+    expected = _fit(None)
     callback = LightMem(plan="auto", device_budget=budget, offload_devices=["cpu"])
     seen = {}
 
@@ -226,11 +240,12 @@ def test_plan_auto_checkpoints_what_the_budget_needs_and_keeps_weights_exact():
 
     pl.seed_everything(0, verbose=False)
     actual = LitGPT()
-    _trainer([callback, Spy()]).fit(actual, token_loader())
+    trainer = _trainer([callback, Spy()])
+    trainer.fit(actual, token_loader())
     chosen = callback.chosen_plan
     assert chosen.fits and chosen.predicted_total_bytes <= budget
     assert chosen.checkpoint and set(seen["checkpointed"]) == set(chosen.checkpoint)
-    _assert_same_weights(expected, actual)
+    _assert_same_state(expected, (actual, trainer))
 
 
 @pytest.mark.parametrize(
@@ -246,3 +261,18 @@ def test_bad_plan_flags(kwargs, message):
     with pytest.raises(ValueError) as error:
         LightMem(**kwargs)
     assert str(error.value).startswith(message)
+
+
+def test_plan_auto_that_checkpoints_batchnorm_blocks_keeps_the_whole_state_exact():
+    # Default momentum: the estimator's dry run cannot read BatchNorm(momentum=None)'s Python-number
+    # step count yet (issue 8, estimator item); the momentum=None blocks are covered by the tests above.
+    from lightmem import estimate_memory
+
+    (batch,) = [next(iter(image_loader()))]
+    baseline = estimate_memory(LitResNet(cumulative_average=False), batch, device="cpu")
+    budget = baseline.static_bytes + (baseline.peak_bytes - baseline.static_bytes) * 6 // 10
+    expected = _fit(None, {"cumulative_average": False}, LitResNet, image_loader)
+    callback = LightMem(plan="auto", device_budget=budget, offload_devices=["cpu"])
+    actual = _fit(callback, {"cumulative_average": False}, LitResNet, image_loader)
+    assert callback.chosen_plan.checkpoint == ["model.head", "model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    _assert_same_state(expected, actual)

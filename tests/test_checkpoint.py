@@ -8,7 +8,9 @@ import warnings
 
 import pytest
 import torch
+from bn_models import TinyResNet, image_batches
 from conftest import assert_bitwise_equal, run_grads
+from exact import assert_same, assert_state_equal
 from models import Block, TinyGPT, gpt_loss
 from torch import nn
 
@@ -256,3 +258,139 @@ def test_block_keywords_named_like_checkpoint_options_reach_the_block():
     expected = block(x, debug=True)
     apply_checkpointing(block, "_TakesDebug")
     assert torch.equal(block(x, debug=True), expected)
+
+
+# -- checkpoint recompute never updates buffers a second time (issue 8) ---------------------------
+
+
+def _train_resnet(targets=None, every_n=1, offload=None, steps=4):
+    """4 AdamW steps of TinyResNet; returns (model, optimizer, RNG state after training)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = TinyResNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = apply_checkpointing(model, targets, every_n) if targets else None
+    images, labels = image_batches(steps)
+    torch.manual_seed(1)
+    for step in range(steps):
+        batch = slice(8 * step, 8 * step + 8)
+        context = offload_activations(model, min_bytes=offload, devices=("cpu",)) if offload is not None else _Null()
+        with context:
+            loss = F.cross_entropy(model(images[batch]), labels[batch])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if handle is not None:
+        handle.remove()
+    return model, optimizer, torch.get_rng_state()
+
+
+@pytest.mark.parametrize("offload", [None, 0, "1MiB"], ids=["alone", "offload-min-0", "offload-default"])
+@pytest.mark.parametrize("every_n", [1, 2])
+def test_training_state_with_buffers_updated_in_forward_is_bitwise_equal(every_n, offload):
+    expected = _train_resnet()
+    actual = _train_resnet(["ResBlock", "Head"], every_n, offload)
+    assert_state_equal(expected[0], actual[0], expected[1], actual[1])
+    assert_same(expected[2], actual[2], "CPU RNG state")
+    assert int(actual[0].blocks[0].bn1.num_batches_tracked) == 4
+    assert int(actual[0].blocks[0].counter.steps) == 4
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum-0.1", "momentum-None"])
+def test_batchnorm1d_statistics_take_one_update_per_forward(momentum):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=momentum))
+    model = copy.deepcopy(plain)
+    apply_checkpointing(model, ["1"])
+    x = torch.randn(4, 8)
+    for m in (plain, model):
+        m(x).sum().backward()
+        m(x * 2).sum().backward()
+    assert int(model[1].num_batches_tracked) == 2
+    assert_state_equal(plain, model)
+    assert_same({n: p.grad for n, p in plain.named_parameters()}, {n: p.grad for n, p in model.named_parameters()})
+
+
+def test_recompute_sees_buffer_values_of_its_forward_also_on_a_second_backward():
+    from bn_models import StepCounter
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), StepCounter(), nn.Linear(8, 1))
+    model = copy.deepcopy(plain)
+    apply_checkpointing(model, ["1"])
+    x = torch.randn(4, 8)
+    grads = []
+    for m in (plain, model):
+        m(x).sum().backward()  # counter 0 -> 1
+        loss = m(x).sum()  # counter 1 -> 2: the recompute must see 1, as the forward did
+        loss.backward(retain_graph=True)
+        loss.backward()  # a second recompute of the same forward
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    assert int(model[1].steps) == 2
+    assert_state_equal(plain, model)
+    assert_same(grads[0], grads[1], "gradients")
+
+
+# -- class-name targets match through wrapper subclasses (issue 9) ---------------------------------
+
+
+def test_class_name_targets_match_subclasses_such_as_fsdp2_dynamic_classes():
+    from torch.distributed.fsdp import FSDPModule
+
+    model, loss_fn = _gpt(depth=3)
+    expected, _ = run_grads(model, loss_fn)
+    # fully_shard swaps each sharded module's class for a dynamic FSDP<Name>(FSDPModule, <Name>).
+    sharded = type("FSDPBlock", (FSDPModule, Block), {})
+    for block in model.blocks:
+        block.__class__ = sharded
+    handle = apply_checkpointing(model, "Block")
+    assert handle.modules == ["blocks.0", "blocks.1", "blocks.2"]
+    handle.remove()
+    assert apply_checkpointing(model, "FSDPBlock").modules == handle.modules
+    for block in model.blocks:
+        block.__class__ = Block
+    actual, _ = run_grads(model, loss_fn)
+    assert_bitwise_equal(expected, actual)
+
+
+def test_class_name_target_module_does_not_select_every_module():
+    model, _ = _gpt(depth=1)
+    with pytest.raises(ValueError, match="'Module' matches no module of the model"):
+        apply_checkpointing(model, "Module")
+
+
+def test_under_torch_compile_buffers_take_one_update_per_forward():
+    # torch.compile accepts no plain context managers in checkpoint; its own recomputation is part
+    # of the compiled backward and does not re-apply buffer updates.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), nn.Linear(8, 1))
+    model = copy.deepcopy(plain)
+    apply_checkpointing(model, ["1"])
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 8)
+    for m in (plain, compiled):
+        for _ in range(2):
+            m(x).sum().backward()
+    assert int(model[1][1].num_batches_tracked) == 2
+    assert_state_equal(plain, model)
+    assert_same({n: p.grad for n, p in plain.named_parameters()}, {n: p.grad for n, p in model.named_parameters()})
+
+
+@pytest.mark.parametrize("targets", [["features"], ["Conv2d", "BatchNorm2d"]], ids=["whole-stack", "each-layer"])
+def test_convnet_batchnorm_state_is_exact_over_three_sgd_steps(targets):
+    from models import make_case
+
+    states = []
+    for checkpointed in (False, True):
+        model, loss_fn = make_case("cnn")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if checkpointed:
+            apply_checkpointing(model, targets)
+        for _ in range(3):
+            loss_fn(model).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        states.append((model, optimizer))
+    assert_state_equal(states[0][0], states[1][0], states[0][1], states[1][1])
+    assert int(states[1][0].features[1].num_batches_tracked) == 3

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightmem.config import (
-    available_ram_bytes,
+    host_ram_share_bytes,
     parse_devices,
     parse_patterns,
     parse_size,
@@ -112,7 +112,7 @@ class ActivationOffloader:
         if host_budget is None:
             host_budget = DEFAULT_HOST_BUDGET
         self.host_budget_bytes = parse_size(
-            host_budget, flag=flag("host_budget"), fraction_of=available_ram_bytes
+            host_budget, flag=flag("host_budget"), fraction_of=host_ram_share_bytes
         )
         self.prefetch_bytes = parse_size(prefetch, flag=flag("prefetch"))
         self.host_min_available_bytes = parse_size(
