@@ -173,7 +173,8 @@ class HostGuard:
     """Watches host memory against its limit once per training batch and says when to warn or stop.
 
     Args:
-        limit: the limit in bytes, or None to discover it (:func:`discover_limit`).
+        limit: a limit found by :func:`discover_limit`, a byte count (usage is then the RSS of this
+            process and its children), or None to discover it now.
         warn_at: fraction of the limit at which to warn once.
         stop_at: fraction of the limit at which to stop; None: never stop.
         host_buffers_bytes: bytes of host buffers lightmem holds (for the message).
@@ -183,12 +184,14 @@ class HostGuard:
 
     def __init__(
         self,
-        limit: int | None,
+        limit: HostLimit | int | None,
         warn_at: float,
         stop_at: float | None,
         host_buffers_bytes: Callable[[], int] = lambda: 0,
     ) -> None:
-        self.limit = discover_limit() if limit is None else HostLimit(limit, "host_limit")
+        if limit is None:
+            limit = discover_limit()
+        self.limit = limit if isinstance(limit, HostLimit) else HostLimit(limit, "host_limit")
         self.warn_at = warn_at
         self.stop_at = stop_at
         self._host_buffers_bytes = host_buffers_bytes
