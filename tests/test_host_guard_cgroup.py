@@ -21,12 +21,12 @@ from lightmem.host_guard import _cgroup_mounts, _cgroup_paths, _levels
 
 SCRIPT = Path(__file__).with_name("host_guard_script.py")
 ROOT = Path(__file__).resolve().parent.parent
-HEADROOM_MIB = 700
+HEADROOM_MIB = 500
 CASES = {  # name: (mode, DataLoader workers, MiB kept per step or per loaded item)
     "plain": ("plain", 0, 40),
     "lightmem": ("lightmem", 0, 40),
-    "plain_workers": ("plain", 2, 10),
-    "lightmem_workers": ("lightmem", 2, 10),
+    "plain_workers": ("plain", 2, 16),
+    "lightmem_workers": ("lightmem", 2, 16),
 }
 
 
