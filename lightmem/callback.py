@@ -575,6 +575,8 @@ class LightMem(Callback):
             self._offloader.release_host_memory()
             self._offloader = None
         # Probes hold psutil processes (with locks): after fit the callback pickles and deep-copies.
+        if self._host_guard is not None:
+            self._host_guard.close()
         self._probes, self._traffic, self._host_guard = [], None, None
         if self.oom_snapshot and torch.cuda.is_available():  # pragma: no cover - needs CUDA
             torch.cuda.memory._record_memory_history(enabled=None)

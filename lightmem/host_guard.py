@@ -18,7 +18,8 @@ Where the limit comes from:
 Inactive file cache is subtracted because the kernel reclaims it before it kills anyone (the same
 "working set" rule the kubelet uses to evict pods). The cgroup is found through
 ``/proc/self/cgroup`` and ``/proc/self/mountinfo`` (the standard mount points when mountinfo
-cannot be read), once, when the guard is built: each check then reads one or two small files.
+cannot be read), once, when the guard is built; the files read every batch stay open, and each
+check is one ``pread`` per file (procfs and cgroupfs regenerate a file read at offset 0).
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ NO_LIMIT_BYTES = 1 << 60
 GROWTH_WINDOW = 10
 """Growth per batch is measured over the last this-many batches."""
 
-CHILDREN_REFRESH_BATCHES = 20
-"""Without a cgroup, the list of child processes (DataLoader workers) is re-read this often."""
 
 _V1_STANDARD_MOUNT = "/sys/fs/cgroup/memory"
 _V2_STANDARD_MOUNT = "/sys/fs/cgroup"
@@ -160,13 +159,40 @@ def discover_limit(
 def cgroup_usage_bytes(limit: HostLimit) -> int:
     """What counts against a cgroup limit and cannot be reclaimed: usage less inactive file cache."""
     assert limit.usage_file is not None and limit.stat_file is not None
-    usage = int(_read(limit.usage_file))
-    stat = "\n" + _read(limit.stat_file)
-    start = stat.find(f"\n{limit.reclaimable_key} ")
+    return _usage_less_reclaimable(_read(limit.usage_file), _read(limit.stat_file), limit.reclaimable_key or "")
+
+
+def _usage_less_reclaimable(usage_text: str | bytes, stat_text: str | bytes, reclaimable_key: str) -> int:
+    stat = stat_text.decode() if isinstance(stat_text, bytes) else stat_text
+    usage = int(usage_text)
+    start = ("\n" + stat).find(f"\n{reclaimable_key} ")
     if start >= 0:
-        end = stat.find("\n", start + 1)
-        usage -= int(stat[start + len(limit.reclaimable_key) + 2 : end if end >= 0 else None])
+        end = stat.find("\n", start)
+        usage -= int(stat[start + len(reclaimable_key) + 1 : end if end >= 0 else None])
     return max(usage, 0)
+
+
+class _OpenFiles:
+    """Small procfs/cgroupfs files kept open and re-read with one ``pread`` each."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def read(self, path: str, size: int = 65536) -> bytes:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.pread(fd, size, 0)
+
+    def forget(self, keep: set[str]) -> None:
+        for path in [path for path in self._fds if path not in keep]:
+            os.close(self._fds.pop(path))
+
+    def close(self) -> None:
+        self.forget(set())
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 class HostGuard:
@@ -196,7 +222,11 @@ class HostGuard:
         self.stop_at = stop_at
         self._host_buffers_bytes = host_buffers_bytes
         self._process = psutil.Process()
-        self._children: list[psutil.Process] = []
+        self._files = _OpenFiles()
+        self._children: list[int] = []
+        self._children_file = f"/proc/self/task/{os.getpid()}/children"
+        if not os.path.exists(self._children_file):  # kernels without CONFIG_PROC_CHILDREN
+            self._children_file = ""
         self._checks = 0
         self._history: collections.deque[int] = collections.deque(maxlen=GROWTH_WINDOW)
         self.warned = False
@@ -204,27 +234,39 @@ class HostGuard:
 
     def usage_bytes(self) -> int:
         """Bytes that count against the limit now."""
-        if self.limit.usage_file is not None:
-            return cgroup_usage_bytes(self.limit)
-        return self._process.memory_info().rss + self.workers_rss_bytes()
+        limit = self.limit
+        if limit.usage_file is not None and limit.stat_file is not None:
+            return _usage_less_reclaimable(
+                self._files.read(limit.usage_file, 64), self._files.read(limit.stat_file), limit.reclaimable_key or ""
+            )
+        return self._rss("/proc/self/statm") + self.workers_rss_bytes()
 
-    def workers_rss_bytes(self, refresh: bool = False) -> int:
-        """RSS of this process's children (DataLoader workers), from a list re-read now and then.
+    def _rss(self, statm: str) -> int:
+        return int(self._files.read(statm, 128).split()[1]) * _PAGE_BYTES
+
+    def workers_rss_bytes(self) -> int:
+        """RSS of this process's children (DataLoader workers).
 
         Forked workers share the parent's pages until they write them; RSS counts those in each.
         """
-        if refresh or self._checks % CHILDREN_REFRESH_BATCHES == 0:
-            try:
-                self._children = self._process.children(recursive=True)
-            except psutil.Error:
-                self._children = []
+        if self._children_file:
+            children = [int(pid) for pid in self._files.read(self._children_file).split()]
+        else:
+            children = [child.pid for child in self._process.children()]
+        if children != self._children:
+            self._children = children
+            self._files.forget({"/proc/self/statm", self._children_file, self.limit.usage_file, self.limit.stat_file})  # type: ignore[arg-type]
         total = 0
-        for child in self._children:
+        for pid in children:
             try:
-                total += child.memory_info().rss
-            except psutil.Error:
+                total += self._rss(f"/proc/{pid}/statm")
+            except (OSError, ValueError, IndexError):
                 pass  # a worker that exited since the list was read
         return total
+
+    def close(self) -> None:
+        """Close the files kept open for the checks."""
+        self._files.close()
 
     def growth_per_batch_bytes(self) -> float:
         """Mean growth of usage per batch over the last batches (0 before two checks)."""
@@ -272,8 +314,8 @@ class HostGuard:
         """Where the host memory is: usage against the limit, its holders, growth per batch."""
         usage = self._history[-1] if self._history else self.usage_bytes()
         limit = self.limit.limit_bytes
-        rss = self._process.memory_info().rss
-        workers = self.workers_rss_bytes(refresh=True)
+        rss = self._rss("/proc/self/statm")
+        workers = self.workers_rss_bytes()
         return "\n".join(
             [
                 f"host memory in use: {format_bytes(usage)} of {format_bytes(limit)} "
@@ -319,7 +361,7 @@ class HostGuard:
         return {
             key("host/limit_GiB"): self.limit.limit_bytes / GiB,
             key("host/headroom_GiB"): (self.limit.limit_bytes - usage) / GiB,
-            key("host/workers_rss_GiB"): self.workers_rss_bytes(refresh=True) / GiB,
+            key("host/workers_rss_GiB"): self.workers_rss_bytes() / GiB,
         }
 
     def end_step(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import subprocess
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -153,18 +155,24 @@ def test_messages_say_what_holds_memory_its_growth_and_how_to_resume(tmp_path):
     )
 
 
-def test_without_a_cgroup_usage_is_this_process_and_its_children():
+def test_without_a_cgroup_usage_is_this_process_and_its_children_rss():
     guard = HostGuard(64 * GiB, 0.85, 0.95)
     assert guard.limit == HostLimit(64 * GiB, "host_limit")
-    children = torch.multiprocessing.get_context("fork").Process(target=os.sched_yield)
-    children.start()
+    page = os.sysconf("SC_PAGE_SIZE")
+    worker = subprocess.Popen(["sleep", "30"])
     try:
-        rss = guard._process.memory_info().rss
+        worker_rss = int(Path(f"/proc/{worker.pid}/statm").read_text().split()[1]) * page
+        assert guard.workers_rss_bytes() == worker_rss
+        assert guard._children == [worker.pid]
+        own_before = int(Path("/proc/self/statm").read_text().split()[1]) * page
         usage = guard.usage_bytes()
-        assert len(guard._children) == 1
-        assert usage >= rss + guard._children[0].memory_info().rss - 64 * MiB
+        own_after = int(Path("/proc/self/statm").read_text().split()[1]) * page
+        assert own_before + worker_rss <= usage <= own_after + worker_rss
     finally:
-        children.join()
+        worker.kill()
+        worker.wait()
+    assert guard.workers_rss_bytes() == 0 and guard._children == []
+    guard.close()
 
 
 # -- the callback's flags ---------------------------------------------------------------------

@@ -42,6 +42,12 @@ def _parent_cgroup() -> str:
     pytest.skip("no writable cgroup v1 memory hierarchy (a cgroup v2 child needs a delegated subtree)")
 
 
+def _oom_kills(cgroup: str) -> int:
+    """Processes the kernel's OOM killer ended in this cgroup (``oom_kill`` of memory.oom_control)."""
+    fields = dict(line.split() for line in Path(cgroup, "memory.oom_control").read_text().splitlines())
+    return int(fields["oom_kill"])
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     parent = _parent_cgroup()
@@ -64,10 +70,10 @@ def runs(tmp_path_factory):
                 ),
             )  # fmt: skip
         results = {}
-        for name, (root_dir, child) in children.items():
+        for (name, (root_dir, child)), cgroup in zip(children.items(), cgroups):
             out, _ = child.communicate(timeout=240)
             lines = [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
-            results[name] = (child.returncode, out, lines, root_dir)
+            results[name] = (child.returncode, out, lines, root_dir, _oom_kills(cgroup))
         return results
     finally:
         for _, child in children.values():
@@ -79,14 +85,13 @@ def runs(tmp_path_factory):
 
 
 def test_without_lightmem_the_oom_killer_ends_the_fit_without_a_trace(runs):
-    returncode, out, lines, _ = runs["plain"]
-    assert returncode == -9, out[-3000:]
-    assert lines == []
+    returncode, out, lines, _, oom_kills = runs["plain"]
+    assert (returncode, oom_kills, lines) == (-9, 1, []), out[-3000:]
 
 
 def test_with_lightmem_the_fit_stops_with_a_checkpoint_and_resumes(runs):
-    returncode, out, lines, root_dir = runs["lightmem"]
-    assert returncode == 0, out[-3000:]
+    returncode, out, lines, root_dir, oom_kills = runs["lightmem"]
+    assert (returncode, oom_kills) == (0, 0), out[-3000:]
     stopped, resumed = lines
     assert stopped["fit"] == "stopped" and stopped["ckpt_exists"] and stopped["global_step"] > 5
     assert resumed == {
@@ -99,14 +104,15 @@ def test_with_lightmem_the_fit_stops_with_a_checkpoint_and_resumes(runs):
 
 
 def test_without_lightmem_growing_dataloader_workers_are_killed(runs):
-    returncode, out, lines, _ = runs["plain_workers"]
-    assert returncode != 0 and lines == []
-    assert "DataLoader worker (pid(s)" in out and "exited unexpectedly" in out or returncode == -9, out[-3000:]
+    # The OOM killer picks a worker or the main process; either way the fit dies (how it reports
+    # a dead worker depends on what the worker was doing) and no result line is printed.
+    returncode, out, lines, _, oom_kills = runs["plain_workers"]
+    assert returncode != 0 and oom_kills >= 1 and lines == [], out[-3000:]
 
 
 def test_with_lightmem_growing_dataloader_workers_stop_the_fit_cleanly(runs):
-    returncode, out, lines, root_dir = runs["lightmem_workers"]
-    assert returncode == 0, out[-3000:]
+    returncode, out, lines, root_dir, oom_kills = runs["lightmem_workers"]
+    assert (returncode, oom_kills) == (0, 0), out[-3000:]
     stopped, resumed = lines
     assert stopped["ckpt_exists"] and resumed["first_step"] == stopped["global_step"]
     assert resumed["global_step"] == stopped["global_step"] + 3 and resumed["weights_from_checkpoint"]
