@@ -321,7 +321,8 @@ class HostGuard:
                 f"host memory in use: {format_bytes(usage)} of {format_bytes(limit)} "
                 f"({usage / limit:.0%}; limit from {self.limit.source})",
                 f"  this process (RSS):         {format_bytes(rss)}",
-                f"  DataLoader workers (RSS):   {format_bytes(workers)} in {len(self._children)} processes (pages shared with this process counted in each)",
+                f"  DataLoader workers (RSS):   {format_bytes(workers)} in {len(self._children)} processes"
+                + (" (pages shared with this process counted in each)" if self._children else ""),
                 f"  lightmem host buffers:      {format_bytes(self._host_buffers_bytes())}",
                 f"  growth per training batch:  {format_bytes(self.growth_per_batch_bytes())} "
                 f"(mean of the last {max(len(self._history) - 1, 1)} batches)",
@@ -332,7 +333,7 @@ class HostGuard:
         stop = self.stop_at if self.stop_at is not None else 1.0
         left = self.batches_left(stop)
         what = "LightMem stops training cleanly" if self.stop_at is not None else "the OOM killer ends the job"
-        when = f"in about {left} batches at this rate" if left is not None else "if it keeps growing"
+        when = f"in about {left} batch{'' if left == 1 else 'es'} at this rate" if left is not None else "if it keeps growing"
         return (
             f"lightmem: host memory passed host_warn_at ({self.warn_at:.0%} of its limit); {what} "
             f"at {stop:.0%} {when}.\n{self.describe()}\n{_GROWTH_HINT}"

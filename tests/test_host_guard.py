@@ -137,7 +137,7 @@ def test_messages_say_what_holds_memory_its_growth_and_how_to_resume(tmp_path):
     warning = guard.warning_message().splitlines()
     assert warning[0] == (
         "lightmem: host memory passed host_warn_at (85% of its limit); LightMem stops training cleanly at 95% "
-        "in about 1 batches at this rate."
+        "in about 1 batch at this rate."
     )
     assert warning[1] == (
         f"host memory in use: 900.00 MiB of 1000.00 MiB (90%; limit from cgroup v1 "
