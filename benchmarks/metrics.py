@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import GPT, gpt_loss, hardware, median_time_s, print_table
 
-from lightmem.host_guard import HostGuard, HostLimit, _cgroup_mounts, _cgroup_paths, _levels
+from lightmem.host_guard import HostGuard, HostLimit, own_cgroups
 from lightmem.metrics.probes import HostProbe, LightmemProbe, NvmlProbe, ProbeUnavailable, TorchAllocatorProbe
 from lightmem.offload.stats import OffloadStats
 
@@ -68,14 +68,11 @@ def main() -> None:
 
 def _own_cgroup_files() -> HostLimit | None:
     """This process's cgroup usage files, limit or not, so the cgroup read path is timed here."""
-    paths = _cgroup_paths("/proc/self/cgroup")
-    for version, root, mount_point in _cgroup_mounts("/proc/self/mountinfo"):
+    for version, (directory, *_) in own_cgroups():
         names = ("memory.current", "inactive_file") if version == 2 else ("memory.usage_in_bytes", "total_inactive_file")
-        if version in paths:
-            directory = _levels(version, root, mount_point, paths[version])[0]
-            if os.path.exists(os.path.join(directory, names[0])):
-                usage = os.path.join(directory, names[0])
-                return HostLimit(1 << 40, f"cgroup v{version} {directory}", usage, os.path.join(directory, "memory.stat"), names[1])
+        usage = os.path.join(directory, names[0])
+        if os.path.exists(usage):
+            return HostLimit(1 << 40, f"cgroup v{version} {directory}", usage, os.path.join(directory, "memory.stat"), names[1])
     return None
 
 

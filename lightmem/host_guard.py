@@ -118,19 +118,26 @@ def _levels(version: int, root: str, mount_point: str, path: str) -> list[str]:
     return levels
 
 
+def own_cgroups(proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo") -> list[tuple[int, list[str]]]:
+    """``(version, [directory, parent, ..., mount point])`` of this process's memory cgroups."""
+    paths = _cgroup_paths(proc_cgroup)
+    return [
+        (version, _levels(version, root, mount_point, paths[version]))
+        for version, root, mount_point in _cgroup_mounts(mountinfo)
+        if version in paths
+    ]
+
+
 def cgroup_limits(proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo") -> list[HostLimit]:
     """Every memory limit set on this process's cgroup or an ancestor (v1 and v2), unordered."""
-    paths = _cgroup_paths(proc_cgroup)
     limits = []
-    for version, root, mount_point in _cgroup_mounts(mountinfo):
-        if version not in paths:
-            continue
+    for version, levels in own_cgroups(proc_cgroup, mountinfo):
         limit_name, usage_name, reclaimable = (
             ("memory.max", "memory.current", "inactive_file")
             if version == 2
             else ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
         )
-        for directory in _levels(version, root, mount_point, paths[version]):
+        for directory in levels:
             try:
                 value = _read(os.path.join(directory, limit_name)).strip()
             except OSError:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lightmem.host_guard import _cgroup_mounts, _cgroup_paths, _levels
+from lightmem.host_guard import own_cgroups
 
 SCRIPT = Path(__file__).with_name("host_guard_script.py")
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,10 +33,8 @@ CASES = {  # name: (mode, DataLoader workers, MiB kept per step or per loaded it
 def _parent_cgroup() -> str:
     if os.geteuid() != 0:
         pytest.skip("creating a memory cgroup needs root")
-    paths = _cgroup_paths("/proc/self/cgroup")
-    for version, root, mount_point in _cgroup_mounts("/proc/self/mountinfo"):
-        if version == 1 and 1 in paths:
-            directory = _levels(1, root, mount_point, paths[1])[0]
+    for version, (directory, *_) in own_cgroups():
+        if version == 1:
             if os.access(directory, os.W_OK) and os.path.exists(os.path.join(directory, "memory.limit_in_bytes")):
                 return directory
     pytest.skip("no writable cgroup v1 memory hierarchy (a cgroup v2 child needs a delegated subtree)")
