@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -388,11 +389,11 @@ class LightMem(Callback):
         if verdict == "stop" and self._offloader is not None:
             self._offloader.release_host_memory()
             verdict = guard.recheck()
-        if trainer.world_size > 1:  # pragma: no cover - DDP: every rank saves and stops, or none
+        if trainer.world_size > 1:  # every rank saves and stops, or none (save_checkpoint is collective)
             stop = trainer.strategy.reduce_boolean_decision(verdict == "stop", all=False)
             verdict = "stop" if stop else verdict
-        if verdict == "warn":
-            rank_zero_warn(guard.warning_message())
+        if verdict == "warn":  # from every rank: each watches its own host
+            warnings.warn(guard.warning_message(), UserWarning, stacklevel=2)
         elif verdict == "stop":
             guard.stopped = True
             path = self.host_stop_checkpoint or os.path.join(trainer.default_root_dir, "lightmem-host-stop.ckpt")

@@ -164,10 +164,10 @@ def test_without_a_cgroup_usage_is_this_process_and_its_children_rss():
         worker_rss = int(Path(f"/proc/{worker.pid}/statm").read_text().split()[1]) * page
         assert guard.workers_rss_bytes() == worker_rss
         assert guard._children == [worker.pid]
-        own_before = int(Path("/proc/self/statm").read_text().split()[1]) * page
         usage = guard.usage_bytes()
-        own_after = int(Path("/proc/self/statm").read_text().split()[1]) * page
-        assert own_before + worker_rss <= usage <= own_after + worker_rss
+        own = int(Path("/proc/self/statm").read_text().split()[1]) * page
+        # This process's RSS moves between two reads (allocator trims, other threads): within 4 MiB.
+        assert abs(usage - (own + worker_rss)) <= 4 * MiB
     finally:
         worker.kill()
         worker.wait()
