@@ -28,7 +28,7 @@ from lightmem.config import (
     total_ram_bytes,
     warn_once,
 )
-from lightmem.host_guard import HostGuard
+from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.metrics.names import BY_KEY, GROUPS, GiB, key
 from lightmem.metrics.probes import (
     HostProbe,
@@ -339,6 +339,11 @@ class LightMem(Callback):
         return len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0
 
     # -- one training step -----------------------------------------------------------------------
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._host_guard is not None:
+            self._host_guard.batches_ahead = batches_loaded_ahead(trainer.train_dataloader)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

@@ -202,6 +202,18 @@ class _OpenFiles:
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
+def batches_loaded_ahead(loaders: object) -> int:
+    """Batches the DataLoaders' workers may load ahead of training: ``num_workers * prefetch_factor``."""
+    if isinstance(loaders, dict):
+        return sum(batches_loaded_ahead(loader) for loader in loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        return sum(batches_loaded_ahead(loader) for loader in loaders)
+    workers = getattr(loaders, "num_workers", 0)
+    if not isinstance(workers, int) or workers <= 0:
+        return 0
+    return workers * (getattr(loaders, "prefetch_factor", None) or 2)
+
+
 class HostGuard:
     """Watches host memory against its limit once per training batch and says when to warn or stop.
 
@@ -238,6 +250,9 @@ class HostGuard:
         self._history: collections.deque[int] = collections.deque(maxlen=GROWTH_WINDOW)
         self.warned = False
         self.stopped = False
+        self.batches_ahead = 0
+        """Batches DataLoader workers load ahead of training (see :func:`batches_loaded_ahead`): they
+        keep growing while the checkpoint is saved, so the stop looks that many batches further."""
 
     def usage_bytes(self) -> int:
         """Bytes that count against the limit now."""
@@ -285,8 +300,9 @@ class HostGuard:
         """Read usage once and return ``"stop"``, ``"warn"`` (once) or ``"ok"``.
 
         Stops when usage has reached ``stop_at`` of the limit, or would reach it within the next
-        batch at the current growth: the check runs between batches, and a batch that crosses the
-        limit itself is killed before the next check can act.
+        batch (plus the batches DataLoader workers load ahead) at the current growth: the check
+        runs between batches, and a batch that crosses the limit itself is killed before the next
+        check can act.
         """
         usage = self.usage_bytes()
         self._checks += 1
@@ -303,7 +319,8 @@ class HostGuard:
         if self.stopped:
             return "ok"
         limit = self.limit.limit_bytes
-        if self.stop_at is not None and usage + max(self.growth_per_batch_bytes(), 0.0) >= self.stop_at * limit:
+        ahead = 1 + self.batches_ahead
+        if self.stop_at is not None and usage + ahead * max(self.growth_per_batch_bytes(), 0.0) >= self.stop_at * limit:
             return "stop"
         if not self.warned and usage >= self.warn_at * limit:
             self.warned = True

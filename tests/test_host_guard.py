@@ -248,3 +248,41 @@ def test_after_fit_the_callback_pickles_and_deep_copies(tmp_path):
     for other in (restored, copied):
         assert (other.offload_devices, other.checkpoint, other.host_warn_at) == (("cpu",), ["Block"], 0.85)
         assert other.last_metrics == callback.last_metrics
+
+
+def test_batches_loaded_ahead_by_dataloader_workers():
+    from lightmem.host_guard import batches_loaded_ahead
+
+    data = list(range(8))
+    loader = torch.utils.data.DataLoader
+    assert batches_loaded_ahead(loader(data)) == 0
+    assert batches_loaded_ahead(loader(data, num_workers=2)) == 4
+    assert batches_loaded_ahead({"a": loader(data, num_workers=3, prefetch_factor=3), "b": [loader(data, num_workers=1)]}) == 11
+
+
+def test_the_stop_looks_ahead_over_the_batches_workers_load_in_advance(tmp_path):
+    guard, at = _guard_on_fake_cgroup(tmp_path)
+    guard.batches_ahead = 4
+    assert [at(mib) for mib in (700, 720, 740, 760, 780, 800)] == ["ok", "ok", "ok", "ok", "ok", "ok"]
+    # 820 MiB + (1 + 4) x 20 MiB reaches 920 MiB, under 950 MiB; 840 MiB + 100 MiB does not either;
+    # 860 MiB + 100 MiB = 960 MiB passes it.
+    assert [at(820), at(840), at(860)] == ["ok", "ok", "stop"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_callback_tells_the_guard_how_far_workers_load_ahead(tmp_path):
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen.append(callback._host_guard.batches_ahead)
+
+    callback = LightMem(metrics=["host"])
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, callbacks=[callback, Probe()], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    loader = token_loader()
+    trainer.fit(LitGPT(), torch.utils.data.DataLoader(loader.dataset, batch_size=4, num_workers=1, prefetch_factor=3))
+    assert seen == [3]
