@@ -188,11 +188,14 @@ class LightMem(Callback):
                 raise ValueError(
                     f"{_flag('plan')}: 'auto' chooses checkpoint and offload_include itself; leave them unset"
                 )
-        self.host_limit_bytes = (
-            None
-            if host_limit == "auto"
-            else parse_size(host_limit, flag=_flag("host_limit"), fraction_of=total_ram_bytes, fraction_name="total RAM")
-        )
+        try:
+            self.host_limit_bytes = (
+                None
+                if host_limit == "auto"
+                else parse_size(host_limit, flag=_flag("host_limit"), fraction_of=total_ram_bytes, fraction_name="total RAM")
+            )
+        except ValueError as error:
+            raise ValueError(str(error).replace("expected ", "expected 'auto' (cgroup limit or total RAM), ", 1)) from None
         self.host_warn_at = parse_fraction(host_warn_at, flag=_flag("host_warn_at"))
         self.host_stop_at = parse_fraction(host_stop_at, flag=_flag("host_stop_at"), allow_none=True)
         if self.host_stop_at is not None and self.host_stop_at < self.host_warn_at:  # type: ignore[operator]

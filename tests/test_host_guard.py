@@ -182,7 +182,7 @@ def test_without_a_cgroup_usage_is_this_process_and_its_children_rss():
     ("flags", "message"),
     [
         ({"metrics": 5}, "LightMem(metrics=...): expected a list of probe groups from gpu, device, host, lightmem; got 5"),
-        ({"host_limit": "lots"}, "LightMem(host_limit=...): expected a byte count (int), or a string such as"),
+        ({"host_limit": "lots"}, "LightMem(host_limit=...): expected 'auto' (cgroup limit or total RAM), a byte count (int), or a string such as"),
         ({"host_warn_at": 1.5}, "LightMem(host_warn_at=...): expected a fraction in (0, 1], e.g. 0.9; got 1.5"),
         ({"host_stop_at": "95%"}, "LightMem(host_stop_at=...): expected a fraction in (0, 1], e.g. 0.9, or None; got '95%'"),
         ({"host_stop_at": 0.5}, "LightMem(host_stop_at=...): must be >= host_warn_at (0.85); got 0.5"),
