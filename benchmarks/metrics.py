@@ -3,12 +3,16 @@
     python benchmarks/metrics.py
 
 Probes that need CUDA (PyTorch allocator, NVML) are timed only where a GPU exists.
+The host memory guard's check runs every training batch (not only on logged steps), so it is also
+timed against a 50 ms step, the budget being 0.5% of it: with a cgroup (two small file reads) and
+without one (RSS of this process and its DataLoader workers).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 import timeit
 
 import torch
@@ -16,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import GPT, gpt_loss, hardware, median_time_s, print_table
 
+from lightmem.host_guard import HostGuard, HostLimit, own_cgroups
 from lightmem.metrics.probes import HostProbe, LightmemProbe, NvmlProbe, ProbeUnavailable, TorchAllocatorProbe
 from lightmem.offload.stats import OffloadStats
 
@@ -61,5 +66,44 @@ def main() -> None:
     )
 
 
+def _own_cgroup_files() -> HostLimit | None:
+    """This process's cgroup usage files, limit or not, so the cgroup read path is timed here."""
+    for version, (directory, *_) in own_cgroups():
+        names = ("memory.current", "inactive_file") if version == 2 else ("memory.usage_in_bytes", "total_inactive_file")
+        usage = os.path.join(directory, names[0])
+        if os.path.exists(usage):
+            return HostLimit(1 << 40, f"cgroup v{version} {directory}", usage, os.path.join(directory, "memory.stat"), names[1])
+    return None
+
+
+def guard_cost() -> None:
+    step_s = 0.050
+    workers = [torch.multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        variants = {"no cgroup: RSS of this process + 2 workers": HostGuard(1 << 40, 0.85, 0.95)}
+        cgroup = _own_cgroup_files()
+        if cgroup is not None:
+            variants[f"cgroup: usage + memory.stat ({cgroup.source.split()[1]})"] = HostGuard(cgroup, 0.85, 0.95)
+        else:
+            print("cgroup read: not timed (this process has no memory cgroup files)")
+        rows = []
+        for name, guard in variants.items():
+            calls = 5000
+            seconds = min(timeit.repeat(guard.check, number=calls, repeat=5)) / calls
+            rows.append([name, f"{seconds * 1e6:.1f}", f"{seconds / step_s * 100:.4f}%"])
+    finally:
+        for worker in workers:
+            worker.terminate()
+            worker.join()
+    print_table(
+        f"Host memory guard check, every training batch, vs a 50 ms step (budget: 0.5% = 250 us); {hardware()}",
+        ["check", "us per batch", "share of a 50 ms step"],
+        rows,
+    )
+
+
 if __name__ == "__main__":
     main()
+    guard_cost()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,11 +23,13 @@ from lightmem.config import (
     format_bytes,
     host_ram_share_bytes,
     parse_devices,
+    parse_fraction,
     parse_patterns,
     parse_size,
     total_ram_bytes,
     warn_once,
 )
+from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.metrics.names import BY_KEY, GROUPS, GiB, key
 from lightmem.metrics.probes import (
     HostProbe,
@@ -85,6 +90,15 @@ class LightMem(Callback):
             checkpoint and to offload so the step fits ``device_budget`` (a fake-tensor dry run of
             the LightningModule, seconds), and LightMem applies that choice.
         device_budget: device memory the step must fit in with ``plan="auto"``.
+        host_limit: the host memory limit the guard watches: ``"auto"`` (the tightest of the
+            process's cgroup limit and total RAM), bytes, a size string, or a fraction of total RAM.
+        host_warn_at: fraction of ``host_limit`` at which one warning says what holds host memory,
+            how fast it grows and how many batches are left.
+        host_stop_at: fraction of ``host_limit`` at which training stops cleanly (cached host
+            buffers released first, then a checkpoint saved and ``trainer.should_stop`` set);
+            None: never stop, only warn. The rest of the limit is the margin for saving.
+        host_stop_checkpoint: where that checkpoint goes (default
+            ``<trainer.default_root_dir>/lightmem-host-stop.ckpt``).
 
     Raises:
         ValueError: at construction, for a flag with a bad value; the message names the flag and
@@ -117,6 +131,10 @@ class LightMem(Callback):
         oom_snapshot: str | None = None,
         plan: str | None = None,
         device_budget: int | str | None = None,
+        host_limit: int | float | str = "auto",
+        host_warn_at: float = 0.85,
+        host_stop_at: float | None = 0.95,
+        host_stop_checkpoint: str | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("offload", offload), ("tensorboard_panels", tensorboard_panels)):
@@ -145,7 +163,12 @@ class LightMem(Callback):
                 f"{_flag('log_every_n_steps')}: expected an integer >= 1 or None; got {log_every_n_steps!r}"
             )
         self.log_every_n_steps = log_every_n_steps
-        groups = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+        try:
+            groups = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+        except TypeError:
+            raise ValueError(
+                f"{_flag('metrics')}: expected a list of probe groups from {', '.join(GROUPS)}; got {metrics!r}"
+            ) from None
         unknown = [group for group in groups if group not in GROUPS]
         if unknown:
             raise ValueError(
@@ -169,6 +192,22 @@ class LightMem(Callback):
                 raise ValueError(
                     f"{_flag('plan')}: 'auto' chooses checkpoint and offload_include itself; leave them unset"
                 )
+        try:
+            self.host_limit_bytes = (
+                None
+                if host_limit == "auto"
+                else parse_size(host_limit, flag=_flag("host_limit"), fraction_of=total_ram_bytes, fraction_name="total RAM")
+            )
+        except ValueError as error:
+            raise ValueError(str(error).replace("expected ", "expected 'auto' (cgroup limit or total RAM), ", 1)) from None
+        self.host_warn_at = parse_fraction(host_warn_at, flag=_flag("host_warn_at"))
+        self.host_stop_at = parse_fraction(host_stop_at, flag=_flag("host_stop_at"), allow_none=True)
+        if self.host_stop_at is not None and self.host_stop_at < self.host_warn_at:  # type: ignore[operator]
+            raise ValueError(f"{_flag('host_stop_at')}: must be >= host_warn_at ({host_warn_at}); got {host_stop_at!r}")
+        if host_stop_checkpoint is not None and not isinstance(host_stop_checkpoint, str):
+            raise ValueError(f"{_flag('host_stop_checkpoint')}: expected a file path or None; got {host_stop_checkpoint!r}")
+        self.host_stop_checkpoint = host_stop_checkpoint
+        self._host_guard: HostGuard | None = None
         self.chosen_plan: Any = None
         """With plan='auto': the ``lightmem.estimate.Plan`` chosen from the first training batch."""
 
@@ -241,6 +280,9 @@ class LightMem(Callback):
             self.chosen_plan = None
         self._offloader = None if self.plan == "auto" else self._build_offloader(pl_module)
         self._probes = self._build_probes(pl_module)
+        self._host_guard = HostGuard(self.host_limit_bytes, self.host_warn_at, self.host_stop_at, self._host_bytes_held)  # type: ignore[arg-type]
+        if "host" in self.metrics:
+            self._probes.append(self._host_guard)
         self._last_step = trainer.global_step
         self._peaks, self._totals, self._steps_seen = {}, {}, 0
         if self.tensorboard_panels and trainer.is_global_zero:
@@ -314,6 +356,11 @@ class LightMem(Callback):
     # -- one training step -----------------------------------------------------------------------
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._host_guard is not None:
+            self._host_guard.batches_ahead = batches_loaded_ahead(trainer.train_dataloader)
+
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.plan == "auto" and self.chosen_plan is None:
             self._plan_from(trainer, pl_module, batch)
@@ -345,12 +392,38 @@ class LightMem(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._exit_offload()  # training_step returned None: no backward ran
+        self._guard_host(trainer)
         if self._offloader is not None and self._traffic is not None and not self._below_floor:
             self._traffic.add(self._offloader.stats)
         if trainer.global_step == self._last_step:
             return  # gradient accumulation: the optimizer has not stepped yet
         self._last_step = trainer.global_step
         self._end_of_step(trainer, pl_module)
+
+    def _guard_host(self, trainer: pl.Trainer) -> None:
+        # Every batch, not only logged steps: memory that grows per batch outruns any logging interval.
+        guard = self._host_guard
+        if guard is None:
+            return
+        verdict = guard.check()
+        if verdict == "stop" and self._offloader is not None:
+            self._offloader.release_host_memory()
+            verdict = guard.recheck()
+        if trainer.world_size > 1:  # every rank saves and stops, or none (save_checkpoint is collective)
+            stop = trainer.strategy.reduce_boolean_decision(verdict == "stop", all=False)
+            verdict = "stop" if stop else verdict
+        if verdict == "warn":  # from every rank: each watches its own host
+            warnings.warn(guard.warning_message(), UserWarning, stacklevel=2)
+        elif verdict == "stop":
+            guard.stopped = True
+            path = self.host_stop_checkpoint or os.path.join(trainer.default_root_dir, "lightmem-host-stop.ckpt")
+            error: BaseException | None = None
+            try:
+                trainer.save_checkpoint(path)
+            except Exception as save_error:  # the job still stops rather than be killed
+                error = save_error
+            trainer.should_stop = True
+            print(guard.stop_message(path, error), file=sys.stderr, flush=True)
 
     def _plan_from(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         from lightmem.estimate import plan
@@ -524,6 +597,10 @@ class LightMem(Callback):
         if self._offloader is not None:
             self._offloader.release_host_memory()
             self._offloader = None
+        # Probes hold psutil processes (with locks): after fit the callback pickles and deep-copies.
+        if self._host_guard is not None:
+            self._host_guard.close()
+        self._probes, self._traffic, self._host_guard = [], None, None
         if self.oom_snapshot:
             oom.stop_memory_history()
 

@@ -111,6 +111,16 @@ def parse_size(
     raise ValueError(f"{flag}: expected {accepted}; got {value!r}")
 
 
+def parse_fraction(value: float, *, flag: str, allow_none: bool = False) -> float | None:
+    """Validate a fraction in (0, 1] (e.g. a share of a memory limit); None where ``allow_none``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value <= 1.0:
+        return float(value)
+    accepted = "a fraction in (0, 1], e.g. 0.9" + (", or None" if allow_none else "")
+    raise ValueError(f"{flag}: expected {accepted}; got {value!r}")
+
+
 def format_bytes(num_bytes: float) -> str:
     """Human-readable binary size: 1536 -> '1.50 KiB'."""
     sign = "-" if num_bytes < 0 else ""

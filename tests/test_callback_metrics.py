@@ -115,7 +115,10 @@ def test_tensorboard_event_files_hold_the_panels_and_the_scalars(tmp_path):
     (category,) = layout.category
     assert category.title == CATEGORY
     charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
-    assert charts["Host memory (this process)"] == ["lightmem/memory/host/rss_GiB", "lightmem/memory/host/pinned_GiB"]
+    assert charts["Host memory (this process)"] == [
+        "lightmem/memory/host/rss_GiB", "lightmem/memory/host/pinned_GiB", "lightmem/memory/host/workers_rss_GiB"
+    ]  # fmt: skip
+    assert charts["Host memory (limit)"] == ["lightmem/memory/host/limit_GiB", "lightmem/memory/host/headroom_GiB"]
     assert charts["Host memory (machine)"] == ["lightmem/memory/host/available_GiB", "lightmem/memory/host/swap_used_GiB"]
     assert charts["Offload traffic"] == ["lightmem/memory/offload/offloaded_GiB", "lightmem/memory/offload/reloaded_GiB"]
     assert "Checkpointing" in charts

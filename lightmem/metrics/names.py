@@ -46,6 +46,10 @@ METRICS: tuple[Metric, ...] = (
     _m("host/available_GiB", "host", "GiB", "memory the OS can still hand out without swapping", "Host memory (machine)", reduce_max=False),
     _m("host/swap_used_GiB", "host", "GiB", "swap in use on the machine", "Host memory (machine)"),
     _m("host/pinned_GiB", "host", "GiB", "host buffers held by lightmem's offload pool (page-locked on CUDA)", "Host memory (this process)"),
+    # The host memory guard (lightmem/host_guard.py): the limit the OOM killer enforces.
+    _m("host/limit_GiB", "host", "GiB", "host memory limit of this process: the tightest of its cgroup limit and total RAM", "Host memory (limit)", reduce_max=False),
+    _m("host/headroom_GiB", "host", "GiB", "limit less what counts against it (cgroup usage less reclaimable file cache, or process and workers' RSS)", "Host memory (limit)", reduce_max=False),
+    _m("host/workers_rss_GiB", "host", "GiB", "resident set size of this process's children (DataLoader workers)", "Host memory (this process)"),
     # lightmem's own traffic, summed over the micro-batches of the step.
     _m("offload/offloaded_GiB", "lightmem", "GiB", "saved activations copied to host", "Offload traffic"),
     _m("offload/reloaded_GiB", "lightmem", "GiB", "bytes copied back to the device during backward", "Offload traffic"),
