@@ -118,8 +118,9 @@ def scenario_from(name: str, trace: StepTrace) -> StepMemory:
 def blocks_from(trace: StepTrace) -> dict[str, BlockMemory]:
     return {
         name: BlockMemory(
-            name, usage.saved_bytes, usage.forward_flops, usage.input_bytes, list(usage.saved_sizes)
-        )
+            name, usage.saved_bytes, usage.forward_flops, usage.input_bytes, list(usage.saved_sizes),
+            kind=trace.block_kinds.get(name, ""), repeated=name in trace.repeated_blocks,
+        )  # fmt: skip
         for name, usage in trace.blocks.items()
     }
 

@@ -80,6 +80,14 @@ def _natural(name: str) -> tuple[Any, ...]:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
+def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
+    """The blocks a plan acts on: the repeated layers, or every block of a model without any."""
+    repeated = {name: block for name, block in blocks.items() if block.repeated}
+    if repeated:
+        return repeated
+    return {name: block for name, block in blocks.items() if name != ROOT_BLOCK}
+
+
 def choose_actions(
     blocks: Mapping[str, BlockMemory], need_bytes: int, costs: Costs, start: Mapping[str, str] | None = None
 ) -> dict[str, str]:
@@ -91,11 +99,10 @@ def choose_actions(
     actions = dict(start or {})
     saved = sum(saves_bytes(blocks[name], action, costs) for name, action in actions.items())
     order = [CHECKPOINT] if not costs.allow_offload else [OFFLOAD, CHECKPOINT, BOTH]
+    candidates = planned_blocks(blocks)
     while saved < need_bytes:
         best: tuple[float, int, str, str] | None = None
-        for name, block in blocks.items():
-            if name == ROOT_BLOCK:
-                continue
+        for name, block in candidates.items():
             current = actions.get(name, KEEP)
             for action in order:
                 if _RANK[action] <= _RANK[current]:
@@ -137,6 +144,8 @@ class Plan:
     exposed_transfer_s: float = 0.0
     estimate: MemoryEstimate | None = None
     seconds: float = 0.0
+    estimate_kinds: dict[str, str] = field(default_factory=dict, repr=False)
+    """Class name per block, for the description."""
 
     @property
     def predicted_total_bytes(self) -> int:
@@ -176,11 +185,12 @@ class Plan:
             return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
         from lightmem.estimate.advice import compact_names
 
+        kinds = self.estimate_kinds
         parts = []
         if self.checkpoint:
-            parts.append(f"checkpoint {compact_names(sorted(self.checkpoint, key=_natural))}")
+            parts.append(f"checkpoint {compact_names(sorted(self.checkpoint, key=_natural), kinds)}")
         if self.offload is not None:
-            names = compact_names(sorted(self.offload["include"], key=_natural))
+            names = compact_names(sorted(self.offload["include"], key=_natural), kinds)
             parts.append(f"offload {names} (min_bytes {format_bytes(self.offload['min_bytes'])})")
         return (
             f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
@@ -254,6 +264,7 @@ def plan(
     base = build_estimate(model, batch, settings, info, None, None)
     available = budget_bytes - settings.overhead_bytes
     result = Plan([], None, base.peak_bytes, settings.overhead_bytes, budget_bytes, False, "", estimate=base)
+    result.estimate_kinds = {name: block.kind for name, block in base.blocks.items()}
     if base.static_bytes >= available:
         result.reason = (
             f"parameters + gradients + optimizer state alone take {format_bytes(base.static_bytes)} "

@@ -18,6 +18,7 @@ are taken out again (a real run would never have given them gradient or state).
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import logging
 import sys
 import time
@@ -86,42 +87,90 @@ class StepTrace:
     reloaded_bytes: int = 0
     optimizers: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    block_kinds: dict[str, str] = field(default_factory=dict)
+    """Class name of each block."""
+    repeated_blocks: set[str] = field(default_factory=set)
 
 
 class EstimateError(RuntimeError):
     """The step could not be run on fake tensors; the message says why and what to change."""
 
 
-def top_level_blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's direct children, by qualified name, with containers expanded one level.
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
-    A root whose parameters all live in one child (a LightningModule around its model) is looked
-    through, so the blocks are the model's own. ``ModuleList``, ``Sequential`` and ``ModuleDict``
-    children are replaced by their children ("blocks.0", "blocks.1", ...).
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _repeats(container: nn.Module) -> bool:
+    """A container holds repeated layers: two children with parameters share a class."""
+    classes = [type(child) for child in container.children() if _has_parameters(child)]
+    return len(classes) != len(set(classes))
+
+
+def _holds_repeats(module: nn.Module) -> bool:
+    return any(isinstance(inner, _CONTAINERS) and _repeats(inner) for inner in module.modules())
+
+
+@dataclass
+class Blocks:
+    """The units the estimator reports and the planner acts on, by qualified name."""
+
+    modules: dict[str, nn.Module]
+    repeated: set[str]
+    """Names of the repeated layers: children of a container that holds several of their class."""
+
+    def kind(self, name: str) -> str:
+        return type(self.modules[name]).__name__
+
+
+def find_blocks(model: nn.Module) -> Blocks:
+    """The model's repeated layers, at whatever depth they sit, and the modules around them.
+
+    The tree is opened down to the outermost containers (``ModuleList``, ``Sequential``,
+    ``ModuleDict``) whose children repeat a class: those children are blocks
+    (``transformer.h.0``, ``model.layers.3``, ``bert.encoder.layer.1``, ``net.3``), each one a
+    unit to checkpoint. A module holding no repeated layers is a block as a whole; a module
+    holding some is opened. A root whose parameters all live in one child (a LightningModule
+    around its model) is looked through. A module reachable by several names (tied embeddings)
+    is one block, under its first name.
     """
     prefix = ""
     root = model
     while True:
         children = list(root.named_children())
-        with_params = [(name, child) for name, child in children if any(True for _ in child.parameters())]
+        with_params = [(name, child) for name, child in children if _has_parameters(child)]
         own = any(True for _ in root.parameters(recurse=False))
-        if (
-            len(with_params) == 1
-            and not own
-            and not isinstance(with_params[0][1], (nn.ModuleList, nn.Sequential, nn.ModuleDict))
-        ):
+        if len(with_params) == 1 and not own and not isinstance(with_params[0][1], _CONTAINERS):
             name, root = with_params[0]
             prefix = f"{prefix}{name}."
             continue
         break
-    blocks: dict[str, nn.Module] = {}
-    for name, child in root.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
-            for inner, grandchild in child.named_children():
-                blocks[f"{prefix}{name}.{inner}"] = grandchild
-        else:
-            blocks[f"{prefix}{name}"] = child
-    return blocks
+    found = Blocks({}, set())
+    seen: set[int] = set()
+
+    def add(name: str, module: nn.Module, repeated: bool) -> None:
+        if id(module) not in seen:
+            seen.add(id(module))
+            found.modules[name] = module
+            if repeated:
+                found.repeated.add(name)
+
+    def open_up(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            qualified = f"{prefix}{name}"
+            if isinstance(child, _CONTAINERS) and _repeats(child):
+                classes = Counter(type(layer) for layer in child.children() if _has_parameters(layer))
+                for inner, layer in child.named_children():
+                    add(f"{qualified}.{inner}", layer, classes[type(layer)] > 1)
+            elif isinstance(child, _CONTAINERS) or _holds_repeats(child):
+                open_up(f"{qualified}.", child)
+            else:
+                add(qualified, child, False)
+
+    open_up(prefix, root)
+    return found
 
 
 def _is_lightning(model: nn.Module) -> bool:
@@ -142,7 +191,7 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
     """
     started = time.perf_counter()
     is_lightning = _is_lightning(model)
-    blocks = top_level_blocks(model)
+    blocks = find_blocks(model)
     handle = None
     checkpointed: list[str] = []
     if request.checkpoint:
@@ -313,7 +362,7 @@ def _fake_state(
 
 
 def _run(
-    model: nn.Module, batch: Any, request: StepRequest, blocks: dict[str, nn.Module], is_lightning: bool,
+    model: nn.Module, batch: Any, request: StepRequest, blocks: Blocks, is_lightning: bool,
     failure: FailureSite,
 ) -> StepTrace:  # fmt: skip
     precision = request.precision
@@ -340,7 +389,7 @@ def _run(
 
 
 def _steady_step(
-    model: nn.Module, batch: Any, request: StepRequest, blocks: dict[str, nn.Module], is_lightning: bool,
+    model: nn.Module, batch: Any, request: StepRequest, blocks: Blocks, is_lightning: bool,
     tracer: StorageTracer, params: list[nn.Parameter], buffers: list[torch.Tensor], protected: set[int],
     failure: FailureSite,
 ) -> StepTrace:  # fmt: skip
@@ -365,7 +414,7 @@ def _steady_step(
         p.register_post_accumulate_grad_hook(lambda p: tracer.mark_gradient(p.grad)) for p in trainable
     ]
 
-    block_names = {id(module): name for name, module in blocks.items()}
+    block_names = {id(module): name for name, module in blocks.modules.items()}
     tracker = _BlockTracker(tracer, block_names, failure)
     hooks = SavedTensorHooks(tracer, tracker.current, request.offload, model, protected)
     precision = request.precision
@@ -420,6 +469,8 @@ def _steady_step(
     return StepTrace(
         peak=peak,
         blocks=usage,
+        block_kinds={name: blocks.kind(name) for name in blocks.modules},
+        repeated_blocks=set(blocks.repeated),
         saved_at_forward_end=saved_list,
         activations_at_forward_end=activations,
         parameter_bytes=sum(
