@@ -1,9 +1,10 @@
 """``max_batch_size``: the largest batch whose step fits a budget, found with the estimator alone.
 
-Peak memory is close to affine in the batch size, so two estimates give a first guess; the
-search then brackets the answer (a size that fits, the next one that does not) with secant steps
-that fall back to bisection. The answer is always an estimated size that fits next to one that
-does not: the affine model only chooses where to look.
+Peak memory is affine in the batch size for most models, so two estimates give a line and one
+estimate at the size the line picks confirms it: three estimates when the step lands exactly on
+the line. Otherwise the search brackets the answer (a size that fits, the next one that does not)
+with secant steps that fall back to bisection. The answer is always an estimated size that fits;
+the next size is either estimated not to fit or, on a confirmed line, predicted not to.
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ def largest_fitting(
     other = start * 2 if start * 2 <= limit else start // 2
     if other >= 1 and other != start:
         evaluate(other)
+        line = _line(seen)
+        if line is not None:
+            # Memory is affine in the batch size for most models: one step at the size the
+            # line gives confirms it (the step lands exactly on the line) and ends the search.
+            intercept, slope = line
+            guess = min(limit, max(1, int((budget_bytes - intercept) // slope))) if slope > 0 else limit
+            if guess not in seen and evaluate(guess) and seen[guess] == round(intercept + slope * guess):
+                if guess == limit or intercept + slope * (guess + 1) > budget_bytes:
+                    return guess, sorted(seen.items())
     while high - low > 1:
         guess = _affine_guess(seen, budget_bytes, low, high)
         if guess is None or not low < guess < high:
@@ -84,6 +94,15 @@ def largest_fitting(
         elif guess - 1 > low:
             evaluate(guess - 1)
     return low, sorted(seen.items())
+
+
+def _line(seen: dict[int, int]) -> tuple[float, float] | None:
+    """Intercept and slope of the line through the two evaluations (None if not two)."""
+    if len(seen) != 2:
+        return None
+    (x1, y1), (x2, y2) = sorted(seen.items())
+    slope = (y2 - y1) / (x2 - x1)
+    return y1 - slope * x1, slope
 
 
 def _affine_guess(seen: dict[int, int], budget: int, low: int, high: int) -> int | None:
