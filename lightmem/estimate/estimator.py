@@ -22,6 +22,7 @@ from lightmem.estimate.settings import (
     parse_optimizer,
     parse_overhead,
     parse_precision,
+    parse_zero_grad,
 )
 from lightmem.estimate.step import StepRequest, StepTrace, _is_lightning, run_step
 
@@ -38,6 +39,7 @@ class EstimateSettings:
     loss_fn: LossFn | None
     overhead_bytes: int
     budget_bytes: int | None
+    zero_grad: str = "after_forward"
 
 
 def parse_settings(
@@ -50,6 +52,7 @@ def parse_settings(
     device: str,
     overhead_bytes: int | str | None,
     budget: int | str | None,
+    zero_grad: str = "after_forward",
 ) -> EstimateSettings:
     """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``."""
     if not isinstance(model, nn.Module):
@@ -70,6 +73,7 @@ def parse_settings(
         loss_fn=loss_fn,
         overhead_bytes=parse_overhead(overhead_bytes, kind, flag=f"{fn_name}(overhead_bytes=...)"),
         budget_bytes=None if budget is None else parse_size(budget, flag=f"{fn_name}(budget=...)"),
+        zero_grad=parse_zero_grad(zero_grad, flag=f"{fn_name}(zero_grad=...)"),
     )
 
 
@@ -94,6 +98,7 @@ def run_configuration(
         checkpoint=checkpoint,
         batch_size=batch_size,
         original_batch_size=info.batch_size,
+        zero_grad=settings.zero_grad,
     )
     return run_step(model, batch, request)
 
@@ -141,6 +146,7 @@ def estimate_memory(
     checkpoint: Iterable[str | type] | str | None = None,
     budget: int | str | None = None,
     overhead_bytes: int | str | None = None,
+    zero_grad: str = "after_forward",
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating it.
 
@@ -172,6 +178,9 @@ def estimate_memory(
         budget: device memory to compare against ("24GiB", bytes); enables budget advice.
         overhead_bytes: allowance for what is not modelled (CUDA context, library workspaces,
             fragmentation): default "1GiB" on CUDA, 0 on CPU. Reported apart from the breakdown.
+        zero_grad: "after_forward" (Lightning's order, the default: the previous step's
+            gradients are alive during forward) or "before_forward" (a plain PyTorch loop that
+            calls ``optimizer.zero_grad()`` before the forward).
 
     Returns:
         A :class:`MemoryEstimate` for the requested configuration, with "baseline" (no lightmem)
@@ -195,7 +204,7 @@ def estimate_memory(
     started = time.perf_counter()
     settings = parse_settings(
         "estimate_memory", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
-        overhead_bytes=overhead_bytes, budget=budget,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad,
     )  # fmt: skip
     offload_config = parse_offload(offload, flag="estimate_memory(offload=...)")
     if offload_config is not None:

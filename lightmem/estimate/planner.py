@@ -218,6 +218,7 @@ def plan(
     precision: str | int = "32-true",
     device: str = "cuda",
     overhead_bytes: int | str | None = None,
+    zero_grad: str = "after_forward",
     flops_per_s: float | None = None,
     link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
     offload_min_bytes: int | str = DEFAULT_MIN_BYTES,
@@ -248,7 +249,7 @@ def plan(
     started = time.perf_counter()
     settings = parse_settings(
         "plan", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
-        overhead_bytes=overhead_bytes, budget=budget,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad,
     )  # fmt: skip
     budget_bytes = settings.budget_bytes
     assert budget_bytes is not None

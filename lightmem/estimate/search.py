@@ -131,6 +131,7 @@ def max_batch_size(
     offload: bool | Mapping[str, Any] | None = None,
     checkpoint: Iterable[str | type] | str | None = None,
     overhead_bytes: int | str | None = None,
+    zero_grad: str = "after_forward",
     limit: int = DEFAULT_LIMIT,
 ) -> BatchSearch:
     """The largest batch size whose step fits ``budget``, without lightmem and with a configuration.
@@ -153,7 +154,7 @@ def max_batch_size(
     started = time.perf_counter()
     settings = parse_settings(
         "max_batch_size", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
-        overhead_bytes=overhead_bytes, budget=budget,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad,
     )  # fmt: skip
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"max_batch_size(limit=...): expected a positive int; got {limit!r}")

@@ -10,6 +10,9 @@ step follows Lightning's automatic optimization after its first step:
     backward
     optimizer.step()
 
+or, with ``zero_grad="before_forward"``, a plain PyTorch loop's order (zero_grad, forward,
+backward, step), where the previous step's gradients are gone before forward starts.
+
 The previous step is not run: each trainable parameter is given a gradient and the optimizer
 steps once, which creates its state. Parameters that then get no gradient in the measured step
 are taken out again (a real run would never have given them gradient or state).
@@ -61,6 +64,8 @@ class StepRequest:
     batch_size: int | None = None
     """Replace dim 0 of the batch's tensors (whose dim 0 is ``original_batch_size``)."""
     original_batch_size: int | None = None
+    zero_grad: str = "after_forward"
+    """When gradients are set to None: "after_forward" (Lightning) or "before_forward" (a plain loop)."""
 
 
 @dataclass
@@ -419,6 +424,9 @@ def _steady_step(
     hooks = SavedTensorHooks(tracer, tracker.current, request.offload, model, protected)
     precision = request.precision
 
+    if request.zero_grad == "before_forward":  # a plain loop frees the old gradients first
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
     tracer.window.start = tracer.now()
     tracer.set_phase("forward")
     tracer.count_flops = True
@@ -443,8 +451,9 @@ def _steady_step(
     usage, saved_list, activations = _forward_end_usage(tracer, tracker)
 
     tracer.set_phase("backward")
-    for optimizer in optimizers:
-        optimizer.zero_grad(set_to_none=True)
+    if request.zero_grad == "after_forward":
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
     with tracker, CudaBehaviour() if request.device == "cuda" else contextlib.nullcontext():
         # Checkpoint re-runs forwards in here and they must allocate as the forward did, so the
         # engine is called directly: Tensor.backward would pass through (and switch off) the mode.
