@@ -138,6 +138,24 @@ class MemoryEstimate:
         return None if self.budget_bytes is None else self.total_bytes <= self.budget_bytes
 
     @property
+    def available_bytes(self) -> int | None:
+        """What the budget leaves for the step after the overhead allowance (None without one)."""
+        return None if self.budget_bytes is None else self.budget_bytes - self.overhead_bytes
+
+    @property
+    def baseline_fits(self) -> bool | None:
+        """Whether the step without lightmem fits the budget (None without a budget)."""
+        available = self.available_bytes
+        return None if available is None else self.scenarios["baseline"].peak_bytes <= available
+
+    @property
+    def static_exceeds_budget(self) -> bool:
+        """Parameters, gradients and optimizer state leave no room for activations: no activation
+        technique can make the step fit. The one test the advice and the planner both use."""
+        available = self.available_bytes
+        return available is not None and self.static_bytes >= available
+
+    @property
     def static_bytes(self) -> int:
         """Parameters + gradients + optimizer state: what no activation technique reduces."""
         baseline = self.scenarios["baseline"].breakdown

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from lightmem.estimate.batch import inspect_batch
+from lightmem.estimate.configuration import parse_settings, run_configuration
 from lightmem.estimate.settings import OffloadConfig, parse_checkpoint, parse_offload
 
 DEFAULT_LIMIT = 1 << 20
@@ -149,8 +150,6 @@ def max_batch_size(
     Raises:
         ValueError: a bad argument, or a batch without tensors to scale.
     """
-    from lightmem.estimate.estimator import parse_settings, run_configuration
-
     started = time.perf_counter()
     settings = parse_settings(
         "max_batch_size", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
