@@ -1,8 +1,8 @@
 """``max_batch_size``: the largest batch whose step fits a budget, found with the estimator alone.
 
 Peak memory is affine in the batch size for most models, so two estimates give a line and one
-estimate at the size the line picks confirms it: three estimates when the step lands exactly on
-the line. Otherwise the search brackets the answer (a size that fits, the next one that does not)
+estimate at the size the line picks confirms it: three estimates when that size fits and the next
+one is over the budget even at the smallest slope seen, less how far the step fell off the line. Otherwise the search brackets the answer (a size that fits, the next one that does not)
 with secant steps that fall back to bisection. The answer is always an estimated size that fits;
 the next size is either estimated not to fit or, on a confirmed line, predicted not to.
 """
@@ -82,8 +82,15 @@ def largest_fitting(
             # line gives confirms it (the step lands exactly on the line) and ends the search.
             intercept, slope = line
             guess = min(limit, max(1, int((budget_bytes - intercept) // slope))) if slope > 0 else limit
-            if guess not in seen and evaluate(guess) and seen[guess] == round(intercept + slope * guess):
-                if guess == limit or intercept + slope * (guess + 1) > budget_bytes:
+            if guess not in seen and evaluate(guess):
+                # The step at the guess fits. The next size is over the budget if it would be
+                # even when memory grew by the smallest slope seen, less how far the guess
+                # itself fell off the line (allocator rounding, a peak that moves).
+                off_line = abs(seen[guess] - (intercept + slope * guess))
+                slopes = [
+                    (y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in zip(sorted(seen.items()), sorted(seen.items())[1:])
+                ]
+                if guess == limit or seen[guess] + min(slopes) - off_line > budget_bytes:
                     return guess, sorted(seen.items())
     while high - low > 1:
         guess = _affine_guess(seen, budget_bytes, low, high)
