@@ -60,10 +60,12 @@ def main() -> None:
         f"| `estimate_memory`, batch 16 | peak {format_bytes(est.peak_bytes)} | "
         f"{first_s:.1f} s first call, {estimate_s:.1f} s warm |"
     )
-    evaluations = len(search.evaluations["baseline"])
+    evaluated = dict(search.evaluations["baseline"])
+    nxt = search.baseline + 1
+    verdict = "does not fit" if nxt in evaluated else "predicted not to fit"
     print(
-        f"| `max_batch_size`, 80 GiB | batch {search.baseline} ({search.baseline + 1} does not fit), "
-        f"{evaluations} sizes evaluated | {search_s:.1f} s |"
+        f"| `max_batch_size`, 80 GiB | batch {search.baseline} ({nxt} {verdict}), "
+        f"{len(evaluated)} sizes estimated | {search_s:.1f} s |"
     )
     print(
         f"| `plan`, 40 GiB | fits: {chosen.fits}, {len(chosen.checkpoint)} checkpointed, "
