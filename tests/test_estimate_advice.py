@@ -145,7 +145,8 @@ def test_reach_budget_advice_is_the_verified_plan():
     chosen = plan(TinyGPT(), _tokens(16), budget, gpt_loss, device="cpu")
     assert chosen.fits and chosen.checkpoint
     (message,) = [item.message for item in est.advice if item.rule == "reach-budget"]
-    assert f"checkpoint {compact_names(chosen.checkpoint, {n: 'Block' for n in chosen.checkpoint})} " in message
+    kinds = {name: "Block" for name in chosen.checkpoint}
+    assert f"checkpoint {compact_names(chosen.checkpoint, kinds)} " in message
     assert f"brings the peak to {format_bytes(chosen.predicted_total_bytes)} with the overhead" in message
     # The plan's own estimate carries the same advice.
     assert [item.message for item in chosen.estimate.advice if item.rule == "reach-budget"] == [message]

@@ -116,9 +116,13 @@ class _Allocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view:
             for arg in pytree.tree_leaves((args, kwargs)):
-                if isinstance(arg, torch.Tensor) and arg.untyped_storage()._cdata == self.batch_storage._cdata:
+                if isinstance(arg, torch.Tensor) and _same_storage(arg, self.batch_storage):
                     self.largest_read = max(self.largest_read, arg.numel())
         return func(*args, **(kwargs or {}))
+
+
+def _same_storage(tensor: torch.Tensor, storage) -> bool:
+    return tensor.untyped_storage()._cdata == storage._cdata
 
 
 def _inspect_measured(batch: torch.Tensor):

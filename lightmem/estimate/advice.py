@@ -68,7 +68,8 @@ def static_exceeds_budget(estimate: MemoryEstimate) -> list[Advice]:
     return [
         Advice(
             "static-exceeds-budget",
-            f"parameters ({format_bytes(parts['parameters'])}), gradients ({format_bytes(parts['gradients'])}) "
+            f"parameters ({format_bytes(parts['parameters'])}), "
+            f"gradients ({format_bytes(parts['gradients'])}) "
             f"and optimizer state ({format_bytes(parts['optimizer_state'])}) {over}: no activation technique "
             "(offload, checkpointing, a smaller batch) can help. "
             "Options: bf16 weights (precision='bf16-true' halves parameters, gradients and state); an 8-bit "
@@ -133,7 +134,9 @@ def quadratic_attention(estimate: MemoryEstimate, info: BatchInfo, baseline: Ste
 
 
 def reach_budget(estimate: MemoryEstimate, plan: Plan | None) -> list[Advice]:
-    if plan is None or estimate.budget_bytes is None or estimate.baseline_fits or estimate.static_exceeds_budget:
+    if plan is None or estimate.budget_bytes is None:
+        return []
+    if estimate.baseline_fits or estimate.static_exceeds_budget:
         return []
     need = estimate.scenarios["baseline"].peak_bytes - (estimate.available_bytes or 0)
     budget = format_bytes(estimate.budget_bytes)

@@ -118,7 +118,8 @@ def build_estimate(
     started = time.perf_counter() if started is None else started
     estimate, baseline = build_report(model, batch, settings, info, offload, checkpoint)
     verified = None
-    if estimate.budget_bytes is not None and not estimate.baseline_fits and not estimate.static_exceeds_budget:
+    over_budget = estimate.budget_bytes is not None and not estimate.baseline_fits
+    if over_budget and not estimate.static_exceeds_budget:
         verified = search_plan(model, batch, settings, info, estimate, default_costs(settings.device))
     estimate.advice = advise(estimate, info, baseline, verified)
     estimate.seconds = time.perf_counter() - started

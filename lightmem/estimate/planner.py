@@ -255,7 +255,9 @@ def plan(
         raise ValueError(f"plan(link_bytes_per_s=...): must be positive; got {link_bytes_per_s!r}")
     if flops_per_s is not None and float(flops_per_s) <= 0:
         raise ValueError(f"plan(flops_per_s=...): must be positive; got {flops_per_s!r}")
-    costs = default_costs(settings.device, flops_per_s=flops_per_s, link_bytes_per_s=link, min_bytes=min_bytes)
+    costs = default_costs(
+        settings.device, flops_per_s=flops_per_s, link_bytes_per_s=link, min_bytes=min_bytes
+    )
     info = inspect_batch(batch)
     base, baseline = build_report(model, batch, settings, info, None, None)
     result = search_plan(model, batch, settings, info, base, costs, max_rounds=max_rounds)
@@ -341,7 +343,11 @@ def search_plan(
         # ask for the shortfall on top of what was already asked.
         need += trace.peak.bytes - available
     if not result.fits:
-        what = "with every repeated layer checkpointed or offloaded" if exhausted else f"after {max_rounds} rounds"
+        what = (
+            "with every repeated layer checkpointed or offloaded"
+            if exhausted
+            else f"after {max_rounds} rounds"
+        )
         result.reason = (
             f"{what} the verified peak is {format_bytes(result.predicted_peak_bytes)}, over the "
             f"{format_bytes(available)} available after the overhead allowance; what remains is parameters, "

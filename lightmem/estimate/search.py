@@ -2,7 +2,8 @@
 
 Peak memory is affine in the batch size for most models, so two estimates give a line and one
 estimate at the size the line picks confirms it: three estimates when that size fits and the next
-one is over the budget even at the smallest slope seen, less how far the step fell off the line. Otherwise the search brackets the answer (a size that fits, the next one that does not)
+one is over the budget even at the smallest slope seen, less how far the step fell off the line.
+Otherwise the search brackets the answer (a size that fits, the next one that does not)
 with secant steps that fall back to bisection. The answer is always an estimated size that fits;
 the next size is either estimated not to fit or, on a confirmed line, predicted not to.
 """
@@ -87,9 +88,8 @@ def largest_fitting(
                 # even when memory grew by the smallest slope seen, less how far the guess
                 # itself fell off the line (allocator rounding, a peak that moves).
                 off_line = abs(seen[guess] - (intercept + slope * guess))
-                slopes = [
-                    (y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in zip(sorted(seen.items()), sorted(seen.items())[1:])
-                ]
+                points = sorted(seen.items())
+                slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in zip(points, points[1:])]
                 if guess == limit or seen[guess] + min(slopes) - off_line > budget_bytes:
                     return guess, sorted(seen.items())
     while high - low > 1:
