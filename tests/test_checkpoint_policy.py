@@ -333,3 +333,18 @@ def test_save_matmuls_decides_by_op_for_every_overload():
     assert all(save_matmuls(None, op) is CheckpointPolicy.MUST_SAVE for op in ops)
     others = [torch.ops.aten.gelu.default, torch.ops.aten.native_layer_norm.default, torch.ops.aten.add.Tensor]
     assert all(save_matmuls(None, op) is CheckpointPolicy.PREFER_RECOMPUTE for op in others)
+
+
+def test_under_torch_compile_save_matmuls_keeps_state_and_gradients_exact():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.GELU()), nn.Linear(8, 1))
+    model = copy.deepcopy(plain)
+    apply_checkpointing(model, ["1"], policy="save_matmuls")
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 8)
+    for m in (plain, compiled):
+        for _ in range(2):
+            m(x).sum().backward()
+    assert int(model[1][1].num_batches_tracked) == 2
+    assert_state_equal(plain, model)
+    assert_same({n: p.grad for n, p in plain.named_parameters()}, {n: p.grad for n, p in model.named_parameters()})
