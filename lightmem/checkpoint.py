@@ -27,7 +27,13 @@ from typing import Any, Union
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from lightmem.matching import Target, select_modules
 
@@ -112,6 +118,13 @@ class _OpPolicy:
         if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()) or op._schema.is_mutable:
             return CheckpointPolicy.MUST_RECOMPUTE
         return decision
+
+    def keeps(self, op: Any, args: Any, kwargs: Any, output: Any) -> bool:
+        """Whether a checkpointed block's forward keeps ``op``'s ``output`` (the estimator asks)."""
+        if op in SAC_IGNORED_OPS:  # torch's selective checkpoint never asks about these
+            return False
+        context = SelectiveCheckpointContext(is_recompute=False, op_output=output)
+        return self(context, op, *args, **kwargs) in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
 class _KeptOutputs:
