@@ -152,6 +152,7 @@ class ActivationOffloader:
                 protected.add(tensor.untyped_storage().data_ptr())
             for tensor in self.model.buffers():
                 protected.add(tensor.untyped_storage().data_ptr())
+        self._pool.end_step()  # a step boundary: the pool trims to what recent steps used
         self._offloader.begin(protected)
         if self._scope is not None:
             self._scope.attach()
