@@ -1,32 +1,35 @@
-"""Host buffers for offloaded storages: reused across steps, bounded by the steps that use them.
+"""Host buffers for offloaded storages: carved from a few large slabs, bounded by recent steps.
 
-Requests are rounded up to one of 16 size classes per power of two (waste below 1/16), so a step
-that repeats the previous step's shapes finds its buffers in O(1) and allocates nothing. Shapes
-that change (dynamic padding, a smaller last batch, images of several sizes) are bounded by one
-rule: the pool never holds more than ``HEADROOM`` times the largest number of requested bytes in
-use at once during the current step or the ``TRIM_WINDOW_STEPS`` steps before it.
+Each request gets an ``ALIGN_BYTES``-aligned range of a slab (first fit, address order), and a
+released range merges with its free neighbours. One forward allocates in order and its backward
+frees in reverse, so a step carves its slab like a stack: the free list stays one or two ranges
+long, a shorter sequence simply uses less of the slab, and no size class ever sits idle.
 
-- A request whose class has no free block is served from the smallest free block of a larger class
-  up to ``HEADROOM`` times its size, so a shorter sequence reuses a longer one's buffers.
-- A new block is allocated only after evicting cached free blocks, least recently freed first,
-  until the new total fits under that limit.
-- At every step boundary (``end_step``, called when the offload context is entered) the pool trims
-  to the limit of the window, so after shapes shrink the memory of the large steps goes back to
-  the OS exactly ``TRIM_WINDOW_STEPS`` steps later.
+The bound: the pool holds at most ``HEADROOM`` times the largest aligned bytes in use at once
+during the current step or the ``TRIM_WINDOW_STEPS`` steps before it.
 
-Blocks are accounted by capacity and get their memory only from ``HostPool._allocate`` and give it
-back only in ``HostBlock.close``; a backend that sub-allocates page-aligned slices of pinned slabs
-from torch's pinned allocator replaces those two and keeps the rest. On CUDA today the buffers are
-page-locked with ``cudaHostRegister`` at their exact size.
+- A request that fits nowhere gets an overflow slab of its exact size (first step, a step larger
+  than any before), after freeing empty overflow slabs that would push past that bound.
+- At each step boundary (``end_step``, called when the offload context is entered), if nothing is
+  in use, the slabs are replaced by one slab of ``HEADROOM`` times the window's peak whenever
+  there were several or the one held exceeds that: after shapes grow, the next step finds room in
+  one slab; after they shrink, the memory goes back exactly ``TRIM_WINDOW_STEPS`` steps later.
+
+The unit of memory is ``HostSlab`` (one allocation, given back whole by ``close``); blocks are
+views into it. Today a slab on CUDA is page-locked with ``cudaHostRegister`` at its exact size; a
+slab taken from torch's pinned allocator would change only ``HostSlab`` (sub-allocation, exact
+accounting and trimming stay as they are; page alignment is ``ALIGN_BYTES = 4096`` there).
 
 Releases come from ``__del__`` finalizers that garbage collection may run on any thread, also
 inside ``acquire`` on the same thread. ``release`` therefore never blocks: it appends to a queue
 (``deque.append`` is atomic) and drains it only if the lock is free; whatever it could not drain
-is drained at the next ``acquire``, ``end_step`` or read of the byte counters.
+is drained at the next ``acquire``, ``end_step`` or read of the byte counters. Memory still
+written by a queued copy is never given back: a dropped pool waits for its pending copies first.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -41,48 +44,35 @@ if TYPE_CHECKING:
     from lightmem.offload.transport import Transport
 
 HEADROOM = 1.25
-"""Held bytes stay at most this multiple of the largest requested bytes in use (see module doc)."""
+"""Held bytes stay at most this multiple of the largest bytes in use at once (module docstring)."""
 TRIM_WINDOW_STEPS = 8
 """Steps (offload context entries) whose peak the pool keeps room for after they have passed."""
+ALIGN_BYTES = 512
+"""Every block starts and ends on this boundary."""
 
 _POISON_BYTE = 0xFF  # every float dtype reads 0xFF.. bytes as NaN
 _PENDING_POLL_S = 1e-4
+_MAX_CACHED_BLOCKS = 4096  # block objects kept per slab for ranges that recur
 
 
 def size_class(nbytes: int) -> int:
-    """Round ``nbytes`` up to its size class: 16 classes per power of two, at least 512 bytes."""
-    if nbytes <= 512:
-        return 512
-    step = 1 << max(9, nbytes.bit_length() - 5)
-    return (nbytes + step - 1) // step * step
+    """The bytes a request of ``nbytes`` takes in the pool: rounded up to ``ALIGN_BYTES``."""
+    return max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
 
 
-def _class_step(capacity: int) -> int:
-    """The distance from size class ``capacity`` to the next one up."""
-    return 1 << max(9, capacity.bit_length() - 5) if capacity > 512 else 512
-
-
-class HostBlock:
-    """One host allocation of ``capacity`` bytes; ``storage`` is the untyped storage to slice.
-
-    ``event`` is the last copy that reads or writes the block once it has been released; the
-    block's memory is never given back before that event has completed, however the block dies.
-    """
+class HostSlab:
+    """One host allocation of ``capacity`` bytes, carved into blocks; free ranges sorted by offset."""
 
     __slots__ = (
-        "_done", "_on_free", "_span", "_span_bytes", "capacity", "event", "registered", "requested",
-        "storage", "tensor",
+        "blocks", "capacity", "free_offsets", "free_sizes", "on_free", "registered", "storage", "tensor",
+        "used",
     )  # fmt: skip
 
     def __init__(
-        self, capacity: int, pin: bool, poison: bool, done: Callable[[Any], bool],
-        on_free: Callable[[torch.Tensor], None] | None = None,
-    ) -> None:  # fmt: skip
+        self, capacity: int, pin: bool, poison: bool, on_free: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
         self.capacity = capacity
-        self.requested = 0
-        self.event: Any = None
-        self._done = done
-        self._on_free = on_free
+        self.on_free = on_free
         if pin:
             self.tensor, self.registered = _pinned_empty(capacity)
         else:
@@ -90,6 +80,78 @@ class HostBlock:
         if poison:
             self.tensor.fill_(_POISON_BYTE)
         self.storage = self.tensor.untyped_storage()
+        self.free_offsets = [0]
+        self.free_sizes = [capacity]
+        self.used = 0
+        self.blocks: dict[tuple[int, int], HostBlock] = {}
+
+    def take(self, size: int) -> HostBlock | None:
+        """The first free range of at least ``size`` bytes, split off as a block, or ``None``."""
+        sizes = self.free_sizes
+        for index, free in enumerate(sizes):
+            if free >= size:
+                offsets = self.free_offsets
+                offset = offsets[index]
+                if free == size:
+                    del offsets[index], sizes[index]
+                else:
+                    offsets[index] = offset + size
+                    sizes[index] = free - size
+                self.used += size
+                block = self.blocks.get((offset, size))
+                if block is None:
+                    if len(self.blocks) >= _MAX_CACHED_BLOCKS:
+                        self.blocks.clear()
+                    block = self.blocks[(offset, size)] = HostBlock(self, offset, size)
+                return block
+        return None
+
+    def give_back(self, offset: int, size: int) -> None:
+        """Return a range, merged with the free ranges on either side."""
+        offsets, sizes = self.free_offsets, self.free_sizes
+        index = bisect.bisect_left(offsets, offset)
+        if index and offsets[index - 1] + sizes[index - 1] == offset:
+            index -= 1
+            offset = offsets[index]
+            size += sizes[index]
+            del offsets[index], sizes[index]
+        if index < len(offsets) and offset + size == offsets[index]:
+            size += sizes[index]
+            del offsets[index], sizes[index]
+        offsets.insert(index, offset)
+        sizes.insert(index, size)
+
+    def __del__(self) -> None:
+        self.close()  # a pinned slab must be unregistered however it dies
+
+    def close(self) -> None:
+        self.blocks = {}
+        if self.on_free is not None:
+            on_free, self.on_free = self.on_free, None
+            on_free(self.tensor)
+        if self.registered:  # pragma: no cover - needs CUDA
+            self.registered = False
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            except Exception:
+                pass
+
+
+class HostBlock:
+    """``capacity`` bytes at ``offset`` in ``slab``; ``span(n)`` is the storage a copy writes.
+
+    ``event`` is the last copy that reads or writes the block once it has been released.
+    """
+
+    __slots__ = ("_span", "_span_bytes", "capacity", "event", "offset", "requested", "slab", "storage")
+
+    def __init__(self, slab: HostSlab, offset: int, capacity: int) -> None:
+        self.slab = slab
+        self.requested = 0
+        self.offset = offset
+        self.capacity = capacity
+        self.event: Any = None
+        self.storage = slab.storage[offset : offset + capacity]
         self._span: torch.UntypedStorage | None = None
         self._span_bytes = -1
 
@@ -100,27 +162,10 @@ class HostBlock:
             self._span_bytes = nbytes
         return self._span
 
-    def __del__(self) -> None:
-        self.close()  # a pinned block must be unregistered however it dies
-
-    def close(self) -> None:
-        """Give the memory back, after the last copy into or out of it has completed."""
-        event = self.event
-        if event is not None:
-            # Dropped with its pool (an exception, a context garbage-collected mid-step): a copy
-            # on a side stream may still write these bytes.
-            while not self._done(event):
-                time.sleep(_PENDING_POLL_S)
-            self.event = None
-        if self._on_free is not None:
-            on_free, self._on_free = self._on_free, None
-            on_free(self.tensor)
-        if self.registered:  # pragma: no cover - needs CUDA
-            self.registered = False
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            except Exception:
-                pass
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The block's bytes as a uint8 tensor."""
+        return torch.empty(0, dtype=torch.uint8).set_(self.storage)
 
 
 def _pinned_empty(nbytes: int) -> tuple[torch.Tensor, bool]:  # pragma: no cover - needs CUDA
@@ -140,8 +185,8 @@ def _pinned_empty(nbytes: int) -> tuple[torch.Tensor, bool]:  # pragma: no cover
 
 
 class HostPool:
-    """Size-classed pool of host blocks with a hard byte budget, a free-RAM floor and a bound
-    that follows the steps (see the module docstring).
+    """Host blocks carved from slabs, with a hard byte budget, a free-RAM floor and a bound that
+    follows the steps (see the module docstring).
 
     ``acquire`` returns ``None`` instead of exceeding ``budget_bytes`` or pushing the machine's
     available memory under ``min_available_bytes``; the caller then keeps the tensor on the device.
@@ -164,96 +209,97 @@ class HostPool:
         self._in_use_bytes = 0
         self._requested_bytes = 0  # what callers asked for, of the blocks in use
         self._step_peak_requested = 0
-        self._window: deque[int] = deque(maxlen=TRIM_WINDOW_STEPS)
+        self._window: deque[int] = deque(maxlen=TRIM_WINDOW_STEPS)  # peaks of requested bytes
+        self._step_peak_bytes = 0  # of in-use (aligned) bytes, this step
+        self._window_bytes: deque[int] = deque(maxlen=TRIM_WINDOW_STEPS)
+        self._overflow_bytes = 0  # in use outside the main slab
+        self._step_overflow_peak = 0
         self._limit_bytes = 0  # HEADROOM x the window's peak (the current step's is added live)
         self.allocations = 0
-        self.evictions = 0
         self.floor_hits = 0
-        self._free: dict[int, list[HostBlock]] = {}
-        self._idle: dict[HostBlock, None] = {}  # every free block, least recently freed first
-        self._classes: dict[int, int] = {}  # nbytes -> size class; a step repeats its sizes
+        self._slabs: list[HostSlab] = []  # the main slab first, then overflow slabs
+        self._sizes: dict[int, int] = {}  # nbytes -> aligned size; a step repeats its sizes
         self._pending: list[HostBlock] = []  # released, waiting for block.event
         self._returned: deque[HostBlock] = deque()  # released, not yet seen under the lock
         self._lock = threading.Lock()
         self._pin = transport.pin_memory
         self._poison = transport.poison_released
-        self._done = transport.done
+        self._done: Callable[[Any], bool] = transport.done
+        # Test transports check that no queued copy touches memory that is reused or given back.
         self._on_free = transport.poison if transport.poison_released else None
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of host blocks the pool holds: in use, waiting for a copy, or cached."""
+        """Bytes of host slabs the pool holds: in use, waiting for a copy, or free."""
         self._try_drain()
         return self._held_bytes
 
     @property
     def in_use_bytes(self) -> int:
-        """Bytes of host blocks handed out and not yet reusable (capacities)."""
+        """Bytes of blocks handed out and not yet reusable (aligned sizes)."""
         self._try_drain()
         return self._in_use_bytes
 
     def acquire(self, nbytes: int) -> HostBlock | None:
-        capacity = self._classes.get(nbytes)
-        if capacity is None:
-            capacity = self._classes[nbytes] = size_class(nbytes)
+        size = self._sizes.get(nbytes)
+        if size is None:
+            size = self._sizes[nbytes] = size_class(nbytes)
         with self._lock:
             if self._returned or self._pending:
                 self._drain()
             requested = self._requested_bytes + nbytes
             if requested > self._step_peak_requested:
                 self._step_peak_requested = requested
-            free = self._free.get(capacity)
-            if free:
-                block = free.pop()
-            else:
-                block = self._larger_free(nbytes, capacity)
-                if block is None:
-                    block = self._grow(capacity)
+            slabs = self._slabs
+            block = slabs[0].take(size) if slabs else None
+            if block is None:
+                for slab in slabs[1:]:
+                    block = slab.take(size)
+                    if block is not None:
+                        break
+                else:
+                    block = self._grow(size)
                     if block is None:
                         return None
-            if self._idle:
-                self._idle.pop(block, None)
+                if block.slab is not slabs[0]:
+                    self._overflow_bytes += size
+                    if self._overflow_bytes > self._step_overflow_peak:
+                        self._step_overflow_peak = self._overflow_bytes
             block.requested = nbytes
             self._requested_bytes = requested
-            self._in_use_bytes += block.capacity
+            in_use = self._in_use_bytes = self._in_use_bytes + size
+            if in_use > self._step_peak_bytes:
+                self._step_peak_bytes = in_use
             return block
 
-    def _larger_free(self, nbytes: int, capacity: int) -> HostBlock | None:
-        """The smallest free block of a larger class within ``HEADROOM`` times ``nbytes``."""
-        if not self._idle:
-            return None
-        largest = int(nbytes * HEADROOM)
-        capacity += _class_step(capacity)
-        while capacity <= largest:
-            free = self._free.get(capacity)
-            if free:
-                return free.pop()
-            capacity += _class_step(capacity)
-        return None
-
-    def _grow(self, capacity: int) -> HostBlock | None:
-        limit = max(self._limit_bytes, int(self._step_peak_requested * HEADROOM))
-        if self._held_bytes + capacity > limit:
-            self._evict(self._held_bytes + capacity - limit)
-        excess = self._held_bytes + capacity - self.budget_bytes
+    def _grow(self, size: int) -> HostBlock | None:
+        limit = max(self._limit_bytes, int(self._step_peak_requested * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES)
+        if self._held_bytes + size > limit:
+            self._free_empty_slabs(self._held_bytes + size - limit)
+        # A step larger than the slab: one overflow slab up to the bound takes the rest of it.
+        slab_bytes = max(size, min(limit, self.budget_bytes) - self._held_bytes)
+        excess = self._held_bytes + slab_bytes - self.budget_bytes
         if excess > 0:
-            if self._held_bytes - self._in_use_bytes < excess:  # evicting cannot make room
+            self._free_empty_slabs(excess)
+            if self._held_bytes + size > self.budget_bytes:
                 return None
-            self._evict(excess)
-        if available_ram_bytes() - capacity < self.min_available_bytes:
-            self._evict(capacity)
-            if available_ram_bytes() - capacity < self.min_available_bytes:
+            slab_bytes = max(size, self.budget_bytes - self._held_bytes)
+        if available_ram_bytes() - slab_bytes < self.min_available_bytes:
+            self._free_empty_slabs(slab_bytes)
+            slab_bytes = size
+            if available_ram_bytes() - size < self.min_available_bytes:
                 self.floor_hits += 1
                 return None
-        block = self._allocate(capacity)
+        return self._new_slab(slab_bytes).take(size)
+
+    def _new_slab(self, capacity: int) -> HostSlab:
+        slab = HostSlab(capacity, self._pin, self._poison, self._on_free)
+        self._slabs.append(slab)
         self.allocations += 1
         self._held_bytes += capacity
         if self._held_bytes > self.peak_held_bytes:
             self.peak_held_bytes = self._held_bytes
-        return block
-
-    def _allocate(self, capacity: int) -> HostBlock:
-        return HostBlock(capacity, self._pin, self._poison, self._done, self._on_free)
+        return slab
 
     def release(self, block: HostBlock, event: Any = None) -> None:
         """Return ``block`` once ``event`` has completed. Never blocks: safe from finalizers."""
@@ -262,14 +308,30 @@ class HostPool:
         self._try_drain()
 
     def end_step(self) -> None:
-        """Step boundary: remember this step's peak and trim to the window's limit."""
+        """Step boundary: remember this step's peak; reshape the slabs to the window's bound."""
         with self._lock:
             self._drain()
             self._window.append(self._step_peak_requested)
-            self._step_peak_requested = self._requested_bytes  # graphs still alive carry over
-            self._limit_bytes = int(max(self._window) * HEADROOM)
-            if self._held_bytes > self._limit_bytes:
-                self._evict(self._held_bytes - self._limit_bytes)
+            self._window_bytes.append(self._step_peak_bytes)
+            overflow_peak = self._step_overflow_peak
+            # Blocks of graphs still alive carry over into the next step.
+            self._step_peak_requested = self._requested_bytes
+            self._step_peak_bytes = self._step_overflow_peak = self._in_use_bytes
+            self._limit_bytes = limit = int(max(self._window) * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES
+            if self._in_use_bytes or self._pending:
+                if self._held_bytes > limit:
+                    self._free_empty_slabs(self._held_bytes - limit)
+                return
+            slabs = self._slabs
+            if len(slabs) > 1 or self._held_bytes > limit:
+                # One slab that fits the window's peak as carved last time (main slab plus what
+                # spilled over), at most the bound.
+                main = slabs[0].capacity if slabs else 0
+                target = min(max(max(self._window_bytes), main + overflow_peak), limit, self.budget_bytes)
+                self._free_empty_slabs(self._held_bytes)
+                if target and available_ram_bytes() - target >= self.min_available_bytes:
+                    self._new_slab(target)
+            self._overflow_bytes = 0
 
     def reset_peak(self) -> int:
         """Start a new peak of ``held_bytes`` from the current value, and return it."""
@@ -277,13 +339,13 @@ class HostPool:
         return self._held_bytes
 
     def clear(self) -> None:
-        """Free every cached block (blocks in use stay with their owners)."""
+        """Give every slab with nothing in use back to the OS (blocks in use stay with their owners)."""
         with self._lock:
             self._drain()
-            self._evict(self._held_bytes)
+            self._free_empty_slabs(self._held_bytes)
 
     def _try_drain(self) -> None:
-        if self._returned and self._lock.acquire(blocking=False):
+        if (self._returned or self._pending) and self._lock.acquire(blocking=False):
             try:
                 self._drain()
             finally:
@@ -312,19 +374,38 @@ class HostPool:
             self.transport.poison(block.tensor)
         self._in_use_bytes -= block.capacity
         self._requested_bytes -= block.requested
-        block.requested = 0
-        self._free.setdefault(block.capacity, []).append(block)
-        self._idle[block] = None
+        slab = block.slab
+        if slab is not self._slabs[0]:
+            self._overflow_bytes -= block.capacity
+        slab.used -= block.capacity
+        slab.give_back(block.offset, block.capacity)
 
-    def _evict(self, wanted_bytes: int) -> None:
-        """Give free blocks back to the OS, least recently freed first, until ``wanted_bytes``."""
+    def _free_empty_slabs(self, wanted_bytes: int) -> None:
+        """Give slabs with nothing in use back to the OS, newest first, until ``wanted_bytes``."""
         freed = 0
-        idle = self._idle
-        while idle and freed < wanted_bytes:
-            block = next(iter(idle))
-            del idle[block]
-            self._free[block.capacity].remove(block)
-            block.close()
-            self._held_bytes -= block.capacity
-            self.evictions += 1
-            freed += block.capacity
+        for slab in reversed(list(self._slabs)):
+            if freed >= wanted_bytes:
+                return
+            if slab.used == 0:
+                self._slabs.remove(slab)
+                self._close(slab)
+                freed += slab.capacity
+
+    def _close(self, slab: HostSlab) -> None:
+        slab.close()
+        self._held_bytes -= slab.capacity
+
+    def __del__(self) -> None:
+        # Dropped with blocks still written or read by queued copies (an exception, a context
+        # garbage-collected mid-step): their slabs must outlive those copies.
+        try:
+            blocks = list(self._returned) + self._pending
+        except AttributeError:  # __init__ did not finish
+            return
+        for block in blocks:
+            event = block.event
+            if event is not None:
+                while not self._done(event):
+                    time.sleep(_PENDING_POLL_S)
+        for slab in self._slabs:
+            slab.close()  # also breaks the slab <-> cached block cycle, so the memory goes now
