@@ -141,3 +141,21 @@ def test_pool_gives_memory_back_exactly_trim_window_steps_after_shapes_shrink(cp
     # ...and at the next step boundary the pool trims to the bound of the small steps.
     for _, peak_held, held in shrunk[TRIM_WINDOW_STEPS:]:
         assert peak_held <= bound and held <= bound
+
+
+def test_peak_in_use_counts_the_aligned_bytes_of_the_step_and_held_the_cached_rest(cpu_offload):
+    from lightmem.offload.pool import size_class
+
+    model = torch.nn.Sequential(torch.nn.Linear(100, 300), torch.nn.ReLU(), torch.nn.Linear(300, 100))
+    off = cpu_offload(model)
+    peaks = []
+    for batch in (64, 16):
+        with off:
+            loss = model(torch.randn(batch, 100)).sum()
+        loss.backward()
+        peaks.append((off.host_bytes_peak_in_use, off.host_bytes_held, off.host_bytes_in_use))
+    # Saved storages: the input (batch x 100 floats) and the ReLU output (batch x 300 floats).
+    assert peaks[0][0] == size_class(64 * 400) + size_class(64 * 1200) == 102400
+    assert peaks[1][0] == size_class(16 * 400) + size_class(16 * 1200) == 26112
+    assert peaks[1][0] < peaks[1][1] <= HEADROOM * peaks[0][0]  # the gap: cached for the next step
+    assert peaks[1][2] == 0

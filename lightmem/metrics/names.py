@@ -46,6 +46,7 @@ METRICS: tuple[Metric, ...] = (
     _m("host/available_GiB", "host", "GiB", "memory the OS can still hand out without swapping", "Host memory (machine)", reduce_max=False),
     _m("host/swap_used_GiB", "host", "GiB", "swap in use on the machine", "Host memory (machine)"),
     _m("host/pinned_GiB", "host", "GiB", "host buffers held by lightmem's offload pool (page-locked on CUDA)", "Host memory (this process)"),
+    _m("host/pinned_in_use_GiB", "host", "GiB", "peak of those buffers holding offloaded activations during the step's last forward and backward (the rest is cached)", "Host memory (this process)"),
     # lightmem's own traffic, summed over the micro-batches of the step.
     _m("offload/offloaded_GiB", "lightmem", "GiB", "saved activations copied to host", "Offload traffic"),
     _m("offload/reloaded_GiB", "lightmem", "GiB", "bytes copied back to the device during backward", "Offload traffic"),

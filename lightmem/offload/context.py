@@ -207,6 +207,11 @@ class ActivationOffloader:
         return self._pool.in_use_bytes
 
     @property
+    def host_bytes_peak_in_use(self) -> int:
+        """The most bytes of host buffers holding offloaded storages at once during the last use."""
+        return self._pool.step_peak_in_use_bytes
+
+    @property
     def resident_bytes(self) -> int:
         """Bytes of saved storages on the device that lightmem knows of (kept or reloaded)."""
         return self._offloader.resident_bytes

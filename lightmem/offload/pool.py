@@ -240,6 +240,11 @@ class HostPool:
         self._try_drain()
         return self._in_use_bytes
 
+    @property
+    def step_peak_in_use_bytes(self) -> int:
+        """The most bytes of blocks in use at once since the last step boundary."""
+        return self._step_peak_bytes
+
     def acquire(self, nbytes: int) -> HostBlock | None:
         size = self._sizes.get(nbytes)
         if size is None:
