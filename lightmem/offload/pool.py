@@ -52,7 +52,7 @@ ALIGN_BYTES = 512
 
 _POISON_BYTE = 0xFF  # every float dtype reads 0xFF.. bytes as NaN
 _PENDING_POLL_S = 1e-4
-_MAX_CACHED_BLOCKS = 4096  # block objects kept per slab for ranges that recur
+_MAX_CACHED_BLOCKS = 4096  # block objects kept per slab for ranges that recur (and request sizes)
 
 
 def size_class(nbytes: int) -> int:
@@ -248,13 +248,13 @@ class HostPool:
     def acquire(self, nbytes: int) -> HostBlock | None:
         size = self._sizes.get(nbytes)
         if size is None:
+            if len(self._sizes) >= _MAX_CACHED_BLOCKS:
+                self._sizes.clear()
             size = self._sizes[nbytes] = size_class(nbytes)
         with self._lock:
             if self._returned or self._pending:
                 self._drain()
             requested = self._requested_bytes + nbytes
-            if requested > self._step_peak_requested:
-                self._step_peak_requested = requested
             slabs = self._slabs
             block = slabs[0].take(size) if slabs else None
             if block is None:
@@ -263,7 +263,7 @@ class HostPool:
                     if block is not None:
                         break
                 else:
-                    block = self._grow(size)
+                    block = self._grow(size, requested)
                     if block is None:
                         return None
                 if block.slab is not slabs[0]:
@@ -272,13 +272,16 @@ class HostPool:
                         self._step_overflow_peak = self._overflow_bytes
             block.requested = nbytes
             self._requested_bytes = requested
+            if requested > self._step_peak_requested:
+                self._step_peak_requested = requested
             in_use = self._in_use_bytes = self._in_use_bytes + size
             if in_use > self._step_peak_bytes:
                 self._step_peak_bytes = in_use
             return block
 
-    def _grow(self, size: int) -> HostBlock | None:
-        limit = max(self._limit_bytes, int(self._step_peak_requested * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES)
+    def _grow(self, size: int, requested: int) -> HostBlock | None:
+        step_peak = max(self._step_peak_requested, requested)
+        limit = max(self._limit_bytes, int(step_peak * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES)
         if self._held_bytes + size > limit:
             self._free_empty_slabs(self._held_bytes + size - limit)
         # A step larger than the slab: one overflow slab up to the bound takes the rest of it.
