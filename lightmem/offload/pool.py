@@ -110,6 +110,13 @@ class HostSlab:
         """Return a range, merged with the free ranges on either side."""
         offsets, sizes = self.free_offsets, self.free_sizes
         index = bisect.bisect_left(offsets, offset)
+        after = offset + size
+        if index < len(offsets) and offsets[index] == after and not (
+            index and offsets[index - 1] + sizes[index - 1] == offset
+        ):  # the common case, a stack popped: grow the free range above downwards
+            offsets[index] = offset
+            sizes[index] += size
+            return
         if index and offsets[index - 1] + sizes[index - 1] == offset:
             index -= 1
             offset = offsets[index]
@@ -221,6 +228,9 @@ class HostPool:
         self._sizes: dict[int, int] = {}  # nbytes -> aligned size; a step repeats its sizes
         self._pending: list[HostBlock] = []  # released, waiting for block.event
         self._returned: deque[HostBlock] = deque()  # released, not yet seen under the lock
+        # Free blocks not yet merged into their slab, by size: a step that repeats the last one's
+        # sizes takes them back in O(1); the first request of another size merges them all.
+        self._recent: dict[int, list[HostBlock]] = {}
         self._lock = threading.Lock()
         self._pin = transport.pin_memory
         self._poison = transport.poison_released
@@ -255,10 +265,13 @@ class HostPool:
             if self._returned or self._pending:
                 self._drain()
             requested = self._requested_bytes + nbytes
-            slabs = self._slabs
-            block = slabs[0].take(size) if slabs else None
-            if block is None:
-                for slab in slabs[1:]:
+            recent = self._recent.get(size)
+            if recent:  # a step repeating its sizes: the block freed last for this size
+                block = recent.pop()
+            else:
+                if self._recent:
+                    self._merge_recent()
+                for slab in self._slabs:
                     block = slab.take(size)
                     if block is not None:
                         break
@@ -266,10 +279,10 @@ class HostPool:
                     block = self._grow(size, requested)
                     if block is None:
                         return None
-                if block.slab is not slabs[0]:
-                    self._overflow_bytes += size
-                    if self._overflow_bytes > self._step_overflow_peak:
-                        self._step_overflow_peak = self._overflow_bytes
+            if block.slab is not self._slabs[0]:
+                self._overflow_bytes += size
+                if self._overflow_bytes > self._step_overflow_peak:
+                    self._step_overflow_peak = self._overflow_bytes
             block.requested = nbytes
             self._requested_bytes = requested
             if requested > self._step_peak_requested:
@@ -311,9 +324,19 @@ class HostPool:
 
     def release(self, block: HostBlock, event: Any = None) -> None:
         """Return ``block`` once ``event`` has completed. Never blocks: safe from finalizers."""
-        block.event = event
-        self._returned.append(block)
-        self._try_drain()
+        lock = self._lock
+        if lock.acquire(blocking=False):
+            try:
+                if event is None or self._done(event):
+                    self._make_free(block)
+                else:
+                    block.event = event
+                    self._pending.append(block)
+            finally:
+                lock.release()
+        else:  # held by this thread (a finalizer run inside acquire) or another: the next drain
+            block.event = event
+            self._returned.append(block)
 
     def end_step(self) -> None:
         """Step boundary: remember this step's peak; reshape the slabs to the window's bound."""
@@ -380,16 +403,30 @@ class HostPool:
     def _make_free(self, block: HostBlock) -> None:
         if self._poison:
             self.transport.poison(block.tensor)
-        self._in_use_bytes -= block.capacity
+        size = block.capacity
+        self._in_use_bytes -= size
         self._requested_bytes -= block.requested
-        slab = block.slab
-        if slab is not self._slabs[0]:
-            self._overflow_bytes -= block.capacity
-        slab.used -= block.capacity
-        slab.give_back(block.offset, block.capacity)
+        if block.slab is not self._slabs[0]:
+            self._overflow_bytes -= size
+        recent = self._recent.get(size)
+        if recent is None:
+            self._recent[size] = [block]
+        else:
+            recent.append(block)
+
+    def _merge_recent(self) -> None:
+        """Give the recently freed blocks back to their slabs, merged with their neighbours."""
+        for size, blocks in self._recent.items():
+            for block in blocks:
+                slab = block.slab
+                slab.used -= size
+                slab.give_back(block.offset, size)
+        self._recent = {}
 
     def _free_empty_slabs(self, wanted_bytes: int) -> None:
         """Give slabs with nothing in use back to the OS, newest first, until ``wanted_bytes``."""
+        if self._recent:
+            self._merge_recent()
         freed = 0
         for slab in reversed(list(self._slabs)):
             if freed >= wanted_bytes:
