@@ -78,8 +78,8 @@ def test_host_buffers_are_pinned_and_reused():
         loss.backward()
     torch.cuda.synchronize()
     assert off._pool.allocations == allocations
-    blocks = [b for blocks in off._pool._free.values() for b in blocks]
-    assert blocks and all(b.tensor.is_pinned() for b in blocks)
+    slabs = off._pool._slabs
+    assert slabs and all(slab.tensor.is_pinned() for slab in slabs)
     del loss
     gc.collect()
     torch.cuda.synchronize()
