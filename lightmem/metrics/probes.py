@@ -79,7 +79,9 @@ class HostProbe:
 
     group = "host"
 
-    def __init__(self, pool_bytes: Callable[[], int], pool_in_use_bytes: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self, pool_bytes: Callable[[], int], pool_in_use_bytes: Callable[[], int] = lambda: 0
+    ) -> None:
         self._process = psutil.Process()
         self._pool_bytes = pool_bytes
         self._pool_in_use_bytes = pool_in_use_bytes
