@@ -350,7 +350,7 @@ class LightMem(Callback):
                 elif group == "device":
                     probes.append(NvmlProbe(device))
                 elif group == "host":
-                    probes.append(HostProbe(self._host_bytes_held))
+                    probes.append(HostProbe(self._host_bytes_held, self._host_bytes_peak_in_use))
                 elif group == "lightmem":
                     self._traffic = LightmemProbe(self._checkpointed_blocks)
                     probes.append(self._traffic)
@@ -363,6 +363,9 @@ class LightMem(Callback):
 
     def _host_bytes_held(self) -> int:
         return self._offloader.host_bytes_held if self._offloader is not None else 0
+
+    def _host_bytes_peak_in_use(self) -> int:
+        return self._offloader.host_bytes_peak_in_use if self._offloader is not None else 0
 
     def _checkpointed_blocks(self) -> int:
         return len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0

@@ -67,7 +67,8 @@ def test_metrics_are_logged_every_n_steps_starting_with_the_first():
         assert metrics["lightmem/memory/host/available_GiB"] > 0
         assert metrics["lightmem/memory/offload/offloaded_GiB"] > 0
         assert metrics["lightmem/memory/offload/offloaded_GiB"] == metrics["lightmem/memory/offload/reloaded_GiB"]
-        assert metrics["lightmem/memory/host/pinned_GiB"] >= metrics["lightmem/memory/offload/offloaded_GiB"]
+        assert metrics["lightmem/memory/host/pinned_GiB"] >= metrics["lightmem/memory/host/pinned_in_use_GiB"]
+        assert metrics["lightmem/memory/host/pinned_in_use_GiB"] >= metrics["lightmem/memory/offload/offloaded_GiB"]
         assert metrics["lightmem/memory/checkpoint/blocks"] == 3
 
 
@@ -116,7 +117,8 @@ def test_tensorboard_event_files_hold_the_panels_and_the_scalars(tmp_path):
     assert category.title == CATEGORY
     charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
     assert charts["Host memory (this process)"] == [
-        "lightmem/memory/host/rss_GiB", "lightmem/memory/host/pinned_GiB", "lightmem/memory/host/workers_rss_GiB"
+        "lightmem/memory/host/rss_GiB", "lightmem/memory/host/pinned_GiB", "lightmem/memory/host/pinned_in_use_GiB",
+        "lightmem/memory/host/workers_rss_GiB",
     ]  # fmt: skip
     assert charts["Host memory (limit)"] == ["lightmem/memory/host/limit_GiB", "lightmem/memory/host/headroom_GiB"]
     assert charts["Host memory (machine)"] == ["lightmem/memory/host/available_GiB", "lightmem/memory/host/swap_used_GiB"]

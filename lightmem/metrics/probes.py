@@ -132,9 +132,12 @@ class HostProbe:
 
     group = "host"
 
-    def __init__(self, pool_bytes: Callable[[], int]) -> None:
+    def __init__(
+        self, pool_bytes: Callable[[], int], pool_in_use_bytes: Callable[[], int] = lambda: 0
+    ) -> None:
         self._process = psutil.Process()
         self._pool_bytes = pool_bytes
+        self._pool_in_use_bytes = pool_in_use_bytes
 
     def collect(self) -> dict[str, float]:
         return {
@@ -142,6 +145,7 @@ class HostProbe:
             key("host/available_GiB"): psutil.virtual_memory().available / GiB,
             key("host/swap_used_GiB"): psutil.swap_memory().used / GiB,
             key("host/pinned_GiB"): self._pool_bytes() / GiB,
+            key("host/pinned_in_use_GiB"): self._pool_in_use_bytes() / GiB,
         }
 
     def end_step(self) -> None:
