@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lightmem.config import warn_once
+from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, known_save, prefetch_admits
 from lightmem.offload.pool import HostBlock, HostPool
 from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
@@ -237,19 +238,13 @@ class Offloader:
         budget_note: str,
     ) -> None:
         self.stats = OffloadStats()
-        self._min_bytes = min_bytes
-        self._devices = devices
-        self._on_cuda = "cuda" in devices
-        self._on_cpu = "cpu" in devices
-        self._on_other = any(d not in ("cuda", "cpu") for d in devices)
+        self.policy = OffloadPolicy(min_bytes=min_bytes, devices=devices)
         self._prefetch_bytes = prefetch_bytes
         self._pool = pool
         self._transport = transport
         self._budget_note = budget_note
         self._session = _Session()
         self._by_storage: dict[int, _HostEntry | _KeptStorage] = {}
-        self._protected: set[int] = set()
-        self.scope: ModuleScope | None = None  # include/exclude rules, when given
         self._resident_bytes = 0
         self._live_entries = 0
         self._wait_base_s = 0.0
@@ -269,38 +264,17 @@ class Offloader:
             self._copy_deferred()  # a later op has begun: the ops that saved them have returned
         if self._pending:
             self._settle()
-        if (
-            type(tensor) is not Tensor  # parameters and tensor subclasses stay where they are
-            or tensor.layout is not torch.strided  # sparse, mkldnn: no plain storage to move
-            or tensor.is_nested
-            or not (
-                (self._on_cuda and tensor.is_cuda)
-                or (self._on_cpu and tensor.is_cpu)
-                or (self._on_other and tensor.device.type in self._devices)
-            )
-        ):
-            return _Checked(_held(tensor))
-        alias = tensor._base
-        if alias is None:
-            alias = tensor
-        elif type(alias) is not Tensor:  # a view of a parameter, known at enter or not (FSDP)
-            return _Checked(tensor.detach())
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:  # nothing to move; or freed by resize_(0) (FSDP): never touch its pointer
-            return _Checked(_held(tensor))
-        key = storage.data_ptr()
-        if key in self._protected or (alias.grad_fn is not None and self._is_parameter_copy(alias)):
+        verdict, alias, storage, nbytes, key = self.policy.decide(tensor)
+        if verdict == LEAVE:
             return _Checked(_held(tensor))
         version = tensor._version
-        known = self._by_storage.get(key)
-        if known is not None and known.alias() is alias and known.version == version:
+        known = known_save(self._by_storage, key, alias, version)
+        if known is not None:
             if type(known) is _HostEntry:
                 stats.deduplicated_bytes += known.nbytes
                 return _Offloaded(known, tensor, version)
             return _Kept(_held(tensor), version, known)
-        scope = self.scope
-        if nbytes >= self._min_bytes and (scope is None or scope.allowed) and not tensor.is_complex():
+        if verdict == MOVE:
             block = self._pool.acquire(nbytes)
             if block is not None:
                 entry = self._offload(tensor, storage, block, nbytes, alias, version)
@@ -316,20 +290,6 @@ class Offloader:
         kept = _KeptStorage(self, nbytes, alias, version)
         self._by_storage[key] = kept
         return _Kept(_held(tensor), version, kept)
-
-    def _is_parameter_copy(self, tensor: Tensor) -> bool:
-        """An autocast (or .to()) copy of a parameter: moving it every step would move the weights."""
-        grad_fn = tensor.grad_fn
-        if grad_fn.name() != "ToCopyBackward0":
-            return False
-        source = grad_fn.next_functions[0][0]
-        variable = getattr(source, "variable", None)  # AccumulateGrad of a leaf
-        if variable is None:
-            return False
-        if type(variable) is not Tensor:  # a parameter, also one created after enter (FSDP)
-            return True
-        storage = variable.untyped_storage()
-        return storage.nbytes() > 0 and storage.data_ptr() in self._protected
 
     def _offload(
         self, tensor: Tensor, storage: torch.UntypedStorage, block: HostBlock, nbytes: int,
@@ -462,7 +422,7 @@ class Offloader:
         while index >= 0:
             entry = refs[index]()
             if entry is not None and entry.restored is None and entry.sweep != sweep:
-                if session.inflight_bytes > 0 and session.inflight_bytes + entry.nbytes > self._prefetch_bytes:
+                if not prefetch_admits(session.inflight_bytes, entry.nbytes, self._prefetch_bytes):
                     return
                 self._reload(entry)
                 entry.prefetched = True
@@ -489,6 +449,15 @@ class Offloader:
         if self._resident_bytes > self.stats.peak_resident_bytes:
             self.stats.peak_resident_bytes = self._resident_bytes
 
+    @property
+    def scope(self) -> ModuleScope | None:
+        """The include/exclude rules, when given (part of the policy)."""
+        return self.policy.scope
+
+    @scope.setter
+    def scope(self, scope: ModuleScope | None) -> None:
+        self.policy.scope = scope
+
     # -- per-context bookkeeping ----------------------------------------------------------------
 
     def begin(self, protected_storages: set[int]) -> None:
@@ -498,7 +467,7 @@ class Offloader:
             peak_host_bytes=self._pool.reset_peak(), peak_resident_bytes=self._resident_bytes
         )
         self._wait_base_s = self._transport.waited_s()
-        self._protected = protected_storages
+        self.policy.protected = protected_storages
         self._session = _Session()
         self._by_storage = {}
 
