@@ -19,7 +19,8 @@ graph freed (entry dies)    host block returns to the pool after entry.host_even
 
 Lifetimes follow the autograd graph: autograd holds one handle per save, handles hold their
 entry, and an entry returns its host block when the last handle is gone. No handle holds a
-tensor that has a grad_fn (it holds a detached alias): autograd passes a saved output with its
+tensor that has a grad_fn (it holds ``tensor if tensor.is_leaf else tensor.detach()``, written
+inline in ``pack``: a call costs more than the test): autograd passes a saved output with its
 own grad_fn to pack, and holding it would make a cycle (tensor -> grad_fn -> handle -> tensor)
 through C++ that Python's collector cannot break. In-place changes are caught through the saved
 tensor's version counter, which an entry keeps alive without the storage (``_version_holder``).
@@ -44,11 +45,6 @@ from lightmem.offload.stats import OffloadStats
 from lightmem.offload.transport import Transport
 
 _sequence_nr = torch._C._autograd._get_sequence_nr  # the next autograd node's number (per thread)
-
-
-def _held(tensor: Tensor) -> Tensor:
-    """What a handle may hold of a saved tensor: never one with a grad_fn (see the module doc)."""
-    return tensor if tensor.is_leaf else tensor.detach()
 
 
 def _version_holder(tensor: Tensor, empty: Tensor) -> Tensor:
@@ -85,34 +81,19 @@ class _KeptStorage:
         self.nbytes = nbytes
         self.alias = weakref.ref(alias)
         self.version = version
-        owner._add_resident(nbytes)
+        resident = owner._resident_bytes = owner._resident_bytes + nbytes
+        if resident > owner.stats.peak_resident_bytes:
+            owner.stats.peak_resident_bytes = resident
 
     def __del__(self) -> None:
         self.owner._resident_bytes -= self.nbytes
 
 
-class _Checked:
-    """What autograd holds for a saved tensor left where it is (parameters, other devices,
-    sparse or nested layouts, tensor subclasses, freed storages): hooks switch off autograd's own
-    version check, so this handle does it. ``tensor`` never has a grad_fn (see the module doc)."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
-        self.version = tensor._version
-
-
-class _Kept:
-    """What autograd holds for a saved tensor left on the device by policy (size, scope, budget);
-    ``tensor`` never has a grad_fn (see the module doc)."""
-
-    __slots__ = ("storage", "tensor", "version")
-
-    def __init__(self, tensor: Tensor, version: int, storage: _KeptStorage) -> None:
-        self.tensor = tensor
-        self.version = version
-        self.storage = storage
+# What autograd holds for a saved tensor that stays where it is is a tuple, the cheapest object
+# Python builds: ``(tensor, version)`` when it is left alone (parameters, other devices, sparse or
+# nested layouts, tensor subclasses, freed storages), ``(tensor, version, kept_storage)`` when
+# policy keeps it on the device (size, scope, budget). Hooks switch off autograd's own version
+# check, so unpack does it. ``tensor`` never has a grad_fn (see the module doc).
 
 
 class _HostEntry:
@@ -239,6 +220,7 @@ class Offloader:
     ) -> None:
         self.stats = OffloadStats()
         self.policy = OffloadPolicy(min_bytes=min_bytes, devices=devices)
+        self._decide = self.policy.decide
         self._prefetch_bytes = prefetch_bytes
         self._pool = pool
         self._transport = transport
@@ -264,16 +246,16 @@ class Offloader:
             self._copy_deferred()  # a later op has begun: the ops that saved them have returned
         if self._pending:
             self._settle()
-        verdict, alias, storage, nbytes, key = self.policy.decide(tensor)
+        verdict, alias, storage, nbytes, key = self._decide(tensor)
         if verdict == LEAVE:
-            return _Checked(_held(tensor))
+            return (tensor if tensor.is_leaf else tensor.detach(), tensor._version)
         version = tensor._version
         known = known_save(self._by_storage, key, alias, version)
         if known is not None:
             if type(known) is _HostEntry:
                 stats.deduplicated_bytes += known.nbytes
                 return _Offloaded(known, tensor, version)
-            return _Kept(_held(tensor), version, known)
+            return (tensor if tensor.is_leaf else tensor.detach(), version, known)
         if verdict == MOVE:
             block = self._pool.acquire(nbytes)
             if block is not None:
@@ -287,9 +269,8 @@ class Offloader:
             self._note_budget(nbytes)
         else:
             stats.kept_bytes += nbytes
-        kept = _KeptStorage(self, nbytes, alias, version)
-        self._by_storage[key] = kept
-        return _Kept(_held(tensor), version, kept)
+        kept = self._by_storage[key] = _KeptStorage(self, nbytes, alias, version)
+        return (tensor if tensor.is_leaf else tensor.detach(), version, kept)
 
     def _offload(
         self, tensor: Tensor, storage: torch.UntypedStorage, block: HostBlock, nbytes: int,
@@ -341,13 +322,12 @@ class Offloader:
     # -- backward ------------------------------------------------------------------------------
 
     def unpack(self, handle: Any) -> Tensor:
-        cls = type(handle)
-        if cls is _Offloaded:
+        if type(handle) is _Offloaded:
             with self._lock:
                 return self._unpack_offloaded(handle)
-        tensor = handle.tensor
-        if tensor._version != handle.version:
-            raise _modified_error(tensor.type(), tensor.size(), tensor._version, handle.version)
+        tensor = handle[0]
+        if tensor._version != handle[1]:
+            raise _modified_error(tensor.type(), tensor.size(), tensor._version, handle[1])
         return tensor
 
     def _unpack_offloaded(self, handle: _Offloaded) -> Tensor:

@@ -44,6 +44,8 @@ Decision = tuple[int, Any, Any, int, int]
 """``(verdict, alias, storage, nbytes, key)``; only ``verdict`` is meaningful for ``LEAVE``."""
 
 _LEFT_ALONE: Decision = (LEAVE, None, None, 0, 0)
+_STRIDED = torch.strided
+_TO_COPY_BACKWARD = type(torch.zeros(1, requires_grad=True).double().grad_fn)  # autocast's and .to()'s node
 
 
 class OffloadPolicy:
@@ -86,16 +88,17 @@ class OffloadPolicy:
         ``alias`` is the tensor whose identity stands for the storage (the view's base, or the
         tensor itself); ``nbytes`` is the size of the whole storage the save keeps alive.
         """
+        # Checks run cheapest first: on a GPU this runs on the thread that launches kernels.
         plain = self.plain
         if (
             type(tensor) is not plain  # parameters and tensor subclasses stay where they are
-            or tensor.layout is not torch.strided  # sparse, mkldnn: no plain storage to move
-            or tensor.is_nested
             or not (
                 (self._on_cuda and tensor.is_cuda)
                 or (self._on_cpu and tensor.is_cpu)
                 or (self._on_other and tensor.device.type in self.devices)
             )
+            or tensor.layout is not _STRIDED  # sparse, mkldnn: no plain storage to move
+            or tensor.is_nested
         ):
             return _LEFT_ALONE
         alias = tensor._base
@@ -108,18 +111,19 @@ class OffloadPolicy:
         if nbytes == 0:  # nothing to move; or freed by resize_(0) (FSDP): never touch its pointer
             return _LEFT_ALONE
         key = self.key(storage)
-        if key in self.protected or (alias.grad_fn is not None and self._is_parameter_copy(alias)):
+        if key in self.protected:
+            return _LEFT_ALONE
+        grad_fn = alias.grad_fn
+        if type(grad_fn) is _TO_COPY_BACKWARD and self._is_parameter_copy(grad_fn):
             return _LEFT_ALONE
         scope = self.scope
         if nbytes >= self.min_bytes and (scope is None or scope.allowed) and not tensor.is_complex():
             return (MOVE, alias, storage, nbytes, key)
         return (KEEP, alias, storage, nbytes, key)
 
-    def _is_parameter_copy(self, tensor: Tensor) -> bool:
-        """An autocast (or .to()) copy of a parameter: moving it every step would move the weights."""
-        grad_fn = tensor.grad_fn
-        if grad_fn.name() != "ToCopyBackward0":
-            return False
+    def _is_parameter_copy(self, grad_fn: Any) -> bool:
+        """Whether ``grad_fn`` (a ``ToCopyBackward0``) made an autocast (or .to()) copy of a
+        parameter: moving it every step would move the weights."""
         source = grad_fn.next_functions[0][0]
         variable = getattr(source, "variable", None)  # AccumulateGrad of a leaf
         if variable is None:
