@@ -19,9 +19,8 @@ graph freed (entry dies)    host block returns to the pool after entry.host_even
 
 Lifetimes follow the autograd graph: autograd holds one handle per save, handles hold their
 entry, and an entry returns its host block when the last handle is gone. No handle holds a
-tensor that has a grad_fn (it holds ``tensor if tensor.is_leaf else tensor.detach()``, written
-inline in ``pack``: a call costs more than the test): autograd passes a saved output with its
-own grad_fn to pack, and holding it would make a cycle (tensor -> grad_fn -> handle -> tensor)
+tensor whose grad_fn could reach the handle (``_held``): autograd passes a saved output with
+its own grad_fn to pack, and holding it would make a cycle (tensor -> grad_fn -> handle -> tensor)
 through C++ that Python's collector cannot break. In-place changes are caught through the saved
 tensor's version counter, which an entry keeps alive without the storage (``_version_holder``).
 """
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 
 from lightmem.config import warn_once
 from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, known_save, prefetch_admits
@@ -45,6 +45,23 @@ from lightmem.offload.stats import OffloadStats
 from lightmem.offload.transport import Transport
 
 _sequence_nr = torch._C._autograd._get_sequence_nr  # the next autograd node's number (per thread)
+
+
+def _held(tensor: Tensor) -> Tensor:
+    """What a handle may hold of a saved tensor: never one whose grad_fn could reach the handle.
+
+    A node's edges point to nodes that existed when it was made, so the output of an earlier node
+    (a smaller sequence number than the newest node of this thread, the one saving it) cannot
+    reach the saving node: it is held as it is, saving a ``detach()`` (the largest cost of a save
+    left on the device). An output of the saving node (the newest), a view node made on access,
+    and Python ``autograd.Function`` nodes (whose forward may make nodes of its own) are detached.
+    """
+    grad_fn = tensor.grad_fn
+    if grad_fn is None or (
+        grad_fn._sequence_nr() < _sequence_nr() - 1 and not isinstance(grad_fn, BackwardCFunction)
+    ):
+        return tensor
+    return tensor.detach()
 
 
 def _version_holder(tensor: Tensor, empty: Tensor) -> Tensor:
@@ -248,14 +265,14 @@ class Offloader:
             self._settle()
         verdict, alias, storage, nbytes, key = self._decide(tensor)
         if verdict == LEAVE:
-            return (tensor if tensor.is_leaf else tensor.detach(), tensor._version)
+            return (_held(tensor), tensor._version)
         version = tensor._version
         known = known_save(self._by_storage, key, alias, version)
         if known is not None:
             if type(known) is _HostEntry:
                 stats.deduplicated_bytes += known.nbytes
                 return _Offloaded(known, tensor, version)
-            return (tensor if tensor.is_leaf else tensor.detach(), version, known)
+            return (_held(tensor), version, known)
         if verdict == MOVE:
             block = self._pool.acquire(nbytes)
             if block is not None:
@@ -270,7 +287,7 @@ class Offloader:
         else:
             stats.kept_bytes += nbytes
         kept = self._by_storage[key] = _KeptStorage(self, nbytes, alias, version)
-        return (tensor if tensor.is_leaf else tensor.detach(), version, kept)
+        return (_held(tensor), version, kept)
 
     def _offload(
         self, tensor: Tensor, storage: torch.UntypedStorage, block: HostBlock, nbytes: int,
