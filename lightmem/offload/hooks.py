@@ -388,7 +388,7 @@ class Offloader:
             entry.unpacks += 1
             if entry.unpacks >= entry.handles:  # every live save has its view: let the storage go
                 self._let_go(entry)
-        if self._prefetch_bytes > 0:
+        if session.cursor > 0 and self._prefetch_bytes > 0:  # candidates lie below the cursor
             self._prefetch(session)
         return view
 
