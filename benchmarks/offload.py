@@ -2,6 +2,7 @@
 
     python benchmarks/offload.py                 # CPU: lightmem with devices=("cpu",)
     python benchmarks/offload.py --device cuda   # GPU: pinned host memory, side streams
+    python benchmarks/offload.py --per-tensor-only   # only the per-saved-tensor table (issue 13)
 
 On CPU nothing is saved (host and "device" are the same memory); the figure that matters there is
 the per-saved-tensor overhead of the hooks compared with save_on_cpu, which does the same copies.
@@ -119,7 +120,15 @@ def per_saved_tensor_table(device: torch.device, rounds: int, repeats: int) -> N
     ``repeats`` back-to-back steps; the table takes each variant's minimum over the rounds, the
     figure least disturbed by other work on a shared machine.
     """
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        _per_saved_tensor_rows(device, rounds, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _per_saved_tensor_rows(device: torch.device, rounds: int, repeats: int) -> None:
     chain = 200
     pin = device.type == "cuda"
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
