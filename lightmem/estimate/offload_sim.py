@@ -27,8 +27,8 @@ from lightmem.offload.policy import (
     OffloadPolicy,
     fits_host_budget,
     host_bytes,
-    known_save,
     prefetch_admits,
+    same_save,
 )
 from lightmem.offload.scope import ModuleScope
 
@@ -164,8 +164,8 @@ class SavedTensorHooks:
             self.tracer.mark_saved(tensor, block)
             return tensor
         version = tensor._version
-        entry = known_save(self._by_storage, key, alias, version)
-        if entry is None:
+        entry = self._by_storage.get(key)
+        if entry is None or not same_save(entry, alias, version):
             offload = self.offload
             if verdict != MOVE or not fits_host_budget(self.host_bytes, nbytes, offload.host_budget_bytes):
                 self._by_storage[key] = _KeptRecord(alias, version)  # the engine keeps it on the device

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 
 from lightmem.config import warn_once
-from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, known_save, prefetch_admits
+from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, prefetch_admits, same_save
 from lightmem.offload.pool import HostBlock, HostPool
 from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
@@ -99,8 +99,9 @@ class _KeptStorage:
         self.alias = weakref.ref(alias)
         self.version = version
         resident = owner._resident_bytes = owner._resident_bytes + nbytes
-        if resident > owner.stats.peak_resident_bytes:
-            owner.stats.peak_resident_bytes = resident
+        stats = owner.stats
+        if resident > stats.peak_resident_bytes:
+            stats.peak_resident_bytes = resident
 
     def __del__(self) -> None:
         self.owner._resident_bytes -= self.nbytes
@@ -267,8 +268,9 @@ class Offloader:
         if verdict == LEAVE:
             return (_held(tensor), tensor._version)
         version = tensor._version
-        known = known_save(self._by_storage, key, alias, version)
-        if known is not None:
+        by_storage = self._by_storage
+        known = by_storage.get(key)
+        if known is not None and same_save(known, alias, version):
             if type(known) is _HostEntry:
                 stats.deduplicated_bytes += known.nbytes
                 return _Offloaded(known, tensor, version)
@@ -276,8 +278,7 @@ class Offloader:
         if verdict == MOVE:
             block = self._pool.acquire(nbytes)
             if block is not None:
-                entry = self._offload(tensor, storage, block, nbytes, alias, version)
-                self._by_storage[key] = entry
+                entry = by_storage[key] = self._offload(tensor, storage, block, nbytes, alias, version)
                 handle = _Offloaded(entry, tensor, version)
                 if handle.offset == 0 and tensor.nbytes == nbytes and tensor.is_contiguous():
                     entry.dense = (handle.dtype, handle.size, handle.stride)
@@ -286,7 +287,7 @@ class Offloader:
             self._note_budget(nbytes)
         else:
             stats.kept_bytes += nbytes
-        kept = self._by_storage[key] = _KeptStorage(self, nbytes, alias, version)
+        kept = by_storage[key] = _KeptStorage(self, nbytes, alias, version)
         return (_held(tensor), version, kept)
 
     def _offload(

@@ -13,7 +13,7 @@ For one saved tensor, in this order:
    ``resize_(0)`` as FSDP does), a parameter or buffer storage (by storage, so views and compiled
    graphs are covered), an autocast (``.to()``) copy of a parameter.
 2. A storage already saved in this forward by the same tensor (or a view of it) at the same
-   version is not decided again: the earlier decision holds (``known_save``).
+   version is not decided again: the earlier decision holds (``same_save``).
 3. Kept on the device (``KEEP``): the storage it keeps alive is under ``min_bytes``, the module
    scope (``include`` / ``exclude``) forbids it, or it is complex.
 4. Otherwise moved (``MOVE``), if the host budget has room for its host block
@@ -134,17 +134,16 @@ class OffloadPolicy:
         return storage.nbytes() > 0 and self.key(storage) in self.protected
 
 
-def known_save(saved: dict[int, Any], key: int, alias: Tensor, version: int) -> Any:
-    """The record of an earlier save of the same storage in this forward, or None.
+def same_save(known: Any, alias: Tensor, version: int) -> bool:
+    """Whether ``known``, the record of an earlier save of the same storage key in this forward,
+    stands for this save too (then the earlier decision holds and nothing moves twice).
 
     A record (``.alias``: a weak reference, ``.version``) counts only for the same alias at the
     same version: a storage key can be reused once its storage is freed, and an in-place change
-    in between makes it different data.
+    in between makes it different data. Callers look the key up themselves (a miss, the common
+    case, then costs no call).
     """
-    known = saved.get(key)
-    if known is not None and known.alias() is alias and known.version == version:
-        return known
-    return None
+    return known.alias() is alias and known.version == version
 
 
 def host_bytes(nbytes: int) -> int:
