@@ -175,7 +175,8 @@ def _per_saved_tensor_rows(device: torch.device, rounds: int, repeats: int) -> N
             ratio = f"{added_us(name) / added_us('save_on_cpu'):.1f}x save_on_cpu"
         elif name.startswith("lightmem keeping"):
             ratio = f"{added_us(name) / added_us('pass-through hooks'):.1f}x pass-through"
-        rows.append([name, f"{best[name] * 1e3:.3f}", f"{added_us(name):+.2f}" if name != "no hooks" else "-", ratio])
+        added = f"{added_us(name):+.2f}" if name != "no hooks" else "-"
+        rows.append([name, f"{best[name] * 1e3:.3f}", added, ratio])
     print_table(
         f"Per-saved-tensor cost: {chain} chained sin() on 32x32 float32 (4 KiB saved each), forward + "
         f"backward, min of {rounds} interleaved rounds x {repeats}; {hardware()}",

@@ -62,7 +62,9 @@ class OffloadPolicy:
     set by the owner before each forward.
     """
 
-    __slots__ = ("_on_cpu", "_on_cuda", "_on_other", "devices", "key", "min_bytes", "plain", "protected", "scope")
+    __slots__ = (
+        "_on_cpu", "_on_cuda", "_on_other", "devices", "key", "min_bytes", "plain", "protected", "scope",
+    )  # fmt: skip
 
     def __init__(
         self,
