@@ -60,10 +60,16 @@ MODELS = {
 
 def _engine_offloaded_bytes(model, batch, loss_fn, bf16: bool, settings: dict) -> int:
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
-    torch.manual_seed(0)
-    with amp, offload_activations(model, devices=("cpu",), **settings) as off:
-        loss = loss_fn(model, batch)
-    loss.backward()
+    off = offload_activations(model, devices=("cpu",), **settings)
+    # The estimator predicts a steady-state step: the second one, after the host pool has merged
+    # the slabs it grew during the first (near a tight budget their slack can keep one storage
+    # on the device in the first step only).
+    for _ in range(2):
+        torch.manual_seed(0)
+        with amp, off:
+            loss = loss_fn(model, batch)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
     return off.stats.offloaded_bytes
 
 
