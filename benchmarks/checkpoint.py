@@ -1,9 +1,11 @@
-"""Selective checkpointing: step time and peak memory, baseline vs checkpoint vs checkpoint + offload.
+"""Selective checkpointing: step time and peak memory, baseline vs op-level (``save_matmuls``) vs full
+checkpoint, with and without offload.
 
     python benchmarks/checkpoint.py
 
 Peak memory is the peak of live tensor storages in a steady training step (forward, backward,
-AdamW step), tracked per storage by a dispatch mode. With offload on the CPU, lightmem's host
+AdamW step), tracked per storage by a dispatch mode. Step time is the fastest of ``--rounds``
+round-robin rounds (the machine may be shared: the minimum is the least disturbed). With offload on the CPU, lightmem's host
 buffers are excluded from the peak, since on a GPU they would be host memory, not device memory.
 """
 
@@ -30,16 +32,16 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
 
-    def build(checkpoint_every: int | None, offload: bool):
+    def build(checkpoint_every: int | None, offload: bool, policy: str = "full"):
         torch.manual_seed(0)
         model = GPT(vocab=args.vocab, dim=args.dim, depth=args.depth, seq=args.seq)
         if checkpoint_every:
-            apply_checkpointing(model, "Block", every_n=checkpoint_every)
+            apply_checkpointing(model, "Block", every_n=checkpoint_every, policy=policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         offloader = offload_activations(model, min_bytes="1MiB", devices=("cpu",)) if offload else None
 
@@ -54,12 +56,18 @@ def main() -> None:
 
     variants = {
         "baseline": build(None, False),
+        "op-level (save_matmuls) every block": build(1, False, "save_matmuls"),
         "checkpoint every block": build(1, False),
         "checkpoint every 2nd block": build(2, False),
         "offload (min_bytes=1MiB)": build(None, True),
+        "op-level every block + offload": build(1, True, "save_matmuls"),
         "checkpoint every block + offload": build(1, True),
     }
-    seconds = interleaved_median_s({name: step for name, (step, _) in variants.items()}, args.steps)
+    steps = {name: step for name, (step, _) in variants.items()}
+    for step in steps.values():
+        step()  # warm-up
+    rounds = [interleaved_median_s(steps, rounds=1, warmup=0) for _ in range(args.rounds)]
+    seconds = {name: min(times[name] for times in rounds) for name in steps}
     peaks = {}
     for name, (step, offloader) in variants.items():
         pool_blocks = set()
@@ -78,7 +86,7 @@ def main() -> None:
         ])  # fmt: skip
     print_table(
         f"Checkpointing, GPT dim={args.dim} depth={args.depth} vocab={args.vocab} batch={args.batch} "
-        f"seq={args.seq}, AdamW; {hardware()}",
+        f"seq={args.seq}, AdamW, step time min of {args.rounds} rounds; {hardware()}",
         ["variant", "step ms", "time vs baseline", "peak memory", "peak vs baseline", "offloaded / step"],
         rows,
     )

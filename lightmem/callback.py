@@ -18,7 +18,14 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightmem import oom
-from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing, select_blocks
+from lightmem.checkpoint import (
+    CheckpointHandle,
+    CheckpointPolicyArg,
+    apply_checkpointing,
+    existing_checkpointing,
+    parse_checkpoint_policy,
+    select_blocks,
+)
 from lightmem.config import (
     format_bytes,
     host_ram_share_bytes,
@@ -78,6 +85,9 @@ class LightMem(Callback):
         checkpoint: blocks to recompute in backward: class names (subclasses match too, e.g. FSDP2's
             ``FSDP<Name>``) or module-name globs.
         checkpoint_every: checkpoint every n-th matched block.
+        checkpoint_policy: what a checkpointed block keeps: ``"full"`` (its inputs only),
+            ``"save_matmuls"`` (also matmul, convolution and attention outputs) or a callable
+            per-op policy; see :func:`~lightmem.apply_checkpointing`.
         log_every_n_steps: log metrics every n optimizer steps, starting with the first (default:
             the Trainer's ``log_every_n_steps``).
         metrics: probe groups to log: any of ``"gpu"`` (PyTorch allocator), ``"device"`` (NVML),
@@ -125,6 +135,7 @@ class LightMem(Callback):
         prefetch_bytes: int | str = DEFAULT_PREFETCH,
         checkpoint: list[str] | str | None = None,
         checkpoint_every: int = 1,
+        checkpoint_policy: CheckpointPolicyArg = "full",
         log_every_n_steps: int | None = None,
         metrics: Sequence[str] = GROUPS,
         tensorboard_panels: bool = True,
@@ -156,6 +167,7 @@ class LightMem(Callback):
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ValueError(f"{_flag('checkpoint_every')}: expected an integer >= 1; got {checkpoint_every!r}")
         self.checkpoint_every = checkpoint_every
+        self.checkpoint_policy = parse_checkpoint_policy(checkpoint_policy, flag=_flag("checkpoint_policy"))
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
@@ -266,7 +278,9 @@ class LightMem(Callback):
         select_blocks(  # fails with this callback's flag names before anything is wrapped
             pl_module, targets, every_n, targets_flag=_flag("checkpoint"), every_n_flag=_flag("checkpoint_every")
         )
-        self._checkpoint_handle = apply_checkpointing(pl_module, targets, every_n)
+        self._checkpoint_handle = apply_checkpointing(
+            pl_module, targets, every_n, self.checkpoint_policy, policy_flag=_flag("checkpoint_policy")
+        )
         rank_zero_info(
             f"lightmem: checkpointing {len(self._checkpoint_handle)} blocks: "
             f"{', '.join(self._checkpoint_handle.modules[:6])}{' ...' if len(self._checkpoint_handle) > 6 else ''}"
@@ -438,6 +452,7 @@ class LightMem(Callback):
             chosen = plan(
                 pl_module, batch, self.device_budget_bytes, device=pl_module.device.type,
                 precision=str(trainer.precision), offload_min_bytes=self.offload_min_bytes,
+                checkpoint_policy=self.checkpoint_policy,
             )  # fmt: skip
         finally:
             del pl_module.log, pl_module.log_dict

@@ -9,21 +9,173 @@ The recomputation never updates a buffer a second time (BatchNorm statistics, st
 ``BufferSnapshots``. Non-reentrant checkpoint saves a block's inputs through the saved-tensor hooks
 active outside the block, so inside ``offload_activations`` those inputs go to host memory too:
 checkpoint plus offload keeps one block's activations on the device at a time.
+
+The policy chooses what a checkpointed block keeps: ``"full"`` keeps only its inputs and recomputes
+everything; ``"save_matmuls"`` (op-level selective checkpointing, built on torch's
+``create_selective_checkpoint_contexts``) also keeps the outputs of matmuls, convolutions and
+attention and recomputes only the cheap ops between them; a callable decides per aten op.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterable, Iterator
-from typing import Any
+import inspect
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Union
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from lightmem.matching import Target, select_modules
+
+
+OpPolicy = Callable[..., Union[CheckpointPolicy, bool]]
+CheckpointPolicyArg = Union[str, OpPolicy]
+
+CHECKPOINT_POLICIES = ("full", "save_matmuls")
+POLICY_HELP = (
+    "'full' (recompute the whole block), 'save_matmuls' (keep matmul, convolution and attention "
+    "outputs, recompute the rest), or a callable (ctx, op, *args, **kwargs) -> CheckpointPolicy or bool"
+)
+
+# Packets, not overloads: every overload of these ops (mm.default, mm.out, ...) is kept. Composite
+# ops (matmul, linear, scaled_dot_product_attention) reach the dispatcher as the ops listed here.
+_MATMUL_OP_NAMES = (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "_int_mm", "_scaled_mm", "convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
+)  # fmt: skip
+MATMUL_OPS: frozenset = frozenset(
+    getattr(torch.ops.aten, name) for name in _MATMUL_OP_NAMES if hasattr(torch.ops.aten, name)
+)
+
+
+def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The ``"save_matmuls"`` policy: keep the outputs of matmul, convolution and attention ops."""
+    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def parse_checkpoint_policy(policy: Any, *, flag: str) -> CheckpointPolicyArg:
+    """Validate a checkpoint policy; returns it unchanged ("full", "save_matmuls" or the callable).
+
+    Raises:
+        ValueError: naming ``flag`` and the accepted values, for any other string or object, or a
+            callable that cannot take ``(ctx, op, *args, **kwargs)``.
+    """
+    if isinstance(policy, str):
+        if policy in CHECKPOINT_POLICIES:
+            return policy
+        raise ValueError(f"{flag}: expected {POLICY_HELP}; got {policy!r}")
+    if not callable(policy) or isinstance(policy, type):
+        raise ValueError(f"{flag}: expected {POLICY_HELP}; got {policy!r}")
+    try:
+        signature = inspect.signature(policy)
+    except (TypeError, ValueError):  # some builtins have none: accepted, checked when called
+        return policy
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ValueError(
+            f"{flag}: a callable policy is called as policy(ctx, op, *args, **kwargs); "
+            f"{getattr(policy, '__name__', policy)!r} has the signature {signature}"
+        ) from None
+    return policy
+
+
+class _OpPolicy:
+    """Runs a policy for torch's selective-checkpoint modes; random and mutating ops are recomputed.
+
+    A random op (dropout) whose output were kept would not run again in the recomputation, so the
+    random ops after it would draw from an RNG state shifted by one op and get different masks.
+    Recomputing every random op from the restored RNG state gives each the mask of the forward. An
+    op that writes its arguments (``add_``, BatchNorm's statistics) returns them: keeping that
+    output keeps a tensor the forward goes on changing, which torch's cache refuses in backward.
+    """
+
+    def __init__(self, policy: OpPolicy, flag: str) -> None:
+        self.policy = policy
+        self.flag = flag
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        decision = self.policy(ctx, op, *args, **kwargs)
+        if isinstance(decision, bool):
+            decision = CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
+        elif not isinstance(decision, CheckpointPolicy):
+            raise TypeError(
+                f"{self.flag}: the policy must return a torch.utils.checkpoint.CheckpointPolicy or a bool; "
+                f"got {decision!r} for {op}"
+            )
+        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()) or op._schema.is_mutable:
+            return CheckpointPolicy.MUST_RECOMPUTE
+        return decision
+
+    def keeps(self, op: Any, args: Any, kwargs: Any, output: Any) -> bool:
+        """Whether a checkpointed block's forward keeps ``op``'s ``output`` (the estimator asks)."""
+        if op in SAC_IGNORED_OPS:  # torch's selective checkpoint never asks about these
+            return False
+        context = SelectiveCheckpointContext(is_recompute=False, op_output=output)
+        return self(context, op, *args, **kwargs) in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+
+class _KeptOutputs:
+    """One forward of a block under a policy: the policy's decisions, and the outputs it keeps.
+
+    torch's cache refuses, in backward, a kept output that the forward changed in place afterwards
+    (``nn.ReLU(inplace=True)`` right after an ``nn.Linear`` under ``"save_matmuls"``). Checking the
+    kept outputs' version counters when the block's forward ends reports it at the forward, naming
+    the op and the flag. The references add no memory: torch's cache holds the same tensors.
+    """
+
+    def __init__(self, policy: _OpPolicy) -> None:
+        self.policy = policy
+        self.kept: list[tuple[Any, torch.Tensor, int]] = []
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        decision = self.policy(ctx, op, *args, **kwargs)
+        if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+            for output in torch.utils._pytree.tree_leaves(getattr(ctx, "op_output", None)):
+                if isinstance(output, torch.Tensor):
+                    self.kept.append((op, output, output._version))
+        return decision
+
+    @contextlib.contextmanager
+    def checked(self, outer: contextlib.AbstractContextManager, caching: Any) -> Iterator[None]:
+        try:
+            with outer, caching:
+                yield
+            for op, output, version in self.kept:
+                if output._version != version:
+                    raise RuntimeError(
+                        f"{self.policy.flag}: the policy keeps the output of {op} for backward, and the "
+                        "block then changes that output in place (e.g. nn.ReLU(inplace=True) right after "
+                        f"nn.Linear), so backward could not use it; make that op out-of-place, have the "
+                        f"policy recompute {op}, or use policy 'full'"
+                    )
+        finally:
+            self.kept = []
+
+
+def op_policy(policy: CheckpointPolicyArg, flag: str = "apply_checkpointing(policy=...)") -> _OpPolicy | None:
+    """The per-op policy torch's selective checkpoint runs for ``policy``; None for ``"full"``."""
+    if policy == "full":
+        return None
+    return _OpPolicy(save_matmuls if policy == "save_matmuls" else policy, flag)
+
+
+@contextlib.contextmanager
+def _nested(outer: contextlib.AbstractContextManager, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
 class BufferSnapshots:
@@ -129,11 +281,30 @@ class CheckpointedForward:
     rebind it to the copied module. Without grad (validation, inference) the block runs as usual.
     """
 
-    def __init__(self, inner: Any, had_instance_forward: bool, block: nn.Module) -> None:
+    def __init__(
+        self, inner: Any, had_instance_forward: bool, block: nn.Module,
+        policy: CheckpointPolicyArg = "full",
+        policy_flag: str = "apply_checkpointing(policy=...)",
+    ) -> None:
         self.inner = inner
         self.had_instance_forward = had_instance_forward
         self.users = 0
         self.buffers = BufferSnapshots(block)
+        self.policy = policy
+        self.op_policy = op_policy(policy, policy_flag)
+
+    def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """``context_fn``: buffer-exact recompute, and torch's selective-checkpoint modes for a policy.
+
+        The buffer copies are made outside the selective-checkpoint modes, so their clones are not
+        counted as ops of the block (the forward copies fewer buffers than the recomputation).
+        """
+        forward, recompute = self.buffers.contexts()
+        if self.op_policy is None:
+            return forward, recompute
+        kept = _KeptOutputs(self.op_policy)
+        caching, cached = create_selective_checkpoint_contexts(kept)
+        return kept.checked(forward, caching), _nested(recompute, cached)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -145,10 +316,13 @@ class CheckpointedForward:
         if torch.compiler.is_compiling():
             # torch.compile traces checkpoint as one graph and accepts no plain context managers
             # here; its recomputation is part of the compiled backward.
-            return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
-        return checkpoint(
-            function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self.buffers.contexts
-        )
+            if self.op_policy is None:
+                return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+            return checkpoint(
+                function, *args, use_reentrant=False, preserve_rng_state=True,
+                context_fn=functools.partial(create_selective_checkpoint_contexts, self.op_policy),
+            )  # fmt: skip
+        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self.contexts)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -216,7 +390,12 @@ def select_blocks(
 
 
 def apply_checkpointing(
-    model: nn.Module, targets: Target | Iterable[Target], every_n: int = 1
+    model: nn.Module,
+    targets: Target | Iterable[Target],
+    every_n: int = 1,
+    policy: CheckpointPolicyArg = "full",
+    *,
+    policy_flag: str = "apply_checkpointing(policy=...)",
 ) -> CheckpointHandle:
     """Checkpoint the blocks of ``model`` selected by ``targets``.
 
@@ -235,7 +414,8 @@ def apply_checkpointing(
 
     Raises:
         ValueError: a target matches no module (the message lists the closest module and class
-            names), or ``every_n`` is not an integer >= 1.
+            names), ``every_n`` is not an integer >= 1, ``policy`` is none of the above, or a
+            block is already checkpointed with a different policy.
 
     Example::
 
@@ -247,12 +427,20 @@ def apply_checkpointing(
         ['0', '2']
         >>> handle.remove()
     """
+    policy = parse_checkpoint_policy(policy, flag=policy_flag)
     blocks = select_blocks(model, targets, every_n)
+    for name, block in blocks.items():
+        wrapper = block.__dict__.get("forward")
+        if isinstance(wrapper, CheckpointedForward) and wrapper.policy is not policy and wrapper.policy != policy:
+            raise ValueError(
+                f"{policy_flag}: block {name or type(block).__name__!r} is already checkpointed with "
+                f"policy {wrapper.policy!r}; remove that handle first to checkpoint it with {policy!r}"
+            )
     for block in blocks.values():
         wrapper = block.__dict__.get("forward")
         if not isinstance(wrapper, CheckpointedForward):
             had_instance_forward = "forward" in block.__dict__
-            wrapper = CheckpointedForward(block.forward, had_instance_forward, block)
+            wrapper = CheckpointedForward(block.forward, had_instance_forward, block, policy, policy_flag)
             block.forward = wrapper
         wrapper.users += 1
     return CheckpointHandle(model, blocks)

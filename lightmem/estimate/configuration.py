@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from lightmem.checkpoint import CheckpointPolicyArg, parse_checkpoint_policy
 from lightmem.config import parse_size
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
@@ -42,6 +43,8 @@ class EstimateSettings:
     overhead_bytes: int
     budget_bytes: int | None
     zero_grad: str = "after_forward"
+    checkpoint_policy: CheckpointPolicyArg = "full"
+    """What checkpointed blocks keep: applied to ``checkpoint=...`` and priced by the planner."""
 
 
 def parse_settings(
@@ -55,6 +58,7 @@ def parse_settings(
     overhead_bytes: int | str | None,
     budget: int | str | None,
     zero_grad: str = "after_forward",
+    checkpoint_policy: CheckpointPolicyArg = "full",
 ) -> EstimateSettings:
     """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``."""
     if not isinstance(model, nn.Module):
@@ -76,6 +80,7 @@ def parse_settings(
         overhead_bytes=parse_overhead(overhead_bytes, kind, flag=f"{fn_name}(overhead_bytes=...)"),
         budget_bytes=None if budget is None else parse_size(budget, flag=f"{fn_name}(budget=...)"),
         zero_grad=parse_zero_grad(zero_grad, flag=f"{fn_name}(zero_grad=...)"),
+        checkpoint_policy=parse_checkpoint_policy(checkpoint_policy, flag=f"{fn_name}(checkpoint_policy=...)"),
     )
 
 
@@ -98,6 +103,7 @@ def run_configuration(
         loss_fn=settings.loss_fn,
         offload=offload,
         checkpoint=checkpoint,
+        checkpoint_policy=settings.checkpoint_policy,
         batch_size=batch_size,
         original_batch_size=info.batch_size,
         zero_grad=settings.zero_grad,
@@ -127,6 +133,7 @@ def blocks_from(trace: StepTrace) -> dict[str, BlockMemory]:
         name: BlockMemory(
             name, usage.saved_bytes, usage.forward_flops, usage.input_bytes, list(usage.saved_sizes),
             kind=trace.block_kinds.get(name, ""), repeated=name in trace.repeated_blocks,
+            kept_bytes=usage.kept_bytes, recompute_flops=usage.recompute_flops,
         )  # fmt: skip
         for name, usage in trace.blocks.items()
     }

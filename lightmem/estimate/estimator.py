@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.configuration import EstimateSettings, LossFn, build_report, parse_settings
@@ -29,6 +30,7 @@ def estimate_memory(
     budget: int | str | None = None,
     overhead_bytes: int | str | None = None,
     zero_grad: str = "after_forward",
+    checkpoint_policy: CheckpointPolicyArg = "full",
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating it.
 
@@ -57,6 +59,9 @@ def estimate_memory(
             any of ``min_bytes``, ``include``, ``exclude``, ``prefetch``, ``host_budget``.
         checkpoint: targets for ``lightmem.checkpoint.apply_checkpointing`` (class names,
             qualified-name globs, classes), applied for the estimate and removed afterwards.
+        checkpoint_policy: what those blocks keep, as ``apply_checkpointing(policy=...)``:
+            ``"full"``, ``"save_matmuls"`` or a per-op callable (also what the advice's plan
+            prices checkpointing with).
         budget: device memory to compare against ("24GiB", bytes); enables budget advice.
         overhead_bytes: allowance for what is not modelled (CUDA context, library workspaces,
             fragmentation): default "1GiB" on CUDA, 0 on CPU. Reported apart from the breakdown.
@@ -86,7 +91,7 @@ def estimate_memory(
     started = time.perf_counter()
     settings = parse_settings(
         "estimate_memory", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
-        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
     )  # fmt: skip
     offload_config = parse_offload(offload, flag="estimate_memory(offload=...)")
     if offload_config is not None:

@@ -1,10 +1,14 @@
 """``plan``: the cheapest lightmem configuration that fits a memory budget.
 
 Each top-level block is kept, offloaded, checkpointed, or both (checkpointed, with the inputs it
-keeps offloaded: the two compose). Checkpointing a block saves its saved
-activations less its input (which checkpoint keeps) and costs one re-run of its forward, priced
-by its forward FLOPs over ``flops_per_s``. Offloading saves its saved storages of at least
-``min_bytes`` and costs only the part of the transfer (bytes over ``link_bytes_per_s``, out during
+keeps offloaded: the two compose). Checkpointing a block saves its saved activations less its
+input (which checkpoint keeps) and less the op outputs the checkpoint policy keeps
+(``"save_matmuls"``: matmul and attention outputs; none under ``"full"``), and costs one re-run
+of the ops the policy recomputes, priced by their forward FLOPs over ``flops_per_s`` (all of the
+block's FLOPs under ``"full"``; under ``"save_matmuls"`` only FLOPs outside matmuls and attention,
+which this model counts as nearly free: the memory-bound ops it re-runs are not priced). One
+policy holds for the whole plan (``LightMem`` takes one ``checkpoint_policy``). Offloading saves
+its saved storages of at least ``min_bytes`` and costs only the part of the transfer (bytes over ``link_bytes_per_s``, out during
 forward, back during backward) that the block's compute does not hide: free while it hides.
 Blocks are chosen greedily by cost per byte saved until the predicted excess is covered; the
 choice is then verified by the estimator, and the excess still found is added for another round.
@@ -20,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import format_bytes, parse_size
 from lightmem.estimate.advice import advise, compact_names
 from lightmem.estimate.batch import BatchInfo, inspect_batch
@@ -60,20 +65,26 @@ def saves_bytes(block: BlockMemory, action: str, costs: Costs) -> int:
     if action == OFFLOAD:
         return block.offloadable_bytes(costs.min_bytes)
     if action == CHECKPOINT:
-        return max(0, block.saved_bytes - block.input_bytes)
-    if action == BOTH:  # checkpoint keeps only the input, and offload moves that to host
-        return max(0, block.saved_bytes - block.input_bytes) + _kept_input(block, costs)
+        return max(0, block.saved_bytes - block.input_bytes - block.kept_bytes)
+    if action == BOTH:  # offload moves the input to host; the outputs a policy keeps stay on the device
+        return max(0, block.saved_bytes - block.input_bytes - block.kept_bytes) + _kept_input(block, costs)
     return 0
+
+
+def recompute_s(block: BlockMemory, costs: Costs) -> float:
+    """Seconds a checkpointed block's re-run costs: the FLOPs its policy recomputes."""
+    flops = block.forward_flops if block.recompute_flops is None else block.recompute_flops
+    return flops / costs.flops_per_s
 
 
 def _cost_s(block: BlockMemory, action: str, costs: Costs) -> float:
     forward_s = block.forward_flops / costs.flops_per_s
     if action == CHECKPOINT:
-        return forward_s
+        return recompute_s(block, costs)
     if action == OFFLOAD:
         return _offload_s(saves_bytes(block, OFFLOAD, costs), forward_s, costs)
     if action == BOTH:
-        return forward_s + _offload_s(_kept_input(block, costs), forward_s, costs)
+        return recompute_s(block, costs) + _offload_s(_kept_input(block, costs), forward_s, costs)
     return 0.0
 
 
@@ -148,6 +159,8 @@ class Plan:
     seconds: float = 0.0
     estimate_kinds: dict[str, str] = field(default_factory=dict, repr=False)
     """Class name per block, for the description."""
+    checkpoint_policy: CheckpointPolicyArg = "full"
+    """What the checkpointed blocks keep (``LightMem(checkpoint_policy=...)``)."""
 
     @property
     def predicted_total_bytes(self) -> int:
@@ -156,18 +169,21 @@ class Plan:
     def lightmem_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``LightMem(...)``: offload, checkpoint, and when offloading,
         offload_min_bytes and offload_include."""
+        policy = {} if self.checkpoint_policy == "full" else {"checkpoint_policy": self.checkpoint_policy}
         if self.offload is None:
-            return {"offload": False, "checkpoint": list(self.checkpoint)}
+            return {"offload": False, "checkpoint": list(self.checkpoint), **policy}
         return {
             "offload": True,
             "offload_min_bytes": self.offload["min_bytes"],
             "offload_include": list(self.offload["include"]),
             "checkpoint": list(self.checkpoint),
+            **policy,
         }
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "checkpoint": list(self.checkpoint),
+            "checkpoint_policy": _policy_name(self.checkpoint_policy),
             "offload": dict(self.offload) if self.offload is not None else None,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_total_bytes": self.predicted_total_bytes,
@@ -177,7 +193,10 @@ class Plan:
             "reason": self.reason,
             "recompute_s": self.recompute_s,
             "exposed_transfer_s": self.exposed_transfer_s,
-            "lightmem_kwargs": self.lightmem_kwargs(),
+            "lightmem_kwargs": {
+                name: _policy_name(value) if name == "checkpoint_policy" else value
+                for name, value in self.lightmem_kwargs().items()
+            },
         }
 
     def describe(self) -> str:
@@ -188,7 +207,9 @@ class Plan:
         kinds = self.estimate_kinds
         parts = []
         if self.checkpoint:
-            parts.append(f"checkpoint {compact_names(sorted(self.checkpoint, key=_natural), kinds)}")
+            names = compact_names(sorted(self.checkpoint, key=_natural), kinds)
+            policy = "" if self.checkpoint_policy == "full" else f" (policy {_policy_name(self.checkpoint_policy)})"
+            parts.append(f"checkpoint {names}{policy}")
         if self.offload is not None:
             names = compact_names(sorted(self.offload["include"], key=_natural), kinds)
             parts.append(f"offload {names} (min_bytes {format_bytes(self.offload['min_bytes'])})")
@@ -198,6 +219,11 @@ class Plan:
             + f" (about {self.recompute_s * 1e3:.1f} ms re-computation and "
             f"{self.exposed_transfer_s * 1e3:.1f} ms exposed transfer per step)"
         )
+
+
+def _policy_name(policy: CheckpointPolicyArg) -> str:
+    """A policy as JSON and people read it: its name, or the callable's name."""
+    return policy if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
 
 
 def config_for(actions: Mapping[str, str], min_bytes: int) -> tuple[list[str], dict[str, Any] | None]:
@@ -223,6 +249,7 @@ def plan(
     link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
     offload_min_bytes: int | str = DEFAULT_MIN_BYTES,
     max_rounds: int = 4,
+    checkpoint_policy: CheckpointPolicyArg = "full",
 ) -> Plan:
     """Pick, per top-level block, keep / offload / checkpoint / both so the step fits ``budget``.
 
@@ -233,6 +260,9 @@ def plan(
         link_bytes_per_s: host link bandwidth per second for offload ("25GB" by default).
         offload_min_bytes: the offload threshold the plan uses.
         max_rounds: verification rounds before giving up.
+        checkpoint_policy: what the blocks the plan checkpoints keep: ``"full"`` (their inputs),
+            ``"save_matmuls"`` or a per-op callable, as in ``apply_checkpointing``; priced and
+            verified with it, and returned in ``lightmem_kwargs()``.
         Other arguments: as for :func:`estimate_memory`.
 
     On "cpu" only checkpointing is planned (offloading CPU memory to CPU memory saves nothing).
@@ -247,7 +277,7 @@ def plan(
     started = time.perf_counter()
     settings = parse_settings(
         "plan", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
-        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
     )  # fmt: skip
     min_bytes = parse_size(offload_min_bytes, flag="plan(offload_min_bytes=...)")
     link = parse_size(link_bytes_per_s, flag="plan(link_bytes_per_s=...)")
@@ -297,7 +327,10 @@ def search_plan(
     min_bytes = costs.min_bytes
     available = budget_bytes - settings.overhead_bytes
     baseline_peak = base.scenarios["baseline"].peak_bytes
-    result = Plan([], None, baseline_peak, settings.overhead_bytes, budget_bytes, False, "", estimate=base)
+    result = Plan(
+        [], None, baseline_peak, settings.overhead_bytes, budget_bytes, False, "", estimate=base,
+        checkpoint_policy=settings.checkpoint_policy,
+    )  # fmt: skip
     result.estimate_kinds = {name: block.kind for name, block in base.blocks.items()}
     if base.static_exceeds_budget:
         result.reason = (
@@ -328,9 +361,7 @@ def search_plan(
         result.checkpoint, result.offload, result.actions = checkpoint, offload, dict(actions)
         result.predicted_peak_bytes = trace.peak.bytes
         result.recompute_s = sum(
-            base.blocks[n].forward_flops / costs.flops_per_s
-            for n, a in actions.items()
-            if a in (CHECKPOINT, BOTH)
+            recompute_s(base.blocks[n], costs) for n, a in actions.items() if a in (CHECKPOINT, BOTH)
         )
         result.exposed_transfer_s = (
             sum(_cost_s(base.blocks[n], a, costs) for n, a in actions.items()) - result.recompute_s

@@ -46,6 +46,10 @@ class BlockMemory:
     """The block's class name ("GPT2Block"); empty for what runs outside every block."""
     repeated: bool = False
     """One of the model's repeated layers: what the planner checkpoints."""
+    kept_bytes: int = 0
+    """Bytes of op outputs a checkpointed block keeps besides its input (op-level policies)."""
+    recompute_flops: float | None = None
+    """Forward FLOPs a checkpointed re-run repeats; None: all of ``forward_flops`` ("full")."""
 
     @property
     def label(self) -> str:

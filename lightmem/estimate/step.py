@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.nn.utils.stateless import _reparametrize_module
 
+from lightmem.checkpoint import apply_checkpointing, op_policy
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CudaBehaviour
 from lightmem.estimate.kernels import CORRECTIONS
@@ -61,6 +62,9 @@ class StepRequest:
     loss_fn: Callable[[nn.Module, Any], Any] | None
     offload: OffloadConfig | None = None
     checkpoint: tuple[Any, ...] | None = None
+    checkpoint_policy: Any = "full"
+    """What a checkpointed block keeps (``apply_checkpointing(policy=...)``); also what the trace
+    prices op-level checkpointing of each block with."""
     batch_size: int | None = None
     """Replace dim 0 of the batch's tensors (whose dim 0 is ``original_batch_size``)."""
     original_batch_size: int | None = None
@@ -200,9 +204,7 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
     handle = None
     checkpointed: list[str] = []
     if request.checkpoint:
-        from lightmem.checkpoint import apply_checkpointing
-
-        handle = apply_checkpointing(model, list(request.checkpoint))
+        handle = apply_checkpointing(model, list(request.checkpoint), policy=request.checkpoint_policy)
         checkpointed = _checkpointed_names(model, handle)
     failure = FailureSite({id(module): name for name, module in model.named_modules()})
     try:
@@ -373,6 +375,7 @@ def _run(
     precision = request.precision
     tracer = StorageTracer(allocation_rounding(request.device), CORRECTIONS)
     tracer.on_failure = failure.op_failed
+    tracer.op_policy = op_policy(request.checkpoint_policy)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         named, params, buffers = _fake_state(model, precision.param_dtype, fake_mode)
@@ -751,4 +754,8 @@ def _forward_end_usage(
         usage.setdefault(name or ROOT_BLOCK, BlockUsage()).forward_flops += flops
     for name, nbytes in tracker.input_bytes.items():
         usage[name].input_bytes = nbytes
+    if tracer.op_policy is not None:
+        for name, entry in usage.items():
+            entry.kept_bytes = tracer.block_kept_bytes.get(name, 0)
+            entry.recompute_flops = tracer.block_recompute_flops.get(name, 0.0)
     return usage, saved, total

@@ -106,6 +106,11 @@ class StorageTracer(TorchDispatchMode):
         self.in_recompute = False
         self.count_flops = False
         self.block_flops: dict[str | None, float] = {}
+        self.op_policy: Any = None
+        """The checkpoint policy's per-op decision (``lightmem.checkpoint.op_policy``); with it, the
+        forward also counts per block what op-level checkpointing keeps and what it re-runs."""
+        self.block_kept_bytes: dict[str | None, int] = {}
+        self.block_recompute_flops: dict[str | None, float] = {}
         self.excluded: set[int] = set()
         self.saved: list[int] = []  # record ids in the order autograd first saved them
         self.on_failure: Any = None
@@ -139,11 +144,18 @@ class StorageTracer(TorchDispatchMode):
     def _count_flops(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
         packet = func._overloadpacket
         counter = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
-        if counter is None:
-            return
-        flops = counter(*args, **kwargs, out_val=out)
+        flops = 0.0 if counter is None else counter(*args, **kwargs, out_val=out)
         block = self.forward_block
-        self.block_flops[block] = self.block_flops.get(block, 0.0) + flops
+        if counter is not None:
+            self.block_flops[block] = self.block_flops.get(block, 0.0) + flops
+        if self.op_policy is None or block is None or self.in_recompute:
+            return
+        if self.op_policy.keeps(func, args, kwargs, out):
+            storages = {id(leaf.untyped_storage()): leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)}
+            kept = sum(self.record_of(leaf).nbytes for leaf in storages.values())
+            self.block_kept_bytes[block] = self.block_kept_bytes.get(block, 0) + kept
+        elif flops:
+            self.block_recompute_flops[block] = self.block_recompute_flops.get(block, 0.0) + flops
 
     def track(self, tensor: torch.Tensor, role: int = OTHER) -> int:
         """Register ``tensor``'s storage (if new) with ``role`` and return its record id."""
@@ -310,3 +322,7 @@ class BlockUsage:
     saved_sizes: list[int] = field(default_factory=list)
     forward_flops: float = 0.0
     input_bytes: int = 0
+    kept_bytes: int = 0
+    """Bytes of the op outputs op-level checkpointing keeps (0 under the "full" policy)."""
+    recompute_flops: float | None = None
+    """Forward FLOPs a checkpointed re-run repeats; None: all of them (the "full" policy)."""
