@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import warnings
@@ -13,42 +12,33 @@ import psutil
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightmem import oom
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing, select_blocks
 from lightmem.config import (
-    format_bytes,
-    host_ram_share_bytes,
-    parse_devices,
-    parse_fraction,
-    parse_patterns,
-    parse_size,
-    total_ram_bytes,
-    warn_once,
-)
-from lightmem.host_guard import HostGuard, batches_loaded_ahead
-from lightmem.metrics.names import BY_KEY, GROUPS, GiB, key
-from lightmem.metrics.probes import (
-    HostProbe,
-    LightmemProbe,
-    NvmlProbe,
-    ProbeUnavailable,
-    TorchAllocatorProbe,
-)
-from lightmem.metrics.ranks import RankMax
-from lightmem.metrics.tensorboard import custom_scalars_layout
-from lightmem.offload.context import (
     DEFAULT_HOST_BUDGET,
     DEFAULT_HOST_MIN_AVAILABLE,
     DEFAULT_MIN_BYTES,
     DEFAULT_PREFETCH,
-    ActivationOffloader,
+    OffloadSettings,
+    format_bytes,
+    parse_bool,
+    parse_choices,
+    parse_count,
+    parse_fraction,
+    parse_host_limit,
+    parse_path,
+    parse_patterns,
+    parse_size,
+    warn_once,
 )
+from lightmem.host_guard import HostGuard, batches_loaded_ahead
+from lightmem.metrics.names import GROUPS
+from lightmem.metrics.recorder import MetricsRecorder, build_probes
+from lightmem.offload.context import ActivationOffloader
 
-log = logging.getLogger(__name__)
 
 
 def _flag(name: str) -> str:
@@ -137,48 +127,17 @@ class LightMem(Callback):
         host_stop_checkpoint: str | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("offload", offload), ("tensorboard_panels", tensorboard_panels)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{_flag(name)}: expected True or False; got {value!r}")
-        self.offload = offload
-        self.offload_min_bytes = parse_size(offload_min_bytes, flag=_flag("offload_min_bytes"))
-        self.offload_include = parse_patterns(offload_include, flag=_flag("offload_include"))
-        self.offload_exclude = parse_patterns(offload_exclude, flag=_flag("offload_exclude"))
-        self.offload_devices = parse_devices(offload_devices, flag=_flag("offload_devices"))
-        self.host_budget = host_budget
-        self.host_budget_bytes = parse_size(host_budget, flag=_flag("host_budget"), fraction_of=host_ram_share_bytes)
-        self.host_min_available_bytes = parse_size(
-            host_min_available, flag=_flag("host_min_available"), fraction_of=total_ram_bytes,
-            fraction_name="total RAM",
+        self.offload = parse_bool(offload, flag=_flag("offload"))
+        self.offload_settings = OffloadSettings.parse(
+            min_bytes=offload_min_bytes, devices=offload_devices, include=offload_include, exclude=offload_exclude,
+            host_budget=host_budget, prefetch=prefetch_bytes, host_min_available=host_min_available, owner="LightMem",
         )  # fmt: skip
-        self.prefetch_bytes = parse_size(prefetch_bytes, flag=_flag("prefetch_bytes"))
         self.checkpoint = list(parse_patterns(checkpoint, flag=_flag("checkpoint")) or ())
-        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-            raise ValueError(f"{_flag('checkpoint_every')}: expected an integer >= 1; got {checkpoint_every!r}")
-        self.checkpoint_every = checkpoint_every
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise ValueError(
-                f"{_flag('log_every_n_steps')}: expected an integer >= 1 or None; got {log_every_n_steps!r}"
-            )
-        self.log_every_n_steps = log_every_n_steps
-        try:
-            groups = (metrics,) if isinstance(metrics, str) else tuple(metrics)
-        except TypeError:
-            raise ValueError(
-                f"{_flag('metrics')}: expected a list of probe groups from {', '.join(GROUPS)}; got {metrics!r}"
-            ) from None
-        unknown = [group for group in groups if group not in GROUPS]
-        if unknown:
-            raise ValueError(
-                f"{_flag('metrics')}: unknown probe group {unknown[0]!r}; accepted: {', '.join(GROUPS)}"
-            )
-        self.metrics = groups
-        self.tensorboard_panels = tensorboard_panels
-        if oom_snapshot is not None and not isinstance(oom_snapshot, str):
-            raise ValueError(f"{_flag('oom_snapshot')}: expected a file path or None; got {oom_snapshot!r}")
-        self.oom_snapshot = oom_snapshot
+        self.checkpoint_every = parse_count(checkpoint_every, flag=_flag("checkpoint_every"))
+        self.log_every_n_steps = parse_count(log_every_n_steps, flag=_flag("log_every_n_steps"), allow_none=True)
+        self.metrics = parse_choices(metrics, flag=_flag("metrics"), accepted=GROUPS, what="probe group")
+        self.tensorboard_panels = parse_bool(tensorboard_panels, flag=_flag("tensorboard_panels"))
+        self.oom_snapshot = parse_path(oom_snapshot, flag=_flag("oom_snapshot"))
         if plan not in (None, "auto"):
             raise ValueError(f"{_flag('plan')}: expected None or 'auto'; got {plan!r}")
         self.plan = plan
@@ -188,44 +147,47 @@ class LightMem(Callback):
         if plan == "auto":
             if self.device_budget_bytes is None:
                 raise ValueError(f"{_flag('plan')}: 'auto' needs device_budget, e.g. LightMem(plan='auto', device_budget='20GiB')")
-            if self.checkpoint or self.offload_include is not None:
+            if self.checkpoint or self.offload_settings.include is not None:
                 raise ValueError(
                     f"{_flag('plan')}: 'auto' chooses checkpoint and offload_include itself; leave them unset"
                 )
-        try:
-            self.host_limit_bytes = (
-                None
-                if host_limit == "auto"
-                else parse_size(host_limit, flag=_flag("host_limit"), fraction_of=total_ram_bytes, fraction_name="total RAM")
-            )
-        except ValueError as error:
-            raise ValueError(str(error).replace("expected ", "expected 'auto' (cgroup limit or total RAM), ", 1)) from None
+        self.host_limit_bytes = parse_host_limit(host_limit, flag=_flag("host_limit"))
         self.host_warn_at = parse_fraction(host_warn_at, flag=_flag("host_warn_at"))
         self.host_stop_at = parse_fraction(host_stop_at, flag=_flag("host_stop_at"), allow_none=True)
         if self.host_stop_at is not None and self.host_stop_at < self.host_warn_at:  # type: ignore[operator]
             raise ValueError(f"{_flag('host_stop_at')}: must be >= host_warn_at ({host_warn_at}); got {host_stop_at!r}")
-        if host_stop_checkpoint is not None and not isinstance(host_stop_checkpoint, str):
-            raise ValueError(f"{_flag('host_stop_checkpoint')}: expected a file path or None; got {host_stop_checkpoint!r}")
-        self.host_stop_checkpoint = host_stop_checkpoint
-        self._host_guard: HostGuard | None = None
+        self.host_stop_checkpoint = parse_path(host_stop_checkpoint, flag=_flag("host_stop_checkpoint"))
         self.chosen_plan: Any = None
         """With plan='auto': the ``lightmem.estimate.Plan`` chosen from the first training batch."""
 
+        self._host_guard: HostGuard | None = None
         self._offloader: ActivationOffloader | None = None
         self._checkpoint_handle: CheckpointHandle | None = None
         self._patched_module: pl.LightningModule | None = None
-        self._probes: list[Any] = []
-        self._rank_max = RankMax()
-        self._traffic: LightmemProbe | None = None
-        self._last_step = -1
-        self.last_metrics: dict[str, float] = {}
-        """The metrics of the last logged step, as logged (with DDP: the max over ranks)."""
-        self.last_local_metrics: dict[str, float] = {}
-        """The same figures for this process alone."""
-        self._peaks: dict[str, float] = {}
-        self._totals: dict[str, float] = {}
-        self._steps_seen = 0
+        self._recorder: MetricsRecorder | None = None
         self._below_floor = False
+
+    @property
+    def offload_min_bytes(self) -> int:
+        return self.offload_settings.min_bytes
+
+    @property
+    def offload_devices(self) -> tuple[str, ...]:
+        return self.offload_settings.devices
+
+    @property
+    def host_budget_bytes(self) -> int:
+        return self.offload_settings.host_budget_bytes
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The metrics of the last logged step, as logged (with DDP: the max over ranks)."""
+        return self._recorder.last_metrics if self._recorder is not None else {}
+
+    @property
+    def last_local_metrics(self) -> dict[str, float]:
+        """The same figures for this process alone."""
+        return self._recorder.last_local_metrics if self._recorder is not None else {}
 
     # -- checkpointing, before the strategy wraps the model --------------------------------------
 
@@ -234,10 +196,7 @@ class LightMem(Callback):
         if stage != "fit":
             return
         # A fractional host_budget is shared by this node's ranks (Lightning sets no LOCAL_WORLD_SIZE).
-        self.host_budget_bytes = parse_size(
-            self.host_budget, flag=_flag("host_budget"),
-            fraction_of=lambda: host_ram_share_bytes(trainer.num_devices),
-        )  # fmt: skip
+        self.offload_settings = self.offload_settings.for_ranks_per_node(trainer.num_devices)
         if not self.checkpoint:
             return
         # Lightning calls configure_model after this hook and before strategy.setup wraps the model;
@@ -267,91 +226,66 @@ class LightMem(Callback):
             pl_module, targets, every_n, targets_flag=_flag("checkpoint"), every_n_flag=_flag("checkpoint_every")
         )
         self._checkpoint_handle = apply_checkpointing(pl_module, targets, every_n)
-        rank_zero_info(
-            f"lightmem: checkpointing {len(self._checkpoint_handle)} blocks: "
-            f"{', '.join(self._checkpoint_handle.modules[:6])}{' ...' if len(self._checkpoint_handle) > 6 else ''}"
-        )
 
-    # -- offload and probes ----------------------------------------------------------------------
+    # -- offload and metrics ---------------------------------------------------------------------
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.plan == "auto":  # every fit plans for its own first batch
-            self.chosen_plan = None
-        self._offloader = None if self.plan == "auto" else self._build_offloader(pl_module)
-        self._probes = self._build_probes(pl_module)
         self._host_guard = HostGuard(self.host_limit_bytes, self.host_warn_at, self.host_stop_at, self._host_bytes_held)  # type: ignore[arg-type]
-        if "host" in self.metrics:
-            self._probes.append(self._host_guard)
-        self._last_step = trainer.global_step
-        self._peaks, self._totals, self._steps_seen = {}, {}, 0
-        if self.tensorboard_panels and trainer.is_global_zero:
-            layout = custom_scalars_layout(self._enabled_groups())
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.add_custom_scalars(layout)
         if self.oom_snapshot:
             oom.record_memory_history()
+        if self.plan == "auto":  # every fit plans for its own first batch, then starts recording
+            self.chosen_plan, self._offloader, self._recorder = None, None, None
+            return
+        self._offloader = self._build_offloader(pl_module, self.offload_settings) if self.offload else None
+        self._start_recording(trainer, pl_module)
 
-    def _build_offloader(
-        self, pl_module: pl.LightningModule, min_bytes: int | None = None, include: tuple[str, ...] | None = None
-    ) -> ActivationOffloader | None:
-        planned = min_bytes is not None
-        if not self.offload and not planned:
+    def _offload_off_reason(self, settings: OffloadSettings) -> str | None:
+        if settings.devices == ("cuda",) and not torch.cuda.is_available():
+            return "no CUDA device: moving CPU tensors to host memory gains nothing"
+        return None
+
+    def _build_offloader(self, pl_module: pl.LightningModule, settings: OffloadSettings) -> ActivationOffloader | None:
+        if self._offload_off_reason(settings) is not None:
             return None
-        if self.offload_devices == ("cuda",) and not torch.cuda.is_available():
-            rank_zero_info(
-                "lightmem: no CUDA device, so activation offload is off (moving CPU tensors to host "
-                "memory gains nothing); checkpointing and host metrics are on."
-            )
-            return None
-        return ActivationOffloader(
-            pl_module,
-            min_bytes=min_bytes if planned else self.offload_min_bytes,
-            devices=self.offload_devices,
-            include=include if planned else self.offload_include,
-            exclude=self.offload_exclude,
-            host_budget=self.host_budget_bytes,
-            prefetch=self.prefetch_bytes,
-            host_min_available=self.host_min_available_bytes,
-            flag_names={
-                "min_bytes": _flag("offload_min_bytes"),
-                "devices": _flag("offload_devices"),
-                "include": _flag("offload_include"),
-                "exclude": _flag("offload_exclude"),
-                "host_budget": _flag("host_budget"),
-                "prefetch": _flag("prefetch_bytes"),
-                "host_min_available": _flag("host_min_available"),
-            },
-        )
+        return ActivationOffloader(pl_module, settings=settings)
 
-    def _build_probes(self, pl_module: pl.LightningModule) -> list[Any]:
-        probes: list[Any] = []
-        device = pl_module.device
-        self._traffic = None
-        for group in self.metrics:
-            try:
-                if group == "gpu":
-                    probes.append(TorchAllocatorProbe(device))
-                elif group == "device":
-                    probes.append(NvmlProbe(device))
-                elif group == "host":
-                    probes.append(HostProbe(self._host_bytes_held))
-                elif group == "lightmem":
-                    self._traffic = LightmemProbe(self._checkpointed_blocks)
-                    probes.append(self._traffic)
-            except ProbeUnavailable as error:
-                rank_zero_info(f"lightmem: {group!r} memory metrics are off: {error}.")
-        return probes
+    def _start_recording(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        blocks = len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0
+        probes, metrics_off = build_probes(
+            self.metrics, pl_module.device, checkpointed_blocks=blocks,
+            host_bytes_held=self._host_bytes_held if self._offloader is not None else None,
+        )  # fmt: skip
+        if "host" in self.metrics:
+            probes.append(self._host_guard)
+        self._recorder = MetricsRecorder(
+            probes, log_every_n_steps=self.log_every_n_steps, tensorboard_panels=self.tensorboard_panels,
+            checkpointed_blocks=blocks,
+        )  # fmt: skip
+        self._recorder.start(trainer)
+        rank_zero_info(self._what_is_on(blocks, [probe.group for probe in probes], metrics_off))
 
-    def _enabled_groups(self) -> list[str]:
-        return [probe.group for probe in self._probes]
+    def _what_is_on(self, blocks: int, metrics_on: list[str], metrics_off: dict[str, str]) -> str:
+        """One line: every feature that is on, and why each one asked for is off."""
+        on, off = [], []
+        if self._offloader is not None:
+            on.append(f"activation offload (tensors from {format_bytes(self._offloader.min_bytes)})")
+        elif self.offload or self.chosen_plan is not None:
+            off.append(f"activation offload ({self._offload_off_reason(self.offload_settings) or 'the plan offloads nothing'})")
+        if blocks:
+            names = self._checkpoint_handle.modules  # type: ignore[union-attr]
+            on.append(f"checkpointing {blocks} blocks ({', '.join(names[:3])}{', ...' if blocks > 3 else ''})")
+        elif self.checkpoint:
+            off.append("checkpointing (see the warning above)")
+        if metrics_on:
+            on.append(f"{', '.join(dict.fromkeys(metrics_on))} metrics")
+        for reason in dict.fromkeys(metrics_off.values()):
+            groups = [group for group, why in metrics_off.items() if why == reason]
+            off.append(f"{' and '.join(groups)} metrics ({reason})")
+        return f"lightmem: on: {'; '.join(on) or 'nothing'}." + (f" Off: {'; '.join(off)}." if off else "")
 
     def _host_bytes_held(self) -> int:
         return self._offloader.host_bytes_held if self._offloader is not None else 0
-
-    def _checkpointed_blocks(self) -> int:
-        return len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0
 
     # -- one training step -----------------------------------------------------------------------
 
@@ -367,11 +301,12 @@ class LightMem(Callback):
         offloader = self._offloader
         if offloader is None:
             return
-        if psutil.virtual_memory().available < self.host_min_available_bytes:
+        floor = offloader.host_min_available_bytes
+        if psutil.virtual_memory().available < floor:
             if not self._below_floor:
                 warn_once(
                     f"lightmem: available host memory fell under host_min_available "
-                    f"({format_bytes(self.host_min_available_bytes)}); offload is paused and cached host "
+                    f"({format_bytes(floor)}); offload is paused and cached host "
                     "buffers were released so the host OOM killer does not end the job."
                 )
             self._below_floor = True
@@ -393,12 +328,11 @@ class LightMem(Callback):
     ) -> None:
         self._exit_offload()  # training_step returned None: no backward ran
         self._guard_host(trainer)
-        if self._offloader is not None and self._traffic is not None and not self._below_floor:
-            self._traffic.add(self._offloader.stats)
-        if trainer.global_step == self._last_step:
-            return  # gradient accumulation: the optimizer has not stepped yet
-        self._last_step = trainer.global_step
-        self._end_of_step(trainer, pl_module)
+        if self._recorder is None:
+            return
+        if self._offloader is not None and not self._below_floor:
+            self._recorder.add_traffic(self._offloader.stats)
+        self._recorder.batch_end(trainer)
 
     def _guard_host(self, trainer: pl.Trainer) -> None:
         # Every batch, not only logged steps: memory that grows per batch outruns any logging interval.
@@ -452,49 +386,16 @@ class LightMem(Callback):
             self._apply_checkpointing(trainer, pl_module, list(chosen.checkpoint), every_n=1)
         self._offloader = None
         if chosen.offload is not None:
-            self._offloader = self._build_offloader(
-                pl_module,
+            settings = self.offload_settings.with_choice(
                 min_bytes=parse_size(chosen.offload["min_bytes"], flag=_flag("offload_min_bytes")),
                 include=tuple(chosen.offload["include"]),
             )
+            self._offloader = self._build_offloader(pl_module, settings)
+        self._start_recording(trainer, pl_module)
 
     def _exit_offload(self) -> None:
         if self._offloader is not None and self._offloader.active:
             self._offloader.__exit__(None, None, None)
-
-    def _end_of_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Probes run on logged steps only (the host probe costs ~0.1-0.4 ms); the per-step traffic
-        # totals of the summary are plain attribute reads.
-        self._steps_seen += 1
-        traffic = self._traffic
-        if traffic is not None:
-            self._totals["offloaded_bytes"] = self._totals.get("offloaded_bytes", 0) + traffic.offloaded_bytes
-            self._totals["wait_s"] = self._totals.get("wait_s", 0.0) + traffic.wait_s
-        every = self.log_every_n_steps or trainer.log_every_n_steps
-        logged = (trainer.global_step - 1) % every == 0
-        values: dict[str, float] = {}
-        for probe in self._probes:
-            if logged:
-                values.update(probe.collect())
-            probe.end_step()
-        if not logged:
-            return
-        for name in _SUMMARY_PEAKS.values():
-            if name in values:
-                self._peaks[name] = max(self._peaks.get(name, 0.0), values[name])
-        self.last_local_metrics = values
-        values = self._max_over_ranks(trainer, pl_module, values)
-        self.last_metrics = values
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(values, step=trainer.global_step)
-
-    def _max_over_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule, values: dict[str, float]) -> dict[str, float]:
-        if trainer.world_size <= 1:
-            return values
-        names = [name for name in values if BY_KEY[name].reduce_max]
-        reduced = self._rank_max([values[name] for name in names])  # CPU tensors over gloo: no GPU sync
-        return {**values, **dict(zip(names, reduced))}
 
     # -- leaving -----------------------------------------------------------------------------------
 
@@ -537,48 +438,30 @@ class LightMem(Callback):
         lines = oom.advice(
             offload=offloader is not None,
             offload_min_bytes=self.offload_min_bytes,
-            checkpointed_blocks=self._checkpointed_blocks(),
+            checkpointed_blocks=len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0,
             repeated_block=oom.repeated_block_class(pl_module),
             breakdown=breakdown,
         )
         return oom.render(breakdown, self.last_metrics, lines)
 
-    @override
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        summary = self.summary()
-        if not summary or not trainer.is_global_zero:
-            return
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title="lightmem: memory summary of this fit")
-        table.add_column("figure")
-        table.add_column("value", justify="right")
-        for name, value in summary.items():
-            table.add_row(name, value)
-        Console().print(table)
-        for logger in trainer.loggers:
-            logger.log_hyperparams({f"lightmem/summary/{name}": value for name, value in summary.items()})
-
     def summary(self) -> dict[str, str]:
         """Readable end-of-fit figures: peaks over the logged steps, traffic and waits per step
         (over every step), checkpointed blocks."""
-        figures: dict[str, str] = {}
-        for label, name in _SUMMARY_PEAKS.items():
-            if name in self._peaks and (self._offloader is not None or name != key("host/pinned_GiB")):
-                figures[label] = format_bytes(self._peaks[name] * GiB)
-        steps = max(self._steps_seen, 1)
-        if self._offloader is not None and "offloaded_bytes" in self._totals:
-            figures["offloaded per step"] = format_bytes(self._totals["offloaded_bytes"] / steps)
-            figures["compute waited per step"] = f"{self._totals['wait_s'] / steps * 1e3:.2f} ms"
-        if self._checkpoint_handle is not None:
-            figures["blocks checkpointed"] = str(len(self._checkpoint_handle))
-        return figures
+        figures = self._recorder.summary() if self._recorder is not None else []
+        return {figure.label: figure.readable() for figure in figures}
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._undo()
+        if stage != "fit":
+            return
+        self._undo()
+        if self._recorder is not None:
+            # A Rich progress bar stops at its own teardown, which may run after this one and
+            # redraw over whatever was printed: stop it first so the summary prints below it.
+            bar = trainer.progress_bar_callback
+            if bar is not None:
+                bar.teardown(trainer, pl_module, stage)
+            self._recorder.publish_summary(trainer)
 
     def _undo(self) -> None:
         """Leave the model and the process as they were before fit: no wrapper, patch or hooks."""
@@ -600,7 +483,9 @@ class LightMem(Callback):
         # Probes hold psutil processes (with locks): after fit the callback pickles and deep-copies.
         if self._host_guard is not None:
             self._host_guard.close()
-        self._probes, self._traffic, self._host_guard = [], None, None
+        if self._recorder is not None:
+            self._recorder.close()
+        self._host_guard = None
         if self.oom_snapshot:
             oom.stop_memory_history()
 
@@ -609,10 +494,5 @@ class LightMem(Callback):
         return {}
 
 
-_SUMMARY_PEAKS = {
-    "peak GPU allocated": key("gpu/step_peak_allocated_GiB"),
-    "peak GPU reserved": key("gpu/reserved_GiB"),
-    "peak device used (NVML)": key("device/used_GiB"),
-    "peak host RSS": key("host/rss_GiB"),
-    "peak host buffers held": key("host/pinned_GiB"),
-}
+def _flag(name: str) -> str:
+    return f"LightMem({name}=...)"

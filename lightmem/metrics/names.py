@@ -32,34 +32,34 @@ def _m(name: str, group: str, unit: str, meaning: str, panel: str, reduce_max: b
 
 METRICS: tuple[Metric, ...] = (
     # PyTorch's caching allocator (torch.cuda.memory_stats): what PyTorch itself holds.
-    _m("gpu/allocated_GiB", "gpu", "GiB", "bytes in live tensors at the end of the step", "GPU memory (PyTorch)"),
-    _m("gpu/reserved_GiB", "gpu", "GiB", "bytes the caching allocator holds from the driver", "GPU memory (PyTorch)"),
-    _m("gpu/step_peak_allocated_GiB", "gpu", "GiB", "peak of allocated since start or your last reset (lightmem does not reset it)", "GPU memory (PyTorch)"),
-    _m("gpu/inactive_split_GiB", "gpu", "GiB", "reserved but unusable fragments of split blocks (fragmentation)", "GPU fragmentation and retries"),
-    _m("gpu/alloc_retries", "gpu", "count", "allocations that had to free cached blocks and retry (since start)", "GPU fragmentation and retries"),
-    _m("gpu/ooms", "gpu", "count", "out-of-memory errors raised by the allocator (since start)", "GPU fragmentation and retries"),
+    _m("gpu/allocated_GiB", "gpu", "GiB", "bytes in live tensors at the end of the step", "GPU memory, PyTorch allocator (GiB)"),
+    _m("gpu/reserved_GiB", "gpu", "GiB", "bytes the caching allocator holds from the driver", "GPU memory, PyTorch allocator (GiB)"),
+    _m("gpu/step_peak_allocated_GiB", "gpu", "GiB", "peak of allocated since start or your last reset (lightmem does not reset it)", "GPU memory, PyTorch allocator (GiB)"),
+    _m("gpu/inactive_split_GiB", "gpu", "GiB", "reserved but unusable fragments of split blocks (fragmentation)", "GPU fragmentation (GiB)"),
+    _m("gpu/alloc_retries", "gpu", "count", "allocations that had to free cached blocks and retry (since start)", "GPU allocator retries and OOMs (count)"),
+    _m("gpu/ooms", "gpu", "count", "out-of-memory errors raised by the allocator (since start)", "GPU allocator retries and OOMs (count)"),
     # The driver's view (NVML): includes the CUDA context and other processes.
-    _m("device/used_GiB", "device", "GiB", "device memory in use by every process, CUDA context included (NVML)", "GPU device (NVML)"),
-    _m("device/total_GiB", "device", "GiB", "device memory capacity (NVML)", "GPU device (NVML)"),
+    _m("device/used_GiB", "device", "GiB", "device memory in use by every process, CUDA context included (NVML)", "GPU device memory, NVML (GiB)"),
+    _m("device/total_GiB", "device", "GiB", "device memory capacity (NVML)", "GPU device memory, NVML (GiB)"),
     # Host memory (psutil).
-    _m("host/rss_GiB", "host", "GiB", "resident set size of this process", "Host memory (this process)"),
-    _m("host/available_GiB", "host", "GiB", "memory the OS can still hand out without swapping", "Host memory (machine)", reduce_max=False),
-    _m("host/swap_used_GiB", "host", "GiB", "swap in use on the machine", "Host memory (machine)"),
-    _m("host/pinned_GiB", "host", "GiB", "host buffers held by lightmem's offload pool (page-locked on CUDA)", "Host memory (this process)"),
+    _m("host/rss_GiB", "host", "GiB", "resident set size of this process", "Host memory, this process (GiB)"),
+    _m("host/available_GiB", "host", "GiB", "memory the OS can still hand out without swapping", "Host memory, machine (GiB)", reduce_max=False),
+    _m("host/swap_used_GiB", "host", "GiB", "swap in use on the machine", "Host memory, machine (GiB)"),
+    _m("host/pinned_GiB", "host", "GiB", "host buffers held by lightmem's offload pool (page-locked on CUDA)", "Host memory, this process (GiB)"),
     # The host memory guard (lightmem/host_guard.py): the limit the OOM killer enforces.
-    _m("host/limit_GiB", "host", "GiB", "host memory limit of this process: the tightest of its cgroup limit and total RAM", "Host memory (limit)", reduce_max=False),
-    _m("host/headroom_GiB", "host", "GiB", "limit less what counts against it (cgroup usage less reclaimable file cache, or process and workers' RSS)", "Host memory (limit)", reduce_max=False),
-    _m("host/workers_rss_GiB", "host", "GiB", "resident set size of this process's children (DataLoader workers)", "Host memory (this process)"),
+    _m("host/limit_GiB", "host", "GiB", "host memory limit of this process: the tightest of its cgroup limit and total RAM", "Host memory limit (GiB)", reduce_max=False),
+    _m("host/headroom_GiB", "host", "GiB", "limit less what counts against it (cgroup usage less reclaimable file cache, or process and workers' RSS)", "Host memory limit (GiB)", reduce_max=False),
+    _m("host/workers_rss_GiB", "host", "GiB", "resident set size of this process's children (DataLoader workers)", "Host memory, this process (GiB)"),
     # lightmem's own traffic, summed over the micro-batches of the step.
-    _m("offload/offloaded_GiB", "lightmem", "GiB", "saved activations copied to host", "Offload traffic"),
-    _m("offload/reloaded_GiB", "lightmem", "GiB", "bytes copied back to the device during backward", "Offload traffic"),
-    _m("offload/kept_GiB", "lightmem", "GiB", "saved activations left on the device by policy (size, scope)", "Offload kept on device"),
-    _m("offload/deduplicated_GiB", "lightmem", "GiB", "saves served by a storage already on host (not copied again)", "Offload kept on device"),
-    _m("offload/budget_kept_GiB", "lightmem", "GiB", "eligible bytes left on the device because the host budget or floor was reached", "Offload kept on device"),
-    _m("offload/prefetch_hits", "lightmem", "count", "reloads already issued ahead of need when backward asked", "Offload prefetch"),
-    _m("offload/prefetch_misses", "lightmem", "count", "reloads issued only when backward asked", "Offload prefetch"),
-    _m("offload/wait_ms", "lightmem", "ms", "time the compute stream waited for copies", "Offload waits"),
-    _m("checkpoint/blocks", "lightmem", "count", "blocks recomputed in backward (selective checkpointing)", "Checkpointing", reduce_max=False),
+    _m("offload/offloaded_GiB", "lightmem", "GiB", "saved activations copied to host", "Offload traffic (GiB)"),
+    _m("offload/reloaded_GiB", "lightmem", "GiB", "bytes copied back to the device during backward", "Offload traffic (GiB)"),
+    _m("offload/kept_GiB", "lightmem", "GiB", "saved activations left on the device by policy (size, scope)", "Offload kept on device (GiB)"),
+    _m("offload/deduplicated_GiB", "lightmem", "GiB", "saves served by a storage already on host (not copied again)", "Offload traffic (GiB)"),
+    _m("offload/budget_kept_GiB", "lightmem", "GiB", "eligible bytes left on the device because the host budget or floor was reached", "Offload kept on device (GiB)"),
+    _m("offload/prefetch_hits", "lightmem", "count", "reloads already issued ahead of need when backward asked", "Offload prefetch (count)"),
+    _m("offload/prefetch_misses", "lightmem", "count", "reloads issued only when backward asked", "Offload prefetch (count)"),
+    _m("offload/wait_ms", "lightmem", "ms", "time the compute stream waited for copies", "Offload waits (ms)"),
+    _m("checkpoint/blocks", "lightmem", "count", "blocks recomputed in backward (selective checkpointing)", "Checkpointed blocks (count)", reduce_max=False),
 )
 
 GROUPS: tuple[str, ...] = ("gpu", "device", "host", "lightmem")
