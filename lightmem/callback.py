@@ -237,7 +237,7 @@ class LightMem(Callback):
         if self.plan == "auto":  # every fit plans for its own first batch, then starts recording
             self.chosen_plan, self._offloader, self._recorder = None, None, None
             return
-        self._offloader = self._build_offloader(pl_module, self.offload_settings) if self.offload else None
+        self._offloader = self._build_offloader(pl_module) if self.offload else None
         self._start_recording(trainer, pl_module)
 
     def _offload_off_reason(self, settings: OffloadSettings) -> str | None:
@@ -245,7 +245,10 @@ class LightMem(Callback):
             return "no CUDA device: moving CPU tensors to host memory gains nothing"
         return None
 
-    def _build_offloader(self, pl_module: pl.LightningModule, settings: OffloadSettings) -> ActivationOffloader | None:
+    def _build_offloader(
+        self, pl_module: pl.LightningModule, settings: OffloadSettings | None = None
+    ) -> ActivationOffloader | None:
+        settings = settings or self.offload_settings
         if self._offload_off_reason(settings) is not None:
             return None
         return ActivationOffloader(pl_module, settings=settings)
