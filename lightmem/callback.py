@@ -8,7 +8,6 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import psutil
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
@@ -32,12 +31,12 @@ from lightmem.config import (
     parse_path,
     parse_patterns,
     parse_size,
-    warn_once,
 )
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.metrics.names import GROUPS
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
+from lightmem.offload.training import TrainingOffload
 
 
 
@@ -161,11 +160,14 @@ class LightMem(Callback):
         """With plan='auto': the ``lightmem.estimate.Plan`` chosen from the first training batch."""
 
         self._host_guard: HostGuard | None = None
-        self._offloader: ActivationOffloader | None = None
+        self._offload: TrainingOffload | None = None
         self._checkpoint_handle: CheckpointHandle | None = None
         self._patched_module: pl.LightningModule | None = None
         self._recorder: MetricsRecorder | None = None
-        self._below_floor = False
+
+    @property
+    def _offloader(self) -> ActivationOffloader | None:
+        return self._offload.offloader if self._offload is not None else None
 
     @property
     def offload_min_bytes(self) -> int:
@@ -235,9 +237,11 @@ class LightMem(Callback):
         if self.oom_snapshot:
             oom.record_memory_history()
         if self.plan == "auto":  # every fit plans for its own first batch, then starts recording
-            self.chosen_plan, self._offloader, self._recorder = None, None, None
+            self.chosen_plan, self._offload, self._recorder = None, None, None
             return
-        self._offloader = self._build_offloader(pl_module) if self.offload else None
+        self._offload = None
+        if self.offload:
+            self._start_offload(pl_module)
         self._start_recording(trainer, pl_module)
 
     def _offload_off_reason(self, settings: OffloadSettings) -> str | None:
@@ -253,8 +257,12 @@ class LightMem(Callback):
             return None
         return ActivationOffloader(pl_module, settings=settings)
 
+    def _start_offload(self, pl_module: pl.LightningModule, settings: OffloadSettings | None = None) -> None:
+        offloader = self._build_offloader(pl_module, settings)
+        self._offload = TrainingOffload(offloader) if offloader is not None else None
+
     def _start_recording(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        blocks = len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0
+        blocks = self._checkpointed_blocks()
         probes, metrics_off = build_probes(
             self.metrics, pl_module.device, checkpointed_blocks=blocks,
             host_bytes_held=self._host_bytes_held if self._offloader is not None else None,
@@ -287,6 +295,9 @@ class LightMem(Callback):
             off.append(f"{' and '.join(groups)} metrics ({reason})")
         return f"lightmem: on: {'; '.join(on) or 'nothing'}." + (f" Off: {'; '.join(off)}." if off else "")
 
+    def _checkpointed_blocks(self) -> int:
+        return len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0
+
     def _host_bytes_held(self) -> int:
         return self._offloader.host_bytes_held if self._offloader is not None else 0
 
@@ -301,23 +312,8 @@ class LightMem(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.plan == "auto" and self.chosen_plan is None:
             self._plan_from(trainer, pl_module, batch)
-        offloader = self._offloader
-        if offloader is None:
-            return
-        floor = offloader.host_min_available_bytes
-        if psutil.virtual_memory().available < floor:
-            if not self._below_floor:
-                warn_once(
-                    f"lightmem: available host memory fell under host_min_available "
-                    f"({format_bytes(floor)}); offload is paused and cached host "
-                    "buffers were released so the host OOM killer does not end the job."
-                )
-            self._below_floor = True
-            offloader.release_host_memory()
-            return
-        self._below_floor = False
-        self._exit_offload()
-        offloader.__enter__()
+        if self._offload is not None:
+            self._offload.enter()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -333,8 +329,8 @@ class LightMem(Callback):
         self._guard_host(trainer)
         if self._recorder is None:
             return
-        if self._offloader is not None and not self._below_floor:
-            self._recorder.add_traffic(self._offloader.stats)
+        if self._offload is not None and self._offload.stats is not None:
+            self._recorder.add_traffic(self._offload.stats)
         self._recorder.batch_end(trainer)
 
     def _guard_host(self, trainer: pl.Trainer) -> None:
@@ -387,18 +383,18 @@ class LightMem(Callback):
             rank_zero_warn(f"{summary}. It does not fit: {chosen.reason}")
         if chosen.checkpoint:
             self._apply_checkpointing(trainer, pl_module, list(chosen.checkpoint), every_n=1)
-        self._offloader = None
+        self._offload = None
         if chosen.offload is not None:
             settings = self.offload_settings.with_choice(
                 min_bytes=parse_size(chosen.offload["min_bytes"], flag=_flag("offload_min_bytes")),
                 include=tuple(chosen.offload["include"]),
             )
-            self._offloader = self._build_offloader(pl_module, settings)
+            self._start_offload(pl_module, settings)
         self._start_recording(trainer, pl_module)
 
     def _exit_offload(self) -> None:
-        if self._offloader is not None and self._offloader.active:
-            self._offloader.__exit__(None, None, None)
+        if self._offload is not None:
+            self._offload.exit()
 
     # -- leaving -----------------------------------------------------------------------------------
 
@@ -418,8 +414,8 @@ class LightMem(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._offloader is not None and self._offloader.active:  # it words torch.func's error itself
-            self._offloader.__exit__(type(exception), exception, exception.__traceback__)
+        if self._offload is not None:  # the offloader words torch.func's error itself
+            self._offload.exit(exception)
         if isinstance(exception, torch.cuda.OutOfMemoryError) or "out of memory" in str(exception).lower():
             print(self.oom_report(trainer, pl_module))
             written = None
@@ -432,20 +428,11 @@ class LightMem(Callback):
 
     def oom_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
         """What was on the device, the last metrics, and the flags that would help."""
-        offloader = self._offloader
-        breakdown = oom.device_breakdown(
-            pl_module, trainer.optimizers, pl_module.device, offloader.resident_bytes if offloader else 0
-        )
-        if offloader is not None:
-            breakdown["host_buffers_held_by_lightmem"] = offloader.host_bytes_held
-        lines = oom.advice(
-            offload=offloader is not None,
-            offload_min_bytes=self.offload_min_bytes,
-            checkpointed_blocks=len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0,
-            repeated_block=oom.repeated_block_class(pl_module),
-            breakdown=breakdown,
-        )
-        return oom.render(breakdown, self.last_metrics, lines)
+        return oom.report(
+            pl_module, trainer.optimizers, pl_module.device, offloader=self._offloader,
+            offload_min_bytes=self.offload_min_bytes, checkpointed_blocks=self._checkpointed_blocks(),
+            last_metrics=self.last_metrics,
+        )  # fmt: skip
 
     def summary(self) -> dict[str, str]:
         """Readable end-of-fit figures: peaks over the logged steps, traffic and waits per step
@@ -480,9 +467,9 @@ class LightMem(Callback):
         if self._patched_module is not None:
             self._patched_module.__dict__.pop("configure_model", None)
             self._patched_module = None
-        if self._offloader is not None:
-            self._offloader.release_host_memory()
-            self._offloader = None
+        if self._offload is not None:
+            self._offload.close()
+            self._offload = None
         # Probes hold psutil processes (with locks): after fit the callback pickles and deep-copies.
         if self._host_guard is not None:
             self._host_guard.close()
