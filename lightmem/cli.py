@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--overhead", default=None, help="allowance for what is not modelled (default 1GiB on cuda, 0 on cpu)"
     )
     estimate.add_argument(
+        "--zero-grad",
+        default="after_forward",
+        choices=["after_forward", "before_forward"],
+        help="when gradients are set to None: after_forward (Lightning, default) or before_forward "
+        "(a plain PyTorch loop: zero_grad, forward, backward, step)",
+    )
+    estimate.add_argument(
         "--checkpoint",
         nargs="+",
         default=None,
@@ -143,6 +150,7 @@ def run_estimate(args: argparse.Namespace, console: Console) -> int:
         "precision": args.precision,
         "device": args.device,
         "overhead_bytes": args.overhead,
+        "zero_grad": args.zero_grad,
     }
     offload = _offload_arg(args)
     result = estimate_memory(

@@ -222,3 +222,23 @@ def test_to_dict_and_text_carry_the_same_figures():
     assert data["fits"] is True and data["scenarios"]["baseline"]["peak_bytes"] == est.peak_bytes
     text = est.to_text()
     assert "peak" in text and "blocks.0" in text and "Not modelled" in text
+
+
+def test_a_plain_loop_zeroing_gradients_before_forward_frees_them_for_the_forward_peak():
+    lightning = estimate_memory(TinyGPT(), _tokens(), gpt_loss, device="cpu")
+    plain = estimate_memory(TinyGPT(), _tokens(), gpt_loss, device="cpu", zero_grad="before_forward")
+    gradient_bytes = lightning.breakdown["parameters"]  # every parameter is trained, in float32
+    # Lightning's order: the forward peak carries the previous step's gradients.
+    assert lightning.peak_phase == "forward" and lightning.breakdown["gradients"] == gradient_bytes
+    # Without them the forward's top is lower by exactly their bytes, and backward is the peak.
+    assert plain.peak_phase == "backward"
+    assert lightning.peak_bytes - gradient_bytes <= plain.peak_bytes < lightning.peak_bytes
+    assert plain.breakdown["parameters"] == lightning.breakdown["parameters"]
+
+
+def test_zero_grad_accepts_only_the_two_orders():
+    with pytest.raises(ValueError) as caught:
+        estimate_memory(TinyGPT(), _tokens(), gpt_loss, zero_grad="never")
+    assert str(caught.value) == (
+        "estimate_memory(zero_grad=...): expected one of 'after_forward', 'before_forward'; got 'never'"
+    )

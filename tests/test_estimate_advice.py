@@ -117,3 +117,48 @@ def test_block_names_are_compacted_into_ranges():
         compact_names(["blocks.0", "blocks.1", "blocks.2", "blocks.5", "head"])
         == "blocks.0-2, blocks.5, head"
     )
+
+
+def test_static_advice_with_an_allowance_says_what_is_over_without_contradiction():
+    from lightmem.config import format_bytes
+
+    base = estimate_memory(TinyGPT(), _tokens(), gpt_loss, device="cuda", overhead_bytes="4MiB")
+    budget = base.static_bytes + 2**20  # the static part fits, not with the 4 MiB allowance
+    est = estimate_memory(TinyGPT(), _tokens(), gpt_loss, device="cuda", overhead_bytes="4MiB", budget=budget)
+    (message,) = [item.message for item in est.advice if item.rule == "static-exceeds-budget"]
+    static = format_bytes(est.static_bytes)
+    with_allowance = format_bytes(est.static_bytes + 4 * 2**20)
+    assert (
+        f"alone take {static}; with the 4.00 MiB overhead allowance that is {with_allowance}, which "
+        f"leaves no room for activations in the {format_bytes(budget)} budget: no activation technique"
+    ) in message
+    assert "reach-budget" not in _rules(est)
+
+
+def test_reach_budget_advice_is_the_verified_plan():
+    from lightmem import plan
+    from lightmem.config import format_bytes
+
+    base = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cpu")
+    budget = base.static_bytes + (base.peak_bytes - base.static_bytes) // 2
+    est = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cpu", budget=budget)
+    chosen = plan(TinyGPT(), _tokens(16), budget, gpt_loss, device="cpu")
+    assert chosen.fits and chosen.checkpoint
+    (message,) = [item.message for item in est.advice if item.rule == "reach-budget"]
+    kinds = {name: "Block" for name in chosen.checkpoint}
+    assert f"checkpoint {compact_names(chosen.checkpoint, kinds)} " in message
+    assert f"brings the peak to {format_bytes(chosen.predicted_total_bytes)} with the overhead" in message
+    # The plan's own estimate carries the same advice.
+    assert [item.message for item in chosen.estimate.advice if item.rule == "reach-budget"] == [message]
+
+
+def test_when_no_plan_fits_the_advice_says_so_with_the_plans_reason():
+    from lightmem import plan
+
+    base = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cpu")
+    budget = base.static_bytes + 1024  # room for almost no activations
+    est = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cpu", budget=budget)
+    chosen = plan(TinyGPT(), _tokens(16), budget, gpt_loss, device="cpu")
+    assert not chosen.fits
+    (message,) = [item.message for item in est.advice if item.rule == "reach-budget"]
+    assert f"no lightmem configuration gets it there ({chosen.reason})" in message

@@ -8,46 +8,70 @@ Rules (identifiers as they appear in ``Advice.rule``):
   one-hot features belong in an embedding, other sparse inputs in a sparse layout.
 - ``quadratic-attention``: tensors saved for backward have two trailing dims equal to the sequence
   length (attention scores kept per layer): use scaled_dot_product_attention.
-- ``reach-budget``: the step does not fit but could: which blocks to checkpoint or offload.
+- ``reach-budget``: the step does not fit: the verified plan (which repeated layers to
+  checkpoint or offload, and the peak it gives), or, when no plan fits, a smaller batch.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from lightmem.config import format_bytes
 from lightmem.estimate.batch import BatchInfo
 from lightmem.estimate.report import Advice, MemoryEstimate
 from lightmem.estimate.step import ROOT_BLOCK, StepTrace
 
+if TYPE_CHECKING:
+    from lightmem.estimate.planner import Plan
+
 QUADRATIC_MIN_SHARE = 0.05
 """Quadratic saved tensors must be at least this share of saved activations to be worth a word."""
 QUADRATIC_MIN_LENGTH = 16
 
 
-def advise(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace) -> list[Advice]:
-    """Every rule that applies, in the order a user should act on them."""
+def advise(
+    estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace, plan: Plan | None = None
+) -> list[Advice]:
+    """Every rule that applies, in the order a user should act on them.
+
+    ``plan`` is the verified plan for the estimate's budget (``lightmem.plan``'s search): the
+    reach-budget advice reports it, so the advice and the plan tell one story.
+    """
     found: list[Advice] = []
-    for rule in (static_exceeds_budget, dense_zero_input, quadratic_attention, reach_budget):
-        found.extend(rule(estimate, info, baseline))
+    found.extend(static_exceeds_budget(estimate))
+    found.extend(dense_zero_input(estimate, info, baseline))
+    found.extend(quadratic_attention(estimate, info, baseline))
+    found.extend(reach_budget(estimate, plan))
     return found
 
 
-def static_exceeds_budget(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace) -> list[Advice]:
-    if estimate.budget_bytes is None:
+def static_exceeds_budget(estimate: MemoryEstimate) -> list[Advice]:
+    if not estimate.static_exceeds_budget:
         return []
-    static = estimate.static_bytes
-    if static + estimate.overhead_bytes <= estimate.budget_bytes:
-        return []
+    assert estimate.budget_bytes is not None and estimate.available_bytes is not None
     parts = estimate.scenarios["baseline"].breakdown
+    static = estimate.static_bytes
+    if estimate.overhead_bytes:
+        over = (
+            f"alone take {format_bytes(static)}; with the {format_bytes(estimate.overhead_bytes)} overhead "
+            f"allowance that is {format_bytes(static + estimate.overhead_bytes)}, which leaves no room for "
+            f"activations in the {format_bytes(estimate.budget_bytes)} budget"
+        )
+    else:
+        over = (
+            f"alone take {format_bytes(static)}, which leaves no room for activations in the "
+            f"{format_bytes(estimate.budget_bytes)} budget"
+        )
     return [
         Advice(
             "static-exceeds-budget",
-            f"parameters ({format_bytes(parts['parameters'])}), gradients ({format_bytes(parts['gradients'])}) "
-            f"and optimizer state ({format_bytes(parts['optimizer_state'])}) alone take {format_bytes(static)}, "
-            f"over the {format_bytes(estimate.budget_bytes)} budget with the {format_bytes(estimate.overhead_bytes)} "
-            "overhead allowance: no activation technique (offload, checkpointing, a smaller batch) can help. "
+            f"parameters ({format_bytes(parts['parameters'])}), "
+            f"gradients ({format_bytes(parts['gradients'])}) "
+            f"and optimizer state ({format_bytes(parts['optimizer_state'])}) {over}: no activation technique "
+            "(offload, checkpointing, a smaller batch) can help. "
             "Options: bf16 weights (precision='bf16-true' halves parameters, gradients and state); an 8-bit "
             "optimizer (bitsandbytes AdamW8bit) or a stateless one (SGD without momentum; Adafactor keeps "
             "factored state); sharding across GPUs (FSDP, DeepSpeed ZeRO); optimizer state offload to CPU "
@@ -96,7 +120,7 @@ def quadratic_attention(estimate: MemoryEstimate, info: BatchInfo, baseline: Ste
             shape = dims
     if quadratic < QUADRATIC_MIN_SHARE * total:
         return []
-    blocks = compact_names(sorted(by_block, key=_natural))
+    blocks = compact_names(sorted(by_block, key=_natural), _kinds(estimate))
     return [
         Advice(
             "quadratic-attention",
@@ -109,92 +133,92 @@ def quadratic_attention(estimate: MemoryEstimate, info: BatchInfo, baseline: Ste
     ]
 
 
-def reach_budget(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace) -> list[Advice]:
-    from lightmem.config import parse_size
-    from lightmem.estimate.planner import (
-        DEFAULT_FLOPS_PER_S,
-        DEFAULT_MIN_BYTES,
-        Costs,
-        choose_actions,
-        config_for,
-        saves_bytes,
-    )
-
-    if estimate.budget_bytes is None:
+def reach_budget(estimate: MemoryEstimate, plan: Plan | None) -> list[Advice]:
+    if plan is None or estimate.budget_bytes is None:
         return []
-    peak = estimate.scenarios["baseline"].peak_bytes
-    available = estimate.budget_bytes - estimate.overhead_bytes
-    if peak <= available or estimate.static_bytes >= available:
+    if estimate.baseline_fits or estimate.static_exceeds_budget:
         return []
-    need = peak - available
-    costs = Costs(
-        DEFAULT_FLOPS_PER_S[estimate.device], float(parse_size("25GB", flag="link")),
-        parse_size(DEFAULT_MIN_BYTES, flag="min_bytes"), allow_offload=estimate.device != "cpu",
-    )  # fmt: skip
-    actions = choose_actions(estimate.blocks, need, costs)
-    saved = sum(saves_bytes(estimate.blocks[name], action, costs) for name, action in actions.items())
-    checkpoint, offload = config_for(actions, costs.min_bytes)
-    if saved < need:
+    need = estimate.scenarios["baseline"].peak_bytes - (estimate.available_bytes or 0)
+    budget = format_bytes(estimate.budget_bytes)
+    if not plan.fits:
         return [
             Advice(
                 "reach-budget",
-                f"the step needs {format_bytes(need)} less to fit {format_bytes(estimate.budget_bytes)}, but "
-                f"checkpointing or offloading every block saves about {format_bytes(saved)}; "
-                "reduce the batch size (lightmem.max_batch_size finds the largest that fits) or the model.",
+                f"the step needs {format_bytes(need)} less to fit {budget}, and no lightmem configuration "
+                f"gets it there ({plan.reason}); reduce the batch size (lightmem.max_batch_size finds the "
+                "largest that fits) or the model.",
             )
         ]
+    kinds = _kinds(estimate)
     parts = []
-    if checkpoint:
-        parts.append(f"checkpoint {compact_names(sorted(checkpoint, key=_natural))}")
-    if offload is not None:
+    if plan.checkpoint:
+        parts.append(f"checkpoint {compact_names(sorted(plan.checkpoint, key=_natural), kinds)}")
+    if plan.offload is not None:
         parts.append(
-            f"offload {compact_names(sorted(offload['include'], key=_natural))} "
-            f"(offload_include, min_bytes {DEFAULT_MIN_BYTES})"
+            f"offload {compact_names(sorted(plan.offload['include'], key=_natural), kinds)} "
+            f"(offload_include, min_bytes {format_bytes(plan.offload['min_bytes'])})"
         )
     return [
         Advice(
             "reach-budget",
-            f"to fit {format_bytes(estimate.budget_bytes)} the step needs {format_bytes(need)} less: "
+            f"to fit {budget} the step needs {format_bytes(need)} less: "
             + " and ".join(parts)
-            + f" saves about {format_bytes(saved)} (first guess; lightmem.plan(...) verifies it "
-            "with the estimator).",
+            + f" brings the peak to {format_bytes(plan.predicted_total_bytes)} with the overhead allowance "
+            f"(verified by the estimator; lightmem.plan(...).lightmem_kwargs() gives the LightMem flags).",
         )
     ]
+
+
+def _kinds(estimate: MemoryEstimate) -> dict[str, str]:
+    return {name: block.kind for name, block in estimate.blocks.items()}
 
 
 def _natural(name: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def compact_names(names: list[str]) -> str:
-    """'blocks.0', 'blocks.1', 'blocks.2', 'head' -> 'blocks.0-2, head'."""
+def compact_names(names: list[str], kinds: Mapping[str, str] | None = None) -> str:
+    """'blocks.0', 'blocks.1', 'blocks.2', 'head' -> 'blocks.0-2, head'.
+
+    With ``kinds`` (class name per block), each run is followed by its class:
+    'transformer.h.0-7 (GPT2Block), lm_head (Linear)'.
+    """
+    kinds = kinds or {}
     groups: dict[str, list[int]] = defaultdict(list)
     order: list[str] = []
-    others: list[str] = []
     for name in names:
         match = re.fullmatch(r"(.*\.)(\d+)", name)
         if match is None:
-            others.append(name)
             order.append(name)
             continue
         prefix = match.group(1)
         if prefix not in groups:
             order.append(prefix)
         groups[prefix].append(int(match.group(2)))
+
+    def labelled(text: str, members: list[str]) -> str:
+        classes = {kinds[member] for member in members if kinds.get(member)}
+        return f"{text} ({classes.pop()})" if len(classes) == 1 else text
+
     parts = []
     for key in order:
         if key not in groups:
             if key == ROOT_BLOCK:
                 continue
-            parts.append(key)
+            parts.append(labelled(key, [key]))
             continue
         numbers = sorted(groups[key])
         start = previous = numbers[0]
+        runs = []
         for number in numbers[1:] + [None]:  # type: ignore[list-item]
             if number is not None and number == previous + 1:
                 previous = number
                 continue
-            parts.append(f"{key}{start}" if start == previous else f"{key}{start}-{previous}")
+            runs.append((start, previous))
             if number is not None:
                 start = previous = number
+        for first, last in runs:
+            members = [f"{key}{n}" for n in range(first, last + 1)]
+            text = f"{key}{first}" if first == last else f"{key}{first}-{last}"
+            parts.append(labelled(text, members))
     return ", ".join(parts)

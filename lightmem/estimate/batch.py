@@ -6,7 +6,7 @@ reads them from the real batch before anything is faked; everything after works 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,11 @@ def inspect_batch(batch: Any) -> BatchInfo:
     return BatchInfo(batch_size, nbytes, tuple(sparse), tuple(sorted(set(lengths))))
 
 
+CHECK_PIECE_SHARE = 100
+"""The check reads a tensor in pieces of at most 1/CHECK_PIECE_SHARE of its elements, so what it
+allocates (masks, per-row counts) stays a few percent of the batch, never a copy of it."""
+
+
 def _sparse_input(path: str, tensor: torch.Tensor) -> SparseInput | None:
     if (
         not tensor.is_floating_point()
@@ -88,17 +93,43 @@ def _sparse_input(path: str, tensor: torch.Tensor) -> SparseInput | None:
     ):
         return None
     values = tensor.detach()
-    zeros = float((values == 0).sum()) / values.numel()
+    piece = max(MIN_ELEMENTS_FOR_ZERO_ADVICE, values.numel() // CHECK_PIECE_SHARE)
+    nonzeros = 0
+    one_hot = values.dim() >= 2
+    for rows in _row_pieces(values, piece):
+        counts = torch.zeros(rows.shape[0], dtype=torch.int64)
+        ones = torch.zeros(rows.shape[0], dtype=torch.int64)
+        for start in range(0, rows.shape[1], piece):
+            columns = rows[:, start : start + piece]
+            counts += torch.count_nonzero(columns, dim=1)
+            if one_hot:
+                ones += torch.count_nonzero(columns == 1, dim=1)
+        nonzeros += int(counts.sum())
+        # One non-zero per row, and it is a 1.
+        one_hot = one_hot and bool((counts == 1).all()) and bool((ones == 1).all())
+    zeros = 1.0 - nonzeros / values.numel()
     if zeros < ZERO_FRACTION_ADVICE:
         return None
-    one_hot = False
-    if values.dim() >= 2:
-        rows = values.reshape(-1, values.shape[-1])
-        one_hot = bool(((rows != 0).sum(dim=1) == 1).all()) and bool((rows.sum(dim=1) == 1).all())
     return SparseInput(
         path, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
         tensor.numel() * tensor.element_size(), zeros, one_hot,
     )  # fmt: skip
+
+
+def _row_pieces(values: torch.Tensor, piece: int) -> Iterator[torch.Tensor]:
+    """Views of ``values`` as (rows, last dim) matrices of about ``piece`` elements each; a tensor
+    that cannot be viewed as rows is walked along its first dim instead of copied."""
+    if values.dim() < 2:
+        values = values.reshape(1, -1) if values.is_contiguous() else values.unsqueeze(0)
+    try:
+        rows = values.view(-1, values.shape[-1])
+    except RuntimeError:  # not viewable as one matrix: one leading index at a time
+        for inner in values:
+            yield from _row_pieces(inner if inner.dim() >= 2 else inner.unsqueeze(0), piece)
+        return
+    step = max(1, piece // max(1, rows.shape[1]))
+    for start in range(0, rows.shape[0], step):
+        yield rows[start : start + step]
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:

@@ -4,128 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from lightmem.config import parse_size
+from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
-from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
-from lightmem.estimate.settings import (
-    OffloadConfig,
-    OptimizerChoice,
-    Precision,
-    parse_checkpoint,
-    parse_device,
-    parse_offload,
-    parse_optimizer,
-    parse_overhead,
-    parse_precision,
-)
-from lightmem.estimate.step import StepRequest, StepTrace, _is_lightning, run_step
-
-LossFn = Callable[[nn.Module, Any], Any]
-
-
-@dataclass(frozen=True)
-class EstimateSettings:
-    """Validated arguments shared by estimate_memory, max_batch_size and plan."""
-
-    device: str
-    precision: Precision
-    optimizer: OptimizerChoice
-    loss_fn: LossFn | None
-    overhead_bytes: int
-    budget_bytes: int | None
-
-
-def parse_settings(
-    fn_name: str,
-    model: nn.Module,
-    loss_fn: LossFn | None,
-    *,
-    optimizer: str | Callable[..., Any] | None,
-    precision: str | int,
-    device: str,
-    overhead_bytes: int | str | None,
-    budget: int | str | None,
-) -> EstimateSettings:
-    """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(
-            f"{fn_name}(model=...): expected an nn.Module or LightningModule; got {type(model).__name__}"
-        )
-    if loss_fn is not None and not callable(loss_fn):
-        raise ValueError(
-            f"{fn_name}(loss_fn=...): expected a callable loss_fn(model, batch) -> loss; got {loss_fn!r}"
-        )
-    if optimizer is None and not _is_lightning(model):
-        optimizer = "adamw"
-    kind = parse_device(device, flag=f"{fn_name}(device=...)")
-    return EstimateSettings(
-        device=kind,
-        precision=parse_precision(precision, flag=f"{fn_name}(precision=...)"),
-        optimizer=parse_optimizer(optimizer, flag=f"{fn_name}(optimizer=...)"),
-        loss_fn=loss_fn,
-        overhead_bytes=parse_overhead(overhead_bytes, kind, flag=f"{fn_name}(overhead_bytes=...)"),
-        budget_bytes=None if budget is None else parse_size(budget, flag=f"{fn_name}(budget=...)"),
-    )
-
-
-def run_configuration(
-    model: nn.Module,
-    batch: Any,
-    settings: EstimateSettings,
-    *,
-    offload: OffloadConfig | None = None,
-    checkpoint: tuple[Any, ...] | None = None,
-    batch_size: int | None = None,
-    info: BatchInfo | None = None,
-) -> StepTrace:
-    """One fake step of ``model`` with one lightmem configuration (the building block of the API)."""
-    info = info or inspect_batch(batch)
-    request = StepRequest(
-        device=settings.device,
-        precision=settings.precision,
-        optimizer=settings.optimizer,
-        loss_fn=settings.loss_fn,
-        offload=offload,
-        checkpoint=checkpoint,
-        batch_size=batch_size,
-        original_batch_size=info.batch_size,
-    )
-    return run_step(model, batch, request)
-
-
-def scenario_from(name: str, trace: StepTrace) -> StepMemory:
-    peak = trace.peak
-    return StepMemory(
-        name=name,
-        peak_bytes=peak.bytes,
-        breakdown=dict(peak.breakdown),
-        peak_phase=peak.phase,
-        peak_op=peak.op,
-        peak_block=peak.block,
-        activations_at_forward_end=trace.activations_at_forward_end,
-        checkpointed=list(trace.checkpointed),
-        offloaded_bytes=trace.offloaded_bytes,
-        host_bytes=trace.host_bytes,
-        seconds=trace.seconds,
-    )
-
-
-def blocks_from(trace: StepTrace) -> dict[str, BlockMemory]:
-    return {
-        name: BlockMemory(
-            name, usage.saved_bytes, usage.forward_flops, usage.input_bytes, list(usage.saved_sizes)
-        )
-        for name, usage in trace.blocks.items()
-    }
-
-
-def parameter_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+from lightmem.estimate.configuration import EstimateSettings, LossFn, build_report, parse_settings
+from lightmem.estimate.planner import default_costs, search_plan
+from lightmem.estimate.report import MemoryEstimate
+from lightmem.estimate.settings import OffloadConfig, parse_checkpoint, parse_offload
 
 
 def estimate_memory(
@@ -140,6 +28,7 @@ def estimate_memory(
     checkpoint: Iterable[str | type] | str | None = None,
     budget: int | str | None = None,
     overhead_bytes: int | str | None = None,
+    zero_grad: str = "after_forward",
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating it.
 
@@ -171,6 +60,9 @@ def estimate_memory(
         budget: device memory to compare against ("24GiB", bytes); enables budget advice.
         overhead_bytes: allowance for what is not modelled (CUDA context, library workspaces,
             fragmentation): default "1GiB" on CUDA, 0 on CPU. Reported apart from the breakdown.
+        zero_grad: "after_forward" (Lightning's order, the default: the previous step's
+            gradients are alive during forward) or "before_forward" (a plain PyTorch loop that
+            calls ``optimizer.zero_grad()`` before the forward).
 
     Returns:
         A :class:`MemoryEstimate` for the requested configuration, with "baseline" (no lightmem)
@@ -194,7 +86,7 @@ def estimate_memory(
     started = time.perf_counter()
     settings = parse_settings(
         "estimate_memory", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
-        overhead_bytes=overhead_bytes, budget=budget,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad,
     )  # fmt: skip
     offload_config = parse_offload(offload, flag="estimate_memory(offload=...)")
     if offload_config is not None:
@@ -220,55 +112,15 @@ def build_estimate(
     checkpoint: tuple[Any, ...] | None,
     *,
     started: float | None = None,
-    batch_size: int | None = None,
 ) -> MemoryEstimate:
-    """Run the baseline and every requested configuration and put the report together."""
-    from lightmem.estimate.advice import advise
-
+    """The report with its advice. Over a budget that activations can be brought under, the
+    advice is the verified plan (the same search as ``plan``), so the two never disagree."""
     started = time.perf_counter() if started is None else started
-    configurations: list[tuple[str, OffloadConfig | None, tuple[Any, ...] | None]] = [
-        ("baseline", None, None)
-    ]
-    if checkpoint:
-        configurations.append(("checkpoint", None, checkpoint))
-    if offload is not None:
-        configurations.append(("offload", offload, None))
-    if checkpoint and offload is not None:
-        configurations.append(("checkpoint+offload", offload, checkpoint))
-    traces: dict[str, StepTrace] = {}
-    for name, offload_config, targets in configurations:
-        traces[name] = run_configuration(
-            model,
-            batch,
-            settings,
-            offload=offload_config,
-            checkpoint=targets,
-            batch_size=batch_size,
-            info=info,
-        )
-    scenarios = {name: scenario_from(name, trace) for name, trace in traces.items()}
-    chosen = scenarios[configurations[-1][0]]
-    baseline = traces["baseline"]
-    estimate = MemoryEstimate(
-        peak_bytes=chosen.peak_bytes,
-        breakdown=dict(chosen.breakdown),
-        peak_phase=chosen.peak_phase,
-        peak_op=chosen.peak_op,
-        peak_block=chosen.peak_block,
-        overhead_bytes=settings.overhead_bytes,
-        budget_bytes=settings.budget_bytes,
-        device=settings.device,
-        precision=settings.precision.name,
-        optimizer=settings.optimizer.name
-        if settings.optimizer.factory is not None
-        else "+".join(baseline.optimizers),
-        batch_size=batch_size if batch_size is not None else info.batch_size,
-        parameter_count=parameter_count(model),
-        blocks=blocks_from(baseline),
-        scenarios=scenarios,
-        not_modelled=list(NOT_MODELLED) + (list(CUDA_NOTES) if settings.device == "cuda" else []),
-        inputs_bytes=baseline.peak.inputs_bytes,
-    )
-    estimate.advice = advise(estimate, info, baseline)
+    estimate, baseline = build_report(model, batch, settings, info, offload, checkpoint)
+    verified = None
+    over_budget = estimate.budget_bytes is not None and not estimate.baseline_fits
+    if over_budget and not estimate.static_exceeds_budget:
+        verified = search_plan(model, batch, settings, info, estimate, default_costs(settings.device))
+    estimate.advice = advise(estimate, info, baseline, verified)
     estimate.seconds = time.perf_counter() - started
     return estimate

@@ -21,7 +21,9 @@ from typing import Any
 from torch import nn
 
 from lightmem.config import format_bytes, parse_size
-from lightmem.estimate.batch import inspect_batch
+from lightmem.estimate.advice import advise, compact_names
+from lightmem.estimate.batch import BatchInfo, inspect_batch
+from lightmem.estimate.configuration import EstimateSettings, build_report, parse_settings, run_configuration
 from lightmem.estimate.report import BlockMemory, MemoryEstimate
 from lightmem.estimate.settings import parse_offload
 from lightmem.estimate.step import ROOT_BLOCK
@@ -80,6 +82,14 @@ def _natural(name: str) -> tuple[Any, ...]:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
+def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
+    """The blocks a plan acts on: the repeated layers, or every block of a model without any."""
+    repeated = {name: block for name, block in blocks.items() if block.repeated}
+    if repeated:
+        return repeated
+    return {name: block for name, block in blocks.items() if name != ROOT_BLOCK}
+
+
 def choose_actions(
     blocks: Mapping[str, BlockMemory], need_bytes: int, costs: Costs, start: Mapping[str, str] | None = None
 ) -> dict[str, str]:
@@ -91,11 +101,10 @@ def choose_actions(
     actions = dict(start or {})
     saved = sum(saves_bytes(blocks[name], action, costs) for name, action in actions.items())
     order = [CHECKPOINT] if not costs.allow_offload else [OFFLOAD, CHECKPOINT, BOTH]
+    candidates = planned_blocks(blocks)
     while saved < need_bytes:
         best: tuple[float, int, str, str] | None = None
-        for name, block in blocks.items():
-            if name == ROOT_BLOCK:
-                continue
+        for name, block in candidates.items():
             current = actions.get(name, KEEP)
             for action in order:
                 if _RANK[action] <= _RANK[current]:
@@ -137,6 +146,8 @@ class Plan:
     exposed_transfer_s: float = 0.0
     estimate: MemoryEstimate | None = None
     seconds: float = 0.0
+    estimate_kinds: dict[str, str] = field(default_factory=dict, repr=False)
+    """Class name per block, for the description."""
 
     @property
     def predicted_total_bytes(self) -> int:
@@ -174,13 +185,12 @@ class Plan:
             return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
         if not self.checkpoint and self.offload is None:
             return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
-        from lightmem.estimate.advice import compact_names
-
+        kinds = self.estimate_kinds
         parts = []
         if self.checkpoint:
-            parts.append(f"checkpoint {compact_names(sorted(self.checkpoint, key=_natural))}")
+            parts.append(f"checkpoint {compact_names(sorted(self.checkpoint, key=_natural), kinds)}")
         if self.offload is not None:
-            names = compact_names(sorted(self.offload["include"], key=_natural))
+            names = compact_names(sorted(self.offload["include"], key=_natural), kinds)
             parts.append(f"offload {names} (min_bytes {format_bytes(self.offload['min_bytes'])})")
         return (
             f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
@@ -208,6 +218,7 @@ def plan(
     precision: str | int = "32-true",
     device: str = "cuda",
     overhead_bytes: int | str | None = None,
+    zero_grad: str = "after_forward",
     flops_per_s: float | None = None,
     link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
     offload_min_bytes: int | str = DEFAULT_MIN_BYTES,
@@ -233,42 +244,74 @@ def plan(
     Raises:
         ValueError: a bad argument (named in the message).
     """
-    from lightmem.estimate.estimator import build_estimate, parse_settings, run_configuration
-
     started = time.perf_counter()
     settings = parse_settings(
         "plan", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
-        overhead_bytes=overhead_bytes, budget=budget,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad,
     )  # fmt: skip
-    budget_bytes = settings.budget_bytes
-    assert budget_bytes is not None
     min_bytes = parse_size(offload_min_bytes, flag="plan(offload_min_bytes=...)")
     link = parse_size(link_bytes_per_s, flag="plan(link_bytes_per_s=...)")
     if link <= 0:
         raise ValueError(f"plan(link_bytes_per_s=...): must be positive; got {link_bytes_per_s!r}")
-    throughput = DEFAULT_FLOPS_PER_S[settings.device] if flops_per_s is None else float(flops_per_s)
-    if throughput <= 0:
+    if flops_per_s is not None and float(flops_per_s) <= 0:
         raise ValueError(f"plan(flops_per_s=...): must be positive; got {flops_per_s!r}")
-    costs = Costs(throughput, float(link), min_bytes, allow_offload=settings.device != "cpu")
+    costs = default_costs(
+        settings.device, flops_per_s=flops_per_s, link_bytes_per_s=link, min_bytes=min_bytes
+    )
     info = inspect_batch(batch)
-    base = build_estimate(model, batch, settings, info, None, None)
+    base, baseline = build_report(model, batch, settings, info, None, None)
+    result = search_plan(model, batch, settings, info, base, costs, max_rounds=max_rounds)
+    base.advice = advise(base, info, baseline, result)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def default_costs(
+    device: str,
+    *,
+    flops_per_s: float | None = None,
+    link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
+    min_bytes: int | str = DEFAULT_MIN_BYTES,
+) -> Costs:
+    """The prices ``plan`` uses unless told otherwise (also those behind the estimate's advice)."""
+    throughput = DEFAULT_FLOPS_PER_S[device] if flops_per_s is None else float(flops_per_s)
+    return Costs(
+        throughput, float(parse_size(link_bytes_per_s, flag="link_bytes_per_s")),
+        parse_size(min_bytes, flag="offload_min_bytes"), allow_offload=device != "cpu",
+    )  # fmt: skip
+
+
+def search_plan(
+    model: nn.Module,
+    batch: Any,
+    settings: EstimateSettings,
+    info: BatchInfo,
+    base: MemoryEstimate,
+    costs: Costs,
+    *,
+    max_rounds: int = 4,
+) -> Plan:
+    """Choose actions for the repeated layers of ``base`` and verify each choice with a fake step."""
+    budget_bytes = settings.budget_bytes
+    assert budget_bytes is not None
+    min_bytes = costs.min_bytes
     available = budget_bytes - settings.overhead_bytes
-    result = Plan([], None, base.peak_bytes, settings.overhead_bytes, budget_bytes, False, "", estimate=base)
-    if base.static_bytes >= available:
+    baseline_peak = base.scenarios["baseline"].peak_bytes
+    result = Plan([], None, baseline_peak, settings.overhead_bytes, budget_bytes, False, "", estimate=base)
+    result.estimate_kinds = {name: block.kind for name, block in base.blocks.items()}
+    if base.static_exceeds_budget:
         result.reason = (
             f"parameters + gradients + optimizer state alone take {format_bytes(base.static_bytes)} "
             f"of the {format_bytes(available)} left after the {format_bytes(settings.overhead_bytes)} "
             "overhead allowance; no activation technique helps (see the advice)"
         )
-        result.seconds = time.perf_counter() - started
         return result
-    if base.peak_bytes <= available:
+    if baseline_peak <= available:
         result.fits = True
         result.reason = "the baseline step already fits"
-        result.seconds = time.perf_counter() - started
         return result
 
-    need = base.peak_bytes - available
+    need = baseline_peak - available
     actions: dict[str, str] = {}
     exhausted = False
     for _ in range(max_rounds):
@@ -292,7 +335,6 @@ def plan(
         result.exposed_transfer_s = (
             sum(_cost_s(base.blocks[n], a, costs) for n, a in actions.items()) - result.recompute_s
         )
-        result.estimate = None
         if trace.peak.bytes <= available:
             result.fits = True
             result.reason = f"verified peak {format_bytes(trace.peak.bytes)} + overhead {format_bytes(settings.overhead_bytes)}"
@@ -301,11 +343,14 @@ def plan(
         # ask for the shortfall on top of what was already asked.
         need += trace.peak.bytes - available
     if not result.fits:
-        what = "with every block checkpointed or offloaded" if exhausted else f"after {max_rounds} rounds"
+        what = (
+            "with every repeated layer checkpointed or offloaded"
+            if exhausted
+            else f"after {max_rounds} rounds"
+        )
         result.reason = (
             f"{what} the verified peak is {format_bytes(result.predicted_peak_bytes)}, over the "
             f"{format_bytes(available)} available after the overhead allowance; what remains is parameters, "
             "gradients, optimizer state, temporaries and tensors outside the blocks"
         )
-    result.seconds = time.perf_counter() - started
     return result

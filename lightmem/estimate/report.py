@@ -34,13 +34,23 @@ CUDA_NOTES = (
 
 @dataclass
 class BlockMemory:
-    """One top-level block: what autograd keeps of it at the end of forward, and its cost."""
+    """One block (a repeated layer, or a module around them): what autograd keeps of it at the
+    end of forward, and its cost."""
 
     name: str
     saved_bytes: int
     forward_flops: float
     input_bytes: int
     saved_sizes: list[int] = field(default_factory=list, repr=False)
+    kind: str = ""
+    """The block's class name ("GPT2Block"); empty for what runs outside every block."""
+    repeated: bool = False
+    """One of the model's repeated layers: what the planner checkpoints."""
+
+    @property
+    def label(self) -> str:
+        """``transformer.h.3 (GPT2Block)``."""
+        return f"{self.name} ({self.kind})" if self.kind else self.name
 
     def offloadable_bytes(self, min_bytes: int) -> int:
         """Saved bytes in storages of at least ``min_bytes`` (what offload would move)."""
@@ -128,6 +138,24 @@ class MemoryEstimate:
         return None if self.budget_bytes is None else self.total_bytes <= self.budget_bytes
 
     @property
+    def available_bytes(self) -> int | None:
+        """What the budget leaves for the step after the overhead allowance (None without one)."""
+        return None if self.budget_bytes is None else self.budget_bytes - self.overhead_bytes
+
+    @property
+    def baseline_fits(self) -> bool | None:
+        """Whether the step without lightmem fits the budget (None without a budget)."""
+        available = self.available_bytes
+        return None if available is None else self.scenarios["baseline"].peak_bytes <= available
+
+    @property
+    def static_exceeds_budget(self) -> bool:
+        """Parameters, gradients and optimizer state leave no room for activations: no activation
+        technique can make the step fit. The one test the advice and the planner both use."""
+        available = self.available_bytes
+        return available is not None and self.static_bytes >= available
+
+    @property
     def static_bytes(self) -> int:
         """Parameters + gradients + optimizer state: what no activation technique reduces."""
         baseline = self.scenarios["baseline"].breakdown
@@ -153,6 +181,8 @@ class MemoryEstimate:
                     "saved_bytes": block.saved_bytes,
                     "forward_flops": block.forward_flops,
                     "input_bytes": block.input_bytes,
+                    "class": block.kind,
+                    "repeated": block.repeated,
                 }
                 for name, block in self.blocks.items()
             },
@@ -214,7 +244,7 @@ class MemoryEstimate:
         ranked = sorted(self.blocks.values(), key=lambda block: block.saved_bytes, reverse=True)
         for block in ranked[:max_blocks]:
             blocks.add_row(
-                block.name, format_bytes(block.saved_bytes), f"{100 * block.saved_bytes / total_saved:.1f}%",
+                block.label, format_bytes(block.saved_bytes), f"{100 * block.saved_bytes / total_saved:.1f}%",
                 f"{block.forward_flops / 1e9:,.2f}",
             )  # fmt: skip
         if len(ranked) > max_blocks:

@@ -1,9 +1,11 @@
 """``max_batch_size``: the largest batch whose step fits a budget, found with the estimator alone.
 
-Peak memory is close to affine in the batch size, so two estimates give a first guess; the
-search then brackets the answer (a size that fits, the next one that does not) with secant steps
-that fall back to bisection. The answer is always an estimated size that fits next to one that
-does not: the affine model only chooses where to look.
+Peak memory is affine in the batch size for most models, so two estimates give a line and one
+estimate at the size the line picks confirms it: three estimates when that size fits and the next
+one is over the budget even at the smallest slope seen, less how far the step fell off the line.
+Otherwise the search brackets the answer (a size that fits, the next one that does not)
+with secant steps that fall back to bisection. The answer is always an estimated size that fits;
+the next size is either estimated not to fit or, on a confirmed line, predicted not to.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from lightmem.estimate.batch import inspect_batch
+from lightmem.estimate.configuration import parse_settings, run_configuration
 from lightmem.estimate.settings import OffloadConfig, parse_checkpoint, parse_offload
 
 DEFAULT_LIMIT = 1 << 20
@@ -74,6 +77,21 @@ def largest_fitting(
     other = start * 2 if start * 2 <= limit else start // 2
     if other >= 1 and other != start:
         evaluate(other)
+        line = _line(seen)
+        if line is not None:
+            # Memory is affine in the batch size for most models: one step at the size the
+            # line gives confirms it (the step lands exactly on the line) and ends the search.
+            intercept, slope = line
+            guess = min(limit, max(1, int((budget_bytes - intercept) // slope))) if slope > 0 else limit
+            if guess not in seen and evaluate(guess):
+                # The step at the guess fits. The next size is over the budget if it would be
+                # even when memory grew by the smallest slope seen, less how far the guess
+                # itself fell off the line (allocator rounding, a peak that moves).
+                off_line = abs(seen[guess] - (intercept + slope * guess))
+                points = sorted(seen.items())
+                slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in zip(points, points[1:])]
+                if guess == limit or seen[guess] + min(slopes) - off_line > budget_bytes:
+                    return guess, sorted(seen.items())
     while high - low > 1:
         guess = _affine_guess(seen, budget_bytes, low, high)
         if guess is None or not low < guess < high:
@@ -84,6 +102,15 @@ def largest_fitting(
         elif guess - 1 > low:
             evaluate(guess - 1)
     return low, sorted(seen.items())
+
+
+def _line(seen: dict[int, int]) -> tuple[float, float] | None:
+    """Intercept and slope of the line through the two evaluations (None if not two)."""
+    if len(seen) != 2:
+        return None
+    (x1, y1), (x2, y2) = sorted(seen.items())
+    slope = (y2 - y1) / (x2 - x1)
+    return y1 - slope * x1, slope
 
 
 def _affine_guess(seen: dict[int, int], budget: int, low: int, high: int) -> int | None:
@@ -112,6 +139,7 @@ def max_batch_size(
     offload: bool | Mapping[str, Any] | None = None,
     checkpoint: Iterable[str | type] | str | None = None,
     overhead_bytes: int | str | None = None,
+    zero_grad: str = "after_forward",
     limit: int = DEFAULT_LIMIT,
 ) -> BatchSearch:
     """The largest batch size whose step fits ``budget``, without lightmem and with a configuration.
@@ -129,12 +157,10 @@ def max_batch_size(
     Raises:
         ValueError: a bad argument, or a batch without tensors to scale.
     """
-    from lightmem.estimate.estimator import parse_settings, run_configuration
-
     started = time.perf_counter()
     settings = parse_settings(
         "max_batch_size", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
-        overhead_bytes=overhead_bytes, budget=budget,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad,
     )  # fmt: skip
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"max_batch_size(limit=...): expected a positive int; got {limit!r}")

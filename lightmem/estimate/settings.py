@@ -194,3 +194,14 @@ def parse_overhead(value: int | str | None, device: str, *, flag: str) -> int:
 
 def allocation_rounding(device: str) -> int:
     return CUDA_ALLOCATION_BYTES if device == "cuda" else 1
+
+
+ZERO_GRAD_ORDERS = ("after_forward", "before_forward")
+
+
+def parse_zero_grad(value: str, *, flag: str) -> str:
+    """Where the step sets gradients to None: "after_forward" (Lightning's automatic
+    optimization) or "before_forward" (a plain loop: zero_grad, forward, backward, step)."""
+    if value not in ZERO_GRAD_ORDERS:
+        raise ValueError(f"{flag}: expected one of {', '.join(map(repr, ZERO_GRAD_ORDERS))}; got {value!r}")
+    return value

@@ -10,6 +10,9 @@ step follows Lightning's automatic optimization after its first step:
     backward
     optimizer.step()
 
+or, with ``zero_grad="before_forward"``, a plain PyTorch loop's order (zero_grad, forward,
+backward, step), where the previous step's gradients are gone before forward starts.
+
 The previous step is not run: each trainable parameter is given a gradient and the optimizer
 steps once, which creates its state. Parameters that then get no gradient in the measured step
 are taken out again (a real run would never have given them gradient or state).
@@ -18,6 +21,9 @@ are taken out again (a real run would never have given them gradient or state).
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
+import logging
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +37,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    unset_fake_temporarily,
 )
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -57,6 +64,8 @@ class StepRequest:
     batch_size: int | None = None
     """Replace dim 0 of the batch's tensors (whose dim 0 is ``original_batch_size``)."""
     original_batch_size: int | None = None
+    zero_grad: str = "after_forward"
+    """When gradients are set to None: "after_forward" (Lightning) or "before_forward" (a plain loop)."""
 
 
 @dataclass
@@ -83,42 +92,90 @@ class StepTrace:
     reloaded_bytes: int = 0
     optimizers: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    block_kinds: dict[str, str] = field(default_factory=dict)
+    """Class name of each block."""
+    repeated_blocks: set[str] = field(default_factory=set)
 
 
 class EstimateError(RuntimeError):
     """The step could not be run on fake tensors; the message says why and what to change."""
 
 
-def top_level_blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's direct children, by qualified name, with containers expanded one level.
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
-    A root whose parameters all live in one child (a LightningModule around its model) is looked
-    through, so the blocks are the model's own. ``ModuleList``, ``Sequential`` and ``ModuleDict``
-    children are replaced by their children ("blocks.0", "blocks.1", ...).
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _repeats(container: nn.Module) -> bool:
+    """A container holds repeated layers: two children with parameters share a class."""
+    classes = [type(child) for child in container.children() if _has_parameters(child)]
+    return len(classes) != len(set(classes))
+
+
+def _holds_repeats(module: nn.Module) -> bool:
+    return any(isinstance(inner, _CONTAINERS) and _repeats(inner) for inner in module.modules())
+
+
+@dataclass
+class Blocks:
+    """The units the estimator reports and the planner acts on, by qualified name."""
+
+    modules: dict[str, nn.Module]
+    repeated: set[str]
+    """Names of the repeated layers: children of a container that holds several of their class."""
+
+    def kind(self, name: str) -> str:
+        return type(self.modules[name]).__name__
+
+
+def find_blocks(model: nn.Module) -> Blocks:
+    """The model's repeated layers, at whatever depth they sit, and the modules around them.
+
+    The tree is opened down to the outermost containers (``ModuleList``, ``Sequential``,
+    ``ModuleDict``) whose children repeat a class: those children are blocks
+    (``transformer.h.0``, ``model.layers.3``, ``bert.encoder.layer.1``, ``net.3``), each one a
+    unit to checkpoint. A module holding no repeated layers is a block as a whole; a module
+    holding some is opened. A root whose parameters all live in one child (a LightningModule
+    around its model) is looked through. A module reachable by several names (tied embeddings)
+    is one block, under its first name.
     """
     prefix = ""
     root = model
     while True:
         children = list(root.named_children())
-        with_params = [(name, child) for name, child in children if any(True for _ in child.parameters())]
+        with_params = [(name, child) for name, child in children if _has_parameters(child)]
         own = any(True for _ in root.parameters(recurse=False))
-        if (
-            len(with_params) == 1
-            and not own
-            and not isinstance(with_params[0][1], (nn.ModuleList, nn.Sequential, nn.ModuleDict))
-        ):
+        if len(with_params) == 1 and not own and not isinstance(with_params[0][1], _CONTAINERS):
             name, root = with_params[0]
             prefix = f"{prefix}{name}."
             continue
         break
-    blocks: dict[str, nn.Module] = {}
-    for name, child in root.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
-            for inner, grandchild in child.named_children():
-                blocks[f"{prefix}{name}.{inner}"] = grandchild
-        else:
-            blocks[f"{prefix}{name}"] = child
-    return blocks
+    found = Blocks({}, set())
+    seen: set[int] = set()
+
+    def add(name: str, module: nn.Module, repeated: bool) -> None:
+        if id(module) not in seen:
+            seen.add(id(module))
+            found.modules[name] = module
+            if repeated:
+                found.repeated.add(name)
+
+    def open_up(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            qualified = f"{prefix}{name}"
+            if isinstance(child, _CONTAINERS) and _repeats(child):
+                classes = Counter(type(layer) for layer in child.children() if _has_parameters(layer))
+                for inner, layer in child.named_children():
+                    add(f"{qualified}.{inner}", layer, classes[type(layer)] > 1)
+            elif isinstance(child, _CONTAINERS) or _holds_repeats(child):
+                open_up(f"{qualified}.", child)
+            else:
+                add(qualified, child, False)
+
+    open_up(prefix, root)
+    return found
 
 
 def _is_lightning(model: nn.Module) -> bool:
@@ -139,7 +196,7 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
     """
     started = time.perf_counter()
     is_lightning = _is_lightning(model)
-    blocks = top_level_blocks(model)
+    blocks = find_blocks(model)
     handle = None
     checkpointed: list[str] = []
     if request.checkpoint:
@@ -147,24 +204,91 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
 
         handle = apply_checkpointing(model, list(request.checkpoint))
         checkpointed = _checkpointed_names(model, handle)
+    failure = FailureSite({id(module): name for name, module in model.named_modules()})
     try:
-        with _preserved_module_state(model), warnings.catch_warnings():
+        with _preserved_module_state(model), warnings.catch_warnings(), _quiet_fake_tensor_log():
             warnings.filterwarnings("ignore", message=".*self.log.*")
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             warnings.filterwarnings("ignore", message=".*trainer.*reference is not registered.*")
-            trace = _run(model, batch, request, blocks, is_lightning)
+            trace = _run(model, batch, request, blocks, is_lightning, failure)
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         raise EstimateError(
-            "the training step reads tensor values (e.g. .item(), .tolist(), a Python `if` on a "
-            "tensor, boolean-mask indexing or nonzero), which fake tensors do not have. Move such "
-            f"code out of the step or pass loss_fn=... that avoids it. ({type(error).__name__}: {error})"
+            f"the training step reads tensor values{failure.where(error, ' in ')} (e.g. .item(), "
+            ".tolist(), a Python `if` on a tensor, boolean-mask indexing or nonzero), which fake "
+            "tensors do not have. Move such code out of the step or pass loss_fn=... that avoids "
+            f"it. ({type(error).__name__}: {error})"
         ) from None
+    except EstimateError:
+        raise
+    except RuntimeError as error:
+        raise failure.explain(error) from error
     finally:
         if handle is not None:
             handle.remove()
     trace.checkpointed = checkpointed
     trace.seconds = time.perf_counter() - started
     return trace
+
+
+class FailureSite:
+    """Where the fake step failed: the innermost module running and the op that raised.
+
+    Both are kept with the exception they belong to, so an error caught and handled inside the
+    model cannot be blamed for a later one.
+    """
+
+    def __init__(self, module_names: dict[int, str]) -> None:
+        self.module_names = module_names
+        self.module: tuple[BaseException, str, str] | None = None
+        self.op: tuple[BaseException, str, list[list[int]]] | None = None
+
+    def module_failed(self, module: nn.Module, error: BaseException) -> None:
+        if self.module is not None and self.module[0] is error:
+            return  # the innermost module, which the error left first, is already known
+        name = self.module_names.get(id(module))
+        if name is not None:
+            self.module = (error, name, type(module).__name__)
+
+    def op_failed(self, func: Any, args: Any, error: BaseException) -> None:
+        shapes = [list(a.shape) for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        self.op = (error, str(func.name()).replace("::", ".").removesuffix(".default"), shapes)
+
+    def where(self, error: BaseException, prefix: str) -> str:
+        """`` in body.1 (Stats)`` for the innermost module that ``error`` left, or ""."""
+        if self.module is None or self.module[0] is not error:
+            return ""
+        _, name, cls = self.module
+        return f"{prefix}{name or 'the model'} ({cls})"
+
+    def explain(self, error: RuntimeError) -> EstimateError:
+        message = str(error).strip().rstrip(".")
+        if "numpy" in message.lower() and "tensor subclass" in message:
+            return EstimateError(
+                f"the training step calls .numpy() (or another conversion to NumPy)"
+                f"{self.where(error, ' in ')}; fake tensors have no values to convert. Keep NumPy out "
+                "of the training step's forward for the estimate (compute with torch ops, or pass "
+                "loss_fn=... that skips it)."
+            )
+        place = self.where(error, " in ") or " outside the model's modules"
+        if self.op is not None and self.op[0] is error:
+            _, op, shapes = self.op
+            place += f" at {op} with inputs of shape {', '.join(map(str, shapes))}"
+        return EstimateError(
+            f"the training step fails{place}: {message}. A real step fails there too: check the "
+            "batch's shapes and dtypes against the model."
+        )
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensorMode logs a traceback for every failing meta kernel; the EstimateError says it."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _checkpointed_names(model: nn.Module, handle: Any) -> list[str]:
@@ -199,8 +323,24 @@ def _fake_like(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=target, device="cpu")
 
 
+def _known_value(fake_mode: FakeTensorMode, buffer: torch.Tensor, dtype: torch.dtype | None) -> Any:
+    """A fake buffer that carries the real one's value, for a scalar buffer with a value.
+
+    Modules read such buffers as Python numbers (BatchNorm with ``momentum=None`` divides by
+    ``num_batches_tracked``); their values are known, so the step can read them. The fake holds a
+    copy: what the step writes to it never reaches the model.
+    """
+    if buffer.numel() > 1 or buffer.is_meta or isinstance(buffer, FakeTensor):
+        return None
+    with unset_fake_temporarily():
+        value = buffer.detach().clone()
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+    return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, value, make_constant=True)
+
+
 def _fake_state(
-    model: nn.Module, param_dtype: torch.dtype | None
+    model: nn.Module, param_dtype: torch.dtype | None, fake_mode: FakeTensorMode
 ) -> tuple[dict[str, torch.Tensor], list[nn.Parameter], list[torch.Tensor]]:
     """Fake parameters and buffers by every name they have (tied weights stay tied)."""
     by_id: dict[int, torch.Tensor] = {}
@@ -217,7 +357,9 @@ def _fake_state(
     for name, buffer in model.named_buffers(remove_duplicate=False):
         fake = by_id.get(id(buffer))
         if fake is None:
-            fake = _fake_like(buffer, param_dtype)
+            fake = _known_value(fake_mode, buffer, param_dtype)
+            if fake is None:
+                fake = _fake_like(buffer, param_dtype)
             by_id[id(buffer)] = fake
             buffers.append(fake)
         named[name] = fake
@@ -225,13 +367,15 @@ def _fake_state(
 
 
 def _run(
-    model: nn.Module, batch: Any, request: StepRequest, blocks: dict[str, nn.Module], is_lightning: bool
-) -> StepTrace:
+    model: nn.Module, batch: Any, request: StepRequest, blocks: Blocks, is_lightning: bool,
+    failure: FailureSite,
+) -> StepTrace:  # fmt: skip
     precision = request.precision
     tracer = StorageTracer(allocation_rounding(request.device), CORRECTIONS)
+    tracer.on_failure = failure.op_failed
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
-        named, params, buffers = _fake_state(model, precision.param_dtype)
+        named, params, buffers = _fake_state(model, precision.param_dtype, fake_mode)
         inputs = fake_batch(
             batch, device="cpu", batch_size=request.batch_size,
             original_batch_size=request.original_batch_size, float_dtype=precision.param_dtype,
@@ -245,13 +389,14 @@ def _run(
             tracer.track(tensor, INPUT)
         with _reparametrize_module(model, named), tracer, torch.enable_grad():
             return _steady_step(
-                model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected
+                model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected, failure
             )
 
 
 def _steady_step(
-    model: nn.Module, batch: Any, request: StepRequest, blocks: dict[str, nn.Module], is_lightning: bool,
+    model: nn.Module, batch: Any, request: StepRequest, blocks: Blocks, is_lightning: bool,
     tracer: StorageTracer, params: list[nn.Parameter], buffers: list[torch.Tensor], protected: set[int],
+    failure: FailureSite,
 ) -> StepTrace:  # fmt: skip
     optimizers = _build_optimizers(model, request.optimizer, is_lightning)
     if request.device == "cuda":
@@ -274,11 +419,14 @@ def _steady_step(
         p.register_post_accumulate_grad_hook(lambda p: tracer.mark_gradient(p.grad)) for p in trainable
     ]
 
-    block_names = {id(module): name for name, module in blocks.items()}
-    tracker = _BlockTracker(tracer, block_names)
+    block_names = {id(module): name for name, module in blocks.modules.items()}
+    tracker = _BlockTracker(tracer, block_names, failure)
     hooks = SavedTensorHooks(tracer, tracker.current, request.offload, model, protected)
     precision = request.precision
 
+    if request.zero_grad == "before_forward":  # a plain loop frees the old gradients first
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
     tracer.window.start = tracer.now()
     tracer.set_phase("forward")
     tracer.count_flops = True
@@ -303,8 +451,9 @@ def _steady_step(
     usage, saved_list, activations = _forward_end_usage(tracer, tracker)
 
     tracer.set_phase("backward")
-    for optimizer in optimizers:
-        optimizer.zero_grad(set_to_none=True)
+    if request.zero_grad == "after_forward":
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
     with tracker, CudaBehaviour() if request.device == "cuda" else contextlib.nullcontext():
         # Checkpoint re-runs forwards in here and they must allocate as the forward did, so the
         # engine is called directly: Tensor.backward would pass through (and switch off) the mode.
@@ -329,6 +478,8 @@ def _steady_step(
     return StepTrace(
         peak=peak,
         blocks=usage,
+        block_kinds={name: blocks.kind(name) for name in blocks.modules},
+        repeated_blocks=set(blocks.repeated),
         saved_at_forward_end=saved_list,
         activations_at_forward_end=activations,
         parameter_bytes=sum(
@@ -509,8 +660,9 @@ class _BlockTracker:
     During backward, any module forward is a re-run by activation checkpointing.
     """
 
-    def __init__(self, tracer: StorageTracer, block_names: dict[int, str]) -> None:
+    def __init__(self, tracer: StorageTracer, block_names: dict[int, str], failure: FailureSite) -> None:
         self.tracer = tracer
+        self.failure = failure
         self.block_names = block_names
         self.stack: list[str] = []
         self.depth = 0
@@ -556,6 +708,9 @@ class _BlockTracker:
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         tracer = self.tracer
+        error = sys.exc_info()[1]
+        if error is not None:  # called from Module.__call__'s except clause: the forward raised
+            self.failure.module_failed(module, error)
         self.depth -= 1
         name = self.block_names.get(id(module))
         if name is not None and self.stack and self.stack[-1] == name:

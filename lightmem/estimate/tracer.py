@@ -108,11 +108,18 @@ class StorageTracer(TorchDispatchMode):
         self.block_flops: dict[str | None, float] = {}
         self.excluded: set[int] = set()
         self.saved: list[int] = []  # record ids in the order autograd first saved them
+        self.on_failure: Any = None
+        """Called with (op, (args, kwargs), exception) when an op raises."""
 
     # -- allocation tracking ---------------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception as error:
+            if self.on_failure is not None:
+                self.on_failure(func, (args, kwargs), error)
+            raise
         correction = self.corrections.get(func)
         if correction is not None:
             out = correction(args, kwargs or {}, out)

@@ -1,0 +1,194 @@
+"""One fake step per lightmem configuration, and the report built from them (no advice).
+
+Shared by ``estimate_memory``, ``max_batch_size`` and ``plan``: the arguments are validated once
+(``parse_settings``), each configuration runs as one fake step (``run_configuration``), and
+``build_report`` puts the baseline and the requested configurations side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from lightmem.config import parse_size
+from lightmem.estimate.batch import BatchInfo, inspect_batch
+from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
+from lightmem.estimate.settings import (
+    OffloadConfig,
+    OptimizerChoice,
+    Precision,
+    parse_device,
+    parse_optimizer,
+    parse_overhead,
+    parse_precision,
+    parse_zero_grad,
+)
+from lightmem.estimate.step import StepRequest, StepTrace, _is_lightning, run_step
+
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+@dataclass(frozen=True)
+class EstimateSettings:
+    """Validated arguments shared by estimate_memory, max_batch_size and plan."""
+
+    device: str
+    precision: Precision
+    optimizer: OptimizerChoice
+    loss_fn: LossFn | None
+    overhead_bytes: int
+    budget_bytes: int | None
+    zero_grad: str = "after_forward"
+
+
+def parse_settings(
+    fn_name: str,
+    model: nn.Module,
+    loss_fn: LossFn | None,
+    *,
+    optimizer: str | Callable[..., Any] | None,
+    precision: str | int,
+    device: str,
+    overhead_bytes: int | str | None,
+    budget: int | str | None,
+    zero_grad: str = "after_forward",
+) -> EstimateSettings:
+    """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"{fn_name}(model=...): expected an nn.Module or LightningModule; got {type(model).__name__}"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(
+            f"{fn_name}(loss_fn=...): expected a callable loss_fn(model, batch) -> loss; got {loss_fn!r}"
+        )
+    if optimizer is None and not _is_lightning(model):
+        optimizer = "adamw"
+    kind = parse_device(device, flag=f"{fn_name}(device=...)")
+    return EstimateSettings(
+        device=kind,
+        precision=parse_precision(precision, flag=f"{fn_name}(precision=...)"),
+        optimizer=parse_optimizer(optimizer, flag=f"{fn_name}(optimizer=...)"),
+        loss_fn=loss_fn,
+        overhead_bytes=parse_overhead(overhead_bytes, kind, flag=f"{fn_name}(overhead_bytes=...)"),
+        budget_bytes=None if budget is None else parse_size(budget, flag=f"{fn_name}(budget=...)"),
+        zero_grad=parse_zero_grad(zero_grad, flag=f"{fn_name}(zero_grad=...)"),
+    )
+
+
+def run_configuration(
+    model: nn.Module,
+    batch: Any,
+    settings: EstimateSettings,
+    *,
+    offload: OffloadConfig | None = None,
+    checkpoint: tuple[Any, ...] | None = None,
+    batch_size: int | None = None,
+    info: BatchInfo | None = None,
+) -> StepTrace:
+    """One fake step of ``model`` with one lightmem configuration (the building block of the API)."""
+    info = info or inspect_batch(batch)
+    request = StepRequest(
+        device=settings.device,
+        precision=settings.precision,
+        optimizer=settings.optimizer,
+        loss_fn=settings.loss_fn,
+        offload=offload,
+        checkpoint=checkpoint,
+        batch_size=batch_size,
+        original_batch_size=info.batch_size,
+        zero_grad=settings.zero_grad,
+    )
+    return run_step(model, batch, request)
+
+
+def scenario_from(name: str, trace: StepTrace) -> StepMemory:
+    peak = trace.peak
+    return StepMemory(
+        name=name,
+        peak_bytes=peak.bytes,
+        breakdown=dict(peak.breakdown),
+        peak_phase=peak.phase,
+        peak_op=peak.op,
+        peak_block=peak.block,
+        activations_at_forward_end=trace.activations_at_forward_end,
+        checkpointed=list(trace.checkpointed),
+        offloaded_bytes=trace.offloaded_bytes,
+        host_bytes=trace.host_bytes,
+        seconds=trace.seconds,
+    )
+
+
+def blocks_from(trace: StepTrace) -> dict[str, BlockMemory]:
+    return {
+        name: BlockMemory(
+            name, usage.saved_bytes, usage.forward_flops, usage.input_bytes, list(usage.saved_sizes),
+            kind=trace.block_kinds.get(name, ""), repeated=name in trace.repeated_blocks,
+        )  # fmt: skip
+        for name, usage in trace.blocks.items()
+    }
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_report(
+    model: nn.Module,
+    batch: Any,
+    settings: EstimateSettings,
+    info: BatchInfo,
+    offload: OffloadConfig | None,
+    checkpoint: tuple[Any, ...] | None,
+    *,
+    batch_size: int | None = None,
+) -> tuple[MemoryEstimate, StepTrace]:
+    """Run the baseline and every requested configuration; the report (without advice) and the
+    baseline's trace."""
+    configurations: list[tuple[str, OffloadConfig | None, tuple[Any, ...] | None]] = [
+        ("baseline", None, None)
+    ]
+    if checkpoint:
+        configurations.append(("checkpoint", None, checkpoint))
+    if offload is not None:
+        configurations.append(("offload", offload, None))
+    if checkpoint and offload is not None:
+        configurations.append(("checkpoint+offload", offload, checkpoint))
+    traces: dict[str, StepTrace] = {}
+    for name, offload_config, targets in configurations:
+        traces[name] = run_configuration(
+            model,
+            batch,
+            settings,
+            offload=offload_config,
+            checkpoint=targets,
+            batch_size=batch_size,
+            info=info,
+        )
+    scenarios = {name: scenario_from(name, trace) for name, trace in traces.items()}
+    chosen = scenarios[configurations[-1][0]]
+    baseline = traces["baseline"]
+    estimate = MemoryEstimate(
+        peak_bytes=chosen.peak_bytes,
+        breakdown=dict(chosen.breakdown),
+        peak_phase=chosen.peak_phase,
+        peak_op=chosen.peak_op,
+        peak_block=chosen.peak_block,
+        overhead_bytes=settings.overhead_bytes,
+        budget_bytes=settings.budget_bytes,
+        device=settings.device,
+        precision=settings.precision.name,
+        optimizer=settings.optimizer.name
+        if settings.optimizer.factory is not None
+        else "+".join(baseline.optimizers),
+        batch_size=batch_size if batch_size is not None else info.batch_size,
+        parameter_count=parameter_count(model),
+        blocks=blocks_from(baseline),
+        scenarios=scenarios,
+        not_modelled=list(NOT_MODELLED) + (list(CUDA_NOTES) if settings.device == "cuda" else []),
+        inputs_bytes=baseline.peak.inputs_bytes,
+    )
+    return estimate, baseline
