@@ -1,21 +1,19 @@
 """What the estimator returns: figures per configuration, per block, the advice, and two renderings.
 
-``MemoryEstimate`` is plain data. ``render()`` gives the table a person reads (``rich``);
+``MemoryEstimate`` is plain data. ``to_text()`` gives the tables a person reads (``render()``: the
+same with ``rich``, when installed);
 ``to_dict()`` gives the same figures to programs (JSON-ready: ints, floats, strings, lists).
 """
 
 from __future__ import annotations
 
-import io
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Console, Group
-from rich.table import Table
-from rich.text import Text
-
 from lightmem.config import format_bytes
 from lightmem.estimate.tracer import CATEGORIES
+from lightmem.tables import format_table
 
 NOT_MODELLED = (
     "the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers (covered by the overhead allowance)",
@@ -192,82 +190,97 @@ class MemoryEstimate:
             "seconds": round(self.seconds, 3),
         }
 
-    def render(self, *, max_blocks: int = 12) -> Group:
-        """The report as ``rich`` renderables: breakdown per configuration, blocks, advice."""
+    def _tables(self, max_blocks: int) -> list[tuple[str, list[str], list[list[str]]]]:
+        """(title, headers, rows) of the two tables: breakdown per configuration, blocks."""
         title = (
             f"Estimated step memory on {self.device} ({self.precision}, {self.optimizer}, "
             f"batch {self.batch_size}, {self.parameter_count / 1e6:,.1f}M parameters)"
         )
-        table = Table(title=title, title_justify="left")
-        table.add_column("")
-        for name in self.scenarios:
-            table.add_column(name, justify="right")
-        for category in CATEGORIES:
-            table.add_row(
-                category.replace("_", " "),
-                *(format_bytes(s.breakdown[category]) for s in self.scenarios.values()),
-            )
-        table.add_section()
-        table.add_row(
-            Text("peak", style="bold"),
-            *(Text(format_bytes(s.peak_bytes), style="bold") for s in self.scenarios.values()),
-        )
-        table.add_row("overhead", *(format_bytes(self.overhead_bytes) for _ in self.scenarios))
-        totals = [s.peak_bytes + self.overhead_bytes for s in self.scenarios.values()]
-        table.add_row(Text("total", style="bold"), *(Text(format_bytes(t), style="bold") for t in totals))
+        scenarios = list(self.scenarios.values())
+        rows = [
+            [category.replace("_", " "), *(format_bytes(s.breakdown[category]) for s in scenarios)]
+            for category in CATEGORIES
+        ]
+        totals = [s.peak_bytes + self.overhead_bytes for s in scenarios]
+        rows.append(["peak", *(format_bytes(s.peak_bytes) for s in scenarios)])
+        rows.append(["overhead", *(format_bytes(self.overhead_bytes) for _ in scenarios)])
+        rows.append(["total", *(format_bytes(t) for t in totals)])
         if self.budget_bytes is not None:
-            table.add_row(
-                f"fits {format_bytes(self.budget_bytes)}?",
-                *(
-                    Text("yes", style="green") if t <= self.budget_bytes else Text("no", style="red")
-                    for t in totals
-                ),
-            )
-        table.add_row(
-            "peak in",
-            *(
-                f"{s.peak_phase}: {s.peak_op}" + (f" ({s.peak_block})" if s.peak_block else "")
-                for s in self.scenarios.values()
-            ),
+            rows.append([f"fits {format_bytes(self.budget_bytes)}?", *("yes" if t <= self.budget_bytes else "no" for t in totals)])
+        rows.append(
+            ["peak in", *(f"{s.peak_phase}: {s.peak_op}" + (f" ({s.peak_block})" if s.peak_block else "") for s in scenarios)]
         )
-        if any(s.offloaded_bytes for s in self.scenarios.values()):
-            table.add_row(
-                "host memory (offload)", *(format_bytes(s.host_bytes) for s in self.scenarios.values())
-            )
+        if any(s.offloaded_bytes for s in scenarios):
+            rows.append(["host memory (offload)", *(format_bytes(s.host_bytes) for s in scenarios)])
 
-        blocks = Table(title="Saved activations per block (end of forward, baseline)", title_justify="left")
-        blocks.add_column("block")
-        blocks.add_column("saved", justify="right")
-        blocks.add_column("share", justify="right")
-        blocks.add_column("forward GFLOP", justify="right")
         total_saved = sum(block.saved_bytes for block in self.blocks.values()) or 1
         ranked = sorted(self.blocks.values(), key=lambda block: block.saved_bytes, reverse=True)
-        for block in ranked[:max_blocks]:
-            blocks.add_row(
-                block.label, format_bytes(block.saved_bytes), f"{100 * block.saved_bytes / total_saved:.1f}%",
-                f"{block.forward_flops / 1e9:,.2f}",
-            )  # fmt: skip
+        block_rows = [
+            [block.label, format_bytes(block.saved_bytes), f"{100 * block.saved_bytes / total_saved:.1f}%",
+             f"{block.forward_flops / 1e9:,.2f}"]
+            for block in ranked[:max_blocks]
+        ]  # fmt: skip
         if len(ranked) > max_blocks:
             rest = ranked[max_blocks:]
-            blocks.add_row(f"... {len(rest)} more", format_bytes(sum(b.saved_bytes for b in rest)), "", "")
+            block_rows.append([f"... {len(rest)} more", format_bytes(sum(b.saved_bytes for b in rest)), "", ""])
+        return [
+            (title, ["", *self.scenarios], rows),
+            ("Saved activations per block (end of forward, baseline)", ["block", "saved", "share", "forward GFLOP"], block_rows),
+        ]
 
-        lines: list[Any] = [table, blocks]
+    def _notes(self, verbose: bool) -> list[str]:
+        lines = []
         if self.advice:
-            lines.append(Text("Advice", style="bold"))
-            for item in self.advice:
-                lines.append(Text(f"- [{item.rule}] {item.message}"))
-        lines.append(Text("Not modelled: " + "; ".join(self.not_modelled) + ".", style="dim"))
-        return Group(*lines)
+            lines.append("Advice")
+            lines.extend(f"- [{item.rule}] {item.message}" for item in self.advice)
+        if verbose:
+            lines.append("Not modelled: " + "; ".join(self.not_modelled) + ".")
+        elif self.not_modelled:
+            lines.append(
+                f"Not modelled: {len(self.not_modelled)} sources (CUDA context, fragmentation, ...); "
+                "--verbose lists them."
+            )
+        return lines
 
-    def to_text(self, *, width: int = 100) -> str:
-        """The rendered report as plain text."""
-        buffer = io.StringIO()
-        console = Console(file=buffer, width=width, record=False, color_system=None, force_terminal=False)
-        console.print(self.render())
-        return buffer.getvalue()
+    def to_text(self, *, width: int = 100, verbose: bool = False, max_blocks: int = 12) -> str:
+        """The report as plain text (no ``rich`` needed); ``verbose`` spells out what is not modelled,
+        wrapped at ``width`` columns."""
+        parts = [format_table(rows, headers, title=title, align="l" + "r" * len(headers)) for title, headers, rows in self._tables(max_blocks)]
+        notes = self._notes(verbose)
+        parts.append("\n".join(textwrap.fill(line, width, subsequent_indent="  ") if len(line) > width else line for line in notes))
+        return "\n\n".join(parts) + "\n"
 
-    def print(self, console: Console | None = None) -> None:
-        (console or Console()).print(self.render())
+    def render(self, *, max_blocks: int = 12, verbose: bool = False) -> Any:
+        """The report as ``rich`` renderables (``pip install "lightmem[rich]"``)."""
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        renderables: list[Any] = []
+        for title, headers, rows in self._tables(max_blocks):
+            table = Table(title=title, title_justify="left")
+            for i, header in enumerate(headers):
+                table.add_column(header, justify="left" if i == 0 else "right")
+            for row in rows:
+                if row[0] == "peak":
+                    table.add_section()
+                styled = [Text(cell, style="green" if cell == "yes" else "red" if cell == "no" else "") for cell in row]
+                if row[0] in ("peak", "total"):
+                    styled = [Text(cell, style="bold") for cell in row]
+                table.add_row(*styled)
+            renderables.append(table)
+        notes = self._notes(verbose)
+        renderables.extend(Text(line, style="dim" if line.startswith("Not modelled") else "") for line in notes)
+        return Group(*renderables)
+
+    def print(self, *, verbose: bool = False) -> None:
+        """Print the report: with ``rich`` when it is installed, as plain text otherwise."""
+        try:
+            from rich.console import Console
+        except ImportError:
+            print(self.to_text(verbose=verbose), end="")
+            return
+        Console().print(self.render(verbose=verbose))
 
     def __str__(self) -> str:
         return self.to_text()
