@@ -32,6 +32,7 @@ from lightmem.config import (
     parse_patterns,
     parse_size,
 )
+from lightmem.estimate import plan
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.metrics.names import GROUPS
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
@@ -359,8 +360,6 @@ class LightMem(Callback):
             print(guard.stop_message(path, error), file=sys.stderr, flush=True)
 
     def _plan_from(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        from lightmem.estimate import plan
-
         # The dry run calls training_step on fake tensors; its self.log calls must not reach the
         # Trainer's results.
         pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
@@ -374,7 +373,7 @@ class LightMem(Callback):
         self.chosen_plan = chosen
         summary = (
             f"lightmem: plan for a {format_bytes(chosen.budget_bytes)} device budget: checkpoint "
-            f"{chosen.checkpoint or 'nothing'}, offload {chosen.offload['include'] if chosen.offload else 'nothing'}; "
+            f"{chosen.checkpoint or 'nothing'}, offload {list(chosen.offload.include) if chosen.offload else 'nothing'}; "
             f"predicted peak {format_bytes(chosen.predicted_total_bytes)}"
         )
         if chosen.fits:
@@ -385,10 +384,7 @@ class LightMem(Callback):
             self._apply_checkpointing(trainer, pl_module, list(chosen.checkpoint), every_n=1)
         self._offload = None
         if chosen.offload is not None:
-            settings = self.offload_settings.with_choice(
-                min_bytes=parse_size(chosen.offload["min_bytes"], flag=_flag("offload_min_bytes")),
-                include=tuple(chosen.offload["include"]),
-            )
+            settings = self.offload_settings.with_choice(min_bytes=chosen.offload.min_bytes, include=chosen.offload.include)
             self._start_offload(pl_module, settings)
         self._start_recording(trainer, pl_module)
 

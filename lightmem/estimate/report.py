@@ -7,11 +7,16 @@ same with ``rich``, when installed);
 
 from __future__ import annotations
 
+import re
 import textwrap
+from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightmem.config import format_bytes
+from lightmem.estimate.settings import OffloadConfig
+from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.tracer import CATEGORIES
 from lightmem.tables import format_table
 
@@ -284,3 +289,130 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+@dataclass
+class Plan:
+    """A lightmem configuration for a budget, verified by the estimator.
+
+    ``checkpoint`` lists the blocks to checkpoint; ``offload`` the offload settings (threshold and
+    the blocks in ``include``) or None; ``fits`` says whether the verified peak plus overhead is
+    within the budget; ``reason`` says why not when it is not.
+    """
+
+    checkpoint: list[str]
+    offload: OffloadConfig | None
+    predicted_peak_bytes: int
+    overhead_bytes: int
+    budget_bytes: int
+    fits: bool
+    reason: str
+    actions: dict[str, str] = field(default_factory=dict)
+    recompute_s: float = 0.0
+    exposed_transfer_s: float = 0.0
+    estimate: MemoryEstimate | None = None
+    seconds: float = 0.0
+    estimate_kinds: dict[str, str] = field(default_factory=dict, repr=False)
+    """Class name per block, for the description."""
+
+    @property
+    def predicted_total_bytes(self) -> int:
+        return self.predicted_peak_bytes + self.overhead_bytes
+
+    def lightmem_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``LightMem(...)``: offload, checkpoint, and when offloading,
+        offload_min_bytes and offload_include."""
+        if self.offload is None:
+            return {"offload": False, "checkpoint": list(self.checkpoint)}
+        return {
+            "offload": True,
+            "offload_min_bytes": self.offload.min_bytes,
+            "offload_include": list(self.offload.include or ()),
+            "checkpoint": list(self.checkpoint),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "checkpoint": list(self.checkpoint),
+            "offload": self.offload.to_dict() if self.offload is not None else None,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_total_bytes": self.predicted_total_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "reason": self.reason,
+            "recompute_s": self.recompute_s,
+            "exposed_transfer_s": self.exposed_transfer_s,
+            "lightmem_kwargs": self.lightmem_kwargs(),
+        }
+
+    def describe(self) -> str:
+        if not self.fits:
+            return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
+        if not self.checkpoint and self.offload is None:
+            return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
+        kinds = self.estimate_kinds
+        parts = []
+        if self.checkpoint:
+            parts.append(f"checkpoint {compact_names(sorted(self.checkpoint, key=natural_order), kinds)}")
+        if self.offload is not None:
+            names = compact_names(sorted(self.offload.include or (), key=natural_order), kinds)
+            parts.append(f"offload {names} (min_bytes {format_bytes(self.offload.min_bytes)})")
+        return (
+            f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
+            + "; ".join(parts)
+            + f" (about {self.recompute_s * 1e3:.1f} ms re-computation and "
+            f"{self.exposed_transfer_s * 1e3:.1f} ms exposed transfer per step)"
+        )
+
+
+def natural_order(name: str) -> list[object]:
+    """Sort key for block names: "blocks.2" before "blocks.10"."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def compact_names(names: list[str], kinds: Mapping[str, str] | None = None) -> str:
+    """'blocks.0', 'blocks.1', 'blocks.2', 'head' -> 'blocks.0-2, head'.
+
+    With ``kinds`` (class name per block), each run is followed by its class:
+    'transformer.h.0-7 (GPT2Block), lm_head (Linear)'.
+    """
+    kinds = kinds or {}
+    groups: dict[str, list[int]] = defaultdict(list)
+    order: list[str] = []
+    for name in names:
+        match = re.fullmatch(r"(.*\.)(\d+)", name)
+        if match is None:
+            order.append(name)
+            continue
+        prefix = match.group(1)
+        if prefix not in groups:
+            order.append(prefix)
+        groups[prefix].append(int(match.group(2)))
+
+    def labelled(text: str, members: list[str]) -> str:
+        classes = {kinds[member] for member in members if kinds.get(member)}
+        return f"{text} ({classes.pop()})" if len(classes) == 1 else text
+
+    parts = []
+    for key in order:
+        if key not in groups:
+            if key == ROOT_BLOCK:
+                continue
+            parts.append(labelled(key, [key]))
+            continue
+        numbers = sorted(groups[key])
+        start = previous = numbers[0]
+        runs = []
+        for number in numbers[1:] + [None]:  # type: ignore[list-item]
+            if number is not None and number == previous + 1:
+                previous = number
+                continue
+            runs.append((start, previous))
+            if number is not None:
+                start = previous = number
+        for first, last in runs:
+            members = [f"{key}{n}" for n in range(first, last + 1)]
+            text = f"{key}{first}" if first == last else f"{key}{first}-{last}"
+            parts.append(labelled(text, members))
+    return ", ".join(parts)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lightmem.config import parse_patterns, parse_size
+from lightmem.config import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH, parse_patterns, parse_size
 
 DEFAULT_CUDA_OVERHEAD = "1GiB"
 CUDA_ALLOCATION_BYTES = 512  # CUDA's caching allocator rounds every block up to this multiple
@@ -136,8 +136,6 @@ def parse_offload(value: bool | Mapping[str, Any] | None, *, flag: str) -> Offlo
     backward, default "256MiB") and ``host_budget`` (host bytes; default unlimited, since the
     host of the target machine is not this one).
     """
-    from lightmem.offload.context import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH
-
     if value is None or value is False:
         return None
     if value is True:
