@@ -12,6 +12,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import psutil
 
@@ -231,8 +232,9 @@ _OFFLOAD_FLAG_NAMES = {
 
 @dataclass(frozen=True)
 class OffloadSettings:
-    """The offload flags, parsed and validated once; ``LightMem``, ``offload_activations`` and the
-    planner all read this object instead of re-parsing flags.
+    """The offload flags, parsed and validated once; ``LightMem``, ``offload_activations``, the
+    estimator (``estimate_memory(offload=...)``) and ``Plan.offload`` all read this object instead of
+    re-parsing flags.
 
     ``owner`` is the entry point the user called (``"offload_activations"`` or ``"LightMem"``): error
     messages raised later (a pattern matching no module) name the flag as the user spelled it.
@@ -242,9 +244,10 @@ class OffloadSettings:
     devices: tuple[str, ...]
     include: tuple[str, ...] | None
     exclude: tuple[str, ...] | None
-    host_budget: int | float | str
+    host_budget: int | float | str | None
     """As given: a fraction is taken of this node's available RAM, shared by its ranks."""
-    host_budget_bytes: int
+    host_budget_bytes: int | None
+    """None only in the estimator: no cap (the target machine's host is not this one)."""
     prefetch_bytes: int
     host_min_available_bytes: int
     owner: str = "offload_activations"
@@ -293,10 +296,22 @@ class OffloadSettings:
 
     def for_ranks_per_node(self, ranks_per_node: int) -> OffloadSettings:
         """The same settings with a fractional ``host_budget`` shared by ``ranks_per_node`` ranks."""
+        if self.host_budget is None:
+            return self
         budget = parse_size(
             self.host_budget, flag=self.flag("host_budget"), fraction_of=lambda: host_ram_share_bytes(ranks_per_node)
         )
         return replace(self, host_budget_bytes=budget)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The estimator's view, JSON-ready, keyed as ``offload_activations``' arguments."""
+        return {
+            "min_bytes": self.min_bytes,
+            "include": list(self.include) if self.include is not None else None,
+            "exclude": list(self.exclude) if self.exclude is not None else None,
+            "prefetch": self.prefetch_bytes,
+            "host_budget": self.host_budget_bytes,
+        }
 
     def with_choice(self, *, min_bytes: int, include: tuple[str, ...] | None) -> OffloadSettings:
         """The same settings with a planner's threshold and modules."""

@@ -1,7 +1,7 @@
 """Saved-tensor hooks for the fake step: record what autograd saves, and simulate lightmem's offload.
 
 Without offload, ``pack`` only tells the tracer which storages autograd keeps for backward. With an
-``OffloadConfig``, a tensor lightmem would offload (same rules as ``lightmem.offload``: its storage
+``OffloadSettings``, a tensor lightmem would offload (same rules as ``lightmem.offload``: its storage
 is at least ``min_bytes``, it is no parameter or buffer storage, the module scope allows it, it is
 not complex) is dropped from the graph at pack time and a fake tensor of the same layout is
 allocated again when backward needs it, so the reload is counted where it happens. Reloads ahead
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightmem.estimate.settings import OffloadConfig
+from lightmem.config import OffloadSettings
 from lightmem.estimate.tracer import StorageTracer
 from lightmem.offload.pool import size_class
 from lightmem.offload.scope import ModuleScope
@@ -90,7 +90,7 @@ class SavedTensorHooks:
         self,
         tracer: StorageTracer,
         block_of: Any,
-        offload: OffloadConfig | None,
+        offload: OffloadSettings | None,
         model: nn.Module,
         protected: set[int],
     ) -> None:
@@ -147,7 +147,7 @@ class SavedTensorHooks:
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         return _Handle(self, entry, tensor)
 
-    def _eligible(self, tensor: Tensor, offload: OffloadConfig) -> bool:
+    def _eligible(self, tensor: Tensor, offload: OffloadSettings) -> bool:
         if getattr(tensor, "_is_param", False) or tensor.is_complex():
             return False
         storage = tensor.untyped_storage()

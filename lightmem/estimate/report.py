@@ -14,8 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightmem.config import format_bytes
-from lightmem.estimate.settings import OffloadConfig
+from lightmem.config import OffloadSettings, format_bytes
 from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.tracer import CATEGORIES
 from lightmem.tables import format_table
@@ -301,7 +300,7 @@ class Plan:
     """
 
     checkpoint: list[str]
-    offload: OffloadConfig | None
+    offload: OffloadSettings | None
     predicted_peak_bytes: int
     overhead_bytes: int
     budget_bytes: int
