@@ -64,7 +64,8 @@ def main() -> None:
     for name, (step, offloader) in variants.items():
         pool_blocks = set()
         if offloader is not None:
-            pool_blocks = {b.storage.data_ptr() for blocks in offloader._pool._free.values() for b in blocks}
+            slabs = offloader._pool._slabs
+            pool_blocks = {b.storage.data_ptr() for slab in slabs for b in slab.blocks.values()}
         with StoragePeak(ignore=lambda storage, blocks=pool_blocks: storage.data_ptr() in blocks) as peak:
             step()
         peaks[name] = peak.peak

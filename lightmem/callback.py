@@ -267,6 +267,7 @@ class LightMem(Callback):
         probes, metrics_off = build_probes(
             self.metrics, pl_module.device, checkpointed_blocks=blocks,
             host_bytes_held=self._host_bytes_held if self._offloader is not None else None,
+            host_bytes_peak_in_use=self._host_bytes_peak_in_use,
         )  # fmt: skip
         if "host" in self.metrics:
             probes.append(self._host_guard)
@@ -295,6 +296,9 @@ class LightMem(Callback):
             groups = [group for group, why in metrics_off.items() if why == reason]
             off.append(f"{' and '.join(groups)} metrics ({reason})")
         return f"lightmem: on: {'; '.join(on) or 'nothing'}." + (f" Off: {'; '.join(off)}." if off else "")
+
+    def _host_bytes_peak_in_use(self) -> int:
+        return self._offloader.host_bytes_peak_in_use if self._offloader is not None else 0
 
     def _checkpointed_blocks(self) -> int:
         return len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0

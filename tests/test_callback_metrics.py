@@ -70,7 +70,8 @@ def test_metrics_are_logged_every_n_steps_starting_with_the_first():
         assert metrics["lightmem/memory/host/available_GiB"] > 0
         assert metrics["lightmem/memory/offload/offloaded_GiB"] > 0
         assert metrics["lightmem/memory/offload/offloaded_GiB"] == metrics["lightmem/memory/offload/reloaded_GiB"]
-        assert metrics["lightmem/memory/host/pinned_GiB"] >= metrics["lightmem/memory/offload/offloaded_GiB"]
+        assert metrics["lightmem/memory/host/pinned_GiB"] >= metrics["lightmem/memory/host/pinned_in_use_GiB"]
+        assert metrics["lightmem/memory/host/pinned_in_use_GiB"] >= metrics["lightmem/memory/offload/offloaded_GiB"]
         assert metrics["lightmem/memory/checkpoint/blocks"] == 3
 
 
@@ -90,7 +91,8 @@ def test_metric_groups_can_be_chosen():
     _fit(LightMem(offload=False, metrics=["host"], log_every_n_steps=1), logger, max_steps=1)
     (_, metrics), = _lightmem_rows(logger)
     # offload is off: no host buffers of lightmem's to report
-    assert set(metrics) == {m.key for m in METRICS if m.group == "host"} - {"lightmem/memory/host/pinned_GiB"}
+    pool = {"lightmem/memory/host/pinned_GiB", "lightmem/memory/host/pinned_in_use_GiB"}
+    assert set(metrics) == {m.key for m in METRICS if m.group == "host"} - pool
 
 
 def test_end_of_fit_summary_goes_to_console_and_every_loggers_metrics(capsys):
@@ -155,7 +157,8 @@ def test_no_summary_and_no_panels_for_features_that_are_off(tmp_path, capsys):
     accumulator = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
     accumulator.Reload()
     logged = {tag for tag in accumulator.Tags()["scalars"] if tag.startswith("lightmem/memory/")}
-    assert logged == {m.key for m in METRICS if m.group == "host"} - {"lightmem/memory/host/pinned_GiB"}
+    pool = {"lightmem/memory/host/pinned_GiB", "lightmem/memory/host/pinned_in_use_GiB"}
+    assert logged == {m.key for m in METRICS if m.group == "host"} - pool
     config = accumulator.Tensors("custom_scalars__config__")[0]
     (category,) = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0]).category
     assert {chart.title for chart in category.chart} == {
@@ -181,7 +184,8 @@ def test_tensorboard_event_files_hold_the_panels_and_the_scalars(tmp_path):
     assert category.title == CATEGORY
     charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
     assert charts["Host memory, this process (GiB)"] == [
-        "lightmem/memory/host/rss_GiB", "lightmem/memory/host/pinned_GiB", "lightmem/memory/host/workers_rss_GiB"
+        "lightmem/memory/host/rss_GiB", "lightmem/memory/host/pinned_GiB", "lightmem/memory/host/pinned_in_use_GiB",
+        "lightmem/memory/host/workers_rss_GiB",
     ]  # fmt: skip
     assert charts["Host memory limit (GiB)"] == ["lightmem/memory/host/limit_GiB", "lightmem/memory/host/headroom_GiB"]
     assert charts["Host memory, machine (GiB)"] == [

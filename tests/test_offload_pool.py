@@ -1,48 +1,72 @@
-"""Host pool: size classes, reuse, budget, release after the last copy."""
+"""Host pool: blocks carved from slabs, reuse, coalescing, budget, release after the last copy."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightmem.offload.pool import HostPool, size_class
+from lightmem.offload.pool import ALIGN_BYTES, HEADROOM, HostPool, size_class
 from lightmem.offload.transport import SyncTransport
 
 
-@pytest.mark.parametrize("nbytes", [8192, 8193, 12345, 1_000_000, 3 * 2**20 + 1, 2**30 + 12345])
-def test_size_classes_waste_less_than_one_sixteenth(nbytes):
-    capacity = size_class(nbytes)
-    assert nbytes <= capacity < nbytes * 17 / 16
+def _pool(budget_bytes: int = 2**30) -> HostPool:
+    return HostPool(SyncTransport(), budget_bytes=budget_bytes, min_available_bytes=0)
 
 
-@pytest.mark.parametrize("nbytes", [1, 511, 512, 513, 4097, 8191])
-def test_small_sizes_round_to_512_bytes(nbytes):
-    assert size_class(nbytes) == max(512, -(-nbytes // 512) * 512)
+@pytest.mark.parametrize("nbytes", [1, 511, 512, 513, 4097, 8191, 1_000_000])
+def test_requests_round_up_to_the_alignment(nbytes):
+    assert size_class(nbytes) == max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
 
 
-def test_released_block_is_reused_for_the_same_size_class():
-    pool = HostPool(SyncTransport(), budget_bytes=2**30, min_available_bytes=0)
+def test_released_range_is_reused_and_a_smaller_request_fits_in_it():
+    pool = _pool()
     block = pool.acquire(1_000_000)
     pool.release(block)
-    assert pool.acquire(999_000) is block
+    again = pool.acquire(999_000)
+    assert (again.slab, again.offset) == (block.slab, 0)
     assert pool.allocations == 1
-    assert pool.held_bytes == size_class(1_000_000) == pool.in_use_bytes
+    assert pool.in_use_bytes == size_class(999_000)
+    assert pool.held_bytes == int(1_000_000 * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES
 
 
-def test_budget_is_a_hard_cap_and_cached_blocks_are_trimmed_to_make_room():
-    pool = HostPool(SyncTransport(), budget_bytes=3 * 2**20, min_available_bytes=0)
-    small = pool.acquire(2**20)
-    pool.release(small)
-    big = pool.acquire(2 * 2**20)
-    assert big is not None and pool.held_bytes == 3 * 2**20
-    assert pool.acquire(2**20 + 1) is None  # would exceed the budget; nothing cached to trim
-    assert pool.acquire(2**20) is small
-    assert pool.held_bytes == 3 * 2**20
+def test_freed_neighbours_merge_so_a_larger_request_fits_without_allocating():
+    pool = _pool()
+    pool.release(pool.acquire(3 * 2**20))  # one slab with room for three MiB
+    a, b, c = pool.acquire(2**20), pool.acquire(2**20), pool.acquire(2**20)
+    assert [block.offset for block in (a, b, c)] == [0, 2**20, 2 * 2**20] and pool.allocations == 1
+    pool.release(b)
+    pool.release(a)
+    merged = pool.acquire(2 * 2**20)
+    assert (merged.slab, merged.offset) == (c.slab, 0) and pool.allocations == 1
+
+
+def test_budget_is_a_hard_cap():
+    pool = _pool(budget_bytes=3 * 2**20)
+    first, _ = pool.acquire(2**20), pool.acquire(2**20)
+    assert pool.held_bytes == 2 * int(HEADROOM * 2**20)  # each slab with room for growth
+    assert pool.acquire(2**20) is None  # a third slab would pass the budget; none is empty
+    assert pool.held_bytes == 2 * int(HEADROOM * 2**20)
+    pool.release(first)
+    again = pool.acquire(2**20)
+    assert (again.slab, again.offset) == (first.slab, first.offset)
 
 
 def test_floor_of_available_memory_refuses_growth():
     pool = HostPool(SyncTransport(), budget_bytes=2**40, min_available_bytes=2**62)
     assert pool.acquire(4096) is None
     assert pool.floor_hits == 1 and pool.held_bytes == 0
+
+
+def test_step_boundary_merges_the_slabs_of_a_growing_step_into_one():
+    pool = _pool()
+    blocks = [pool.acquire(nbytes) for nbytes in (2**20, 3 * 2**20, 2**20, 2**21)]
+    assert len(pool._slabs) > 1
+    for block in blocks:
+        pool.release(block)
+    pool.end_step()
+    assert len(pool._slabs) == 1 and pool.held_bytes <= HEADROOM * 7 * 2**20
+    allocations = pool.allocations
+    blocks = [pool.acquire(nbytes) for nbytes in (2**20, 3 * 2**20, 2**20, 2**21)]
+    assert pool.allocations == allocations and {block.slab for block in blocks} == {pool._slabs[0]}
 
 
 class _Event:
@@ -61,16 +85,16 @@ def test_block_released_with_a_pending_event_is_not_reused_until_it_completes():
     event = _Event()
     pool.release(block, event)
     other = pool.acquire(4096)
-    assert other is not block
+    assert (other.slab, other.offset) != (block.slab, block.offset)
+    assert pool.in_use_bytes == 2 * 4096
     pool.release(other)
     event.complete = True
-    first, second = pool.acquire(4096), pool.acquire(4096)
-    assert {id(first), id(second)} == {id(block), id(other)}
+    assert pool.in_use_bytes == 0
 
 
-def test_clear_gives_cached_blocks_back():
-    pool = HostPool(SyncTransport(), budget_bytes=2**30, min_available_bytes=0)
+def test_clear_gives_slabs_with_nothing_in_use_back():
+    pool = _pool()
     in_use = pool.acquire(4096)
-    pool.release(pool.acquire(8192))
+    pool.release(pool.acquire(8 * 2**20))
     pool.clear()
-    assert pool.held_bytes == in_use.capacity
+    assert pool.held_bytes == in_use.slab.capacity and pool.in_use_bytes == 4096

@@ -46,6 +46,7 @@ METRICS: tuple[Metric, ...] = (
     _m("host/available_GiB", "host", "GiB", "memory the OS can still hand out without swapping", "Host memory, machine (GiB)", reduce_max=False),
     _m("host/swap_used_GiB", "host", "GiB", "swap in use on the machine", "Host memory, machine (GiB)"),
     _m("host/pinned_GiB", "host", "GiB", "host buffers held by lightmem's offload pool (page-locked on CUDA)", "Host memory, this process (GiB)"),
+    _m("host/pinned_in_use_GiB", "host", "GiB", "peak of those buffers holding offloaded activations during the step's last forward and backward (the rest is cached)", "Host memory, this process (GiB)"),
     # The host memory guard (lightmem/host_guard.py): the limit the OOM killer enforces.
     _m("host/limit_GiB", "host", "GiB", "host memory limit of this process: the tightest of its cgroup limit and total RAM", "Host memory limit (GiB)", reduce_max=False),
     _m("host/headroom_GiB", "host", "GiB", "limit less what counts against it (cgroup usage less reclaimable file cache, or process and workers' RSS)", "Host memory limit (GiB)", reduce_max=False),

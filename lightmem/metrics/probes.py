@@ -133,9 +133,12 @@ class HostProbe:
 
     group = "host"
 
-    def __init__(self, pool_bytes: Callable[[], int] | None) -> None:
+    def __init__(
+        self, pool_bytes: Callable[[], int] | None, pool_in_use_bytes: Callable[[], int] = lambda: 0
+    ) -> None:
         self._process = psutil.Process()
         self._pool_bytes = pool_bytes
+        self._pool_in_use_bytes = pool_in_use_bytes
 
     def collect(self) -> dict[str, float]:
         values = {
@@ -145,6 +148,7 @@ class HostProbe:
         }
         if self._pool_bytes is not None:
             values[key("host/pinned_GiB")] = self._pool_bytes() / GiB
+            values[key("host/pinned_in_use_GiB")] = self._pool_in_use_bytes() / GiB
         return values
 
     def end_step(self) -> None:

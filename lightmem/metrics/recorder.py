@@ -73,6 +73,7 @@ def build_probes(
     device: torch.device,
     *,
     host_bytes_held: Callable[[], int] | None,
+    host_bytes_peak_in_use: Callable[[], int] = lambda: 0,
     checkpointed_blocks: int,
 ) -> tuple[list[Any], dict[str, str]]:
     """The probes of ``groups`` that can run here, and for the others why not.
@@ -89,7 +90,7 @@ def build_probes(
             elif group == "device":
                 probes.append(NvmlProbe(device))
             elif group == "host":
-                probes.append(HostProbe(host_bytes_held))
+                probes.append(HostProbe(host_bytes_held, host_bytes_peak_in_use))
             elif group == "lightmem" and (host_bytes_held is not None or checkpointed_blocks):
                 blocks = (lambda: checkpointed_blocks) if checkpointed_blocks else None
                 probes.append(LightmemProbe(blocks, offload=host_bytes_held is not None))

@@ -174,6 +174,7 @@ class ActivationOffloader:
                 storage = tensor.untyped_storage()
                 if storage.nbytes():  # a storage freed by resize_(0) has no pointer to protect
                     protected.add(storage.data_ptr())
+        self._pool.end_step()  # a step boundary: the pool trims to what recent steps used
         self._offloader.begin(protected)
         if self._scope is not None:
             self._scope.attach()
@@ -266,6 +267,11 @@ class ActivationOffloader:
     def host_bytes_in_use(self) -> int:
         """Bytes of host buffers currently holding offloaded storages."""
         return self._pool.in_use_bytes
+
+    @property
+    def host_bytes_peak_in_use(self) -> int:
+        """The most bytes of host buffers holding offloaded storages at once during the last use."""
+        return self._pool.step_peak_in_use_bytes
 
     @property
     def resident_bytes(self) -> int:

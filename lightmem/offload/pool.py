@@ -1,15 +1,39 @@
-"""Host buffers for offloaded storages: reused across steps, capped by a budget.
+"""Host buffers for offloaded storages: carved from a few large slabs, bounded by recent steps.
 
-Requests are rounded up to one of 16 size classes per power of two (waste below 1/16), so in
-steady state every step finds the buffers of the previous step and allocates nothing. On CUDA the
-buffers are page-locked with ``cudaHostRegister`` at their exact size, which avoids the
-power-of-two rounding of PyTorch's pinned caching allocator.
+Each request gets an ``ALIGN_BYTES``-aligned range of a slab (first fit, address order), and a
+released range merges with its free neighbours. One forward allocates in order and its backward
+frees in reverse, so a step carves its slab like a stack: the free list stays one or two ranges
+long, a shorter sequence simply uses less of the slab, and no size class ever sits idle.
+
+The bound: the pool holds at most ``HEADROOM`` times the largest aligned bytes in use at once
+during the current step or the ``TRIM_WINDOW_STEPS`` steps before it.
+
+- A request that fits nowhere gets an overflow slab of its exact size (first step, a step larger
+  than any before), after freeing empty overflow slabs that would push past that bound.
+- At each step boundary (``end_step``, called when the offload context is entered), if nothing is
+  in use, the slabs are replaced by one slab of ``HEADROOM`` times the window's peak whenever
+  there were several or the one held exceeds that: after shapes grow, the next step finds room in
+  one slab; after they shrink, the memory goes back exactly ``TRIM_WINDOW_STEPS`` steps later.
+
+The unit of memory is ``HostSlab`` (one allocation, given back whole by ``close``); blocks are
+views into it. Today a slab on CUDA is page-locked with ``cudaHostRegister`` at its exact size; a
+slab taken from torch's pinned allocator would change only ``HostSlab`` (sub-allocation, exact
+accounting and trimming stay as they are; page alignment is ``ALIGN_BYTES = 4096`` there).
+
+Releases come from ``__del__`` finalizers that garbage collection may run on any thread, also
+inside ``acquire`` on the same thread. ``release`` therefore never blocks: it appends to a queue
+(``deque.append`` is atomic) and drains it only if the lock is free; whatever it could not drain
+is drained at the next ``acquire``, ``end_step`` or read of the byte counters. Memory still
+written by a queued copy is never given back: a dropped pool waits for its pending copies first.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
-from collections import defaultdict
+import time
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,24 +43,36 @@ from lightmem.config import available_ram_bytes, warn_once
 if TYPE_CHECKING:
     from lightmem.offload.transport import Transport
 
+HEADROOM = 1.25
+"""Held bytes stay at most this multiple of the largest bytes in use at once (module docstring)."""
+TRIM_WINDOW_STEPS = 8
+"""Steps (offload context entries) whose peak the pool keeps room for after they have passed."""
+ALIGN_BYTES = 512
+"""Every block starts and ends on this boundary."""
+
 _POISON_BYTE = 0xFF  # every float dtype reads 0xFF.. bytes as NaN
+_PENDING_POLL_S = 1e-4
+_MAX_CACHED_BLOCKS = 4096  # block objects kept per slab for ranges that recur (and request sizes)
 
 
 def size_class(nbytes: int) -> int:
-    """Round ``nbytes`` up to its size class: 16 classes per power of two, at least 512 bytes."""
-    if nbytes <= 512:
-        return 512
-    step = 1 << max(9, nbytes.bit_length() - 5)
-    return (nbytes + step - 1) // step * step
+    """The bytes a request of ``nbytes`` takes in the pool: rounded up to ``ALIGN_BYTES``."""
+    return max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
 
 
-class HostBlock:
-    """One host allocation of ``capacity`` bytes; ``storage`` is the untyped storage to slice."""
+class HostSlab:
+    """One host allocation of ``capacity`` bytes, carved into blocks; free ranges sorted by offset."""
 
-    __slots__ = ("_span", "_span_bytes", "capacity", "registered", "storage", "tensor")
+    __slots__ = (
+        "blocks", "capacity", "free_offsets", "free_sizes", "on_free", "registered", "storage", "tensor",
+        "used",
+    )  # fmt: skip
 
-    def __init__(self, capacity: int, pin: bool, poison: bool) -> None:
+    def __init__(
+        self, capacity: int, pin: bool, poison: bool, on_free: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
         self.capacity = capacity
+        self.on_free = on_free
         if pin:
             self.tensor, self.registered = _pinned_empty(capacity)
         else:
@@ -44,6 +80,85 @@ class HostBlock:
         if poison:
             self.tensor.fill_(_POISON_BYTE)
         self.storage = self.tensor.untyped_storage()
+        self.free_offsets = [0]
+        self.free_sizes = [capacity]
+        self.used = 0
+        self.blocks: dict[tuple[int, int], HostBlock] = {}
+
+    def take(self, size: int) -> HostBlock | None:
+        """The first free range of at least ``size`` bytes, split off as a block, or ``None``."""
+        sizes = self.free_sizes
+        for index, free in enumerate(sizes):
+            if free >= size:
+                offsets = self.free_offsets
+                offset = offsets[index]
+                if free == size:
+                    del offsets[index], sizes[index]
+                else:
+                    offsets[index] = offset + size
+                    sizes[index] = free - size
+                self.used += size
+                block = self.blocks.get((offset, size))
+                if block is None:
+                    if len(self.blocks) >= _MAX_CACHED_BLOCKS:
+                        self.blocks.clear()
+                    block = self.blocks[(offset, size)] = HostBlock(self, offset, size)
+                return block
+        return None
+
+    def give_back(self, offset: int, size: int) -> None:
+        """Return a range, merged with the free ranges on either side."""
+        offsets, sizes = self.free_offsets, self.free_sizes
+        index = bisect.bisect_left(offsets, offset)
+        after = offset + size
+        if index < len(offsets) and offsets[index] == after and not (
+            index and offsets[index - 1] + sizes[index - 1] == offset
+        ):  # the common case, a stack popped: grow the free range above downwards
+            offsets[index] = offset
+            sizes[index] += size
+            return
+        if index and offsets[index - 1] + sizes[index - 1] == offset:
+            index -= 1
+            offset = offsets[index]
+            size += sizes[index]
+            del offsets[index], sizes[index]
+        if index < len(offsets) and offset + size == offsets[index]:
+            size += sizes[index]
+            del offsets[index], sizes[index]
+        offsets.insert(index, offset)
+        sizes.insert(index, size)
+
+    def __del__(self) -> None:
+        self.close()  # a pinned slab must be unregistered however it dies
+
+    def close(self) -> None:
+        self.blocks = {}
+        if self.on_free is not None:
+            on_free, self.on_free = self.on_free, None
+            on_free(self.tensor)
+        if self.registered:  # pragma: no cover - needs CUDA
+            self.registered = False
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            except Exception:
+                pass
+
+
+class HostBlock:
+    """``capacity`` bytes at ``offset`` in ``slab``; ``span(n)`` is the storage a copy writes.
+
+    ``event`` is the last copy that reads or writes the block once it has been released.
+    """
+
+    __slots__ = ("_span", "_span_bytes", "capacity", "event", "offset", "requested", "slab", "storage")
+
+    def __init__(self, slab: HostSlab, offset: int, capacity: int) -> None:
+        self.slab = slab
+        self.requested = 0
+        self.offset = offset
+        self.capacity = capacity
+        self.event: Any = None
+        self.storage = slab.storage[offset : offset + capacity]
         self._span: torch.UntypedStorage | None = None
         self._span_bytes = -1
 
@@ -54,16 +169,10 @@ class HostBlock:
             self._span_bytes = nbytes
         return self._span
 
-    def __del__(self) -> None:
-        self.close()  # a pinned block must be unregistered however it dies
-
-    def close(self) -> None:
-        if self.registered:  # pragma: no cover - needs CUDA
-            self.registered = False
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            except Exception:
-                pass
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The block's bytes as a uint8 tensor."""
+        return torch.empty(0, dtype=torch.uint8).set_(self.storage)
 
 
 def _pinned_empty(nbytes: int) -> tuple[torch.Tensor, bool]:  # pragma: no cover - needs CUDA
@@ -83,7 +192,8 @@ def _pinned_empty(nbytes: int) -> tuple[torch.Tensor, bool]:  # pragma: no cover
 
 
 class HostPool:
-    """Size-classed pool of host blocks with a hard byte budget and a free-RAM floor.
+    """Host blocks carved from slabs, with a hard byte budget, a free-RAM floor and a bound that
+    follows the steps (see the module docstring).
 
     ``acquire`` returns ``None`` instead of exceeding ``budget_bytes`` or pushing the machine's
     available memory under ``min_available_bytes``; the caller then keeps the tensor on the device.
@@ -101,89 +211,255 @@ class HostPool:
         self.transport = transport
         self.budget_bytes = budget_bytes
         self.min_available_bytes = min_available_bytes
-        self.held_bytes = 0
+        self._held_bytes = 0
         self.peak_held_bytes = 0
-        self.in_use_bytes = 0
+        self._in_use_bytes = 0
+        self._requested_bytes = 0  # what callers asked for, of the blocks in use
+        self._step_peak_requested = 0
+        self._window: deque[int] = deque(maxlen=TRIM_WINDOW_STEPS)  # peaks of requested bytes
+        self._step_peak_bytes = 0  # of in-use (aligned) bytes, this step
+        # What this step asked for, refused requests included: the next step's slab is sized for
+        # the demand (within the budget), or a tight budget would keep refusing on slack alone.
+        self._step_demand_requested = 0
+        self._step_demand_bytes = 0
+        self._window_bytes: deque[int] = deque(maxlen=TRIM_WINDOW_STEPS)
+        self._overflow_bytes = 0  # in use outside the main slab
+        self._step_overflow_peak = 0
+        self._limit_bytes = 0  # HEADROOM x the window's peak (the current step's is added live)
         self.allocations = 0
         self.floor_hits = 0
-        self._free: defaultdict[int, list[HostBlock]] = defaultdict(list)
-        self._classes: dict[int, int] = {}  # nbytes -> size class; a step repeats its sizes
-        self._pending: list[tuple[HostBlock, Any]] = []
+        self._slabs: list[HostSlab] = []  # the main slab first, then overflow slabs
+        self._sizes: dict[int, int] = {}  # nbytes -> aligned size; a step repeats its sizes
+        self._pending: list[HostBlock] = []  # released, waiting for block.event
+        self._returned: deque[HostBlock] = deque()  # released, not yet seen under the lock
+        # Free blocks not yet merged into their slab, by size: a step that repeats the last one's
+        # sizes takes them back in O(1); the first request of another size merges them all.
+        self._recent: dict[int, list[HostBlock]] = {}
         self._lock = threading.Lock()
         self._pin = transport.pin_memory
         self._poison = transport.poison_released
+        self._done: Callable[[Any], bool] = transport.done
+        # Test transports check that no queued copy touches memory that is reused or given back.
+        self._on_free = transport.poison if transport.poison_released else None
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of host slabs the pool holds: in use, waiting for a copy, or free."""
+        self._try_drain()
+        return self._held_bytes
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Bytes of blocks handed out and not yet reusable (aligned sizes)."""
+        self._try_drain()
+        return self._in_use_bytes
+
+    @property
+    def step_peak_in_use_bytes(self) -> int:
+        """The most bytes of blocks in use at once since the last step boundary."""
+        return self._step_peak_bytes
 
     def acquire(self, nbytes: int) -> HostBlock | None:
-        capacity = self._classes.get(nbytes)
-        if capacity is None:
-            capacity = self._classes[nbytes] = size_class(nbytes)
+        size = self._sizes.get(nbytes)
+        if size is None:
+            if len(self._sizes) >= _MAX_CACHED_BLOCKS:
+                self._sizes.clear()
+            size = self._sizes[nbytes] = size_class(nbytes)
         with self._lock:
-            if self._pending:
-                self._reap()
-            free = self._free.get(capacity)
-            if free:
-                block = free.pop()
-                self.in_use_bytes += capacity
-                return block
-            excess = self.held_bytes + capacity - self.budget_bytes
-            if excess > 0:
-                if self.held_bytes - self.in_use_bytes < excess:  # trimming cannot make room
-                    return None
-                self._trim(excess)
-            if available_ram_bytes() - capacity < self.min_available_bytes:
-                self._trim(capacity)
-                if available_ram_bytes() - capacity < self.min_available_bytes:
-                    self.floor_hits += 1
-                    return None
-            block = HostBlock(capacity, self._pin, self._poison)
-            self.allocations += 1
-            self.held_bytes += capacity
-            if self.held_bytes > self.peak_held_bytes:
-                self.peak_held_bytes = self.held_bytes
-            self.in_use_bytes += capacity
+            if self._returned or self._pending:
+                self._drain()
+            requested = self._requested_bytes + nbytes
+            recent = self._recent.get(size)
+            if recent:  # a step repeating its sizes: the block freed last for this size
+                block = recent.pop()
+            else:
+                if self._recent:
+                    self._merge_recent()
+                for slab in self._slabs:
+                    block = slab.take(size)
+                    if block is not None:
+                        break
+                else:
+                    block = self._grow(size, requested)
+                    if block is None:
+                        if requested > self._step_demand_requested:
+                            self._step_demand_requested = requested
+                        if self._in_use_bytes + size > self._step_demand_bytes:
+                            self._step_demand_bytes = self._in_use_bytes + size
+                        return None
+            if block.slab is not self._slabs[0]:
+                self._overflow_bytes += size
+                if self._overflow_bytes > self._step_overflow_peak:
+                    self._step_overflow_peak = self._overflow_bytes
+            block.requested = nbytes
+            self._requested_bytes = requested
+            if requested > self._step_peak_requested:
+                self._step_peak_requested = requested
+            in_use = self._in_use_bytes = self._in_use_bytes + size
+            if in_use > self._step_peak_bytes:
+                self._step_peak_bytes = in_use
             return block
+
+    def _grow(self, size: int, requested: int) -> HostBlock | None:
+        step_peak = max(self._step_peak_requested, requested)
+        limit = max(self._limit_bytes, int(step_peak * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES)
+        if self._held_bytes + size > limit:
+            self._free_empty_slabs(self._held_bytes + size - limit)
+        # A step larger than the slab: one overflow slab up to the bound takes the rest of it.
+        slab_bytes = max(size, min(limit, self.budget_bytes) - self._held_bytes)
+        excess = self._held_bytes + slab_bytes - self.budget_bytes
+        if excess > 0:
+            self._free_empty_slabs(excess)
+            if self._held_bytes + size > self.budget_bytes:
+                return None
+            slab_bytes = max(size, self.budget_bytes - self._held_bytes)
+        if available_ram_bytes() - slab_bytes < self.min_available_bytes:
+            self._free_empty_slabs(slab_bytes)
+            slab_bytes = size
+            if available_ram_bytes() - size < self.min_available_bytes:
+                self.floor_hits += 1
+                return None
+        return self._new_slab(slab_bytes).take(size)
+
+    def _new_slab(self, capacity: int) -> HostSlab:
+        slab = HostSlab(capacity, self._pin, self._poison, self._on_free)
+        self._slabs.append(slab)
+        self.allocations += 1
+        self._held_bytes += capacity
+        if self._held_bytes > self.peak_held_bytes:
+            self.peak_held_bytes = self._held_bytes
+        return slab
+
+    def release(self, block: HostBlock, event: Any = None) -> None:
+        """Return ``block`` once ``event`` has completed. Never blocks: safe from finalizers."""
+        lock = self._lock
+        if lock.acquire(blocking=False):
+            try:
+                if event is None or self._done(event):
+                    self._make_free(block)
+                else:
+                    block.event = event
+                    self._pending.append(block)
+            finally:
+                lock.release()
+        else:  # held by this thread (a finalizer run inside acquire) or another: the next drain
+            block.event = event
+            self._returned.append(block)
+
+    def end_step(self) -> None:
+        """Step boundary: remember this step's peak; reshape the slabs to the window's bound."""
+        with self._lock:
+            self._drain()
+            self._window.append(max(self._step_peak_requested, self._step_demand_requested))
+            self._window_bytes.append(max(self._step_peak_bytes, self._step_demand_bytes))
+            self._step_demand_requested = self._step_demand_bytes = 0
+            overflow_peak = self._step_overflow_peak
+            # Blocks of graphs still alive carry over into the next step.
+            self._step_peak_requested = self._requested_bytes
+            self._step_peak_bytes = self._step_overflow_peak = self._in_use_bytes
+            self._limit_bytes = limit = int(max(self._window) * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES
+            if self._in_use_bytes or self._pending:
+                if self._held_bytes > limit:
+                    self._free_empty_slabs(self._held_bytes - limit)
+                return
+            slabs = self._slabs
+            if len(slabs) > 1 or self._held_bytes > limit:
+                # One slab that fits the window's peak as carved last time (main slab plus what
+                # spilled over), at most the bound.
+                main = slabs[0].capacity if slabs else 0
+                target = min(max(max(self._window_bytes), main + overflow_peak), limit, self.budget_bytes)
+                self._free_empty_slabs(self._held_bytes)
+                if target and available_ram_bytes() - target >= self.min_available_bytes:
+                    self._new_slab(target)
+            self._overflow_bytes = 0
 
     def reset_peak(self) -> int:
         """Start a new peak of ``held_bytes`` from the current value, and return it."""
         self.peak_held_bytes = self.held_bytes
-        return self.held_bytes
+        return self._held_bytes
 
-    def release(self, block: HostBlock, event: Any = None) -> None:
+    def clear(self) -> None:
+        """Give every slab with nothing in use back to the OS (blocks in use stay with their owners)."""
         with self._lock:
-            if event is not None and not self.transport.done(event):
-                self._pending.append((block, event))
-                return
-            self._make_free(block)
+            self._drain()
+            self._free_empty_slabs(self._held_bytes)
+
+    def _try_drain(self) -> None:
+        if (self._returned or self._pending) and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """Under the lock: take in released blocks, and make free those whose copy has completed."""
+        returned = self._returned
+        pending = self._pending
+        while returned:
+            pending.append(returned.popleft())
+        if not pending:
+            return
+        done = self._done
+        still_pending = []
+        for block in pending:
+            if block.event is None or done(block.event):
+                block.event = None
+                self._make_free(block)
+            else:
+                still_pending.append(block)
+        self._pending = still_pending
 
     def _make_free(self, block: HostBlock) -> None:
         if self._poison:
             self.transport.poison(block.tensor)
-        self.in_use_bytes -= block.capacity
-        self._free[block.capacity].append(block)
+        size = block.capacity
+        self._in_use_bytes -= size
+        self._requested_bytes -= block.requested
+        if block.slab is not self._slabs[0]:
+            self._overflow_bytes -= size
+        recent = self._recent.get(size)
+        if recent is None:
+            self._recent[size] = [block]
+        else:
+            recent.append(block)
 
-    def _reap(self) -> None:
-        still_pending = []
-        for block, event in self._pending:
-            if self.transport.done(event):
-                self._make_free(block)
-            else:
-                still_pending.append((block, event))
-        self._pending = still_pending
+    def _merge_recent(self) -> None:
+        """Give the recently freed blocks back to their slabs, merged with their neighbours."""
+        for size, blocks in self._recent.items():
+            for block in blocks:
+                slab = block.slab
+                slab.used -= size
+                slab.give_back(block.offset, size)
+        self._recent = {}
 
-    def _trim(self, wanted_bytes: int) -> None:
-        """Give cached free blocks back to the OS, largest first, until ``wanted_bytes`` are freed."""
+    def _free_empty_slabs(self, wanted_bytes: int) -> None:
+        """Give slabs with nothing in use back to the OS, newest first, until ``wanted_bytes``."""
+        if self._recent:
+            self._merge_recent()
         freed = 0
-        for capacity in sorted(self._free, reverse=True):
-            blocks = self._free[capacity]
-            while blocks and freed < wanted_bytes:
-                blocks.pop().close()
-                self.held_bytes -= capacity
-                freed += capacity
-        for capacity in [c for c, blocks in self._free.items() if not blocks]:
-            del self._free[capacity]
+        for slab in reversed(list(self._slabs)):
+            if freed >= wanted_bytes:
+                return
+            if slab.used == 0:
+                self._slabs.remove(slab)
+                self._close(slab)
+                freed += slab.capacity
 
-    def clear(self) -> None:
-        """Free every cached block (blocks in use stay with their owners)."""
-        with self._lock:
-            self._reap()
-            self._trim(self.held_bytes)
+    def _close(self, slab: HostSlab) -> None:
+        slab.close()
+        self._held_bytes -= slab.capacity
+
+    def __del__(self) -> None:
+        # Dropped with blocks still written or read by queued copies (an exception, a context
+        # garbage-collected mid-step): their slabs must outlive those copies.
+        try:
+            blocks = list(self._returned) + self._pending
+        except AttributeError:  # __init__ did not finish
+            return
+        for block in blocks:
+            event = block.event
+            if event is not None:
+                while not self._done(event):
+                    time.sleep(_PENDING_POLL_S)
+        for slab in self._slabs:
+            slab.close()  # also breaks the slab <-> cached block cycle, so the memory goes now

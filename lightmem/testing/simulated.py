@@ -158,11 +158,16 @@ class SimulatedAsyncTransport:
     def _untrack(self, address: int) -> None:
         with self._inflight_lock:
             self._inflight[address] -= 1
+            if not self._inflight[address]:
+                del self._inflight[address]
 
     def poison(self, host_buffer: torch.Tensor) -> None:
-        """Called by the pool when ``host_buffer`` becomes reusable: must have no queued copy."""
+        """Called by the pool when ``host_buffer`` becomes reusable or is given back: no queued
+        copy may touch any byte of it."""
+        start = host_buffer.data_ptr()
+        end = start + host_buffer.nbytes
         with self._inflight_lock:
-            if self._inflight.get(host_buffer.data_ptr(), 0):
+            if any(start <= address < end for address in self._inflight):
                 self.reuse_hazards += 1
         host_buffer.fill_(_POISON)
 
