@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-size", action="store_true", help="also search the largest batch that fits --budget"
     )
     estimate.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    estimate.add_argument("--verbose", action="store_true", help="list everything the estimate does not model")
+    estimate.add_argument(
+        "--verbose", action="store_true", help="list everything the estimate does not model"
+    )
     return parser
 
 

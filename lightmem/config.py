@@ -138,13 +138,17 @@ def parse_count(value: int | None, *, flag: str, allow_none: bool = False) -> in
     return value
 
 
-def parse_choices(values: Iterable[str] | str, *, flag: str, accepted: Iterable[str], what: str) -> tuple[str, ...]:
+def parse_choices(
+    values: Iterable[str] | str, *, flag: str, accepted: Iterable[str], what: str
+) -> tuple[str, ...]:
     """Validate a list of names from ``accepted``; a bare string is one name. ``what`` names one."""
     accepted = tuple(accepted)
     try:
         result = (values,) if isinstance(values, str) else tuple(values)
     except TypeError:
-        raise ValueError(f"{flag}: expected a list of {what}s from {', '.join(accepted)}; got {values!r}") from None
+        raise ValueError(
+            f"{flag}: expected a list of {what}s from {', '.join(accepted)}; got {values!r}"
+        ) from None
     unknown = [value for value in result if value not in accepted]
     if unknown:
         raise ValueError(f"{flag}: unknown {what} {unknown[0]!r}; accepted: {', '.join(accepted)}")
@@ -164,7 +168,8 @@ def parse_host_limit(value: int | float | str, *, flag: str) -> int | None:
     try:
         return parse_size(value, flag=flag, fraction_of=total_ram_bytes, fraction_name="total RAM")
     except ValueError as error:
-        raise ValueError(str(error).replace("expected ", "expected 'auto' (cgroup limit or total RAM), ", 1)) from None
+        message = str(error).replace("expected ", "expected 'auto' (cgroup limit or total RAM), ", 1)
+        raise ValueError(message) from None
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -280,7 +285,8 @@ class OffloadSettings:
             exclude=parse_patterns(exclude, flag=flag("exclude")),
             host_budget=host_budget,
             host_budget_bytes=parse_size(
-                host_budget, flag=flag("host_budget"), fraction_of=lambda: host_ram_share_bytes(ranks_per_node)
+                host_budget, flag=flag("host_budget"),
+                fraction_of=lambda: host_ram_share_bytes(ranks_per_node),
             ),
             prefetch_bytes=parse_size(prefetch, flag=flag("prefetch")),
             host_min_available_bytes=parse_size(
@@ -299,7 +305,8 @@ class OffloadSettings:
         if self.host_budget is None:
             return self
         budget = parse_size(
-            self.host_budget, flag=self.flag("host_budget"), fraction_of=lambda: host_ram_share_bytes(ranks_per_node)
+            self.host_budget, flag=self.flag("host_budget"),
+            fraction_of=lambda: host_ram_share_bytes(ranks_per_node),
         )
         return replace(self, host_budget_bytes=budget)
 

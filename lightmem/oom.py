@@ -165,10 +165,12 @@ def report(
 
 def render(breakdown: Mapping[str, int], last_metrics: Mapping[str, float], lines: list[str]) -> str:
     out = ["lightmem: out of memory during training. What was on the device:"]
-    out.append(_indent(format_table([(name, format_bytes(value)) for name, value in breakdown.items()], align="lr")))
+    rows = [(name, format_bytes(value)) for name, value in breakdown.items()]
+    out.append(_indent(format_table(rows, align="lr")))
     if last_metrics:
         out.append("Last logged metrics:")
-        out.append(_indent(format_table([(name, f"{value:.4f}") for name, value in last_metrics.items()], align="lr")))
+        rows = [(name, f"{value:.4f}") for name, value in last_metrics.items()]
+        out.append(_indent(format_table(rows, align="lr")))
     out.append("What would help:")
     out.extend(f"  - {line}" for line in lines)
     return "\n".join(out)

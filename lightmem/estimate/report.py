@@ -210,10 +210,12 @@ class MemoryEstimate:
         rows.append(["overhead", *(format_bytes(self.overhead_bytes) for _ in scenarios)])
         rows.append(["total", *(format_bytes(t) for t in totals)])
         if self.budget_bytes is not None:
-            rows.append([f"fits {format_bytes(self.budget_bytes)}?", *("yes" if t <= self.budget_bytes else "no" for t in totals)])
-        rows.append(
-            ["peak in", *(f"{s.peak_phase}: {s.peak_op}" + (f" ({s.peak_block})" if s.peak_block else "") for s in scenarios)]
+            fits = ("yes" if total <= self.budget_bytes else "no" for total in totals)
+            rows.append([f"fits {format_bytes(self.budget_bytes)}?", *fits])
+        where = (
+            f"{s.peak_phase}: {s.peak_op}" + (f" ({s.peak_block})" if s.peak_block else "") for s in scenarios
         )
+        rows.append(["peak in", *where])
         if any(s.offloaded_bytes for s in scenarios):
             rows.append(["host memory (offload)", *(format_bytes(s.host_bytes) for s in scenarios)])
 
@@ -226,10 +228,15 @@ class MemoryEstimate:
         ]  # fmt: skip
         if len(ranked) > max_blocks:
             rest = ranked[max_blocks:]
-            block_rows.append([f"... {len(rest)} more", format_bytes(sum(b.saved_bytes for b in rest)), "", ""])
+            rest_bytes = format_bytes(sum(block.saved_bytes for block in rest))
+            block_rows.append([f"... {len(rest)} more", rest_bytes, "", ""])
         return [
             (title, ["", *self.scenarios], rows),
-            ("Saved activations per block (end of forward, baseline)", ["block", "saved", "share", "forward GFLOP"], block_rows),
+            (
+                "Saved activations per block (end of forward, baseline)",
+                ["block", "saved", "share", "forward GFLOP"],
+                block_rows,
+            ),
         ]
 
     def _notes(self, verbose: bool) -> list[str]:
@@ -249,9 +256,15 @@ class MemoryEstimate:
     def to_text(self, *, width: int = 100, verbose: bool = False, max_blocks: int = 12) -> str:
         """The report as plain text (no ``rich`` needed); ``verbose`` spells out what is not modelled,
         wrapped at ``width`` columns."""
-        parts = [format_table(rows, headers, title=title, align="l" + "r" * len(headers)) for title, headers, rows in self._tables(max_blocks)]
+        parts = [
+            format_table(rows, headers, title=title, align="l" + "r" * len(headers))
+            for title, headers, rows in self._tables(max_blocks)
+        ]
         notes = self._notes(verbose)
-        parts.append("\n".join(textwrap.fill(line, width, subsequent_indent="  ") if len(line) > width else line for line in notes))
+        wrapped = (
+            textwrap.fill(line, width, subsequent_indent="  ") if len(line) > width else line for line in notes
+        )
+        parts.append("\n".join(wrapped))
         return "\n\n".join(parts) + "\n"
 
     def render(self, *, max_blocks: int = 12, verbose: bool = False) -> Any:
@@ -268,13 +281,15 @@ class MemoryEstimate:
             for row in rows:
                 if row[0] == "peak":
                     table.add_section()
-                styled = [Text(cell, style="green" if cell == "yes" else "red" if cell == "no" else "") for cell in row]
+                colours = {"yes": "green", "no": "red"}
+                styled = [Text(cell, style=colours.get(cell, "")) for cell in row]
                 if row[0] in ("peak", "total"):
                     styled = [Text(cell, style="bold") for cell in row]
                 table.add_row(*styled)
             renderables.append(table)
         notes = self._notes(verbose)
-        renderables.extend(Text(line, style="dim" if line.startswith("Not modelled") else "") for line in notes)
+        for line in notes:
+            renderables.append(Text(line, style="dim" if line.startswith("Not modelled") else ""))
         return Group(*renderables)
 
     def print(self, *, verbose: bool = False) -> None:

@@ -99,7 +99,9 @@ def build_probes(
     return probes, off
 
 
-def max_over_ranks(values: dict[str, float], rank_max: Callable[[list[float]], list[float]]) -> dict[str, float]:
+def max_over_ranks(
+    values: dict[str, float], rank_max: Callable[[list[float]], list[float]]
+) -> dict[str, float]:
     """Memory figures (``reduce_max``) as their maximum over ranks; the rest as this rank's."""
     names = [name for name in values if BY_KEY[name].reduce_max]
     reduced = rank_max([values[name] for name in names])  # CPU tensors over gloo: no GPU sync
@@ -127,7 +129,9 @@ class MetricsRecorder:
         checkpointed_blocks: int = 0,
     ) -> None:
         self.probes = list(probes)
-        self.traffic = next((probe for probe in self.probes if isinstance(probe, LightmemProbe) and probe.offload), None)
+        self.traffic = next(
+            (probe for probe in self.probes if isinstance(probe, LightmemProbe) and probe.offload), None
+        )
         self._offload = self.traffic is not None
         self.log_every_n_steps = log_every_n_steps
         self.tensorboard_panels = tensorboard_panels
@@ -208,10 +212,15 @@ class MetricsRecorder:
         ]
         steps = max(self._steps, 1)
         if self._offload and self._steps:
-            figures.append(SummaryFigure("offloaded per step", "offloaded_per_step_GiB", self._offloaded_bytes / steps / GiB, "GiB"))
-            figures.append(SummaryFigure("compute waited per step", "wait_per_step_ms", self._wait_s / steps * 1e3, "ms"))
+            offloaded_GiB = self._offloaded_bytes / steps / GiB
+            figures.append(
+                SummaryFigure("offloaded per step", "offloaded_per_step_GiB", offloaded_GiB, "GiB")
+            )
+            wait_ms = self._wait_s / steps * 1e3
+            figures.append(SummaryFigure("compute waited per step", "wait_per_step_ms", wait_ms, "ms"))
         if self.checkpointed_blocks:
-            figures.append(SummaryFigure("blocks checkpointed", "checkpointed_blocks", float(self.checkpointed_blocks), "count"))
+            blocks = float(self.checkpointed_blocks)
+            figures.append(SummaryFigure("blocks checkpointed", "checkpointed_blocks", blocks, "count"))
         return figures
 
     def publish_summary(self, trainer: pl.Trainer) -> None:
@@ -224,8 +233,10 @@ class MetricsRecorder:
         print(format_table(rows, ("figure", "value"), title=SUMMARY_TITLE, align="lr"), flush=True)
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text(SUMMARY_PREFIX, markdown_table(rows, ("figure", "value")), trainer.global_step)
-            logger.log_metrics({f"{SUMMARY_PREFIX}/{f.name}": f.value for f in figures}, step=trainer.global_step)
+                text = markdown_table(rows, ("figure", "value"))
+                logger.experiment.add_text(SUMMARY_PREFIX, text, trainer.global_step)
+            values = {f"{SUMMARY_PREFIX}/{figure.name}": figure.value for figure in figures}
+            logger.log_metrics(values, step=trainer.global_step)
 
     def close(self) -> None:
         """Drop the probes (psutil processes hold locks): the recorder pickles with its figures."""
