@@ -6,7 +6,7 @@
 
 The measurement is independent of the estimator: the real step runs on real tensors under
 torch's MemTracker (torch.distributed._tools.mem_tracker), whose categories are mapped as
-documented in lightmem/estimate/measure.py. The table prints the peak and every category,
+documented in lightmem/testing/measure.py. The table prints the peak and every category,
 predicted / measured, with the ratio.
 """
 
@@ -34,7 +34,7 @@ from models import ConvNet, LSTMTagger, TinyGPT, gpt_loss
 
 from lightmem import estimate_memory
 from lightmem.config import format_bytes
-from lightmem.estimate.measure import measure_cpu_step
+from lightmem.testing.measure import measure_cpu_step
 from lightmem.estimate.tracer import CATEGORIES
 
 

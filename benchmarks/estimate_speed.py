@@ -69,7 +69,7 @@ def main() -> None:
     )
     print(
         f"| `plan`, 40 GiB | fits: {chosen.fits}, {len(chosen.checkpoint)} checkpointed, "
-        f"{len(chosen.offload['include']) if chosen.offload else 0} offloaded, predicted "
+        f"{len(chosen.offload.include or ()) if chosen.offload else 0} offloaded, predicted "
         f"{format_bytes(chosen.predicted_total_bytes)} | {plan_s:.1f} s |"
     )
 

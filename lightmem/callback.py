@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import psutil
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -27,35 +24,28 @@ from lightmem.checkpoint import (
     select_blocks,
 )
 from lightmem.config import (
-    format_bytes,
-    host_ram_share_bytes,
-    parse_devices,
-    parse_fraction,
-    parse_patterns,
-    parse_size,
-    total_ram_bytes,
-    warn_once,
-)
-from lightmem.host_guard import HostGuard, batches_loaded_ahead
-from lightmem.metrics.names import BY_KEY, GROUPS, GiB, key
-from lightmem.metrics.probes import (
-    HostProbe,
-    LightmemProbe,
-    NvmlProbe,
-    ProbeUnavailable,
-    TorchAllocatorProbe,
-)
-from lightmem.metrics.ranks import RankMax
-from lightmem.metrics.tensorboard import custom_scalars_layout
-from lightmem.offload.context import (
     DEFAULT_HOST_BUDGET,
     DEFAULT_HOST_MIN_AVAILABLE,
     DEFAULT_MIN_BYTES,
     DEFAULT_PREFETCH,
-    ActivationOffloader,
+    OffloadSettings,
+    format_bytes,
+    parse_bool,
+    parse_choices,
+    parse_count,
+    parse_fraction,
+    parse_host_limit,
+    parse_path,
+    parse_patterns,
+    parse_size,
 )
+from lightmem.estimate import plan
+from lightmem.host_guard import HostGuard, batches_loaded_ahead
+from lightmem.metrics.names import GROUPS
+from lightmem.metrics.recorder import MetricsRecorder, build_probes
+from lightmem.offload.context import ActivationOffloader
+from lightmem.offload.training import TrainingOffload
 
-log = logging.getLogger(__name__)
 
 
 def _flag(name: str) -> str:
@@ -148,49 +138,18 @@ class LightMem(Callback):
         host_stop_checkpoint: str | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("offload", offload), ("tensorboard_panels", tensorboard_panels)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{_flag(name)}: expected True or False; got {value!r}")
-        self.offload = offload
-        self.offload_min_bytes = parse_size(offload_min_bytes, flag=_flag("offload_min_bytes"))
-        self.offload_include = parse_patterns(offload_include, flag=_flag("offload_include"))
-        self.offload_exclude = parse_patterns(offload_exclude, flag=_flag("offload_exclude"))
-        self.offload_devices = parse_devices(offload_devices, flag=_flag("offload_devices"))
-        self.host_budget = host_budget
-        self.host_budget_bytes = parse_size(host_budget, flag=_flag("host_budget"), fraction_of=host_ram_share_bytes)
-        self.host_min_available_bytes = parse_size(
-            host_min_available, flag=_flag("host_min_available"), fraction_of=total_ram_bytes,
-            fraction_name="total RAM",
+        self.offload = parse_bool(offload, flag=_flag("offload"))
+        self.offload_settings = OffloadSettings.parse(
+            min_bytes=offload_min_bytes, devices=offload_devices, include=offload_include, exclude=offload_exclude,
+            host_budget=host_budget, prefetch=prefetch_bytes, host_min_available=host_min_available, owner="LightMem",
         )  # fmt: skip
-        self.prefetch_bytes = parse_size(prefetch_bytes, flag=_flag("prefetch_bytes"))
         self.checkpoint = list(parse_patterns(checkpoint, flag=_flag("checkpoint")) or ())
-        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-            raise ValueError(f"{_flag('checkpoint_every')}: expected an integer >= 1; got {checkpoint_every!r}")
-        self.checkpoint_every = checkpoint_every
+        self.checkpoint_every = parse_count(checkpoint_every, flag=_flag("checkpoint_every"))
         self.checkpoint_policy = parse_checkpoint_policy(checkpoint_policy, flag=_flag("checkpoint_policy"))
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise ValueError(
-                f"{_flag('log_every_n_steps')}: expected an integer >= 1 or None; got {log_every_n_steps!r}"
-            )
-        self.log_every_n_steps = log_every_n_steps
-        try:
-            groups = (metrics,) if isinstance(metrics, str) else tuple(metrics)
-        except TypeError:
-            raise ValueError(
-                f"{_flag('metrics')}: expected a list of probe groups from {', '.join(GROUPS)}; got {metrics!r}"
-            ) from None
-        unknown = [group for group in groups if group not in GROUPS]
-        if unknown:
-            raise ValueError(
-                f"{_flag('metrics')}: unknown probe group {unknown[0]!r}; accepted: {', '.join(GROUPS)}"
-            )
-        self.metrics = groups
-        self.tensorboard_panels = tensorboard_panels
-        if oom_snapshot is not None and not isinstance(oom_snapshot, str):
-            raise ValueError(f"{_flag('oom_snapshot')}: expected a file path or None; got {oom_snapshot!r}")
-        self.oom_snapshot = oom_snapshot
+        self.log_every_n_steps = parse_count(log_every_n_steps, flag=_flag("log_every_n_steps"), allow_none=True)
+        self.metrics = parse_choices(metrics, flag=_flag("metrics"), accepted=GROUPS, what="probe group")
+        self.tensorboard_panels = parse_bool(tensorboard_panels, flag=_flag("tensorboard_panels"))
+        self.oom_snapshot = parse_path(oom_snapshot, flag=_flag("oom_snapshot"))
         if plan not in (None, "auto"):
             raise ValueError(f"{_flag('plan')}: expected None or 'auto'; got {plan!r}")
         self.plan = plan
@@ -200,44 +159,50 @@ class LightMem(Callback):
         if plan == "auto":
             if self.device_budget_bytes is None:
                 raise ValueError(f"{_flag('plan')}: 'auto' needs device_budget, e.g. LightMem(plan='auto', device_budget='20GiB')")
-            if self.checkpoint or self.offload_include is not None:
+            if self.checkpoint or self.offload_settings.include is not None:
                 raise ValueError(
                     f"{_flag('plan')}: 'auto' chooses checkpoint and offload_include itself; leave them unset"
                 )
-        try:
-            self.host_limit_bytes = (
-                None
-                if host_limit == "auto"
-                else parse_size(host_limit, flag=_flag("host_limit"), fraction_of=total_ram_bytes, fraction_name="total RAM")
-            )
-        except ValueError as error:
-            raise ValueError(str(error).replace("expected ", "expected 'auto' (cgroup limit or total RAM), ", 1)) from None
+        self.host_limit_bytes = parse_host_limit(host_limit, flag=_flag("host_limit"))
         self.host_warn_at = parse_fraction(host_warn_at, flag=_flag("host_warn_at"))
         self.host_stop_at = parse_fraction(host_stop_at, flag=_flag("host_stop_at"), allow_none=True)
         if self.host_stop_at is not None and self.host_stop_at < self.host_warn_at:  # type: ignore[operator]
             raise ValueError(f"{_flag('host_stop_at')}: must be >= host_warn_at ({host_warn_at}); got {host_stop_at!r}")
-        if host_stop_checkpoint is not None and not isinstance(host_stop_checkpoint, str):
-            raise ValueError(f"{_flag('host_stop_checkpoint')}: expected a file path or None; got {host_stop_checkpoint!r}")
-        self.host_stop_checkpoint = host_stop_checkpoint
-        self._host_guard: HostGuard | None = None
+        self.host_stop_checkpoint = parse_path(host_stop_checkpoint, flag=_flag("host_stop_checkpoint"))
         self.chosen_plan: Any = None
         """With plan='auto': the ``lightmem.estimate.Plan`` chosen from the first training batch."""
 
-        self._offloader: ActivationOffloader | None = None
+        self._host_guard: HostGuard | None = None
+        self._offload: TrainingOffload | None = None
         self._checkpoint_handle: CheckpointHandle | None = None
         self._patched_module: pl.LightningModule | None = None
-        self._probes: list[Any] = []
-        self._rank_max = RankMax()
-        self._traffic: LightmemProbe | None = None
-        self._last_step = -1
-        self.last_metrics: dict[str, float] = {}
+        self._recorder: MetricsRecorder | None = None
+
+    @property
+    def _offloader(self) -> ActivationOffloader | None:
+        return self._offload.offloader if self._offload is not None else None
+
+    @property
+    def offload_min_bytes(self) -> int:
+        return self.offload_settings.min_bytes
+
+    @property
+    def offload_devices(self) -> tuple[str, ...]:
+        return self.offload_settings.devices
+
+    @property
+    def host_budget_bytes(self) -> int:
+        return self.offload_settings.host_budget_bytes
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
         """The metrics of the last logged step, as logged (with DDP: the max over ranks)."""
-        self.last_local_metrics: dict[str, float] = {}
+        return self._recorder.last_metrics if self._recorder is not None else {}
+
+    @property
+    def last_local_metrics(self) -> dict[str, float]:
         """The same figures for this process alone."""
-        self._peaks: dict[str, float] = {}
-        self._totals: dict[str, float] = {}
-        self._steps_seen = 0
-        self._below_floor = False
+        return self._recorder.last_local_metrics if self._recorder is not None else {}
 
     # -- checkpointing, before the strategy wraps the model --------------------------------------
 
@@ -246,10 +211,7 @@ class LightMem(Callback):
         if stage != "fit":
             return
         # A fractional host_budget is shared by this node's ranks (Lightning sets no LOCAL_WORLD_SIZE).
-        self.host_budget_bytes = parse_size(
-            self.host_budget, flag=_flag("host_budget"),
-            fraction_of=lambda: host_ram_share_bytes(trainer.num_devices),
-        )  # fmt: skip
+        self.offload_settings = self.offload_settings.for_ranks_per_node(trainer.num_devices)
         if not self.checkpoint:
             return
         # Lightning calls configure_model after this hook and before strategy.setup wraps the model;
@@ -281,94 +243,82 @@ class LightMem(Callback):
         self._checkpoint_handle = apply_checkpointing(
             pl_module, targets, every_n, self.checkpoint_policy, policy_flag=_flag("checkpoint_policy")
         )
-        rank_zero_info(
-            f"lightmem: checkpointing {len(self._checkpoint_handle)} blocks: "
-            f"{', '.join(self._checkpoint_handle.modules[:6])}{' ...' if len(self._checkpoint_handle) > 6 else ''}"
-        )
 
-    # -- offload and probes ----------------------------------------------------------------------
+    # -- offload and metrics ---------------------------------------------------------------------
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.plan == "auto":  # every fit plans for its own first batch
-            self.chosen_plan = None
-        self._offloader = None if self.plan == "auto" else self._build_offloader(pl_module)
-        self._probes = self._build_probes(pl_module)
         self._host_guard = HostGuard(self.host_limit_bytes, self.host_warn_at, self.host_stop_at, self._host_bytes_held)  # type: ignore[arg-type]
-        if "host" in self.metrics:
-            self._probes.append(self._host_guard)
-        self._last_step = trainer.global_step
-        self._peaks, self._totals, self._steps_seen = {}, {}, 0
-        if self.tensorboard_panels and trainer.is_global_zero:
-            layout = custom_scalars_layout(self._enabled_groups())
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.add_custom_scalars(layout)
         if self.oom_snapshot:
             oom.record_memory_history()
+        if self.plan == "auto":  # every fit plans for its own first batch, then starts recording
+            self.chosen_plan, self._offload, self._recorder = None, None, None
+            return
+        self._offload = None
+        if self.offload:
+            self._start_offload(pl_module)
+        self._start_recording(trainer, pl_module)
+
+    def _offload_off_reason(self, settings: OffloadSettings) -> str | None:
+        if settings.devices == ("cuda",) and not torch.cuda.is_available():
+            return "no CUDA device: moving CPU tensors to host memory gains nothing"
+        return None
 
     def _build_offloader(
-        self, pl_module: pl.LightningModule, min_bytes: int | None = None, include: tuple[str, ...] | None = None
+        self, pl_module: pl.LightningModule, settings: OffloadSettings | None = None
     ) -> ActivationOffloader | None:
-        planned = min_bytes is not None
-        if not self.offload and not planned:
+        settings = settings or self.offload_settings
+        if self._offload_off_reason(settings) is not None:
             return None
-        if self.offload_devices == ("cuda",) and not torch.cuda.is_available():
-            rank_zero_info(
-                "lightmem: no CUDA device, so activation offload is off (moving CPU tensors to host "
-                "memory gains nothing); checkpointing and host metrics are on."
-            )
-            return None
-        return ActivationOffloader(
-            pl_module,
-            min_bytes=min_bytes if planned else self.offload_min_bytes,
-            devices=self.offload_devices,
-            include=include if planned else self.offload_include,
-            exclude=self.offload_exclude,
-            host_budget=self.host_budget_bytes,
-            prefetch=self.prefetch_bytes,
-            host_min_available=self.host_min_available_bytes,
-            flag_names={
-                "min_bytes": _flag("offload_min_bytes"),
-                "devices": _flag("offload_devices"),
-                "include": _flag("offload_include"),
-                "exclude": _flag("offload_exclude"),
-                "host_budget": _flag("host_budget"),
-                "prefetch": _flag("prefetch_bytes"),
-                "host_min_available": _flag("host_min_available"),
-            },
-        )
+        return ActivationOffloader(pl_module, settings=settings)
 
-    def _build_probes(self, pl_module: pl.LightningModule) -> list[Any]:
-        probes: list[Any] = []
-        device = pl_module.device
-        self._traffic = None
-        for group in self.metrics:
-            try:
-                if group == "gpu":
-                    probes.append(TorchAllocatorProbe(device))
-                elif group == "device":
-                    probes.append(NvmlProbe(device))
-                elif group == "host":
-                    probes.append(HostProbe(self._host_bytes_held, self._host_bytes_peak_in_use))
-                elif group == "lightmem":
-                    self._traffic = LightmemProbe(self._checkpointed_blocks)
-                    probes.append(self._traffic)
-            except ProbeUnavailable as error:
-                rank_zero_info(f"lightmem: {group!r} memory metrics are off: {error}.")
-        return probes
+    def _start_offload(self, pl_module: pl.LightningModule, settings: OffloadSettings | None = None) -> None:
+        offloader = self._build_offloader(pl_module, settings)
+        self._offload = TrainingOffload(offloader) if offloader is not None else None
 
-    def _enabled_groups(self) -> list[str]:
-        return [probe.group for probe in self._probes]
+    def _start_recording(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        blocks = self._checkpointed_blocks()
+        probes, metrics_off = build_probes(
+            self.metrics, pl_module.device, checkpointed_blocks=blocks,
+            host_bytes_held=self._host_bytes_held if self._offloader is not None else None,
+            host_bytes_peak_in_use=self._host_bytes_peak_in_use,
+        )  # fmt: skip
+        if "host" in self.metrics:
+            probes.append(self._host_guard)
+        self._recorder = MetricsRecorder(
+            probes, log_every_n_steps=self.log_every_n_steps, tensorboard_panels=self.tensorboard_panels,
+            checkpointed_blocks=blocks,
+        )  # fmt: skip
+        self._recorder.start(trainer)
+        rank_zero_info(self._what_is_on(blocks, [probe.group for probe in probes], metrics_off))
 
-    def _host_bytes_held(self) -> int:
-        return self._offloader.host_bytes_held if self._offloader is not None else 0
+    def _what_is_on(self, blocks: int, metrics_on: list[str], metrics_off: dict[str, str]) -> str:
+        """One line: every feature that is on, and why each one asked for is off."""
+        on, off = [], []
+        if self._offloader is not None:
+            on.append(f"activation offload (tensors from {format_bytes(self._offloader.min_bytes)})")
+        elif self.offload or self.chosen_plan is not None:
+            off.append(f"activation offload ({self._offload_off_reason(self.offload_settings) or 'the plan offloads nothing'})")
+        if blocks:
+            names = self._checkpoint_handle.modules  # type: ignore[union-attr]
+            on.append(f"checkpointing {blocks} blocks ({', '.join(names[:3])}{', ...' if blocks > 3 else ''})")
+        elif self.checkpoint:
+            off.append("checkpointing (see the warning above)")
+        if metrics_on:
+            on.append(f"{', '.join(dict.fromkeys(metrics_on))} metrics")
+        for reason in dict.fromkeys(metrics_off.values()):
+            groups = [group for group, why in metrics_off.items() if why == reason]
+            off.append(f"{' and '.join(groups)} metrics ({reason})")
+        return f"lightmem: on: {'; '.join(on) or 'nothing'}." + (f" Off: {'; '.join(off)}." if off else "")
 
     def _host_bytes_peak_in_use(self) -> int:
         return self._offloader.host_bytes_peak_in_use if self._offloader is not None else 0
 
     def _checkpointed_blocks(self) -> int:
         return len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0
+
+    def _host_bytes_held(self) -> int:
+        return self._offloader.host_bytes_held if self._offloader is not None else 0
 
     # -- one training step -----------------------------------------------------------------------
 
@@ -381,22 +331,8 @@ class LightMem(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.plan == "auto" and self.chosen_plan is None:
             self._plan_from(trainer, pl_module, batch)
-        offloader = self._offloader
-        if offloader is None:
-            return
-        if psutil.virtual_memory().available < self.host_min_available_bytes:
-            if not self._below_floor:
-                warn_once(
-                    f"lightmem: available host memory fell under host_min_available "
-                    f"({format_bytes(self.host_min_available_bytes)}); offload is paused and cached host "
-                    "buffers were released so the host OOM killer does not end the job."
-                )
-            self._below_floor = True
-            offloader.release_host_memory()
-            return
-        self._below_floor = False
-        self._exit_offload()
-        offloader.__enter__()
+        if self._offload is not None:
+            self._offload.enter()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -410,12 +346,11 @@ class LightMem(Callback):
     ) -> None:
         self._exit_offload()  # training_step returned None: no backward ran
         self._guard_host(trainer)
-        if self._offloader is not None and self._traffic is not None and not self._below_floor:
-            self._traffic.add(self._offloader.stats)
-        if trainer.global_step == self._last_step:
-            return  # gradient accumulation: the optimizer has not stepped yet
-        self._last_step = trainer.global_step
-        self._end_of_step(trainer, pl_module)
+        if self._recorder is None:
+            return
+        if self._offload is not None and self._offload.stats is not None:
+            self._recorder.add_traffic(self._offload.stats)
+        self._recorder.batch_end(trainer)
 
     def _guard_host(self, trainer: pl.Trainer) -> None:
         # Every batch, not only logged steps: memory that grows per batch outruns any logging interval.
@@ -443,8 +378,6 @@ class LightMem(Callback):
             print(guard.stop_message(path, error), file=sys.stderr, flush=True)
 
     def _plan_from(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        from lightmem.estimate import plan
-
         # The dry run calls training_step on fake tensors; its self.log calls must not reach the
         # Trainer's results.
         pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
@@ -459,7 +392,7 @@ class LightMem(Callback):
         self.chosen_plan = chosen
         summary = (
             f"lightmem: plan for a {format_bytes(chosen.budget_bytes)} device budget: checkpoint "
-            f"{chosen.checkpoint or 'nothing'}, offload {chosen.offload['include'] if chosen.offload else 'nothing'}; "
+            f"{chosen.checkpoint or 'nothing'}, offload {list(chosen.offload.include) if chosen.offload else 'nothing'}; "
             f"predicted peak {format_bytes(chosen.predicted_total_bytes)}"
         )
         if chosen.fits:
@@ -468,51 +401,15 @@ class LightMem(Callback):
             rank_zero_warn(f"{summary}. It does not fit: {chosen.reason}")
         if chosen.checkpoint:
             self._apply_checkpointing(trainer, pl_module, list(chosen.checkpoint), every_n=1)
-        self._offloader = None
+        self._offload = None
         if chosen.offload is not None:
-            self._offloader = self._build_offloader(
-                pl_module,
-                min_bytes=parse_size(chosen.offload["min_bytes"], flag=_flag("offload_min_bytes")),
-                include=tuple(chosen.offload["include"]),
-            )
+            settings = self.offload_settings.with_choice(min_bytes=chosen.offload.min_bytes, include=chosen.offload.include)
+            self._start_offload(pl_module, settings)
+        self._start_recording(trainer, pl_module)
 
     def _exit_offload(self) -> None:
-        if self._offloader is not None and self._offloader.active:
-            self._offloader.__exit__(None, None, None)
-
-    def _end_of_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Probes run on logged steps only (the host probe costs ~0.1-0.4 ms); the per-step traffic
-        # totals of the summary are plain attribute reads.
-        self._steps_seen += 1
-        traffic = self._traffic
-        if traffic is not None:
-            self._totals["offloaded_bytes"] = self._totals.get("offloaded_bytes", 0) + traffic.offloaded_bytes
-            self._totals["wait_s"] = self._totals.get("wait_s", 0.0) + traffic.wait_s
-        every = self.log_every_n_steps or trainer.log_every_n_steps
-        logged = (trainer.global_step - 1) % every == 0
-        values: dict[str, float] = {}
-        for probe in self._probes:
-            if logged:
-                values.update(probe.collect())
-            probe.end_step()
-        if not logged:
-            return
-        for name in _SUMMARY_PEAKS.values():
-            if name in values:
-                self._peaks[name] = max(self._peaks.get(name, 0.0), values[name])
-        self.last_local_metrics = values
-        values = self._max_over_ranks(trainer, pl_module, values)
-        self.last_metrics = values
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(values, step=trainer.global_step)
-
-    def _max_over_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule, values: dict[str, float]) -> dict[str, float]:
-        if trainer.world_size <= 1:
-            return values
-        names = [name for name in values if BY_KEY[name].reduce_max]
-        reduced = self._rank_max([values[name] for name in names])  # CPU tensors over gloo: no GPU sync
-        return {**values, **dict(zip(names, reduced))}
+        if self._offload is not None:
+            self._offload.exit()
 
     # -- leaving -----------------------------------------------------------------------------------
 
@@ -532,8 +429,8 @@ class LightMem(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._offloader is not None and self._offloader.active:  # it words torch.func's error itself
-            self._offloader.__exit__(type(exception), exception, exception.__traceback__)
+        if self._offload is not None:  # the offloader words torch.func's error itself
+            self._offload.exit(exception)
         if isinstance(exception, torch.cuda.OutOfMemoryError) or "out of memory" in str(exception).lower():
             print(self.oom_report(trainer, pl_module))
             written = None
@@ -546,57 +443,30 @@ class LightMem(Callback):
 
     def oom_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
         """What was on the device, the last metrics, and the flags that would help."""
-        offloader = self._offloader
-        breakdown = oom.device_breakdown(
-            pl_module, trainer.optimizers, pl_module.device, offloader.resident_bytes if offloader else 0
-        )
-        if offloader is not None:
-            breakdown["host_buffers_held_by_lightmem"] = offloader.host_bytes_held
-        lines = oom.advice(
-            offload=offloader is not None,
-            offload_min_bytes=self.offload_min_bytes,
-            checkpointed_blocks=self._checkpointed_blocks(),
-            repeated_block=oom.repeated_block_class(pl_module),
-            breakdown=breakdown,
-        )
-        return oom.render(breakdown, self.last_metrics, lines)
-
-    @override
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        summary = self.summary()
-        if not summary or not trainer.is_global_zero:
-            return
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title="lightmem: memory summary of this fit")
-        table.add_column("figure")
-        table.add_column("value", justify="right")
-        for name, value in summary.items():
-            table.add_row(name, value)
-        Console().print(table)
-        for logger in trainer.loggers:
-            logger.log_hyperparams({f"lightmem/summary/{name}": value for name, value in summary.items()})
+        return oom.report(
+            pl_module, trainer.optimizers, pl_module.device, offloader=self._offloader,
+            offload_min_bytes=self.offload_min_bytes, checkpointed_blocks=self._checkpointed_blocks(),
+            last_metrics=self.last_metrics,
+        )  # fmt: skip
 
     def summary(self) -> dict[str, str]:
         """Readable end-of-fit figures: peaks over the logged steps, traffic and waits per step
         (over every step), checkpointed blocks."""
-        figures: dict[str, str] = {}
-        for label, name in _SUMMARY_PEAKS.items():
-            if name in self._peaks and (self._offloader is not None or name != key("host/pinned_GiB")):
-                figures[label] = format_bytes(self._peaks[name] * GiB)
-        steps = max(self._steps_seen, 1)
-        if self._offloader is not None and "offloaded_bytes" in self._totals:
-            figures["offloaded per step"] = format_bytes(self._totals["offloaded_bytes"] / steps)
-            figures["compute waited per step"] = f"{self._totals['wait_s'] / steps * 1e3:.2f} ms"
-        if self._checkpoint_handle is not None:
-            figures["blocks checkpointed"] = str(len(self._checkpoint_handle))
-        return figures
+        figures = self._recorder.summary() if self._recorder is not None else []
+        return {figure.label: figure.readable() for figure in figures}
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._undo()
+        if stage != "fit":
+            return
+        self._undo()
+        if self._recorder is not None:
+            # A Rich progress bar stops at its own teardown, which may run after this one and
+            # redraw over whatever was printed: stop it first so the summary prints below it.
+            bar = trainer.progress_bar_callback
+            if bar is not None:
+                bar.teardown(trainer, pl_module, stage)
+            self._recorder.publish_summary(trainer)
 
     def _undo(self) -> None:
         """Leave the model and the process as they were before fit: no wrapper, patch or hooks."""
@@ -612,13 +482,15 @@ class LightMem(Callback):
         if self._patched_module is not None:
             self._patched_module.__dict__.pop("configure_model", None)
             self._patched_module = None
-        if self._offloader is not None:
-            self._offloader.release_host_memory()
-            self._offloader = None
+        if self._offload is not None:
+            self._offload.close()
+            self._offload = None
         # Probes hold psutil processes (with locks): after fit the callback pickles and deep-copies.
         if self._host_guard is not None:
             self._host_guard.close()
-        self._probes, self._traffic, self._host_guard = [], None, None
+        if self._recorder is not None:
+            self._recorder.close()
+        self._host_guard = None
         if self.oom_snapshot:
             oom.stop_memory_history()
 
@@ -627,10 +499,5 @@ class LightMem(Callback):
         return {}
 
 
-_SUMMARY_PEAKS = {
-    "peak GPU allocated": key("gpu/step_peak_allocated_GiB"),
-    "peak GPU reserved": key("gpu/reserved_GiB"),
-    "peak device used (NVML)": key("device/used_GiB"),
-    "peak host RSS": key("host/rss_GiB"),
-    "peak host buffers held": key("host/pinned_GiB"),
-}
+def _flag(name: str) -> str:
+    return f"LightMem({name}=...)"

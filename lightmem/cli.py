@@ -15,7 +15,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rich.console import Console
+from lightmem.config import parse_size
+from lightmem.estimate import estimate_memory, max_batch_size, plan
+from lightmem.estimate.settings import parse_device, parse_optimizer, parse_overhead, parse_precision
 
 
 def load_factory(spec: str) -> Callable[[int], Any]:
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightmem", description="lightmem: memory tools for PyTorch Lightning"
     )
+    parser.add_argument("--version", action="version", version=f"lightmem {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     estimate = commands.add_parser(
         "estimate",
@@ -120,7 +123,52 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-size", action="store_true", help="also search the largest batch that fits --budget"
     )
     estimate.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    estimate.add_argument(
+        "--verbose", action="store_true", help="list everything the estimate does not model"
+    )
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightmem")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        import lightmem
+
+        return lightmem.__version__
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Validate the values with the API's own parsers, under the names the user typed (``--budget``)."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: expected a positive integer; got {args.batch_size}")
+    if (args.plan or args.max_batch_size) and args.budget is None:
+        raise ValueError("--plan and --max-batch-size need --budget")
+    device = parse_device(args.device, flag="--device")
+    parse_precision(args.precision, flag="--precision")
+    parse_optimizer(args.optimizer, flag="--optimizer")
+    parse_overhead(args.overhead, device, flag="--overhead")
+    for value, flag in ((args.budget, "--budget"), (args.offload_min_bytes, "--offload-min-bytes")):
+        if value is not None:
+            parse_size(value, flag=flag)
+
+
+# Errors found later (a pattern that matches no module) name the Python argument the CLI passed.
+_CLI_NAMES = {
+    "estimate_memory(offload=...)['include']": "--offload-include",
+    "estimate_memory(offload=...)['exclude']": "--offload-exclude",
+    "estimate_memory(checkpoint=...)": "--checkpoint",
+    "max_batch_size(checkpoint=...)": "--checkpoint",
+    "apply_checkpointing(targets=...)": "--checkpoint",
+}
+
+
+def _in_cli_words(message: str) -> str:
+    for python_name, cli_name in _CLI_NAMES.items():
+        message = message.replace(python_name, cli_name)
+    return message
 
 
 def _offload_arg(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -136,13 +184,8 @@ def _offload_arg(args: argparse.Namespace) -> dict[str, Any] | None:
     return offload
 
 
-def run_estimate(args: argparse.Namespace, console: Console) -> int:
-    from lightmem.estimate import estimate_memory, max_batch_size, plan
-
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size: expected a positive integer; got {args.batch_size}")
-    if (args.plan or args.max_batch_size) and args.budget is None:
-        raise ValueError("--plan and --max-batch-size need --budget")
+def run_estimate(args: argparse.Namespace) -> int:
+    _check_flags(args)
     factory = load_factory(args.factory)
     model, batch, loss_fn = _call_factory(factory, args.batch_size)
     common = {
@@ -169,16 +212,16 @@ def run_estimate(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         print(json.dumps(output, indent=2))
         return 0
-    console.print(result.render())
+    result.print(verbose=args.verbose)
     if found_plan is not None:
-        console.print(f"Plan: {found_plan.describe()}")
+        print(f"Plan: {found_plan.describe()}")
         if found_plan.fits and (found_plan.checkpoint or found_plan.offload):
-            console.print(f"LightMem(**{found_plan.lightmem_kwargs()})")
+            print(f"LightMem(**{found_plan.lightmem_kwargs()})")
     if search is not None:
         line = f"Largest batch that fits {args.budget}: {search.baseline} without lightmem"
         if search.configured is not None:
             line += f", {search.configured} with the given offload/checkpoint flags"
-        console.print(line)
+        print(line)
     return 0
 
 
@@ -186,12 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lightmem`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console()
     try:
         if args.command == "estimate":
-            return run_estimate(args, console)
+            return run_estimate(args)
     except ValueError as error:
-        print(f"lightmem {args.command}: error: {error}", file=sys.stderr)
+        print(f"lightmem {args.command}: error: {_in_cli_words(str(error))}", file=sys.stderr)
         return 2
     except RuntimeError as error:  # EstimateError and failures of the user's model on fake tensors
         print(f"lightmem {args.command}: error: {error}", file=sys.stderr)

@@ -11,6 +11,8 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import psutil
 
@@ -121,6 +123,55 @@ def parse_fraction(value: float, *, flag: str, allow_none: bool = False) -> floa
     raise ValueError(f"{flag}: expected {accepted}; got {value!r}")
 
 
+def parse_bool(value: bool, *, flag: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{flag}: expected True or False; got {value!r}")
+    return value
+
+
+def parse_count(value: int | None, *, flag: str, allow_none: bool = False) -> int | None:
+    """Validate an integer >= 1 (a step interval, every n-th block); None where ``allow_none``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{flag}: expected an integer >= 1{' or None' if allow_none else ''}; got {value!r}")
+    return value
+
+
+def parse_choices(
+    values: Iterable[str] | str, *, flag: str, accepted: Iterable[str], what: str
+) -> tuple[str, ...]:
+    """Validate a list of names from ``accepted``; a bare string is one name. ``what`` names one."""
+    accepted = tuple(accepted)
+    try:
+        result = (values,) if isinstance(values, str) else tuple(values)
+    except TypeError:
+        raise ValueError(
+            f"{flag}: expected a list of {what}s from {', '.join(accepted)}; got {values!r}"
+        ) from None
+    unknown = [value for value in result if value not in accepted]
+    if unknown:
+        raise ValueError(f"{flag}: unknown {what} {unknown[0]!r}; accepted: {', '.join(accepted)}")
+    return result
+
+
+def parse_path(value: str | None, *, flag: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{flag}: expected a file path or None; got {value!r}")
+    return value
+
+
+def parse_host_limit(value: int | float | str, *, flag: str) -> int | None:
+    """``"auto"`` (None: the cgroup limit or total RAM, read when training starts), or a size."""
+    if value == "auto":
+        return None
+    try:
+        return parse_size(value, flag=flag, fraction_of=total_ram_bytes, fraction_name="total RAM")
+    except ValueError as error:
+        message = str(error).replace("expected ", "expected 'auto' (cgroup limit or total RAM), ", 1)
+        raise ValueError(message) from None
+
+
 def format_bytes(num_bytes: float) -> str:
     """Human-readable binary size: 1536 -> '1.50 KiB'."""
     sign = "-" if num_bytes < 0 else ""
@@ -165,6 +216,117 @@ def parse_patterns(patterns: Iterable[str] | str | None, *, flag: str) -> tuple[
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"{flag}: every pattern must be a non-empty string; got {pattern!r}")
     return result
+
+
+DEFAULT_MIN_BYTES = "1MiB"
+DEFAULT_HOST_BUDGET = 0.5
+DEFAULT_PREFETCH = "256MiB"
+DEFAULT_HOST_MIN_AVAILABLE = 0.10
+
+# How each entry point spells the offload flags (the settings' field names are offload_activations').
+_OFFLOAD_FLAG_NAMES = {
+    "LightMem": {
+        "min_bytes": "offload_min_bytes",
+        "devices": "offload_devices",
+        "include": "offload_include",
+        "exclude": "offload_exclude",
+        "prefetch": "prefetch_bytes",
+    },
+}
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """The offload flags, parsed and validated once; ``LightMem``, ``offload_activations``, the
+    estimator (``estimate_memory(offload=...)``) and ``Plan.offload`` all read this object instead of
+    re-parsing flags.
+
+    ``owner`` is the entry point the user called (``"offload_activations"`` or ``"LightMem"``): error
+    messages raised later (a pattern matching no module) name the flag as the user spelled it.
+    """
+
+    min_bytes: int
+    devices: tuple[str, ...]
+    include: tuple[str, ...] | None
+    exclude: tuple[str, ...] | None
+    host_budget: int | float | str | None
+    """As given: a fraction is taken of this node's available RAM, shared by its ranks."""
+    host_budget_bytes: int | None
+    """None only in the estimator: no cap (the target machine's host is not this one)."""
+    prefetch_bytes: int
+    host_min_available_bytes: int
+    owner: str = "offload_activations"
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        min_bytes: int | str = DEFAULT_MIN_BYTES,
+        devices: Iterable[str] | str = ("cuda",),
+        include: Iterable[str] | str | None = None,
+        exclude: Iterable[str] | str | None = None,
+        host_budget: int | float | str | None = DEFAULT_HOST_BUDGET,
+        prefetch: int | str = DEFAULT_PREFETCH,
+        host_min_available: int | float | str = DEFAULT_HOST_MIN_AVAILABLE,
+        owner: str = "offload_activations",
+        ranks_per_node: int | None = None,
+    ) -> OffloadSettings:
+        """Validate every flag; ``ValueError`` names the first bad one as ``owner`` spells it."""
+
+        def flag(field: str) -> str:
+            return offload_flag(owner, field)
+
+        if host_budget is None:
+            host_budget = DEFAULT_HOST_BUDGET
+        return cls(
+            min_bytes=parse_size(min_bytes, flag=flag("min_bytes")),
+            devices=parse_devices(devices, flag=flag("devices")),
+            include=parse_patterns(include, flag=flag("include")),
+            exclude=parse_patterns(exclude, flag=flag("exclude")),
+            host_budget=host_budget,
+            host_budget_bytes=parse_size(
+                host_budget, flag=flag("host_budget"),
+                fraction_of=lambda: host_ram_share_bytes(ranks_per_node),
+            ),
+            prefetch_bytes=parse_size(prefetch, flag=flag("prefetch")),
+            host_min_available_bytes=parse_size(
+                host_min_available, flag=flag("host_min_available"), fraction_of=total_ram_bytes,
+                fraction_name="total RAM",
+            ),  # fmt: skip
+            owner=owner,
+        )
+
+    def flag(self, field: str) -> str:
+        """How the user spelled the flag behind ``field``: ``LightMem(offload_include=...)``."""
+        return offload_flag(self.owner, field)
+
+    def for_ranks_per_node(self, ranks_per_node: int) -> OffloadSettings:
+        """The same settings with a fractional ``host_budget`` shared by ``ranks_per_node`` ranks."""
+        if self.host_budget is None:
+            return self
+        budget = parse_size(
+            self.host_budget, flag=self.flag("host_budget"),
+            fraction_of=lambda: host_ram_share_bytes(ranks_per_node),
+        )
+        return replace(self, host_budget_bytes=budget)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The estimator's view, JSON-ready, keyed as ``offload_activations``' arguments."""
+        return {
+            "min_bytes": self.min_bytes,
+            "include": list(self.include) if self.include is not None else None,
+            "exclude": list(self.exclude) if self.exclude is not None else None,
+            "prefetch": self.prefetch_bytes,
+            "host_budget": self.host_budget_bytes,
+        }
+
+    def with_choice(self, *, min_bytes: int, include: tuple[str, ...] | None) -> OffloadSettings:
+        """The same settings with a planner's threshold and modules."""
+        return replace(self, min_bytes=min_bytes, include=include)
+
+
+def offload_flag(owner: str, field: str) -> str:
+    return f"{owner}({_OFFLOAD_FLAG_NAMES.get(owner, {}).get(field, field)}=...)"
 
 
 _warned: set[str] = set()

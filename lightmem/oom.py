@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightmem.config import format_bytes
+from lightmem.tables import format_table
 
 
 HISTORY_ENTRIES = 100_000
@@ -134,14 +136,45 @@ def repeated_block_class(model: nn.Module) -> str | None:
     return best[1] if best else None
 
 
+def report(
+    model: nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    device: torch.device,
+    *,
+    offloader: Any,
+    offload_min_bytes: int,
+    checkpointed_blocks: int,
+    last_metrics: Mapping[str, float],
+) -> str:
+    """The whole report: what was on ``device``, the last metrics, the flags that would help.
+
+    ``offloader`` is the active ``ActivationOffloader`` or None (offload off).
+    """
+    breakdown = device_breakdown(model, optimizers, device, offloader.resident_bytes if offloader else 0)
+    if offloader is not None:
+        breakdown["host_buffers_held_by_lightmem"] = offloader.host_bytes_held
+    lines = advice(
+        offload=offloader is not None,
+        offload_min_bytes=offload_min_bytes,
+        checkpointed_blocks=checkpointed_blocks,
+        repeated_block=repeated_block_class(model),
+        breakdown=breakdown,
+    )
+    return render(breakdown, last_metrics, lines)
+
+
 def render(breakdown: Mapping[str, int], last_metrics: Mapping[str, float], lines: list[str]) -> str:
     out = ["lightmem: out of memory during training. What was on the device:"]
-    for name, value in breakdown.items():
-        out.append(f"  {name:<38} {format_bytes(value)}")
+    rows = [(name, format_bytes(value)) for name, value in breakdown.items()]
+    out.append(_indent(format_table(rows, align="lr")))
     if last_metrics:
         out.append("Last logged metrics:")
-        for name, value in last_metrics.items():
-            out.append(f"  {name:<48} {value:.4f}")
+        rows = [(name, f"{value:.4f}") for name, value in last_metrics.items()]
+        out.append(_indent(format_table(rows, align="lr")))
     out.append("What would help:")
     out.extend(f"  - {line}" for line in lines)
     return "\n".join(out)
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" for line in text.splitlines())

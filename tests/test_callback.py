@@ -173,8 +173,21 @@ def test_cpu_only_default_turns_offload_off_and_says_so(caplog):
     callback = LightMem(checkpoint=["Block"])
     with caplog.at_level("INFO"):
         _fit(callback)
-    assert "no CUDA device, so activation offload is off" in caplog.text
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("lightmem:")] == [
+        "lightmem: on: checkpointing 3 blocks (model.blocks.0, model.blocks.1, model.blocks.2); host, lightmem "
+        "metrics. Off: activation offload (no CUDA device: moving CPU tensors to host memory gains nothing); "
+        "gpu and device metrics (the training device is not a CUDA device)."
+    ]
     assert callback._offloader is None
+
+
+def test_cpu_only_defaults_say_exactly_what_is_on_in_one_line(caplog):
+    with caplog.at_level("INFO"):
+        _fit(LightMem())
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("lightmem:")] == [
+        "lightmem: on: host metrics. Off: activation offload (no CUDA device: moving CPU tensors to host memory "
+        "gains nothing); gpu and device metrics (the training device is not a CUDA device)."
+    ]
 
 
 def test_existing_checkpoint_wrapper_is_not_checkpointed_twice():

@@ -6,16 +6,19 @@ import json
 import os
 import subprocess
 import sys
+from csv import DictReader
 from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 from lit_models import LitGPT, token_loader
-from pytorch_lightning.loggers import Logger, TensorBoardLogger
+from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
+from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from lightmem import LightMem
 from lightmem.metrics.names import METRICS
 from lightmem.metrics.tensorboard import CATEGORY
+from lightmem.tables import format_table, markdown_table
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
 
@@ -52,7 +55,7 @@ def _fit(callback, logger, max_steps=5, **kwargs):
 
 
 def _lightmem_rows(logger):
-    return [(step, m) for step, m in logger.metrics if any(k.startswith("lightmem/") for k in m)]
+    return [(step, m) for step, m in logger.metrics if any(k.startswith("lightmem/memory/") for k in m)]
 
 
 def test_metrics_are_logged_every_n_steps_starting_with_the_first():
@@ -87,17 +90,81 @@ def test_metric_groups_can_be_chosen():
     logger = MemoryLogger()
     _fit(LightMem(offload=False, metrics=["host"], log_every_n_steps=1), logger, max_steps=1)
     (_, metrics), = _lightmem_rows(logger)
-    assert set(metrics) == {m.key for m in METRICS if m.group == "host"}
+    # offload is off: no host buffers of lightmem's to report
+    pool = {"lightmem/memory/host/pinned_GiB", "lightmem/memory/host/pinned_in_use_GiB"}
+    assert set(metrics) == {m.key for m in METRICS if m.group == "host"} - pool
 
 
-def test_end_of_fit_summary_goes_to_console_and_loggers(capsys):
+def test_end_of_fit_summary_goes_to_console_and_every_loggers_metrics(capsys):
     logger = MemoryLogger()
-    _fit(LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"]), logger, max_steps=2)
+    callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"])
+    _fit(callback, logger, max_steps=2)
     out = capsys.readouterr().out
-    assert "lightmem: memory summary of this fit" in out
-    assert logger.hparams["lightmem/summary/blocks checkpointed"] == "3"
-    assert logger.hparams["lightmem/summary/peak host RSS"].endswith("iB")
-    assert logger.hparams["lightmem/summary/offloaded per step"].endswith("iB")
+    summary = callback.summary()
+    assert out.endswith(
+        format_table(list(summary.items()), ("figure", "value"), title="lightmem: memory summary of this fit", align="lr")
+        + "\n"
+    )
+    step, final = logger.metrics[-1]
+    assert step == 2
+    assert final["lightmem/summary/checkpointed_blocks"] == 3.0
+    assert final["lightmem/summary/peak/host/rss_GiB"] > 0.01
+    assert final["lightmem/summary/offloaded_per_step_GiB"] > 0
+    assert set(summary) == {
+        "peak host RSS", "peak host buffers held", "offloaded per step", "compute waited per step", "blocks checkpointed"
+    }  # fmt: skip
+
+
+def test_end_of_fit_summary_reaches_tensorboards_text_tab_and_the_csv(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tensorboard, csv = TensorBoardLogger(tmp_path, name="tb"), CSVLogger(tmp_path, name="csv")
+    callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"], log_every_n_steps=1)
+    _fit(callback, [tensorboard, csv], max_steps=2)
+    accumulator = EventAccumulator(tensorboard.log_dir, size_guidance={"tensors": 0, "scalars": 0})
+    accumulator.Reload()
+    (text,) = accumulator.Tensors("lightmem/summary/text_summary")
+    assert text.step == 2
+    assert text.tensor_proto.string_val[0].decode() == markdown_table(list(callback.summary().items()), ("figure", "value"))
+    assert [e.value for e in accumulator.Scalars("lightmem/summary/checkpointed_blocks")] == [3.0]
+    with open(Path(csv.log_dir) / "metrics.csv") as file:
+        rows = list(DictReader(file))
+    assert rows[-1]["step"] == "2"
+    assert float(rows[-1]["lightmem/summary/checkpointed_blocks"]) == 3.0
+    assert float(rows[-1]["lightmem/summary/peak/host/rss_GiB"]) > 0.01
+
+
+@pytest.mark.parametrize("bar", [RichProgressBar, TQDMProgressBar])
+def test_end_of_fit_summary_prints_after_the_progress_bar_has_stopped(bar, capsys):
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_model_summary=False,
+        callbacks=[LightMem(offload_devices=["cpu"], checkpoint=["Block"]), bar()],
+    )  # fmt: skip
+    trainer.fit(LitGPT(), token_loader())
+    out = capsys.readouterr().out
+    assert "Epoch 0" in out
+    assert out.rindex("Epoch 0") < out.index("lightmem: memory summary of this fit")
+
+
+def test_no_summary_and_no_panels_for_features_that_are_off(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    logger = TensorBoardLogger(tmp_path, name="run")
+    callback = LightMem(log_every_n_steps=1)  # CPU-only defaults: offload off, nothing checkpointed
+    _fit(callback, logger, max_steps=2)
+    accumulator = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
+    accumulator.Reload()
+    logged = {tag for tag in accumulator.Tags()["scalars"] if tag.startswith("lightmem/memory/")}
+    pool = {"lightmem/memory/host/pinned_GiB", "lightmem/memory/host/pinned_in_use_GiB"}
+    assert logged == {m.key for m in METRICS if m.group == "host"} - pool
+    config = accumulator.Tensors("custom_scalars__config__")[0]
+    (category,) = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0]).category
+    assert {chart.title for chart in category.chart} == {
+        "Host memory, this process (GiB)", "Host memory, machine (GiB)", "Host memory limit (GiB)"
+    }  # fmt: skip
+    assert callback.summary() == {"peak host RSS": callback.summary()["peak host RSS"]}
 
 
 def test_tensorboard_event_files_hold_the_panels_and_the_scalars(tmp_path):
@@ -116,15 +183,24 @@ def test_tensorboard_event_files_hold_the_panels_and_the_scalars(tmp_path):
     (category,) = layout.category
     assert category.title == CATEGORY
     charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
-    assert charts["Host memory (this process)"] == [
+    assert charts["Host memory, this process (GiB)"] == [
         "lightmem/memory/host/rss_GiB", "lightmem/memory/host/pinned_GiB", "lightmem/memory/host/pinned_in_use_GiB",
         "lightmem/memory/host/workers_rss_GiB",
     ]  # fmt: skip
-    assert charts["Host memory (limit)"] == ["lightmem/memory/host/limit_GiB", "lightmem/memory/host/headroom_GiB"]
-    assert charts["Host memory (machine)"] == ["lightmem/memory/host/available_GiB", "lightmem/memory/host/swap_used_GiB"]
-    assert charts["Offload traffic"] == ["lightmem/memory/offload/offloaded_GiB", "lightmem/memory/offload/reloaded_GiB"]
-    assert "Checkpointing" in charts
-    assert "GPU memory (PyTorch)" not in charts  # no CUDA here: that probe group is off
+    assert charts["Host memory limit (GiB)"] == ["lightmem/memory/host/limit_GiB", "lightmem/memory/host/headroom_GiB"]
+    assert charts["Host memory, machine (GiB)"] == [
+        "lightmem/memory/host/available_GiB", "lightmem/memory/host/swap_used_GiB"
+    ]  # fmt: skip
+    assert charts["Offload traffic (GiB)"] == [
+        "lightmem/memory/offload/offloaded_GiB", "lightmem/memory/offload/reloaded_GiB",
+        "lightmem/memory/offload/deduplicated_GiB",
+    ]  # fmt: skip
+    assert charts["Offload kept on device (GiB)"] == [
+        "lightmem/memory/offload/kept_GiB", "lightmem/memory/offload/budget_kept_GiB"
+    ]  # fmt: skip
+    assert charts["Checkpointed blocks (count)"] == ["lightmem/memory/checkpoint/blocks"]
+    assert not [title for title in charts if title.startswith("GPU")]  # no CUDA here: those probe groups are off
+    assert all(title.endswith(("(GiB)", "(count)", "(ms)")) for title in charts)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo DDP subprocess test is Linux-only here")

@@ -54,7 +54,6 @@ def test_host_min_available_is_a_node_wide_floor_not_divided(monkeypatch):
     # Every rank compares the node's available RAM with it, so it is already shared.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setattr(lightmem.config, "total_ram_bytes", lambda: 10 * GiB)
-    monkeypatch.setattr(lightmem.offload.context, "total_ram_bytes", lambda: 10 * GiB)
     assert offload_activations(host_min_available=0.1, devices=("cpu",)).host_min_available_bytes == GiB
 
 

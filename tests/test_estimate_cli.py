@@ -58,3 +58,31 @@ def test_table_output_with_a_file_factory_and_plan(capsys):
 def test_errors_exit_with_status_2_and_a_message(capsys, argv, message):
     assert main(["estimate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--budget", "lots"], "lightmem estimate: error: --budget: expected a byte count (int), or a string"),
+        (["--precision", "fp8"], "lightmem estimate: error: --precision: unknown precision 'fp8'"),
+        (["--device", "tpu"], "lightmem estimate: error: --device: "),
+        (["--overhead", "-"], "lightmem estimate: error: --overhead: expected a byte count"),
+        (["--offload-min-bytes", "big"], "lightmem estimate: error: --offload-min-bytes: expected a byte count"),
+        (["--offload-include", "nothing_here"], "lightmem estimate: error: --offload-include: 'nothing_here' matches no module"),
+        (["--checkpoint", "Blok"], "lightmem estimate: error: --checkpoint: 'Blok' matches no module"),
+    ],
+)
+def test_errors_name_the_command_line_flag_not_the_python_argument(capsys, flags, message):
+    assert main(["estimate", "examples.estimate_factories:tiny_gpt", "--batch-size", "2", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message), err
+    assert "(budget=" not in err and "offload=...)" not in err and "checkpoint=...)" not in err
+
+
+def test_version_prints_the_package_version(capsys):
+    import lightmem
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out == f"lightmem {lightmem.__version__}\n"

@@ -182,7 +182,7 @@ def test_lightmem_plan_auto_checkpoints_llama_layers_in_a_lightning_fit():
 
 def _promise_child() -> None:
     from lightmem import apply_checkpointing
-    from lightmem.estimate.measure import measure_cpu_step
+    from lightmem.testing.measure import measure_cpu_step
 
     torch.set_num_threads(1)
     results = []

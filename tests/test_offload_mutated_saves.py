@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightmem import offload_activations
-from lightmem.offload.simulated import SimulatedAsyncTransport
+from lightmem.testing.simulated import SimulatedAsyncTransport
 
 
 def _rrelu_model() -> nn.Module:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightmem.offload.pool import HostPool, size_class
-from lightmem.offload.simulated import SimulatedAsyncTransport, _Event
+from lightmem.testing.simulated import SimulatedAsyncTransport, _Event
 from lightmem.offload.transport import SyncTransport
 
 

@@ -17,7 +17,7 @@ from models import CASES, TinyGPT, make_case
 
 from lightmem import offload_activations
 from lightmem.offload import hooks
-from lightmem.offload.simulated import COMPUTE, SimulatedAsyncTransport
+from lightmem.testing.simulated import COMPUTE, SimulatedAsyncTransport
 
 
 def _offload_with(transport, **kwargs):

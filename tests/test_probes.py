@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightmem import LightMem
+from lightmem.metrics.recorder import max_over_ranks
 from lightmem.metrics.names import GiB, key
 from lightmem.metrics.probes import NvmlProbe, ProbeUnavailable, TorchAllocatorProbe
 from lightmem.metrics.ranks import RankMax
@@ -173,7 +173,7 @@ def test_max_over_ranks_reduces_cpu_tensors_over_one_gloo_group(fake_nccl_job):
     assert fake_nccl_job.all_reduce == [("cpu", torch.float64, dist.ReduceOp.MAX, "gloo-group-1")] * 2
 
 
-def test_callback_max_over_ranks_never_builds_a_device_tensor(fake_nccl_job, monkeypatch):
+def test_max_over_ranks_never_builds_a_device_tensor(fake_nccl_job, monkeypatch):
     built_on: list[str] = []
     original = torch.tensor
 
@@ -183,10 +183,7 @@ def test_callback_max_over_ranks_never_builds_a_device_tensor(fake_nccl_job, mon
         return tensor
 
     monkeypatch.setattr(torch, "tensor", spy)
-    callback = LightMem()
-    trainer = SimpleNamespace(world_size=2)
-    module = SimpleNamespace(device=torch.device("cuda", 0))
     rss, pinned = key("host/rss_GiB"), key("host/pinned_GiB")
-    reduced = callback._max_over_ranks(trainer, module, {rss: 1.0, pinned: 9.0})
+    reduced = max_over_ranks({rss: 1.0, pinned: 9.0}, RankMax())
     assert reduced == {rss: 5.0, pinned: 9.0}
     assert built_on == ["cpu"]

@@ -14,18 +14,12 @@ Rules (identifiers as they appear in ``Advice.rule``):
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from lightmem.config import format_bytes
 from lightmem.estimate.batch import BatchInfo
-from lightmem.estimate.report import Advice, MemoryEstimate
-from lightmem.estimate.step import ROOT_BLOCK, StepTrace
-
-if TYPE_CHECKING:
-    from lightmem.estimate.planner import Plan
+from lightmem.estimate.report import Advice, MemoryEstimate, Plan, compact_names, natural_order
+from lightmem.estimate.step import StepTrace
 
 QUADRATIC_MIN_SHARE = 0.05
 """Quadratic saved tensors must be at least this share of saved activations to be worth a word."""
@@ -120,7 +114,7 @@ def quadratic_attention(estimate: MemoryEstimate, info: BatchInfo, baseline: Ste
             shape = dims
     if quadratic < QUADRATIC_MIN_SHARE * total:
         return []
-    blocks = compact_names(sorted(by_block, key=_natural), _kinds(estimate))
+    blocks = compact_names(sorted(by_block, key=natural_order), _kinds(estimate))
     return [
         Advice(
             "quadratic-attention",
@@ -152,11 +146,11 @@ def reach_budget(estimate: MemoryEstimate, plan: Plan | None) -> list[Advice]:
     kinds = _kinds(estimate)
     parts = []
     if plan.checkpoint:
-        parts.append(f"checkpoint {compact_names(sorted(plan.checkpoint, key=_natural), kinds)}")
+        parts.append(f"checkpoint {compact_names(sorted(plan.checkpoint, key=natural_order), kinds)}")
     if plan.offload is not None:
         parts.append(
-            f"offload {compact_names(sorted(plan.offload['include'], key=_natural), kinds)} "
-            f"(offload_include, min_bytes {format_bytes(plan.offload['min_bytes'])})"
+            f"offload {compact_names(sorted(plan.offload.include or (), key=natural_order), kinds)} "
+            f"(offload_include, min_bytes {format_bytes(plan.offload.min_bytes)})"
         )
     return [
         Advice(
@@ -171,54 +165,3 @@ def reach_budget(estimate: MemoryEstimate, plan: Plan | None) -> list[Advice]:
 
 def _kinds(estimate: MemoryEstimate) -> dict[str, str]:
     return {name: block.kind for name, block in estimate.blocks.items()}
-
-
-def _natural(name: str) -> list[object]:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def compact_names(names: list[str], kinds: Mapping[str, str] | None = None) -> str:
-    """'blocks.0', 'blocks.1', 'blocks.2', 'head' -> 'blocks.0-2, head'.
-
-    With ``kinds`` (class name per block), each run is followed by its class:
-    'transformer.h.0-7 (GPT2Block), lm_head (Linear)'.
-    """
-    kinds = kinds or {}
-    groups: dict[str, list[int]] = defaultdict(list)
-    order: list[str] = []
-    for name in names:
-        match = re.fullmatch(r"(.*\.)(\d+)", name)
-        if match is None:
-            order.append(name)
-            continue
-        prefix = match.group(1)
-        if prefix not in groups:
-            order.append(prefix)
-        groups[prefix].append(int(match.group(2)))
-
-    def labelled(text: str, members: list[str]) -> str:
-        classes = {kinds[member] for member in members if kinds.get(member)}
-        return f"{text} ({classes.pop()})" if len(classes) == 1 else text
-
-    parts = []
-    for key in order:
-        if key not in groups:
-            if key == ROOT_BLOCK:
-                continue
-            parts.append(labelled(key, [key]))
-            continue
-        numbers = sorted(groups[key])
-        start = previous = numbers[0]
-        runs = []
-        for number in numbers[1:] + [None]:  # type: ignore[list-item]
-            if number is not None and number == previous + 1:
-                previous = number
-                continue
-            runs.append((start, previous))
-            if number is not None:
-                start = previous = number
-        for first, last in runs:
-            members = [f"{key}{n}" for n in range(first, last + 1)]
-            text = f"{key}{first}" if first == last else f"{key}{first}-{last}"
-            parts.append(labelled(text, members))
-    return ", ".join(parts)

@@ -14,11 +14,10 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg, parse_checkpoint_policy
-from lightmem.config import parse_size
+from lightmem.config import OffloadSettings, parse_size
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
 from lightmem.estimate.settings import (
-    OffloadConfig,
     OptimizerChoice,
     Precision,
     parse_device,
@@ -89,7 +88,7 @@ def run_configuration(
     batch: Any,
     settings: EstimateSettings,
     *,
-    offload: OffloadConfig | None = None,
+    offload: OffloadSettings | None = None,
     checkpoint: tuple[Any, ...] | None = None,
     batch_size: int | None = None,
     info: BatchInfo | None = None,
@@ -148,14 +147,14 @@ def build_report(
     batch: Any,
     settings: EstimateSettings,
     info: BatchInfo,
-    offload: OffloadConfig | None,
+    offload: OffloadSettings | None,
     checkpoint: tuple[Any, ...] | None,
     *,
     batch_size: int | None = None,
 ) -> tuple[MemoryEstimate, StepTrace]:
     """Run the baseline and every requested configuration; the report (without advice) and the
     baseline's trace."""
-    configurations: list[tuple[str, OffloadConfig | None, tuple[Any, ...] | None]] = [
+    configurations: list[tuple[str, OffloadSettings | None, tuple[Any, ...] | None]] = [
         ("baseline", None, None)
     ]
     if checkpoint:

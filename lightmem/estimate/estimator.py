@@ -9,12 +9,13 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
+from lightmem.config import OffloadSettings
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.configuration import EstimateSettings, LossFn, build_report, parse_settings
 from lightmem.estimate.planner import default_costs, search_plan
 from lightmem.estimate.report import MemoryEstimate
-from lightmem.estimate.settings import OffloadConfig, parse_checkpoint, parse_offload
+from lightmem.estimate.settings import parse_checkpoint, parse_offload
 
 
 def estimate_memory(
@@ -113,7 +114,7 @@ def build_estimate(
     batch: Any,
     settings: EstimateSettings,
     info: BatchInfo,
-    offload: OffloadConfig | None,
+    offload: OffloadSettings | None,
     checkpoint: tuple[Any, ...] | None,
     *,
     started: float | None = None,

@@ -1,7 +1,7 @@
 """Saved-tensor hooks for the fake step: record what autograd saves, and simulate lightmem's offload.
 
 Without offload, ``pack`` only tells the tracer which storages autograd keeps for backward. With an
-``OffloadConfig``, which saved tensors move is decided by the engine's own code
+``OffloadSettings``, which saved tensors move is decided by the engine's own code
 (``lightmem.offload.policy``: eligibility, parameter and buffer storages and their autocast copies,
 ``min_bytes``, scope, dedupe, host budget), run here on fake tensors. A moved tensor is dropped
 from the graph at pack time and a fake tensor of the same layout is allocated again when backward
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from lightmem.estimate.settings import OffloadConfig
+from lightmem.config import OffloadSettings
 from lightmem.estimate.tracer import StorageTracer
 from lightmem.offload.policy import (
     LEAVE,
@@ -113,7 +113,7 @@ class SavedTensorHooks:
         self,
         tracer: StorageTracer,
         block_of: Any,
-        offload: OffloadConfig | None,
+        offload: OffloadSettings | None,
         model: nn.Module,
         protected: set[int],
     ) -> None:

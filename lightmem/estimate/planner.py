@@ -16,20 +16,19 @@ choice is then verified by the estimator, and the excess still found is added fo
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import format_bytes, parse_size
-from lightmem.estimate.advice import advise, compact_names
+from lightmem.config import DEFAULT_MIN_BYTES, format_bytes, parse_size
+from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.configuration import EstimateSettings, build_report, parse_settings, run_configuration
-from lightmem.estimate.report import BlockMemory, MemoryEstimate
+from lightmem.estimate.report import BlockMemory, MemoryEstimate, Plan, natural_order
 from lightmem.estimate.settings import parse_offload
 from lightmem.estimate.step import ROOT_BLOCK
 
@@ -37,7 +36,6 @@ DEFAULT_LINK_BYTES_PER_S = "25GB"
 """Host link bandwidth per second (PCIe 4.0 x16 sustains about this)."""
 DEFAULT_FLOPS_PER_S = {"cuda": 100e12, "cpu": 0.2e12}
 """Sustained forward throughput used to price re-computation; pass your device's own."""
-DEFAULT_MIN_BYTES = "1MiB"
 KEEP, OFFLOAD, CHECKPOINT, BOTH = "keep", "offload", "checkpoint", "checkpoint+offload"
 _RANK = {KEEP: 0, OFFLOAD: 1, CHECKPOINT: 2, BOTH: 3}  # a block only moves up this list
 
@@ -88,11 +86,6 @@ def _cost_s(block: BlockMemory, action: str, costs: Costs) -> float:
     return 0.0
 
 
-def _natural(name: str) -> tuple[Any, ...]:
-    """Sort key for block names: "blocks.2" before "blocks.10"."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
-
-
 def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
     """The blocks a plan acts on: the repeated layers, or every block of a model without any."""
     repeated = {name: block for name, block in blocks.items() if block.repeated}
@@ -124,7 +117,7 @@ def choose_actions(
                 if gain <= 0:
                     continue
                 extra = _cost_s(block, action, costs) - _cost_s(block, current, costs)
-                key = (max(extra, 0.0) / gain, -gain, _natural(name), action)
+                key = (max(extra, 0.0) / gain, -gain, natural_order(name), action)
                 if best is None or key < best:
                     best = key
         if best is None:
@@ -134,96 +127,6 @@ def choose_actions(
         actions[name] = action
         saved += -negative_gain
     return actions
-
-
-@dataclass
-class Plan:
-    """A lightmem configuration for a budget, verified by the estimator.
-
-    ``checkpoint`` lists the blocks to checkpoint; ``offload`` is the estimator's offload dict
-    (``min_bytes``, ``include``) or None; ``fits`` says whether the verified peak plus overhead is
-    within the budget; ``reason`` says why not when it is not.
-    """
-
-    checkpoint: list[str]
-    offload: dict[str, Any] | None
-    predicted_peak_bytes: int
-    overhead_bytes: int
-    budget_bytes: int
-    fits: bool
-    reason: str
-    actions: dict[str, str] = field(default_factory=dict)
-    recompute_s: float = 0.0
-    exposed_transfer_s: float = 0.0
-    estimate: MemoryEstimate | None = None
-    seconds: float = 0.0
-    estimate_kinds: dict[str, str] = field(default_factory=dict, repr=False)
-    """Class name per block, for the description."""
-    checkpoint_policy: CheckpointPolicyArg = "full"
-    """What the checkpointed blocks keep (``LightMem(checkpoint_policy=...)``)."""
-
-    @property
-    def predicted_total_bytes(self) -> int:
-        return self.predicted_peak_bytes + self.overhead_bytes
-
-    def lightmem_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``LightMem(...)``: offload, checkpoint, and when offloading,
-        offload_min_bytes and offload_include."""
-        policy = {} if self.checkpoint_policy == "full" else {"checkpoint_policy": self.checkpoint_policy}
-        if self.offload is None:
-            return {"offload": False, "checkpoint": list(self.checkpoint), **policy}
-        return {
-            "offload": True,
-            "offload_min_bytes": self.offload["min_bytes"],
-            "offload_include": list(self.offload["include"]),
-            "checkpoint": list(self.checkpoint),
-            **policy,
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "checkpoint": list(self.checkpoint),
-            "checkpoint_policy": _policy_name(self.checkpoint_policy),
-            "offload": dict(self.offload) if self.offload is not None else None,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "predicted_total_bytes": self.predicted_total_bytes,
-            "overhead_bytes": self.overhead_bytes,
-            "budget_bytes": self.budget_bytes,
-            "fits": self.fits,
-            "reason": self.reason,
-            "recompute_s": self.recompute_s,
-            "exposed_transfer_s": self.exposed_transfer_s,
-            "lightmem_kwargs": {
-                name: _policy_name(value) if name == "checkpoint_policy" else value
-                for name, value in self.lightmem_kwargs().items()
-            },
-        }
-
-    def describe(self) -> str:
-        if not self.fits:
-            return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
-        if not self.checkpoint and self.offload is None:
-            return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
-        kinds = self.estimate_kinds
-        parts = []
-        if self.checkpoint:
-            names = compact_names(sorted(self.checkpoint, key=_natural), kinds)
-            policy = "" if self.checkpoint_policy == "full" else f" (policy {_policy_name(self.checkpoint_policy)})"
-            parts.append(f"checkpoint {names}{policy}")
-        if self.offload is not None:
-            names = compact_names(sorted(self.offload["include"], key=_natural), kinds)
-            parts.append(f"offload {names} (min_bytes {format_bytes(self.offload['min_bytes'])})")
-        return (
-            f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
-            + "; ".join(parts)
-            + f" (about {self.recompute_s * 1e3:.1f} ms re-computation and "
-            f"{self.exposed_transfer_s * 1e3:.1f} ms exposed transfer per step)"
-        )
-
-
-def _policy_name(policy: CheckpointPolicyArg) -> str:
-    """A policy as JSON and people read it: its name, or the callable's name."""
-    return policy if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
 
 
 def config_for(actions: Mapping[str, str], min_bytes: int) -> tuple[list[str], dict[str, Any] | None]:
@@ -354,11 +257,11 @@ def search_plan(
             break
         actions = chosen
         checkpoint, offload = config_for(actions, min_bytes)
+        offload_config = parse_offload(offload, flag="plan") if offload else None
         trace = run_configuration(
-            model, batch, settings, info=info, checkpoint=tuple(checkpoint) or None,
-            offload=parse_offload(offload, flag="plan") if offload else None,
-        )  # fmt: skip
-        result.checkpoint, result.offload, result.actions = checkpoint, offload, dict(actions)
+            model, batch, settings, info=info, checkpoint=tuple(checkpoint) or None, offload=offload_config
+        )
+        result.checkpoint, result.offload, result.actions = checkpoint, offload_config, dict(actions)
         result.predicted_peak_bytes = trace.peak.bytes
         result.recompute_s = sum(
             recompute_s(base.blocks[n], costs) for n, a in actions.items() if a in (CHECKPOINT, BOTH)

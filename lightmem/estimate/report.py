@@ -1,21 +1,24 @@
 """What the estimator returns: figures per configuration, per block, the advice, and two renderings.
 
-``MemoryEstimate`` is plain data. ``render()`` gives the table a person reads (``rich``);
+``MemoryEstimate`` is plain data. ``to_text()`` gives the tables a person reads (``render()``: the
+same with ``rich``, when installed);
 ``to_dict()`` gives the same figures to programs (JSON-ready: ints, floats, strings, lists).
 """
 
 from __future__ import annotations
 
-import io
+import re
+import textwrap
+from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Console, Group
-from rich.table import Table
-from rich.text import Text
-
-from lightmem.config import format_bytes
+from lightmem.checkpoint import CheckpointPolicyArg
+from lightmem.config import OffloadSettings, format_bytes
+from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.tracer import CATEGORIES
+from lightmem.tables import format_table
 
 NOT_MODELLED = (
     "the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers (covered by the overhead allowance)",
@@ -196,82 +199,254 @@ class MemoryEstimate:
             "seconds": round(self.seconds, 3),
         }
 
-    def render(self, *, max_blocks: int = 12) -> Group:
-        """The report as ``rich`` renderables: breakdown per configuration, blocks, advice."""
+    def _tables(self, max_blocks: int) -> list[tuple[str, list[str], list[list[str]]]]:
+        """(title, headers, rows) of the two tables: breakdown per configuration, blocks."""
         title = (
             f"Estimated step memory on {self.device} ({self.precision}, {self.optimizer}, "
             f"batch {self.batch_size}, {self.parameter_count / 1e6:,.1f}M parameters)"
         )
-        table = Table(title=title, title_justify="left")
-        table.add_column("")
-        for name in self.scenarios:
-            table.add_column(name, justify="right")
-        for category in CATEGORIES:
-            table.add_row(
-                category.replace("_", " "),
-                *(format_bytes(s.breakdown[category]) for s in self.scenarios.values()),
-            )
-        table.add_section()
-        table.add_row(
-            Text("peak", style="bold"),
-            *(Text(format_bytes(s.peak_bytes), style="bold") for s in self.scenarios.values()),
-        )
-        table.add_row("overhead", *(format_bytes(self.overhead_bytes) for _ in self.scenarios))
-        totals = [s.peak_bytes + self.overhead_bytes for s in self.scenarios.values()]
-        table.add_row(Text("total", style="bold"), *(Text(format_bytes(t), style="bold") for t in totals))
+        scenarios = list(self.scenarios.values())
+        rows = [
+            [category.replace("_", " "), *(format_bytes(s.breakdown[category]) for s in scenarios)]
+            for category in CATEGORIES
+        ]
+        totals = [s.peak_bytes + self.overhead_bytes for s in scenarios]
+        rows.append(["peak", *(format_bytes(s.peak_bytes) for s in scenarios)])
+        rows.append(["overhead", *(format_bytes(self.overhead_bytes) for _ in scenarios)])
+        rows.append(["total", *(format_bytes(t) for t in totals)])
         if self.budget_bytes is not None:
-            table.add_row(
-                f"fits {format_bytes(self.budget_bytes)}?",
-                *(
-                    Text("yes", style="green") if t <= self.budget_bytes else Text("no", style="red")
-                    for t in totals
-                ),
-            )
-        table.add_row(
-            "peak in",
-            *(
-                f"{s.peak_phase}: {s.peak_op}" + (f" ({s.peak_block})" if s.peak_block else "")
-                for s in self.scenarios.values()
-            ),
+            fits = ("yes" if total <= self.budget_bytes else "no" for total in totals)
+            rows.append([f"fits {format_bytes(self.budget_bytes)}?", *fits])
+        where = (
+            f"{s.peak_phase}: {s.peak_op}" + (f" ({s.peak_block})" if s.peak_block else "") for s in scenarios
         )
-        if any(s.offloaded_bytes for s in self.scenarios.values()):
-            table.add_row(
-                "host memory (offload)", *(format_bytes(s.host_bytes) for s in self.scenarios.values())
-            )
+        rows.append(["peak in", *where])
+        if any(s.offloaded_bytes for s in scenarios):
+            rows.append(["host memory (offload)", *(format_bytes(s.host_bytes) for s in scenarios)])
 
-        blocks = Table(title="Saved activations per block (end of forward, baseline)", title_justify="left")
-        blocks.add_column("block")
-        blocks.add_column("saved", justify="right")
-        blocks.add_column("share", justify="right")
-        blocks.add_column("forward GFLOP", justify="right")
         total_saved = sum(block.saved_bytes for block in self.blocks.values()) or 1
         ranked = sorted(self.blocks.values(), key=lambda block: block.saved_bytes, reverse=True)
-        for block in ranked[:max_blocks]:
-            blocks.add_row(
-                block.label, format_bytes(block.saved_bytes), f"{100 * block.saved_bytes / total_saved:.1f}%",
-                f"{block.forward_flops / 1e9:,.2f}",
-            )  # fmt: skip
+        block_rows = [
+            [block.label, format_bytes(block.saved_bytes), f"{100 * block.saved_bytes / total_saved:.1f}%",
+             f"{block.forward_flops / 1e9:,.2f}"]
+            for block in ranked[:max_blocks]
+        ]  # fmt: skip
         if len(ranked) > max_blocks:
             rest = ranked[max_blocks:]
-            blocks.add_row(f"... {len(rest)} more", format_bytes(sum(b.saved_bytes for b in rest)), "", "")
+            rest_bytes = format_bytes(sum(block.saved_bytes for block in rest))
+            block_rows.append([f"... {len(rest)} more", rest_bytes, "", ""])
+        return [
+            (title, ["", *self.scenarios], rows),
+            (
+                "Saved activations per block (end of forward, baseline)",
+                ["block", "saved", "share", "forward GFLOP"],
+                block_rows,
+            ),
+        ]
 
-        lines: list[Any] = [table, blocks]
+    def _notes(self, verbose: bool) -> list[str]:
+        lines = []
         if self.advice:
-            lines.append(Text("Advice", style="bold"))
-            for item in self.advice:
-                lines.append(Text(f"- [{item.rule}] {item.message}"))
-        lines.append(Text("Not modelled: " + "; ".join(self.not_modelled) + ".", style="dim"))
-        return Group(*lines)
+            lines.append("Advice")
+            lines.extend(f"- [{item.rule}] {item.message}" for item in self.advice)
+        if verbose:
+            lines.append("Not modelled: " + "; ".join(self.not_modelled) + ".")
+        elif self.not_modelled:
+            lines.append(
+                f"Not modelled: {len(self.not_modelled)} sources (CUDA context, fragmentation, ...); "
+                "--verbose lists them."
+            )
+        return lines
 
-    def to_text(self, *, width: int = 100) -> str:
-        """The rendered report as plain text."""
-        buffer = io.StringIO()
-        console = Console(file=buffer, width=width, record=False, color_system=None, force_terminal=False)
-        console.print(self.render())
-        return buffer.getvalue()
+    def to_text(self, *, width: int = 100, verbose: bool = False, max_blocks: int = 12) -> str:
+        """The report as plain text (no ``rich`` needed); ``verbose`` spells out what is not modelled,
+        wrapped at ``width`` columns."""
+        parts = [
+            format_table(rows, headers, title=title, align="l" + "r" * len(headers))
+            for title, headers, rows in self._tables(max_blocks)
+        ]
+        notes = self._notes(verbose)
+        wrapped = (
+            textwrap.fill(line, width, subsequent_indent="  ") if len(line) > width else line for line in notes
+        )
+        parts.append("\n".join(wrapped))
+        return "\n\n".join(parts) + "\n"
 
-    def print(self, console: Console | None = None) -> None:
-        (console or Console()).print(self.render())
+    def render(self, *, max_blocks: int = 12, verbose: bool = False) -> Any:
+        """The report as ``rich`` renderables (``pip install "lightmem[rich]"``)."""
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        renderables: list[Any] = []
+        for title, headers, rows in self._tables(max_blocks):
+            table = Table(title=title, title_justify="left")
+            for i, header in enumerate(headers):
+                table.add_column(header, justify="left" if i == 0 else "right")
+            for row in rows:
+                if row[0] == "peak":
+                    table.add_section()
+                colours = {"yes": "green", "no": "red"}
+                styled = [Text(cell, style=colours.get(cell, "")) for cell in row]
+                if row[0] in ("peak", "total"):
+                    styled = [Text(cell, style="bold") for cell in row]
+                table.add_row(*styled)
+            renderables.append(table)
+        notes = self._notes(verbose)
+        for line in notes:
+            renderables.append(Text(line, style="dim" if line.startswith("Not modelled") else ""))
+        return Group(*renderables)
+
+    def print(self, *, verbose: bool = False) -> None:
+        """Print the report: with ``rich`` when it is installed, as plain text otherwise."""
+        try:
+            from rich.console import Console
+        except ImportError:
+            print(self.to_text(verbose=verbose), end="")
+            return
+        Console().print(self.render(verbose=verbose))
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+@dataclass
+class Plan:
+    """A lightmem configuration for a budget, verified by the estimator.
+
+    ``checkpoint`` lists the blocks to checkpoint; ``offload`` the offload settings (threshold and
+    the blocks in ``include``) or None; ``fits`` says whether the verified peak plus overhead is
+    within the budget; ``reason`` says why not when it is not.
+    """
+
+    checkpoint: list[str]
+    offload: OffloadSettings | None
+    predicted_peak_bytes: int
+    overhead_bytes: int
+    budget_bytes: int
+    fits: bool
+    reason: str
+    actions: dict[str, str] = field(default_factory=dict)
+    recompute_s: float = 0.0
+    exposed_transfer_s: float = 0.0
+    estimate: MemoryEstimate | None = None
+    seconds: float = 0.0
+    estimate_kinds: dict[str, str] = field(default_factory=dict, repr=False)
+    """Class name per block, for the description."""
+    checkpoint_policy: CheckpointPolicyArg = "full"
+    """What the checkpointed blocks keep (``LightMem(checkpoint_policy=...)``)."""
+
+    @property
+    def predicted_total_bytes(self) -> int:
+        return self.predicted_peak_bytes + self.overhead_bytes
+
+    def lightmem_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``LightMem(...)``: offload, checkpoint, and when offloading,
+        offload_min_bytes and offload_include; checkpoint_policy when it is not the default."""
+        policy = {} if self.checkpoint_policy == "full" else {"checkpoint_policy": self.checkpoint_policy}
+        if self.offload is None:
+            return {"offload": False, "checkpoint": list(self.checkpoint), **policy}
+        return {
+            "offload": True,
+            "offload_min_bytes": self.offload.min_bytes,
+            "offload_include": list(self.offload.include or ()),
+            "checkpoint": list(self.checkpoint),
+            **policy,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "checkpoint": list(self.checkpoint),
+            "checkpoint_policy": _policy_name(self.checkpoint_policy),
+            "offload": self.offload.to_dict() if self.offload is not None else None,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_total_bytes": self.predicted_total_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "reason": self.reason,
+            "recompute_s": self.recompute_s,
+            "exposed_transfer_s": self.exposed_transfer_s,
+            "lightmem_kwargs": {
+                name: _policy_name(value) if name == "checkpoint_policy" else value
+                for name, value in self.lightmem_kwargs().items()
+            },
+        }
+
+    def describe(self) -> str:
+        if not self.fits:
+            return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
+        if not self.checkpoint and self.offload is None:
+            return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
+        kinds = self.estimate_kinds
+        parts = []
+        if self.checkpoint:
+            names = compact_names(sorted(self.checkpoint, key=natural_order), kinds)
+            policy = "" if self.checkpoint_policy == "full" else f" (policy {_policy_name(self.checkpoint_policy)})"
+            parts.append(f"checkpoint {names}{policy}")
+        if self.offload is not None:
+            names = compact_names(sorted(self.offload.include or (), key=natural_order), kinds)
+            parts.append(f"offload {names} (min_bytes {format_bytes(self.offload.min_bytes)})")
+        return (
+            f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
+            + "; ".join(parts)
+            + f" (about {self.recompute_s * 1e3:.1f} ms re-computation and "
+            f"{self.exposed_transfer_s * 1e3:.1f} ms exposed transfer per step)"
+        )
+
+
+def _policy_name(policy: CheckpointPolicyArg) -> str:
+    """A policy as JSON and people read it: its name, or the callable's name."""
+    return policy if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
+
+
+def natural_order(name: str) -> list[object]:
+    """Sort key for block names: "blocks.2" before "blocks.10"."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def compact_names(names: list[str], kinds: Mapping[str, str] | None = None) -> str:
+    """'blocks.0', 'blocks.1', 'blocks.2', 'head' -> 'blocks.0-2, head'.
+
+    With ``kinds`` (class name per block), each run is followed by its class:
+    'transformer.h.0-7 (GPT2Block), lm_head (Linear)'.
+    """
+    kinds = kinds or {}
+    groups: dict[str, list[int]] = defaultdict(list)
+    order: list[str] = []
+    for name in names:
+        match = re.fullmatch(r"(.*\.)(\d+)", name)
+        if match is None:
+            order.append(name)
+            continue
+        prefix = match.group(1)
+        if prefix not in groups:
+            order.append(prefix)
+        groups[prefix].append(int(match.group(2)))
+
+    def labelled(text: str, members: list[str]) -> str:
+        classes = {kinds[member] for member in members if kinds.get(member)}
+        return f"{text} ({classes.pop()})" if len(classes) == 1 else text
+
+    parts = []
+    for key in order:
+        if key not in groups:
+            if key == ROOT_BLOCK:
+                continue
+            parts.append(labelled(key, [key]))
+            continue
+        numbers = sorted(groups[key])
+        start = previous = numbers[0]
+        runs = []
+        for number in numbers[1:] + [None]:  # type: ignore[list-item]
+            if number is not None and number == previous + 1:
+                previous = number
+                continue
+            runs.append((start, previous))
+            if number is not None:
+                start = previous = number
+        for first, last in runs:
+            members = [f"{key}{n}" for n in range(first, last + 1)]
+            text = f"{key}{first}" if first == last else f"{key}{first}-{last}"
+            parts.append(labelled(text, members))
+    return ", ".join(parts)

@@ -17,9 +17,10 @@ from typing import Any
 
 from torch import nn
 
+from lightmem.config import OffloadSettings
 from lightmem.estimate.batch import inspect_batch
 from lightmem.estimate.configuration import parse_settings, run_configuration
-from lightmem.estimate.settings import OffloadConfig, parse_checkpoint, parse_offload
+from lightmem.estimate.settings import parse_checkpoint, parse_offload
 
 DEFAULT_LIMIT = 1 << 20
 
@@ -175,7 +176,7 @@ def max_batch_size(
     assert budget_bytes is not None
 
     def search(
-        offload_config: OffloadConfig | None, targets: tuple[Any, ...] | None
+        offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None
     ) -> tuple[int, list[tuple[int, int]]]:
         def total(size: int) -> int:
             trace = run_configuration(

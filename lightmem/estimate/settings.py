@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lightmem.config import parse_patterns, parse_size
+from lightmem.config import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH, OffloadSettings, parse_patterns, parse_size
 
 DEFAULT_CUDA_OVERHEAD = "1GiB"
 CUDA_ALLOCATION_BYTES = 512  # CUDA's caching allocator rounds every block up to this multiple
@@ -105,30 +105,10 @@ def parse_optimizer(value: str | OptimizerFactory | None, *, flag: str) -> Optim
     )
 
 
-@dataclass(frozen=True)
-class OffloadConfig:
-    """Which saved tensors lightmem's offload would move to host memory (see ``parse_offload``)."""
-
-    min_bytes: int
-    include: tuple[str, ...] | None
-    exclude: tuple[str, ...] | None
-    prefetch_bytes: int
-    host_budget_bytes: int | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "min_bytes": self.min_bytes,
-            "include": list(self.include) if self.include is not None else None,
-            "exclude": list(self.exclude) if self.exclude is not None else None,
-            "prefetch": self.prefetch_bytes,
-            "host_budget": self.host_budget_bytes,
-        }
-
-
 _OFFLOAD_KEYS = ("min_bytes", "include", "exclude", "prefetch", "host_budget")
 
 
-def parse_offload(value: bool | Mapping[str, Any] | None, *, flag: str) -> OffloadConfig | None:
+def parse_offload(value: bool | Mapping[str, Any] | None, *, flag: str) -> OffloadSettings | None:
     """``None``/``False`` (no offload), ``True`` (lightmem's defaults), or a dict.
 
     The dict takes the keys of ``offload_activations``: ``min_bytes`` (default "1MiB"),
@@ -136,8 +116,6 @@ def parse_offload(value: bool | Mapping[str, Any] | None, *, flag: str) -> Offlo
     backward, default "256MiB") and ``host_budget`` (host bytes; default unlimited, since the
     host of the target machine is not this one).
     """
-    from lightmem.offload.context import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH
-
     if value is None or value is False:
         return None
     if value is True:
@@ -152,14 +130,17 @@ def parse_offload(value: bool | Mapping[str, Any] | None, *, flag: str) -> Offlo
             f"{flag}: unknown key(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(_OFFLOAD_KEYS)}"
         )
     host_budget = value.get("host_budget")
-    return OffloadConfig(
+    return OffloadSettings(
         min_bytes=parse_size(value.get("min_bytes", DEFAULT_MIN_BYTES), flag=f"{flag}['min_bytes']"),
+        devices=("cuda",),  # not read: the estimator offloads the tensors of the device it models
         include=parse_patterns(value.get("include"), flag=f"{flag}['include']"),
         exclude=parse_patterns(value.get("exclude"), flag=f"{flag}['exclude']"),
-        prefetch_bytes=parse_size(value.get("prefetch", DEFAULT_PREFETCH), flag=f"{flag}['prefetch']"),
+        host_budget=host_budget,
         host_budget_bytes=None
         if host_budget is None
         else parse_size(host_budget, flag=f"{flag}['host_budget']"),
+        prefetch_bytes=parse_size(value.get("prefetch", DEFAULT_PREFETCH), flag=f"{flag}['prefetch']"),
+        host_min_available_bytes=0,  # not modelled: the target machine's RAM is not this one's
     )
 
 

@@ -42,11 +42,12 @@ from torch._subclasses.fake_tensor import (
 from torch.nn.utils.stateless import _reparametrize_module
 
 from lightmem.checkpoint import apply_checkpointing, op_policy
+from lightmem.config import OffloadSettings
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CudaBehaviour
 from lightmem.estimate.kernels import CORRECTIONS
 from lightmem.estimate.offload_sim import SavedTensorHooks
-from lightmem.estimate.settings import OffloadConfig, OptimizerChoice, Precision, allocation_rounding
+from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
 
 ROOT_BLOCK = "(outside blocks)"
@@ -60,7 +61,7 @@ class StepRequest:
     precision: Precision
     optimizer: OptimizerChoice
     loss_fn: Callable[[nn.Module, Any], Any] | None
-    offload: OffloadConfig | None = None
+    offload: OffloadSettings | None = None
     checkpoint: tuple[Any, ...] | None = None
     checkpoint_policy: Any = "full"
     """What a checkpointed block keeps (``apply_checkpointing(policy=...)``); also what the trace

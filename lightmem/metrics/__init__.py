@@ -1,4 +1,4 @@
-"""Memory metrics: names (one source of truth), probes, TensorBoard layout."""
+"""Memory metrics: names (one source of truth), probes, the recorder that logs them, TensorBoard layout."""
 
 from lightmem.metrics.names import GROUPS, METRICS, Metric
 

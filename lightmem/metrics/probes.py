@@ -128,37 +128,45 @@ def _bare_uuid(name: str | bytes) -> str:
 
 
 class HostProbe:
-    """This process and this machine through psutil, plus the host buffers lightmem holds."""
+    """This process and this machine through psutil, plus the host buffers lightmem holds
+    (``pool_bytes``; None when offload is off: no such buffers, no such metric)."""
 
     group = "host"
 
     def __init__(
-        self, pool_bytes: Callable[[], int], pool_in_use_bytes: Callable[[], int] = lambda: 0
+        self, pool_bytes: Callable[[], int] | None, pool_in_use_bytes: Callable[[], int] = lambda: 0
     ) -> None:
         self._process = psutil.Process()
         self._pool_bytes = pool_bytes
         self._pool_in_use_bytes = pool_in_use_bytes
 
     def collect(self) -> dict[str, float]:
-        return {
+        values = {
             key("host/rss_GiB"): self._process.memory_info().rss / GiB,
             key("host/available_GiB"): psutil.virtual_memory().available / GiB,
             key("host/swap_used_GiB"): psutil.swap_memory().used / GiB,
-            key("host/pinned_GiB"): self._pool_bytes() / GiB,
-            key("host/pinned_in_use_GiB"): self._pool_in_use_bytes() / GiB,
         }
+        if self._pool_bytes is not None:
+            values[key("host/pinned_GiB")] = self._pool_bytes() / GiB
+            values[key("host/pinned_in_use_GiB")] = self._pool_in_use_bytes() / GiB
+        return values
 
     def end_step(self) -> None:
         return None
 
 
 class LightmemProbe:
-    """lightmem's own traffic for the step, summed over its micro-batches, and checkpointed blocks."""
+    """lightmem's own traffic for the step, summed over its micro-batches, and checkpointed blocks.
+
+    Only what is on is reported: offload figures with ``offload=True``, the block count when
+    ``checkpointed_blocks`` is given.
+    """
 
     group = "lightmem"
 
-    def __init__(self, checkpointed_blocks: Callable[[], int]) -> None:
+    def __init__(self, checkpointed_blocks: Callable[[], int] | None, offload: bool = True) -> None:
         self._checkpointed_blocks = checkpointed_blocks
+        self.offload = offload
         self.reset()
 
     def reset(self) -> None:
@@ -180,17 +188,21 @@ class LightmemProbe:
             setattr(self, name, getattr(self, name) + getattr(stats, name))
 
     def collect(self) -> dict[str, float]:
-        return {
-            key("offload/offloaded_GiB"): self.offloaded_bytes / GiB,
-            key("offload/reloaded_GiB"): self.reloaded_bytes / GiB,
-            key("offload/kept_GiB"): self.kept_bytes / GiB,
-            key("offload/deduplicated_GiB"): self.deduplicated_bytes / GiB,
-            key("offload/budget_kept_GiB"): self.budget_kept_bytes / GiB,
-            key("offload/prefetch_hits"): float(self.prefetch_hits),
-            key("offload/prefetch_misses"): float(self.prefetch_misses),
-            key("offload/wait_ms"): self.wait_s * 1e3,
-            key("checkpoint/blocks"): float(self._checkpointed_blocks()),
-        }
+        values: dict[str, float] = {}
+        if self.offload:
+            values = {
+                key("offload/offloaded_GiB"): self.offloaded_bytes / GiB,
+                key("offload/reloaded_GiB"): self.reloaded_bytes / GiB,
+                key("offload/kept_GiB"): self.kept_bytes / GiB,
+                key("offload/deduplicated_GiB"): self.deduplicated_bytes / GiB,
+                key("offload/budget_kept_GiB"): self.budget_kept_bytes / GiB,
+                key("offload/prefetch_hits"): float(self.prefetch_hits),
+                key("offload/prefetch_misses"): float(self.prefetch_misses),
+                key("offload/wait_ms"): self.wait_s * 1e3,
+            }
+        if self._checkpointed_blocks is not None:
+            values[key("checkpoint/blocks")] = float(self._checkpointed_blocks())
+        return values
 
     def end_step(self) -> None:
         self.reset()

@@ -9,14 +9,14 @@ from lightmem.metrics.names import METRICS
 CATEGORY = "lightmem memory"
 
 
-def custom_scalars_layout(groups: Iterable[str]) -> dict[str, dict[str, list]]:
+def custom_scalars_layout(keys: Iterable[str]) -> dict[str, dict[str, list]]:
     """``{category: {chart title: ["Multiline", [tags]]}}`` for ``SummaryWriter.add_custom_scalars``.
 
-    Only charts whose metrics come from an enabled probe group appear.
+    Only the metrics in ``keys`` (those really logged) are drawn: no chart for a feature that is off.
     """
-    enabled = set(groups)
+    logged = set(keys)
     charts: dict[str, list[str]] = {}
     for metric in METRICS:
-        if metric.group in enabled:
+        if metric.key in logged:
             charts.setdefault(metric.panel, []).append(metric.key)
     return {CATEGORY: {title: ["Multiline", tags] for title, tags in charts.items()}}

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from lightmem.config import (
-    host_ram_share_bytes,
-    parse_devices,
-    parse_patterns,
-    parse_size,
-    total_ram_bytes,
+    DEFAULT_HOST_BUDGET,
+    DEFAULT_HOST_MIN_AVAILABLE,
+    DEFAULT_MIN_BYTES,
+    DEFAULT_PREFETCH,
+    OffloadSettings,
     warn_once,
 )
 from lightmem.offload.hooks import Offloader
@@ -22,11 +22,6 @@ from lightmem.offload.pool import HostPool
 from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
 from lightmem.offload.transport import CudaTransport, SyncTransport, Transport
-
-DEFAULT_MIN_BYTES = "1MiB"
-DEFAULT_HOST_BUDGET = 0.5
-DEFAULT_PREFETCH = "256MiB"
-DEFAULT_HOST_MIN_AVAILABLE = 0.10
 
 _TORCH_FUNC_REFUSES_HOOKS = "don't yet support saved tensor hooks"  # torch.func's own error
 TORCH_FUNC_MESSAGE = (
@@ -64,6 +59,8 @@ class ActivationOffloader:
             available to the machine: bytes, a size string, or a fraction of total RAM (default 0.10).
         transport: how copies run; by default CUDA side streams when CUDA is available, otherwise
             synchronous copies.
+        settings: the flags above already parsed (``lightmem.config.OffloadSettings``); when
+            given, the keyword flags are ignored. ``LightMem`` passes the settings it parsed.
 
     Raises:
         ValueError: a flag has a bad value, or a pattern matches no module (with the closest names).
@@ -95,32 +92,24 @@ class ActivationOffloader:
         prefetch: int | str = DEFAULT_PREFETCH,
         host_min_available: int | float | str = DEFAULT_HOST_MIN_AVAILABLE,
         transport: Transport | None = None,
-        flag_names: dict[str, str] | None = None,
+        settings: OffloadSettings | None = None,
     ) -> None:
-        names = flag_names or {}
-
-        def flag(name: str) -> str:
-            return names.get(name, f"offload_activations({name}=...)")
-
+        if settings is None:  # called by a user: parse the keyword flags here, once
+            settings = OffloadSettings.parse(
+                min_bytes=min_bytes, devices=devices, include=include, exclude=exclude,
+                host_budget=host_budget, prefetch=prefetch, host_min_available=host_min_available,
+            )  # fmt: skip
+        flag = settings.flag
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"{flag('model')}: expected an nn.Module or None; got {type(model).__name__}")
         self.model = model
-        self.min_bytes = parse_size(min_bytes, flag=flag("min_bytes"))
-        self.devices = parse_devices(devices, flag=flag("devices"))
-        include = parse_patterns(include, flag=flag("include"))
-        exclude = parse_patterns(exclude, flag=flag("exclude"))
-        if host_budget is None:
-            host_budget = DEFAULT_HOST_BUDGET
-        self.host_budget_bytes = parse_size(
-            host_budget, flag=flag("host_budget"), fraction_of=host_ram_share_bytes
-        )
-        self.prefetch_bytes = parse_size(prefetch, flag=flag("prefetch"))
-        self.host_min_available_bytes = parse_size(
-            host_min_available,
-            flag=flag("host_min_available"),
-            fraction_of=total_ram_bytes,
-            fraction_name="total RAM",
-        )
+        self.settings = settings
+        self.min_bytes = settings.min_bytes
+        self.devices = settings.devices
+        include, exclude = settings.include, settings.exclude
+        self.host_budget_bytes = settings.host_budget_bytes
+        self.prefetch_bytes = settings.prefetch_bytes
+        self.host_min_available_bytes = settings.host_min_available_bytes
         self._scope: ModuleScope | None = None
         if include is not None or exclude is not None:
             if model is None:
@@ -307,4 +296,4 @@ def _default_transport(devices: tuple[str, ...]) -> Transport:
 
 
 offload_activations = ActivationOffloader
-"""The public name (DESIGN.md): ``with offload_activations(model, min_bytes="1MiB") as off: ...``."""
+"""The public name: ``with offload_activations(model, min_bytes="1MiB") as off: ...``."""

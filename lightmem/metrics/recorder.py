@@ -1,0 +1,243 @@
+"""Memory metrics of a Lightning fit: probes read on logged steps, sent to every logger, and an
+end-of-fit summary (console, TensorBoard's Text tab, every logger's metrics).
+
+``MetricsRecorder`` is handed its probes and reads the Trainer; it knows nothing of the callback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import TensorBoardLogger
+
+from lightmem.config import format_bytes
+from lightmem.metrics.names import BY_KEY, GiB, key
+from lightmem.metrics.probes import (
+    HostProbe,
+    LightmemProbe,
+    NvmlProbe,
+    ProbeUnavailable,
+    TorchAllocatorProbe,
+)
+from lightmem.metrics.ranks import RankMax
+from lightmem.metrics.tensorboard import custom_scalars_layout
+from lightmem.tables import format_table, markdown_table
+
+SUMMARY_PREFIX = "lightmem/summary"
+SUMMARY_TITLE = "lightmem: memory summary of this fit"
+
+# Readable label and logged metric of each peak the summary reports.
+_SUMMARY_PEAKS = (
+    ("peak GPU allocated", "gpu/step_peak_allocated_GiB"),
+    ("peak GPU reserved", "gpu/reserved_GiB"),
+    ("peak device used (NVML)", "device/used_GiB"),
+    ("peak host RSS", "host/rss_GiB"),
+    ("peak host buffers held", "host/pinned_GiB"),
+)
+
+
+class Probe(Protocol):
+    group: str
+
+    def collect(self) -> dict[str, float]: ...
+
+    def end_step(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SummaryFigure:
+    """One line of the end-of-fit summary."""
+
+    label: str
+    """As a person reads it: ``peak host RSS``."""
+    name: str
+    """As logged, under ``lightmem/summary/``: ``peak/host/rss_GiB``."""
+    value: float
+    unit: str
+    """``GiB``, ``ms`` or ``count``."""
+
+    def readable(self) -> str:
+        if self.unit == "GiB":
+            return format_bytes(self.value * GiB)
+        if self.unit == "ms":
+            return f"{self.value:.2f} ms"
+        return f"{self.value:.0f}"
+
+
+def build_probes(
+    groups: Sequence[str],
+    device: torch.device,
+    *,
+    host_bytes_held: Callable[[], int] | None,
+    host_bytes_peak_in_use: Callable[[], int] = lambda: 0,
+    checkpointed_blocks: int,
+) -> tuple[list[Any], dict[str, str]]:
+    """The probes of ``groups`` that can run here, and for the others why not.
+
+    ``host_bytes_held`` is None when offload is off (no host buffers to report); the ``lightmem``
+    group reports offload traffic only with offload on and the block count only with blocks.
+    """
+    probes: list[Any] = []
+    off: dict[str, str] = {}
+    for group in groups:
+        try:
+            if group == "gpu":
+                probes.append(TorchAllocatorProbe(device))
+            elif group == "device":
+                probes.append(NvmlProbe(device))
+            elif group == "host":
+                probes.append(HostProbe(host_bytes_held, host_bytes_peak_in_use))
+            elif group == "lightmem" and (host_bytes_held is not None or checkpointed_blocks):
+                blocks = (lambda: checkpointed_blocks) if checkpointed_blocks else None
+                probes.append(LightmemProbe(blocks, offload=host_bytes_held is not None))
+        except ProbeUnavailable as error:
+            off[group] = str(error)
+    return probes, off
+
+
+def max_over_ranks(
+    values: dict[str, float], rank_max: Callable[[list[float]], list[float]]
+) -> dict[str, float]:
+    """Memory figures (``reduce_max``) as their maximum over ranks; the rest as this rank's."""
+    names = [name for name in values if BY_KEY[name].reduce_max]
+    reduced = rank_max([values[name] for name in names])  # CPU tensors over gloo: no GPU sync
+    return {**values, **dict(zip(names, reduced))}
+
+
+class MetricsRecorder:
+    """Reads ``probes`` on every logged optimizer step and sends the figures to the Trainer's loggers.
+
+    Args:
+        probes: objects with ``group``, ``collect()`` and ``end_step()`` (``lightmem.metrics.probes``).
+        log_every_n_steps: log every n optimizer steps, starting with the first (None: the
+            Trainer's ``log_every_n_steps``).
+        tensorboard_panels: with the first logged step, write a Custom Scalars layout of the
+            metrics really logged to every TensorBoard logger.
+        checkpointed_blocks: blocks recomputed in backward, for the summary (0: none).
+    """
+
+    def __init__(
+        self,
+        probes: Sequence[Any],
+        *,
+        log_every_n_steps: int | None = None,
+        tensorboard_panels: bool = True,
+        checkpointed_blocks: int = 0,
+    ) -> None:
+        self.probes = list(probes)
+        self.traffic = next(
+            (probe for probe in self.probes if isinstance(probe, LightmemProbe) and probe.offload), None
+        )
+        self._offload = self.traffic is not None
+        self.log_every_n_steps = log_every_n_steps
+        self.tensorboard_panels = tensorboard_panels
+        self.checkpointed_blocks = checkpointed_blocks
+        self.last_metrics: dict[str, float] = {}
+        """The metrics of the last logged step, as logged (with DDP: the max over ranks)."""
+        self.last_local_metrics: dict[str, float] = {}
+        """The same figures for this process alone."""
+        self._rank_max = RankMax()
+        self._last_step = -1
+        self._panels_written = False
+        self._peaks: dict[str, float] = {}
+        self._offloaded_bytes = 0
+        self._wait_s = 0.0
+        self._steps = 0
+
+    # -- every batch -------------------------------------------------------------------------------
+
+    def add_traffic(self, stats: Any) -> None:
+        """One micro-batch's ``OffloadStats``: summed into the step it belongs to."""
+        if self.traffic is not None:
+            self.traffic.add(stats)
+
+    def batch_end(self, trainer: pl.Trainer) -> None:
+        """Record a step when the optimizer stepped (not between accumulated micro-batches)."""
+        if trainer.global_step == self._last_step:
+            return
+        self._last_step = trainer.global_step
+        self._end_of_step(trainer)
+
+    def start(self, trainer: pl.Trainer) -> None:
+        """A fit starts at ``trainer.global_step`` (which a resumed fit does not start at 0)."""
+        self._last_step = trainer.global_step
+
+    def _end_of_step(self, trainer: pl.Trainer) -> None:
+        # Probes run on logged steps only (the host probe costs ~0.1-0.4 ms); the per-step traffic
+        # totals of the summary are plain attribute reads.
+        self._steps += 1
+        if self.traffic is not None:
+            self._offloaded_bytes += self.traffic.offloaded_bytes
+            self._wait_s += self.traffic.wait_s
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        logged = (trainer.global_step - 1) % every == 0
+        values: dict[str, float] = {}
+        for probe in self.probes:
+            if logged:
+                values.update(probe.collect())
+            probe.end_step()
+        if not logged:
+            return
+        for _, name in _SUMMARY_PEAKS:
+            if key(name) in values:
+                self._peaks[name] = max(self._peaks.get(name, 0.0), values[key(name)])
+        self.last_local_metrics = values
+        if trainer.world_size > 1:
+            values = max_over_ranks(values, self._rank_max)
+        self.last_metrics = values
+        if not trainer.is_global_zero:
+            return
+        if self.tensorboard_panels and not self._panels_written:
+            self._panels_written = True
+            layout = custom_scalars_layout(values)
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_custom_scalars(layout)
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+
+    # -- end of fit ----------------------------------------------------------------------------------
+
+    def summary(self) -> list[SummaryFigure]:
+        """Peaks over the logged steps, offload traffic and waits per step (over every step),
+        checkpointed blocks."""
+        figures = [
+            SummaryFigure(label, f"peak/{name}", self._peaks[name], BY_KEY[key(name)].unit)
+            for label, name in _SUMMARY_PEAKS
+            if name in self._peaks
+        ]
+        steps = max(self._steps, 1)
+        if self._offload and self._steps:
+            offloaded_GiB = self._offloaded_bytes / steps / GiB
+            figures.append(
+                SummaryFigure("offloaded per step", "offloaded_per_step_GiB", offloaded_GiB, "GiB")
+            )
+            wait_ms = self._wait_s / steps * 1e3
+            figures.append(SummaryFigure("compute waited per step", "wait_per_step_ms", wait_ms, "ms"))
+        if self.checkpointed_blocks:
+            blocks = float(self.checkpointed_blocks)
+            figures.append(SummaryFigure("blocks checkpointed", "checkpointed_blocks", blocks, "count"))
+        return figures
+
+    def publish_summary(self, trainer: pl.Trainer) -> None:
+        """Print the summary, write it to TensorBoard's Text tab and to every logger's metrics
+        (``lightmem/summary/...``: CSV columns, TensorBoard scalars). Rank zero only."""
+        figures = self.summary()
+        if not figures or not trainer.is_global_zero:
+            return
+        rows = [(figure.label, figure.readable()) for figure in figures]
+        print(format_table(rows, ("figure", "value"), title=SUMMARY_TITLE, align="lr"), flush=True)
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                text = markdown_table(rows, ("figure", "value"))
+                logger.experiment.add_text(SUMMARY_PREFIX, text, trainer.global_step)
+            values = {f"{SUMMARY_PREFIX}/{figure.name}": figure.value for figure in figures}
+            logger.log_metrics(values, step=trainer.global_step)
+
+    def close(self) -> None:
+        """Drop the probes (psutil processes hold locks): the recorder pickles with its figures."""
+        self.probes, self.traffic = [], None
