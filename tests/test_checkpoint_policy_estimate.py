@@ -101,7 +101,7 @@ import torch
 sys.path.insert(0, {tests!r})
 from models import TinyGPT, gpt_loss
 from lightmem import apply_checkpointing, estimate_memory
-from lightmem.estimate.measure import measure_cpu_step
+from lightmem.testing.measure import measure_cpu_step
 torch.manual_seed(0)
 model = TinyGPT(depth=4)
 tokens = torch.randint(0, 128, (8, 33), generator=torch.Generator().manual_seed(0))
