@@ -95,14 +95,22 @@ def test_sabotage_compute_not_waiting_for_reload_is_detected():
     assert _sabotaged_run(_NoComputeWait(seed=1, max_delay_s=0.002))
 
 
-def test_sabotage_reload_not_waiting_for_offload_copy_is_detected():
+def test_sabotage_reload_not_waiting_for_offload_copy_is_detected(monkeypatch):
+    # An entry whose copy to host has not run is served from the device tensor it still holds, so
+    # here a reload only follows a completed copy. On CUDA it also follows a copy the compute
+    # stream merely queued a wait for (the in-flight bound): the reload must wait for it itself.
+    # Reloading in-flight entries instead of serving them makes that case visible on the CPU.
+    monkeypatch.setattr(hooks, "served_view", lambda *args: None)
     assert _sabotaged_run(_NoWaitForHostBytes(seed=1, max_delay_s=0.002))
 
 
 def test_sabotage_source_released_before_its_copy_ran_is_detected(monkeypatch):
     def careless_settle(self):  # lets go of saved tensors without asking whether their copy ran
-        while self._pending:
-            self._pending.popleft().in_flight_alias = None
+        pending = self._pending
+        while pending.entries:
+            entry = pending.entries.popleft()
+            pending.bytes -= entry.nbytes
+            entry.in_flight_alias = None
 
     monkeypatch.setattr(hooks.Offloader, "_settle", careless_settle)
     transport = SimulatedAsyncTransport(seed=1, max_delay_s=0.002)

@@ -26,6 +26,7 @@ from lightmem.offload.transport import CudaTransport, SyncTransport, Transport
 DEFAULT_MIN_BYTES = "1MiB"
 DEFAULT_HOST_BUDGET = 0.5
 DEFAULT_PREFETCH = "256MiB"
+DEFAULT_MAX_INFLIGHT = "256MiB"
 DEFAULT_HOST_MIN_AVAILABLE = 0.10
 
 _TORCH_FUNC_REFUSES_HOOKS = "don't yet support saved tensor hooks"  # torch.func's own error
@@ -60,6 +61,10 @@ class ActivationOffloader:
             available when the context is built (default 0.5). Past it, tensors stay on the device,
             are counted in ``stats.budget_kept_bytes``, and one warning says so.
         prefetch: bytes of reloads kept in flight ahead of backward (0 disables prefetch).
+        max_inflight_bytes: most bytes of saved tensors held on the device while their copy to
+            host has not finished (default 256 MiB). Past it the compute stream waits for the
+            oldest copy (counted in ``stats.inflight_waits``) and its device memory is freed; 0
+            makes every copy to host synchronous with compute.
         host_min_available: never grow host buffers when it would leave less than this much RAM
             available to the machine: bytes, a size string, or a fraction of total RAM (default 0.10).
         transport: how copies run; by default CUDA side streams when CUDA is available, otherwise
@@ -93,6 +98,7 @@ class ActivationOffloader:
         exclude: Iterable[str] | None = None,
         host_budget: int | float | str | None = DEFAULT_HOST_BUDGET,
         prefetch: int | str = DEFAULT_PREFETCH,
+        max_inflight_bytes: int | str = DEFAULT_MAX_INFLIGHT,
         host_min_available: int | float | str = DEFAULT_HOST_MIN_AVAILABLE,
         transport: Transport | None = None,
         flag_names: dict[str, str] | None = None,
@@ -115,6 +121,7 @@ class ActivationOffloader:
             host_budget, flag=flag("host_budget"), fraction_of=host_ram_share_bytes
         )
         self.prefetch_bytes = parse_size(prefetch, flag=flag("prefetch"))
+        self.max_inflight_bytes = parse_size(max_inflight_bytes, flag=flag("max_inflight_bytes"))
         self.host_min_available_bytes = parse_size(
             host_min_available,
             flag=flag("host_min_available"),
@@ -147,6 +154,7 @@ class ActivationOffloader:
             min_bytes=self.min_bytes,
             devices=self.devices,
             prefetch_bytes=self.prefetch_bytes,
+            max_inflight_bytes=self.max_inflight_bytes,
             pool=self._pool,
             transport=transport,
             budget_note=f"host_budget {self.host_budget_bytes} bytes, host_min_available "
