@@ -299,3 +299,55 @@ def test_a_reload_ordered_after_compute_would_be_counted():
     assert_bitwise_equal(expected, actual)
     assert transport.side_waits_on_lagging_compute == SAVES
     transport.close()
+
+
+# -- the bound and in-flight serving on real models, at the default min_bytes --------------------
+
+
+def _hf_model(kind: str) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=256, n_positions=128, n_embd=128, n_layer=3, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("kind", ("gpt2", "llama"))
+def test_inflight_bound_on_real_models_at_the_default_min_bytes(kind, monkeypatch):
+    bound = 4 * 2**20
+    held = []
+    add = inflight.InflightCopies.add
+
+    def add_and_measure(self, entry, compute, stats):
+        add(self, entry, compute, stats)
+        held.append(self.bytes)
+
+    monkeypatch.setattr(inflight.InflightCopies, "add", add_and_measure)
+    tokens = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(model):
+        return model(input_ids=tokens, labels=tokens).loss
+
+    model = _hf_model(kind)
+    expected, _ = run_grads(model, loss_fn)
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    transport.hold_copies_to_host()
+    context = lambda m: offload_activations(m, devices=("cpu",), transport=transport, max_inflight_bytes=bound)  # noqa: E731
+    actual, off = run_grads(model, loss_fn, context)
+    assert_bitwise_equal(expected, actual)
+    stats = off.stats
+    assert stats.offloaded_bytes > 4 * bound  # the default min_bytes moves the big activations
+    assert max(held) <= bound and stats.inflight_waits > 0 and stats.inflight_served > 0
+    assert stats.reloaded_bytes < stats.offloaded_bytes  # the entries served were not reloaded
+    assert transport.stale_reads == 0
+    transport.release_copies_to_host()
+    transport.close()
