@@ -341,8 +341,8 @@ def test_inflight_bound_on_real_models_at_the_default_min_bytes(kind, monkeypatc
     expected, _ = run_grads(model, loss_fn)
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
     transport.hold_copies_to_host()
-    context = lambda m: offload_activations(m, devices=("cpu",), transport=transport, max_inflight_bytes=bound)  # noqa: E731
-    actual, off = run_grads(model, loss_fn, context)
+    at_defaults = _offload_with(transport, min_bytes="1MiB", max_inflight_bytes=bound)
+    actual, off = run_grads(model, loss_fn, at_defaults)
     assert_bitwise_equal(expected, actual)
     stats = off.stats
     assert stats.offloaded_bytes > 4 * bound  # the default min_bytes moves the big activations

@@ -78,4 +78,5 @@ def served_view(entry: Any, dtype: torch.dtype, size: Any, stride: Any, offset: 
     alias = entry.in_flight_alias
     if alias is None:
         return None
-    return torch.empty(0, dtype=dtype, device=entry.device).set_(alias.untyped_storage(), offset, size, stride)
+    view = torch.empty(0, dtype=dtype, device=entry.device)
+    return view.set_(alias.untyped_storage(), offset, size, stride)
