@@ -27,7 +27,10 @@ def _offload_with(transport, **kwargs):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("case", CASES)
-def test_gradients_bitwise_equal_under_asynchronous_copies(case, seed):
+def test_gradients_bitwise_equal_under_asynchronous_copies(case, seed, monkeypatch):
+    serve_in_flight = seed < 2
+    if not serve_in_flight:  # every entry is reloaded, also one whose copy to host still runs
+        monkeypatch.setattr(hooks, "served_view", lambda *args: None)
     model, loss_fn = make_case(case)
     expected, _ = run_grads(model, loss_fn)
     transport = SimulatedAsyncTransport(seed=seed, max_delay_s=0.0005)
@@ -35,7 +38,10 @@ def test_gradients_bitwise_equal_under_asynchronous_copies(case, seed):
     actual, off = run_grads(model, loss_fn, _offload_with(transport, prefetch=prefetch))
     assert_bitwise_equal(expected, actual)
     assert transport.stale_reads == 0
-    assert off.stats.prefetch_hits > 0
+    if serve_in_flight:  # backward may overtake every copy to host on a fast model
+        assert off.stats.prefetch_hits + off.stats.inflight_served > 0
+    else:
+        assert off.stats.prefetch_hits > 0 and off.stats.inflight_served == 0
     transport.synchronize()
     gc.collect()
     assert off.live_entries == 0 and off.host_bytes_in_use == 0

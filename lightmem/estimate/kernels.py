@@ -7,6 +7,10 @@ and cell states), so it is measured: the real kernel runs on small zero tensors 
 layer sizes and the size is extrapolated (linear in batch and in sequence length; within 0.2% in
 our checks). CUDA runs cuDNN instead, whose reserve space is not modelled; the oneDNN size stands
 in for it there.
+
+Batch norm on a bfloat16/float16 input with float32 parameters or running statistics (autocast's
+mixed precision) keeps its saved mean and inverse std in float32; the meta kernel gives them the
+input's dtype.
 """
 
 from __future__ import annotations
@@ -75,6 +79,18 @@ def _fix_mkldnn_rnn_layer(args: tuple[Any, ...], kwargs: dict[str, Any], out: An
     return (out[0], out[1], out[2], workspace)
 
 
+def _fix_native_batch_norm(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+    inp = args[0]
+    if inp.dtype not in (torch.bfloat16, torch.float16):
+        return out
+    params = [a for a in args[1:5] if isinstance(a, torch.Tensor)]
+    if not any(p.dtype == torch.float32 for p in params):
+        return out
+    mean, invstd = out[1], out[2]
+    return (out[0], mean.to(torch.float32), invstd.to(torch.float32))
+
+
 CORRECTIONS: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], Any], Any]] = {
     torch.ops.aten.mkldnn_rnn_layer.default: _fix_mkldnn_rnn_layer,
+    torch.ops.aten.native_batch_norm.default: _fix_native_batch_norm,
 }

@@ -1,11 +1,12 @@
 """Saved-tensor hooks for the fake step: record what autograd saves, and simulate lightmem's offload.
 
 Without offload, ``pack`` only tells the tracer which storages autograd keeps for backward. With an
-``OffloadConfig``, a tensor lightmem would offload (same rules as ``lightmem.offload``: its storage
-is at least ``min_bytes``, it is no parameter or buffer storage, the module scope allows it, it is
-not complex) is dropped from the graph at pack time and a fake tensor of the same layout is
-allocated again when backward needs it, so the reload is counted where it happens. Reloads ahead
-of need follow the engine's prefetch rule (reverse pack order, ``prefetch_bytes`` in flight).
+``OffloadConfig``, which saved tensors move is decided by the engine's own code
+(``lightmem.offload.policy``: eligibility, parameter and buffer storages and their autocast copies,
+``min_bytes``, scope, dedupe, host budget), run here on fake tensors. A moved tensor is dropped
+from the graph at pack time and a fake tensor of the same layout is allocated again when backward
+needs it, so the reload is counted where it happens. Reloads ahead of need follow the policy's
+prefetch window in reverse pack order, as the engine's do.
 """
 
 from __future__ import annotations
@@ -16,11 +17,30 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from lightmem.estimate.settings import OffloadConfig
 from lightmem.estimate.tracer import StorageTracer
-from lightmem.offload.pool import size_class
+from lightmem.offload.policy import (
+    LEAVE,
+    MOVE,
+    OffloadPolicy,
+    fits_host_budget,
+    host_bytes,
+    prefetch_admits,
+    same_save,
+)
 from lightmem.offload.scope import ModuleScope
+
+
+class _KeptRecord:
+    """A storage the engine would keep on the device; later saves of it are not decided again."""
+
+    __slots__ = ("alias", "version")
+
+    def __init__(self, alias: Tensor, version: int) -> None:
+        self.alias = weakref.ref(alias)
+        self.version = version
 
 
 class _Entry:
@@ -28,6 +48,7 @@ class _Entry:
 
     __slots__ = (
         "__weakref__",
+        "alias",
         "block",
         "done",
         "handles",
@@ -39,7 +60,8 @@ class _Entry:
         "version",
     )
 
-    def __init__(self, nbytes: int, index: int, version: int, block: str | None) -> None:
+    def __init__(self, nbytes: int, index: int, alias: Tensor, version: int, block: str | None) -> None:
+        self.alias = weakref.ref(alias)
         self.nbytes = nbytes
         self.index = index
         self.version = version
@@ -83,7 +105,8 @@ class SavedTensorHooks:
         block_of: returns the top-level block whose forward is running (for per-block figures).
         offload: what to offload, or None to only record saves.
         model: the model, for ``include`` / ``exclude`` module patterns.
-        protected: ids of parameter and buffer storages, which are never offloaded.
+        protected: ids of parameter and buffer storages (``id(tensor.untyped_storage())``),
+            which are never offloaded.
     """
 
     def __init__(
@@ -97,15 +120,21 @@ class SavedTensorHooks:
         self.tracer = tracer
         self.block_of = block_of
         self.offload = offload
-        self.protected = protected
         self.scope: ModuleScope | None = None
-        if offload is not None and (offload.include is not None or offload.exclude is not None):
-            self.scope = ModuleScope(
-                model, offload.include, offload.exclude,
-                include_flag="offload['include']", exclude_flag="offload['exclude']",
-            )  # fmt: skip
+        self.policy: OffloadPolicy | None = None
+        if offload is not None:
+            # Fake tensors live on the CPU whatever device is estimated, and have no data pointer.
+            self.policy = OffloadPolicy(
+                min_bytes=offload.min_bytes, devices=("cpu",), plain_type=FakeTensor, storage_key=id
+            )
+            self.policy.protected = protected
+            if offload.include is not None or offload.exclude is not None:
+                self.scope = self.policy.scope = ModuleScope(
+                    model, offload.include, offload.exclude,
+                    include_flag="offload['include']", exclude_flag="offload['exclude']",
+                )  # fmt: skip
         self._entries: list[Any] = []  # weak references, in pack order
-        self._by_storage: dict[int, _Entry] = {}
+        self._by_storage: dict[int, _Entry | _KeptRecord] = {}
         self._cursor = sys.maxsize
         self._inflight_bytes = 0
         self.offloaded_bytes = 0
@@ -126,34 +155,33 @@ class SavedTensorHooks:
 
     def pack(self, tensor: Tensor) -> Any:
         block = self.block_of()
-        offload = self.offload
-        if offload is None or not self._eligible(tensor, offload):
+        policy = self.policy
+        if policy is None:
             self.tracer.mark_saved(tensor, block)
             return tensor
-        storage = tensor.untyped_storage()
-        key = id(storage)
+        verdict, alias, _, nbytes, key = policy.decide(tensor)
+        if verdict == LEAVE:
+            self.tracer.mark_saved(tensor, block)
+            return tensor
+        version = tensor._version
         entry = self._by_storage.get(key)
-        if entry is None or entry.version != tensor._version:
-            nbytes = storage.nbytes()
-            host = size_class(nbytes)
-            if offload.host_budget_bytes is not None and self.host_bytes + host > offload.host_budget_bytes:
-                self.tracer.mark_saved(tensor, block)  # the engine keeps it on the device
+        if entry is None or not same_save(entry, alias, version):
+            offload = self.offload
+            if verdict != MOVE or not fits_host_budget(self.host_bytes, nbytes, offload.host_budget_bytes):
+                self._by_storage[key] = _KeptRecord(alias, version)  # the engine keeps it on the device
+                self.tracer.mark_saved(tensor, block)
                 return tensor
-            entry = _Entry(nbytes, len(self._entries), tensor._version, block)
+            host = host_bytes(nbytes)
+            entry = _Entry(nbytes, len(self._entries), alias, version, block)
             self._entries.append(weakref.ref(entry, lambda _ref, host=host: self._host_release(host)))
             self._by_storage[key] = entry
             self.offloaded_bytes += nbytes
             self.host_bytes += host
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        elif type(entry) is _KeptRecord:
+            self.tracer.mark_saved(tensor, block)
+            return tensor
         return _Handle(self, entry, tensor)
-
-    def _eligible(self, tensor: Tensor, offload: OffloadConfig) -> bool:
-        if getattr(tensor, "_is_param", False) or tensor.is_complex():
-            return False
-        storage = tensor.untyped_storage()
-        if id(storage) in self.protected or storage.nbytes() < offload.min_bytes:
-            return False
-        return self.scope is None or self.scope.allowed
 
     def _host_release(self, host: int) -> None:
         self.host_bytes -= host
@@ -195,7 +223,7 @@ class SavedTensorHooks:
             entry = self._entries[index]()
             if entry is not None and entry.restored is None and not entry.done:
                 limit = self.offload.prefetch_bytes if self.offload is not None else 0
-                if self._inflight_bytes > 0 and self._inflight_bytes + entry.nbytes > limit:
+                if not prefetch_admits(self._inflight_bytes, entry.nbytes, limit):
                     return
                 self._reload(entry)
                 entry.prefetched = True

@@ -24,8 +24,8 @@ graph freed (entry dies)    host block returns to the pool after entry.host_even
 
 Lifetimes follow the autograd graph: autograd holds one handle per save, handles hold their
 entry, and an entry returns its host block when the last handle is gone. No handle holds a
-tensor that has a grad_fn (it holds a detached alias): autograd passes a saved output with its
-own grad_fn to pack, and holding it would make a cycle (tensor -> grad_fn -> handle -> tensor)
+tensor whose grad_fn could reach the handle (``_held``): autograd passes a saved output with
+its own grad_fn to pack, and holding it would make a cycle (tensor -> grad_fn -> handle -> tensor)
 through C++ that Python's collector cannot break. In-place changes are caught through the saved
 tensor's version counter, which an entry keeps alive without the storage (``_version_holder``).
 """
@@ -39,9 +39,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 
 from lightmem.config import warn_once
 from lightmem.offload.inflight import InflightCopies, served_view
+from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, prefetch_admits, same_save
 from lightmem.offload.pool import HostBlock, HostPool
 from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
@@ -51,8 +53,20 @@ _sequence_nr = torch._C._autograd._get_sequence_nr  # the next autograd node's n
 
 
 def _held(tensor: Tensor) -> Tensor:
-    """What a handle may hold of a saved tensor: never one with a grad_fn (see the module doc)."""
-    return tensor if tensor.is_leaf else tensor.detach()
+    """What a handle may hold of a saved tensor: never one whose grad_fn could reach the handle.
+
+    A node's edges point to nodes that existed when it was made, so the output of an earlier node
+    (a smaller sequence number than the newest node of this thread, the one saving it) cannot
+    reach the saving node: it is held as it is, saving a ``detach()`` (the largest cost of a save
+    left on the device). An output of the saving node (the newest), a view node made on access,
+    and Python ``autograd.Function`` nodes (whose forward may make nodes of its own) are detached.
+    """
+    grad_fn = tensor.grad_fn
+    if grad_fn is None or (
+        grad_fn._sequence_nr() < _sequence_nr() - 1 and not isinstance(grad_fn, BackwardCFunction)
+    ):
+        return tensor
+    return tensor.detach()
 
 
 def _version_holder(tensor: Tensor, empty: Tensor) -> Tensor:
@@ -89,34 +103,20 @@ class _KeptStorage:
         self.nbytes = nbytes
         self.alias = weakref.ref(alias)
         self.version = version
-        owner._add_resident(nbytes)
+        resident = owner._resident_bytes = owner._resident_bytes + nbytes
+        stats = owner.stats
+        if resident > stats.peak_resident_bytes:
+            stats.peak_resident_bytes = resident
 
     def __del__(self) -> None:
         self.owner._resident_bytes -= self.nbytes
 
 
-class _Checked:
-    """What autograd holds for a saved tensor left where it is (parameters, other devices,
-    sparse or nested layouts, tensor subclasses, freed storages): hooks switch off autograd's own
-    version check, so this handle does it. ``tensor`` never has a grad_fn (see the module doc)."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
-        self.version = tensor._version
-
-
-class _Kept:
-    """What autograd holds for a saved tensor left on the device by policy (size, scope, budget);
-    ``tensor`` never has a grad_fn (see the module doc)."""
-
-    __slots__ = ("storage", "tensor", "version")
-
-    def __init__(self, tensor: Tensor, version: int, storage: _KeptStorage) -> None:
-        self.tensor = tensor
-        self.version = version
-        self.storage = storage
+# What autograd holds for a saved tensor that stays where it is is a tuple, the cheapest object
+# Python builds: ``(tensor, version)`` when it is left alone (parameters, other devices, sparse or
+# nested layouts, tensor subclasses, freed storages), ``(tensor, version, kept_storage)`` when
+# policy keeps it on the device (size, scope, budget). Hooks switch off autograd's own version
+# check, so unpack does it. ``tensor`` never has a grad_fn (see the module doc).
 
 
 class _HostEntry:
@@ -243,19 +243,14 @@ class Offloader:
         budget_note: str,
     ) -> None:
         self.stats = OffloadStats()
-        self._min_bytes = min_bytes
-        self._devices = devices
-        self._on_cuda = "cuda" in devices
-        self._on_cpu = "cpu" in devices
-        self._on_other = any(d not in ("cuda", "cpu") for d in devices)
+        self.policy = OffloadPolicy(min_bytes=min_bytes, devices=devices)
+        self._decide = self.policy.decide
         self._prefetch_bytes = prefetch_bytes
         self._pool = pool
         self._transport = transport
         self._budget_note = budget_note
         self._session = _Session()
         self._by_storage: dict[int, _HostEntry | _KeptStorage] = {}
-        self._protected: set[int] = set()
-        self.scope: ModuleScope | None = None  # include/exclude rules, when given
         self._resident_bytes = 0
         self._live_entries = 0
         self._wait_base_s = 0.0
@@ -279,42 +274,21 @@ class Offloader:
             self._copy_deferred()  # a later op has begun: the ops that saved them have returned
         if self._pending:
             self._settle()
-        if (
-            type(tensor) is not Tensor  # parameters and tensor subclasses stay where they are
-            or tensor.layout is not torch.strided  # sparse, mkldnn: no plain storage to move
-            or tensor.is_nested
-            or not (
-                (self._on_cuda and tensor.is_cuda)
-                or (self._on_cpu and tensor.is_cpu)
-                or (self._on_other and tensor.device.type in self._devices)
-            )
-        ):
-            return _Checked(_held(tensor))
-        alias = tensor._base
-        if alias is None:
-            alias = tensor
-        elif type(alias) is not Tensor:  # a view of a parameter, known at enter or not (FSDP)
-            return _Checked(tensor.detach())
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:  # nothing to move; or freed by resize_(0) (FSDP): never touch its pointer
-            return _Checked(_held(tensor))
-        key = storage.data_ptr()
-        if key in self._protected or (alias.grad_fn is not None and self._is_parameter_copy(alias)):
-            return _Checked(_held(tensor))
+        verdict, alias, storage, nbytes, key = self._decide(tensor)
+        if verdict == LEAVE:
+            return (_held(tensor), tensor._version)
         version = tensor._version
-        known = self._by_storage.get(key)
-        if known is not None and known.alias() is alias and known.version == version:
+        by_storage = self._by_storage
+        known = by_storage.get(key)
+        if known is not None and same_save(known, alias, version):
             if type(known) is _HostEntry:
                 stats.deduplicated_bytes += known.nbytes
                 return _Offloaded(known, tensor, version)
-            return _Kept(_held(tensor), version, known)
-        scope = self.scope
-        if nbytes >= self._min_bytes and (scope is None or scope.allowed) and not tensor.is_complex():
+            return (_held(tensor), version, known)
+        if verdict == MOVE:
             block = self._pool.acquire(nbytes)
             if block is not None:
-                entry = self._offload(tensor, storage, block, nbytes, alias, version)
-                self._by_storage[key] = entry
+                entry = by_storage[key] = self._offload(tensor, storage, block, nbytes, alias, version)
                 handle = _Offloaded(entry, tensor, version)
                 if handle.offset == 0 and tensor.nbytes == nbytes and tensor.is_contiguous():
                     entry.dense = (handle.dtype, handle.size, handle.stride)
@@ -323,23 +297,8 @@ class Offloader:
             self._note_budget(nbytes)
         else:
             stats.kept_bytes += nbytes
-        kept = _KeptStorage(self, nbytes, alias, version)
-        self._by_storage[key] = kept
-        return _Kept(_held(tensor), version, kept)
-
-    def _is_parameter_copy(self, tensor: Tensor) -> bool:
-        """An autocast (or .to()) copy of a parameter: moving it every step would move the weights."""
-        grad_fn = tensor.grad_fn
-        if grad_fn.name() != "ToCopyBackward0":
-            return False
-        source = grad_fn.next_functions[0][0]
-        variable = getattr(source, "variable", None)  # AccumulateGrad of a leaf
-        if variable is None:
-            return False
-        if type(variable) is not Tensor:  # a parameter, also one created after enter (FSDP)
-            return True
-        storage = variable.untyped_storage()
-        return storage.nbytes() > 0 and storage.data_ptr() in self._protected
+        kept = by_storage[key] = _KeptStorage(self, nbytes, alias, version)
+        return (_held(tensor), version, kept)
 
     def _offload(
         self, tensor: Tensor, storage: torch.UntypedStorage, block: HostBlock, nbytes: int,
@@ -377,13 +336,12 @@ class Offloader:
         """Let go of saved tensors whose copy to host has finished."""
         self._pending.settle()
 
-    def _keep_captured(self, tensor: Tensor) -> _Checked:
-        """A save during CUDA graph capture stays where it is (README: graph capture)."""
-        if type(tensor) is Tensor and tensor.layout is torch.strided and tensor.device.type in self._devices:
-            nbytes = tensor.untyped_storage().nbytes()
-            if nbytes >= self._min_bytes:
-                self.stats.capture_kept_bytes += nbytes
-        return _Checked(_held(tensor))
+    def _keep_captured(self, tensor: Tensor) -> tuple[Tensor, int]:
+        """A save during CUDA graph capture stays where it is (README: "The CUDA path")."""
+        verdict, _, _, nbytes, _ = self._decide(tensor)
+        if verdict == MOVE:
+            self.stats.capture_kept_bytes += nbytes
+        return (_held(tensor), tensor._version)
 
     def _note_budget(self, nbytes: int) -> None:
         if self._pool.alloc_failed:  # the pool warned once; never the GPU's out-of-memory
@@ -399,13 +357,12 @@ class Offloader:
     # -- backward ------------------------------------------------------------------------------
 
     def unpack(self, handle: Any) -> Tensor:
-        cls = type(handle)
-        if cls is _Offloaded:
+        if type(handle) is _Offloaded:
             with self._lock:
                 return self._unpack_offloaded(handle)
-        tensor = handle.tensor
-        if tensor._version != handle.version:
-            raise _modified_error(tensor.type(), tensor.size(), tensor._version, handle.version)
+        tensor = handle[0]
+        if tensor._version != handle[1]:
+            raise _modified_error(tensor.type(), tensor.size(), tensor._version, handle[1])
         return tensor
 
     def _unpack_offloaded(self, handle: _Offloaded) -> Tensor:
@@ -453,7 +410,7 @@ class Offloader:
             entry.unpacks += 1
             if entry.unpacks >= entry.handles:  # every live save has its view: let the storage go
                 self._let_go(entry)
-        if self._prefetch_bytes > 0:
+        if session.cursor > 0 and self._prefetch_bytes > 0:  # candidates lie below the cursor
             self._prefetch(session)
         return view
 
@@ -490,7 +447,7 @@ class Offloader:
                 and entry.sweep != sweep
                 and entry.in_flight_alias is None  # served from the device when reached
             ):
-                if session.inflight_bytes > 0 and session.inflight_bytes + entry.nbytes > self._prefetch_bytes:
+                if not prefetch_admits(session.inflight_bytes, entry.nbytes, self._prefetch_bytes):
                     return
                 self._reload(entry)
                 entry.prefetched = True
@@ -517,6 +474,15 @@ class Offloader:
         if self._resident_bytes > self.stats.peak_resident_bytes:
             self.stats.peak_resident_bytes = self._resident_bytes
 
+    @property
+    def scope(self) -> ModuleScope | None:
+        """The include/exclude rules, when given (part of the policy)."""
+        return self.policy.scope
+
+    @scope.setter
+    def scope(self, scope: ModuleScope | None) -> None:
+        self.policy.scope = scope
+
     # -- per-context bookkeeping ----------------------------------------------------------------
 
     def begin(self, protected_storages: set[int]) -> None:
@@ -526,7 +492,7 @@ class Offloader:
             peak_host_bytes=self._pool.reset_peak(), peak_resident_bytes=self._resident_bytes
         )
         self._wait_base_s = self._transport.waited_s()
-        self._protected = protected_storages
+        self.policy.protected = protected_storages
         self._session = _Session()
         self._by_storage = {}
 

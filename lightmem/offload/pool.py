@@ -236,6 +236,10 @@ class HostPool:
         self._step_peak_requested = 0
         self._window: deque[int] = deque(maxlen=TRIM_WINDOW_STEPS)  # peaks of requested bytes
         self._step_peak_bytes = 0  # of in-use (aligned) bytes, this step
+        # What this step asked for, refused requests included: the next step's slab is sized for
+        # the demand (within the budget), or a tight budget would keep refusing on slack alone.
+        self._step_demand_requested = 0
+        self._step_demand_bytes = 0
         self._window_bytes: deque[int] = deque(maxlen=TRIM_WINDOW_STEPS)
         self._overflow_bytes = 0  # in use outside the main slab
         self._step_overflow_peak = 0
@@ -300,6 +304,10 @@ class HostPool:
                 else:
                     block = self._grow(size, requested)
                     if block is None:
+                        if requested > self._step_demand_requested:
+                            self._step_demand_requested = requested
+                        if self._in_use_bytes + size > self._step_demand_bytes:
+                            self._step_demand_bytes = self._in_use_bytes + size
                         return None
             if block.slab is not self._slabs[0]:
                 self._overflow_bytes += size
@@ -381,8 +389,9 @@ class HostPool:
         with self._lock:
             self._drain()
             self.alloc_failed = False
-            self._window.append(self._step_peak_requested)
-            self._window_bytes.append(self._step_peak_bytes)
+            self._window.append(max(self._step_peak_requested, self._step_demand_requested))
+            self._window_bytes.append(max(self._step_peak_bytes, self._step_demand_bytes))
+            self._step_demand_requested = self._step_demand_bytes = 0
             overflow_peak = self._step_overflow_peak
             # Blocks of graphs still alive carry over into the next step.
             self._step_peak_requested = self._requested_bytes
