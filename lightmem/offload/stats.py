@@ -62,5 +62,5 @@ class OffloadStats:
                 shown = f"{value * 1e3:.2f} ms"
             else:
                 shown = str(value)
-            rows.append(f"  {field.name:<22} {shown}")
+            rows.append(f"  {field.name:<24} {shown}")
         return "OffloadStats(\n" + "\n".join(rows) + "\n)"
