@@ -351,3 +351,20 @@ def test_inflight_bound_on_real_models_at_the_default_min_bytes(kind, monkeypatc
     assert transport.stale_reads == 0
     transport.release_copies_to_host()
     transport.close()
+
+
+def test_backward_captured_over_offloaded_tensors_raises_a_clear_error():
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    model = _Chain()
+    with offload_activations(model, min_bytes=0, devices=("cpu",), transport=transport):
+        loss = model()
+    transport.synchronize()
+    transport.capturing_graph = True
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            loss.backward()
+    finally:
+        transport.capturing_graph = False
+    assert str(raised.value) == hooks.CAPTURED_RELOAD_MESSAGE
+    assert transport.capture_violations == 0
+    transport.close()

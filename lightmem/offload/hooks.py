@@ -52,6 +52,14 @@ from lightmem.offload.transport import Transport
 _sequence_nr = torch._C._autograd._get_sequence_nr  # the next autograd node's number (per thread)
 
 
+CAPTURED_RELOAD_MESSAGE = (
+    "lightmem: backward reached a tensor offloaded to host while a CUDA graph is being captured; a "
+    "reload cannot be captured (it needs a side stream and event queries). Capture the forward "
+    "too (saves made while capturing stay on the device), or keep the captured region outside "
+    "the offload context."
+)
+
+
 def _held(tensor: Tensor) -> Tensor:
     """What a handle may hold of a saved tensor: never one whose grad_fn could reach the handle.
 
@@ -366,6 +374,9 @@ class Offloader:
         return tensor
 
     def _unpack_offloaded(self, handle: _Offloaded) -> Tensor:
+        capturing = self._capturing
+        if capturing is not None and capturing():
+            raise RuntimeError(CAPTURED_RELOAD_MESSAGE)
         if self._deferred:
             self._copy_deferred()
         if self._pending:
