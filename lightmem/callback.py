@@ -27,6 +27,7 @@ from lightmem.config import (
     DEFAULT_HOST_BUDGET,
     DEFAULT_HOST_MIN_AVAILABLE,
     DEFAULT_MIN_BYTES,
+    DEFAULT_MAX_INFLIGHT,
     DEFAULT_PREFETCH,
     OffloadSettings,
     format_bytes,
@@ -72,6 +73,8 @@ class LightMem(Callback):
             or a fraction of total RAM, default 0.10), stop offloading, give cached host buffers back,
             and warn once, instead of letting the host OOM killer end the job.
         prefetch_bytes: bytes of reloads kept in flight ahead of backward (0: no prefetch).
+        offload_max_inflight_bytes: most bytes of saved tensors held on the device while their copy
+            to host runs (default 256 MiB); past it compute waits for the oldest copy.
         checkpoint: blocks to recompute in backward: class names (subclasses match too, e.g. FSDP2's
             ``FSDP<Name>``) or module-name globs.
         checkpoint_every: checkpoint every n-th matched block.
@@ -123,6 +126,7 @@ class LightMem(Callback):
         host_budget: int | float | str = DEFAULT_HOST_BUDGET,
         host_min_available: int | float | str = DEFAULT_HOST_MIN_AVAILABLE,
         prefetch_bytes: int | str = DEFAULT_PREFETCH,
+        offload_max_inflight_bytes: int | str = DEFAULT_MAX_INFLIGHT,
         checkpoint: list[str] | str | None = None,
         checkpoint_every: int = 1,
         checkpoint_policy: CheckpointPolicyArg = "full",
@@ -141,7 +145,8 @@ class LightMem(Callback):
         self.offload = parse_bool(offload, flag=_flag("offload"))
         self.offload_settings = OffloadSettings.parse(
             min_bytes=offload_min_bytes, devices=offload_devices, include=offload_include, exclude=offload_exclude,
-            host_budget=host_budget, prefetch=prefetch_bytes, host_min_available=host_min_available, owner="LightMem",
+            host_budget=host_budget, prefetch=prefetch_bytes, max_inflight_bytes=offload_max_inflight_bytes,
+            host_min_available=host_min_available, owner="LightMem",
         )  # fmt: skip
         self.checkpoint = list(parse_patterns(checkpoint, flag=_flag("checkpoint")) or ())
         self.checkpoint_every = parse_count(checkpoint_every, flag=_flag("checkpoint_every"))

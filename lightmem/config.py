@@ -221,6 +221,7 @@ def parse_patterns(patterns: Iterable[str] | str | None, *, flag: str) -> tuple[
 DEFAULT_MIN_BYTES = "1MiB"
 DEFAULT_HOST_BUDGET = 0.5
 DEFAULT_PREFETCH = "256MiB"
+DEFAULT_MAX_INFLIGHT = "256MiB"
 DEFAULT_HOST_MIN_AVAILABLE = 0.10
 
 # How each entry point spells the offload flags (the settings' field names are offload_activations').
@@ -231,6 +232,7 @@ _OFFLOAD_FLAG_NAMES = {
         "include": "offload_include",
         "exclude": "offload_exclude",
         "prefetch": "prefetch_bytes",
+        "max_inflight_bytes": "offload_max_inflight_bytes",
     },
 }
 
@@ -255,6 +257,7 @@ class OffloadSettings:
     """None only in the estimator: no cap (the target machine's host is not this one)."""
     prefetch_bytes: int
     host_min_available_bytes: int
+    max_inflight_bytes: int = 256 << 20
     owner: str = "offload_activations"
 
     @classmethod
@@ -267,6 +270,7 @@ class OffloadSettings:
         exclude: Iterable[str] | str | None = None,
         host_budget: int | float | str | None = DEFAULT_HOST_BUDGET,
         prefetch: int | str = DEFAULT_PREFETCH,
+        max_inflight_bytes: int | str = DEFAULT_MAX_INFLIGHT,
         host_min_available: int | float | str = DEFAULT_HOST_MIN_AVAILABLE,
         owner: str = "offload_activations",
         ranks_per_node: int | None = None,
@@ -289,6 +293,7 @@ class OffloadSettings:
                 fraction_of=lambda: host_ram_share_bytes(ranks_per_node),
             ),
             prefetch_bytes=parse_size(prefetch, flag=flag("prefetch")),
+            max_inflight_bytes=parse_size(max_inflight_bytes, flag=flag("max_inflight_bytes")),
             host_min_available_bytes=parse_size(
                 host_min_available, flag=flag("host_min_available"), fraction_of=total_ram_bytes,
                 fraction_name="total RAM",

@@ -60,6 +60,7 @@ METRICS: tuple[Metric, ...] = (
     _m("offload/prefetch_hits", "lightmem", "count", "reloads already issued ahead of need when backward asked", "Offload prefetch (count)"),
     _m("offload/prefetch_misses", "lightmem", "count", "reloads issued only when backward asked", "Offload prefetch (count)"),
     _m("offload/wait_ms", "lightmem", "ms", "time the compute stream waited for copies", "Offload waits (ms)"),
+    _m("offload/inflight_waits", "lightmem", "count", "times compute waited for the oldest copy to host because max_inflight_bytes was reached", "Offload in-flight waits (count)"),
     _m("checkpoint/blocks", "lightmem", "count", "blocks recomputed in backward (selective checkpointing)", "Checkpointed blocks (count)", reduce_max=False),
 )
 

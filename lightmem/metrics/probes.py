@@ -178,12 +178,13 @@ class LightmemProbe:
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.wait_s = 0.0
+        self.inflight_waits = 0
 
     def add(self, stats: object) -> None:
         """Add one micro-batch's ``OffloadStats``."""
         for name in (
             "offloaded_bytes", "reloaded_bytes", "kept_bytes", "deduplicated_bytes", "budget_kept_bytes",
-            "prefetch_hits", "prefetch_misses", "wait_s",
+            "prefetch_hits", "prefetch_misses", "wait_s", "inflight_waits",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(stats, name))
 
@@ -199,6 +200,7 @@ class LightmemProbe:
                 key("offload/prefetch_hits"): float(self.prefetch_hits),
                 key("offload/prefetch_misses"): float(self.prefetch_misses),
                 key("offload/wait_ms"): self.wait_s * 1e3,
+                key("offload/inflight_waits"): float(self.inflight_waits),
             }
         if self._checkpointed_blocks is not None:
             values[key("checkpoint/blocks")] = float(self._checkpointed_blocks())

@@ -12,6 +12,7 @@ from torch import nn
 from lightmem.config import (
     DEFAULT_HOST_BUDGET,
     DEFAULT_HOST_MIN_AVAILABLE,
+    DEFAULT_MAX_INFLIGHT,
     DEFAULT_MIN_BYTES,
     DEFAULT_PREFETCH,
     OffloadSettings,
@@ -55,6 +56,10 @@ class ActivationOffloader:
             available when the context is built (default 0.5). Past it, tensors stay on the device,
             are counted in ``stats.budget_kept_bytes``, and one warning says so.
         prefetch: bytes of reloads kept in flight ahead of backward (0 disables prefetch).
+        max_inflight_bytes: most bytes of saved tensors held on the device while their copy to
+            host has not finished (default 256 MiB). Past it the compute stream waits for the
+            oldest copy (counted in ``stats.inflight_waits``) and its device memory is freed; 0
+            makes every copy to host synchronous with compute.
         host_min_available: never grow host buffers when it would leave less than this much RAM
             available to the machine: bytes, a size string, or a fraction of total RAM (default 0.10).
         transport: how copies run; by default CUDA side streams when CUDA is available, otherwise
@@ -90,6 +95,7 @@ class ActivationOffloader:
         exclude: Iterable[str] | None = None,
         host_budget: int | float | str | None = DEFAULT_HOST_BUDGET,
         prefetch: int | str = DEFAULT_PREFETCH,
+        max_inflight_bytes: int | str = DEFAULT_MAX_INFLIGHT,
         host_min_available: int | float | str = DEFAULT_HOST_MIN_AVAILABLE,
         transport: Transport | None = None,
         settings: OffloadSettings | None = None,
@@ -97,7 +103,8 @@ class ActivationOffloader:
         if settings is None:  # called by a user: parse the keyword flags here, once
             settings = OffloadSettings.parse(
                 min_bytes=min_bytes, devices=devices, include=include, exclude=exclude,
-                host_budget=host_budget, prefetch=prefetch, host_min_available=host_min_available,
+                host_budget=host_budget, prefetch=prefetch, max_inflight_bytes=max_inflight_bytes,
+                host_min_available=host_min_available,
             )  # fmt: skip
         flag = settings.flag
         if model is not None and not isinstance(model, nn.Module):
@@ -109,6 +116,7 @@ class ActivationOffloader:
         include, exclude = settings.include, settings.exclude
         self.host_budget_bytes = settings.host_budget_bytes
         self.prefetch_bytes = settings.prefetch_bytes
+        self.max_inflight_bytes = settings.max_inflight_bytes
         self.host_min_available_bytes = settings.host_min_available_bytes
         self._scope: ModuleScope | None = None
         if include is not None or exclude is not None:
@@ -136,6 +144,7 @@ class ActivationOffloader:
             min_bytes=self.min_bytes,
             devices=self.devices,
             prefetch_bytes=self.prefetch_bytes,
+            max_inflight_bytes=self.max_inflight_bytes,
             pool=self._pool,
             transport=transport,
             budget_note=f"host_budget {self.host_budget_bytes} bytes, host_min_available "

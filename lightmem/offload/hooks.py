@@ -10,9 +10,14 @@ forward, copy(entry)        d2h waits for compute; copy t's storage -> host bloc
                             entry.host_event = event on d2h; t is held until that event has
                             completed, so its memory is not reused before the copy has read it
                             (the role record_stream plays elsewhere).
-backward, reload(entry)     allocate on compute; h2d waits for compute (the memory's last users)
-                            and for entry.host_event (the host bytes are complete); copy on h2d;
-                            entry.reload_event = host_event = event on h2d.
+forward, in flight          past max_inflight_bytes of copies not seen complete, compute waits
+                            for the oldest and its tensor is let go (inflight.py).
+backward, reload(entry)     allocate on h2d, recorded as used by compute (record_stream: the
+                            allocator keeps it from reuse until compute's uses have run); h2d
+                            waits for entry.host_event (the host bytes are complete), not for
+                            compute; copy on h2d; entry.reload_event = host_event = event on h2d.
+                            An entry whose copy to host is still in flight is served from the
+                            device tensor it holds instead.
 backward, unpack(handle)    compute waits for reload_event, then reads a view of the storage.
 graph freed (entry dies)    host block returns to the pool after entry.host_event; an unused
                             reload makes its allocation stream wait before the storage is freed.
@@ -30,7 +35,6 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections import deque
 from typing import Any
 
 import torch
@@ -38,6 +42,7 @@ from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 
 from lightmem.config import warn_once
+from lightmem.offload.inflight import InflightCopies, served_view
 from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, prefetch_admits, same_save
 from lightmem.offload.pool import HostBlock, HostPool
 from lightmem.offload.scope import ModuleScope
@@ -45,6 +50,14 @@ from lightmem.offload.stats import OffloadStats
 from lightmem.offload.transport import Transport
 
 _sequence_nr = torch._C._autograd._get_sequence_nr  # the next autograd node's number (per thread)
+
+
+CAPTURED_RELOAD_MESSAGE = (
+    "lightmem: backward reached a tensor offloaded to host while a CUDA graph is being captured; a "
+    "reload cannot be captured (it needs a side stream and event queries). Capture the forward "
+    "too (saves made while capturing stay on the device), or keep the captured region outside "
+    "the offload context."
+)
 
 
 def _held(tensor: Tensor) -> Tensor:
@@ -232,6 +245,7 @@ class Offloader:
         min_bytes: int,
         devices: tuple[str, ...],
         prefetch_bytes: int,
+        max_inflight_bytes: int,
         pool: HostPool,
         transport: Transport,
         budget_note: str,
@@ -250,7 +264,8 @@ class Offloader:
         self._wait_base_s = 0.0
         self._deferred: list[_HostEntry] = []  # entries whose copy waits for their op to return
         self._deferred_after = -1  # the autograd sequence number when the last of them was saved
-        self._pending: deque[_HostEntry] = deque()  # entries whose copy to host is still queued
+        self._pending = InflightCopies(max_inflight_bytes, transport)  # copies to host still queued
+        self._capturing = transport.capturing
         self._empty: dict[torch.device, Tensor] = {}  # storage for version holders, per device
         # Backward runs one autograd thread per device; handles die on any thread.
         self._lock = threading.RLock()
@@ -260,6 +275,9 @@ class Offloader:
     def pack(self, tensor: Tensor) -> Any:
         stats = self.stats
         stats.packed_tensors += 1
+        capturing = self._capturing
+        if capturing is not None and capturing():  # no event may be queried, no side stream joined
+            return self._keep_captured(tensor)
         if self._deferred and _sequence_nr() != self._deferred_after:
             self._copy_deferred()  # a later op has begun: the ops that saved them have returned
         if self._pending:
@@ -320,16 +338,23 @@ class Offloader:
             if transport.done(entry.host_event):
                 entry.in_flight_alias = None
             else:
-                self._pending.append(entry)
+                self._pending.add(entry, compute, self.stats)
 
     def _settle(self) -> None:
         """Let go of saved tensors whose copy to host has finished."""
-        pending = self._pending
-        done = self._transport.done
-        while pending and done(pending[0].host_event):
-            pending.popleft().in_flight_alias = None
+        self._pending.settle()
+
+    def _keep_captured(self, tensor: Tensor) -> tuple[Tensor, int]:
+        """A save during CUDA graph capture stays where it is (README: "The CUDA path")."""
+        verdict, _, _, nbytes, _ = self._decide(tensor)
+        if verdict == MOVE:
+            self.stats.capture_kept_bytes += nbytes
+        return (_held(tensor), tensor._version)
 
     def _note_budget(self, nbytes: int) -> None:
+        if self._pool.alloc_failed:  # the pool warned once; never the GPU's out-of-memory
+            self.stats.host_alloc_failed_bytes += nbytes
+            return
         self.stats.budget_kept_bytes += nbytes
         warn_once(
             f"lightmem: host memory for offload is exhausted ({self._budget_note}); further saved "
@@ -349,6 +374,9 @@ class Offloader:
         return tensor
 
     def _unpack_offloaded(self, handle: _Offloaded) -> Tensor:
+        capturing = self._capturing
+        if capturing is not None and capturing():
+            raise RuntimeError(CAPTURED_RELOAD_MESSAGE)
         if self._deferred:
             self._copy_deferred()
         if self._pending:
@@ -362,6 +390,10 @@ class Offloader:
         stats = self.stats
         session = entry.session
         if entry.restored is None:
+            view = served_view(entry, handle.dtype, handle.size, handle.stride, handle.offset)
+            if view is not None:  # its copy to host still runs: the device tensor is still held
+                stats.inflight_served += 1
+                return view
             stats.prefetch_misses += 1
             if entry.sweep == session.sweep:  # reloaded before in this sweep: a new backward pass
                 session.sweep += 1
@@ -398,15 +430,16 @@ class Offloader:
         compute, _, to_device = transport.streams(entry.device)
         if entry.dense is not None:
             dtype, size, stride = entry.dense
-            entry.restored_tensor = transport.alloc_tensor(size, stride, dtype, entry.device)
+            entry.restored_tensor = transport.alloc_tensor(
+                size, stride, dtype, entry.device, to_device, compute
+            )
             storage = entry.restored_tensor.untyped_storage()
         else:
-            storage = transport.alloc(entry.nbytes, entry.device)
-        transport.wait(to_device, transport.record(compute))
+            storage = transport.alloc(entry.nbytes, entry.device, to_device, compute)
         transport.wait(to_device, entry.host_event)
         transport.copy_to_device(storage, entry.host, to_device)
         entry.reload_event = entry.host_event = transport.record(to_device)
-        entry.alloc_stream = compute
+        entry.alloc_stream = to_device
         entry.restored = storage
         entry.sweep = entry.session.sweep
         self.stats.reloaded_bytes += entry.nbytes
@@ -419,7 +452,12 @@ class Offloader:
         sweep = session.sweep
         while index >= 0:
             entry = refs[index]()
-            if entry is not None and entry.restored is None and entry.sweep != sweep:
+            if (
+                entry is not None
+                and entry.restored is None
+                and entry.sweep != sweep
+                and entry.in_flight_alias is None  # served from the device when reached
+            ):
                 if not prefetch_admits(session.inflight_bytes, entry.nbytes, self._prefetch_bytes):
                     return
                 self._reload(entry)

@@ -16,9 +16,11 @@ during the current step or the ``TRIM_WINDOW_STEPS`` steps before it.
   one slab; after they shrink, the memory goes back exactly ``TRIM_WINDOW_STEPS`` steps later.
 
 The unit of memory is ``HostSlab`` (one allocation, given back whole by ``close``); blocks are
-views into it. Today a slab on CUDA is page-locked with ``cudaHostRegister`` at its exact size; a
-slab taken from torch's pinned allocator would change only ``HostSlab`` (sub-allocation, exact
-accounting and trimming stay as they are; page alignment is ``ALIGN_BYTES = 4096`` there).
+views into it. On CUDA a slab is ordinary host memory page-locked with ``cudaHostRegister`` at its
+exact size (README, "Pinned host memory", says why not torch's pinned allocator). A slab that cannot
+be allocated or page-locked is never an error of the caller's: CUDA's last error is cleared, the
+request is refused (the tensor stays on the device, counted by the offloader), one warning says so,
+and the pool does not try again before the next step boundary.
 
 Releases come from ``__del__`` finalizers that garbage collection may run on any thread, also
 inside ``acquire`` on the same thread. ``release`` therefore never blocks: it appends to a queue
@@ -32,13 +34,14 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightmem.config import available_ram_bytes, warn_once
+from lightmem.config import available_ram_bytes
 
 if TYPE_CHECKING:
     from lightmem.offload.transport import Transport
@@ -72,11 +75,11 @@ class HostSlab:
         self, capacity: int, pin: bool, poison: bool, on_free: Callable[[torch.Tensor], None] | None = None
     ) -> None:
         self.capacity = capacity
+        self.on_free = None
+        self.registered = False
+        self.tensor = _pinned_empty(capacity) if pin else torch.empty(capacity, dtype=torch.uint8)
+        self.registered = pin
         self.on_free = on_free
-        if pin:
-            self.tensor, self.registered = _pinned_empty(capacity)
-        else:
-            self.tensor, self.registered = torch.empty(capacity, dtype=torch.uint8), False
         if poison:
             self.tensor.fill_(_POISON_BYTE)
         self.storage = self.tensor.untyped_storage()
@@ -136,10 +139,10 @@ class HostSlab:
         if self.on_free is not None:
             on_free, self.on_free = self.on_free, None
             on_free(self.tensor)
-        if self.registered:  # pragma: no cover - needs CUDA
+        if self.registered:
             self.registered = False
             try:
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+                _cudart().cudaHostUnregister(self.tensor.data_ptr())
             except Exception:
                 pass
 
@@ -175,20 +178,35 @@ class HostBlock:
         return torch.empty(0, dtype=torch.uint8).set_(self.storage)
 
 
-def _pinned_empty(nbytes: int) -> tuple[torch.Tensor, bool]:  # pragma: no cover - needs CUDA
-    """Exact-size page-locked host memory; falls back to the caching pinned allocator."""
+class HostAllocationError(RuntimeError):
+    """Host memory for a slab could not be allocated or page-locked (CUDA's error already cleared)."""
+
+
+def _cudart() -> Any:
+    """The CUDA runtime binding (one indirection, so tests drive its failures on a CPU)."""
+    return torch.cuda.cudart()
+
+
+def _pinned_empty(nbytes: int) -> torch.Tensor:
+    """Exact-size host memory page-locked with ``cudaHostRegister``.
+
+    Raises ``HostAllocationError`` when registration fails, after clearing the error the failed
+    call left in CUDA's per-thread last error: torch's binding does not clear it, and the next
+    kernel launch's check would raise it as "CUDA error" far from here.
+    """
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     try:
-        registered = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)) == 0
-    except Exception:
-        registered = False
-    if registered:
-        return buffer, True
-    warn_once(
-        "lightmem: cudaHostRegister failed; using torch's pinned allocator, which rounds host "
-        "buffers up to a power of two"
-    )
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
+        cudart = _cudart()
+        code = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+    except Exception as error:  # no CUDA runtime, or the binding raised
+        raise HostAllocationError(f"cudaHostRegister of {nbytes} bytes raised {error!r}") from None
+    if code != 0:
+        try:
+            cudart.cudaGetLastError()  # returns and resets the last error
+        except Exception:
+            pass
+        raise HostAllocationError(f"cudaHostRegister of {nbytes} bytes returned CUDA error {code}")
+    return buffer
 
 
 class HostPool:
@@ -228,6 +246,10 @@ class HostPool:
         self._limit_bytes = 0  # HEADROOM x the window's peak (the current step's is added live)
         self.allocations = 0
         self.floor_hits = 0
+        self.alloc_failures = 0
+        self.alloc_error = ""
+        self.alloc_failed = False
+        """A slab could not be allocated or page-locked this step: requests needing one are refused."""
         self._slabs: list[HostSlab] = []  # the main slab first, then overflow slabs
         self._sizes: dict[int, int] = {}  # nbytes -> aligned size; a step repeats its sizes
         self._pending: list[HostBlock] = []  # released, waiting for block.event
@@ -319,10 +341,26 @@ class HostPool:
             if available_ram_bytes() - size < self.min_available_bytes:
                 self.floor_hits += 1
                 return None
-        return self._new_slab(slab_bytes).take(size)
+        slab = self._new_slab(slab_bytes)
+        return None if slab is None else slab.take(size)
 
-    def _new_slab(self, capacity: int) -> HostSlab:
-        slab = HostSlab(capacity, self._pin, self._poison, self._on_free)
+    def _new_slab(self, capacity: int) -> HostSlab | None:
+        if self.alloc_failed:  # failed this step already: no new attempt (and no new error) per request
+            return None
+        try:
+            slab = HostSlab(capacity, self._pin, self._poison, self._on_free)
+        except Exception as error:  # host OOM or a failed registration: never the caller's error
+            self.alloc_failures += 1
+            self.alloc_failed = True
+            self.alloc_error = str(error)
+            if self.alloc_failures == 1:  # one warning per pool, whatever the bytes asked each time
+                warnings.warn(
+                    "lightmem: host memory for offload could not be allocated or page-locked "
+                    f"({error}); saved tensors that needed more stay on the device (counted in "
+                    "OffloadStats.host_alloc_failed_bytes) and the pool tries again each step",
+                    stacklevel=2,
+                )
+            return None
         self._slabs.append(slab)
         self.allocations += 1
         self._held_bytes += capacity
@@ -350,6 +388,7 @@ class HostPool:
         """Step boundary: remember this step's peak; reshape the slabs to the window's bound."""
         with self._lock:
             self._drain()
+            self.alloc_failed = False
             self._window.append(max(self._step_peak_requested, self._step_demand_requested))
             self._window_bytes.append(max(self._step_peak_bytes, self._step_demand_bytes))
             self._step_demand_requested = self._step_demand_bytes = 0

@@ -33,6 +33,15 @@ class OffloadStats:
     """Reloads that were already issued ahead of need when backward asked for them."""
     prefetch_misses: int = 0
     """Reloads issued only when backward asked for them."""
+    inflight_waits: int = 0
+    """Times the compute stream waited for the oldest copy to host because more than
+    ``max_inflight_bytes`` of saved tensors were held on the device for copies not yet finished."""
+    inflight_served: int = 0
+    """Unpacks served from the device tensor still held for its unfinished copy to host (no reload)."""
+    host_alloc_failed_bytes: int = 0
+    """Eligible bytes left on the device because host memory could not be allocated or page-locked."""
+    capture_kept_bytes: int = 0
+    """Bytes of saves left on the device because a CUDA graph was being captured (each save counted)."""
     wait_s: float = 0.0
     """Seconds the compute stream (on CPU: the training thread) waited for copies."""
     peak_host_bytes: int = 0
@@ -53,5 +62,5 @@ class OffloadStats:
                 shown = f"{value * 1e3:.2f} ms"
             else:
                 shown = str(value)
-            rows.append(f"  {field.name:<22} {shown}")
+            rows.append(f"  {field.name:<24} {shown}")
         return "OffloadStats(\n" + "\n".join(rows) + "\n)"

@@ -12,6 +12,7 @@ Stream handles are opaque to the offloader; ``None`` stands for "already done" e
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +23,8 @@ class Transport(Protocol):
     """Host buffers must be page-locked (CUDA)."""
     poison_released: bool
     """Call ``poison(buffer)`` when a host buffer becomes reusable (test transports)."""
+    capturing: Callable[[], bool] | None
+    """Whether a CUDA graph is being captured on the current stream; ``None`` where none can be."""
 
     def streams(self, device: torch.device) -> tuple[Any, Any, Any]:
         """(compute, device_to_host, host_to_device) streams for ``device``; compute is current."""
@@ -38,11 +41,15 @@ class Transport(Protocol):
     def copy_to_device(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
         """Queue ``dst <- src`` on ``stream``; the host ``src`` is protected by the pool's events."""
 
-    def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
-        """Uninitialised device storage, allocated on the compute stream."""
+    def alloc(self, nbytes: int, device: torch.device, stream: Any, consumer: Any) -> torch.UntypedStorage:
+        """Uninitialised device storage allocated on ``stream`` and recorded as used by ``consumer``
+        (``record_stream``): its memory is not reused before ``consumer``'s work queued up to its
+        free has run, so ``stream`` may write it without waiting for ``consumer``."""
 
-    def alloc_tensor(self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised dense tensor, allocated on the compute stream."""
+    def alloc_tensor(
+        self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device, stream: Any, consumer: Any
+    ) -> torch.Tensor:
+        """An uninitialised dense tensor; otherwise as ``alloc``."""
 
     def done(self, event: Any) -> bool:
         """Whether ``event`` has completed (``None`` has)."""
@@ -56,6 +63,7 @@ class SyncTransport:
 
     pin_memory = False
     poison_released = False
+    capturing = None
 
     def __init__(self) -> None:
         self._waited_s = 0.0
@@ -77,10 +85,12 @@ class SyncTransport:
 
     copy_to_device = copy_to_host
 
-    def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+    def alloc(self, nbytes: int, device: torch.device, stream: Any, consumer: Any) -> torch.UntypedStorage:
         return torch.UntypedStorage(nbytes, device=device)
 
-    def alloc_tensor(self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def alloc_tensor(
+        self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device, stream: Any, consumer: Any
+    ) -> torch.Tensor:
         return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
     def done(self, event: Any) -> bool:
@@ -100,6 +110,7 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
 
     pin_memory = True
     poison_released = False
+    capturing = staticmethod(torch.cuda.is_current_stream_capturing)
 
     def __init__(self) -> None:
         self._side: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
@@ -121,7 +132,12 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
         if event is None:
             return
         # current_stream() builds a new Stream object on each call: compare streams, not objects.
-        if stream == torch.cuda.current_stream(stream.device) and not event.query():
+        # No query while a graph is captured (illegal there); the offloader moves nothing then.
+        if (
+            stream == torch.cuda.current_stream(stream.device)
+            and not torch.cuda.is_current_stream_capturing()
+            and not event.query()
+        ):
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record(stream)
@@ -139,16 +155,35 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
 
     copy_to_device = copy_to_host
 
-    def alloc(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
-        return torch.UntypedStorage(nbytes, device=device)
+    def alloc(
+        self, nbytes: int, device: torch.device, stream: torch.cuda.Stream, consumer: torch.cuda.Stream
+    ) -> torch.UntypedStorage:
+        # Allocated on the copy stream, so the copy need not wait for the compute stream (the
+        # memory's previous users); record_stream makes the allocator wait for compute's uses
+        # of it before it is reused (PyTorch's documented pattern for cross-stream tensors).
+        with torch.cuda.stream(stream):
+            storage = torch.UntypedStorage(nbytes, device=device)
+        if consumer != stream:
+            torch.empty(0, dtype=torch.uint8, device=device).set_(storage).record_stream(consumer)
+        return storage
 
-    def alloc_tensor(self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+    def alloc_tensor(
+        self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device,
+        stream: torch.cuda.Stream, consumer: torch.cuda.Stream,
+    ) -> torch.Tensor:  # fmt: skip
+        with torch.cuda.stream(stream):
+            tensor = torch.empty_strided(size, stride, dtype=dtype, device=device)
+        if consumer != stream:
+            tensor.record_stream(consumer)
+        return tensor
 
     def done(self, event: torch.cuda.Event | None) -> bool:
-        return event is None or event.query()
+        # Never seen complete while a graph is captured: querying an event is illegal there.
+        return event is None or (not torch.cuda.is_current_stream_capturing() and event.query())
 
     def waited_s(self) -> float:
+        if torch.cuda.is_current_stream_capturing():
+            return self._waited_s
         pending = []
         for start, end in self._timed:
             if end.query():

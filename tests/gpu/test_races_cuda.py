@@ -45,6 +45,19 @@ def test_removing_one_wait_gives_wrong_gradients(kind):
     assert kit.differs(expected, actual), f"without the {kind} waits the result was still right"
 
 
+def test_reload_buffers_not_recorded_for_compute_give_wrong_gradients():
+    # The negative control of record_stream: reuse of a freed reload buffer while compute lags.
+    model, x = kit.make_model(CUDA), kit.make_input(CUDA)
+    expected = kit.baseline_step(model, x)
+    off = offload_activations(model)
+    transport = off.transport
+    alloc, alloc_tensor = transport.alloc, transport.alloc_tensor
+    transport.alloc = lambda nbytes, device, stream, consumer: alloc(nbytes, device, stream, stream)
+    transport.alloc_tensor = lambda *args: alloc_tensor(*args[:-1], args[-2])
+    actual = kit.offloaded_step(model, x, off, "compute_in_backward")
+    assert kit.differs(expected, actual), "without record_stream the result was still right"
+
+
 def test_every_cross_stream_wait_has_a_negative_control():
     model, x = kit.make_model(CUDA), kit.make_input(CUDA)
     off = offload_activations(model)

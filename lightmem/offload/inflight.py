@@ -1,0 +1,82 @@
+"""Copies to host not yet seen complete: the device memory they hold, bounded.
+
+A saved tensor is held on the device until its copy to host has run (its memory must not be
+reused before the copy reads it). Seeing a copy complete is a poll (``transport.done``) at the
+next pack or unpack, so when the copy stream drains slower than compute produces activations
+(slow PCIe: the regime where offload matters most) nothing would ever release device memory.
+
+``InflightCopies`` keeps those entries oldest first with their byte total. Past ``max_bytes`` the
+compute stream waits for the oldest copy's event and the entry lets go of its device tensor. On
+CUDA that wait is queued on the stream (``wait_event``), not a host synchronisation; freeing the
+tensor right after it is safe because the caching allocator hands its memory only to work queued
+on the compute stream later, which runs after the copy has read it.
+
+An entry still in flight when backward reaches it is served from the device tensor it still holds
+(``served_view``): its bytes are exactly the saved ones (the version check has passed), so a
+reload into a second buffer would only cost memory and a copy.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightmem.offload.stats import OffloadStats
+from lightmem.offload.transport import Transport
+
+
+class InflightCopies:
+    """Entries whose copy to host may still run, oldest first; see the module docstring."""
+
+    __slots__ = ("bytes", "entries", "max_bytes", "transport")
+
+    def __init__(self, max_bytes: int, transport: Transport) -> None:
+        self.max_bytes = max_bytes
+        self.transport = transport
+        self.entries: deque[Any] = deque()
+        self.bytes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, entry: Any, compute: Any, stats: OffloadStats) -> None:
+        """Track ``entry`` (its copy is queued); past the bound, compute waits for the oldest."""
+        self.entries.append(entry)
+        self.bytes += entry.nbytes
+        if self.bytes > self.max_bytes:
+            self._bound(compute, stats)
+
+    def _bound(self, compute: Any, stats: OffloadStats) -> None:
+        entries = self.entries
+        transport = self.transport
+        while entries and self.bytes > self.max_bytes:
+            oldest = entries.popleft()
+            self.bytes -= oldest.nbytes
+            if not transport.done(oldest.host_event):
+                transport.wait(compute, oldest.host_event)
+                stats.inflight_waits += 1
+            oldest.in_flight_alias = None
+
+    def settle(self) -> None:
+        """Let go of the device tensors whose copy to host has finished."""
+        entries = self.entries
+        done = self.transport.done
+        while entries and done(entries[0].host_event):
+            entry = entries.popleft()
+            self.bytes -= entry.nbytes
+            entry.in_flight_alias = None
+
+
+def served_view(entry: Any, dtype: torch.dtype, size: Any, stride: Any, offset: int) -> Tensor | None:
+    """A view of the device tensor ``entry`` still holds for its unfinished copy, or ``None``."""
+    alias = entry.in_flight_alias
+    if alias is None:
+        return None
+    view = torch.empty(0, dtype=dtype, device=entry.device)
+    return view.set_(alias.untyped_storage(), offset, size, stride)

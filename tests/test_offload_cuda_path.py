@@ -1,0 +1,370 @@
+"""The CUDA path's hazards, each shown on CPU (issue 10 items 1, 2, 3, 5).
+
+Page-locking failures are driven through a fake CUDA runtime; the in-flight bound, graph capture
+and reload allocation through SimulatedAsyncTransport's held copies, capture flag and lagging
+compute stream. Each protection has a sabotage test that removes it and must be noticed.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from conftest import assert_bitwise_equal, run_grads
+from models import make_case
+
+from lightmem import offload_activations
+from lightmem.offload import hooks, inflight, pool
+from lightmem.offload.simulated import COMPUTE, SimulatedAsyncTransport
+from lightmem.offload.transport import SyncTransport
+
+NUMEL = 16384
+NBYTES = NUMEL * 4  # each saved activation of the sine chain: 64 KiB
+SAVES = 10
+
+
+class _Chain(torch.nn.Module):
+    """``SAVES`` sines in a row: each saves its input (64 KiB), and nothing else keeps it alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(-2.0, 2.0, NUMEL))
+
+    def forward(self) -> torch.Tensor:
+        x = self.weight.clone()  # saves nothing
+        for _ in range(SAVES):
+            x = x.sin()
+        return x.sum()
+
+
+def _chain_loss(model):
+    return model()
+
+
+def _offload_with(transport, **kwargs):
+    kwargs.setdefault("min_bytes", 0)
+    return lambda model: offload_activations(model, devices=("cpu",), transport=transport, **kwargs)
+
+
+# -- 1. pinned host memory: a failure never leaves CUDA in an error state, never raises -----------
+
+
+class _FakeCudart:
+    """cudaHostRegister / cudaGetLastError / cudaHostUnregister with CUDA's last-error rule."""
+
+    def __init__(self, register_code: int = 0, raises: bool = False) -> None:
+        self.register_code = register_code
+        self.raises = raises
+        self.last_error = 0
+        self.registered: set[int] = set()
+        self.unregistered: set[int] = set()
+
+    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - CUDA's name
+        if self.raises:
+            raise RuntimeError("CUDA driver error: initialization error")
+        if self.register_code:
+            self.last_error = self.register_code  # a failed call leaves it set, as CUDA does
+            return self.register_code
+        self.registered.add(ptr)
+        return 0
+
+    def cudaGetLastError(self):  # noqa: N802
+        error, self.last_error = self.last_error, 0
+        return error
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.unregistered.add(ptr)
+        return 0
+
+
+class _PinnedSync(SyncTransport):
+    pin_memory = True
+
+
+def _pinned_run(monkeypatch, cudart, model_case="transformer", **kwargs):
+    monkeypatch.setattr(pool, "_cudart", lambda: cudart)
+    model, loss_fn = make_case(model_case)
+    expected, _ = run_grads(model, loss_fn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual, off = run_grads(model, loss_fn, _offload_with(_PinnedSync(), **kwargs))
+    assert_bitwise_equal(expected, actual)
+    return off, [w for w in caught if "could not be allocated or page-locked" in str(w.message)]
+
+
+def test_failed_registration_clears_cuda_error_and_keeps_tensors_on_the_device(monkeypatch):
+    cudart = _FakeCudart(register_code=712)  # cudaErrorHostMemoryAlreadyRegistered
+    off, warned = _pinned_run(monkeypatch, cudart)
+    stats = off.stats
+    assert cudart.last_error == 0  # the next kernel launch would raise it otherwise
+    assert stats.offloaded_tensors == 0 and stats.budget_kept_bytes == 0
+    assert stats.host_alloc_failed_bytes > 0
+    assert stats.host_alloc_failed_bytes + stats.kept_bytes == _eligible_bytes(make_case("transformer"))
+    assert len(warned) == 1 and "CUDA error 712" in str(warned[0].message)
+    assert off._pool.alloc_failures == 1  # one attempt per step, not one per saved tensor
+
+
+def _eligible_bytes(case) -> int:
+    """Bytes of saved storages the same run offloads when host memory is plentiful."""
+    model, loss_fn = case
+    _, off = run_grads(model, loss_fn, _offload_with(SyncTransport()))
+    return off.stats.offloaded_bytes + off.stats.kept_bytes
+
+
+def test_registration_that_raises_is_not_raised_from_pack(monkeypatch):
+    off, warned = _pinned_run(monkeypatch, _FakeCudart(raises=True), model_case="cnn")
+    assert off.stats.offloaded_tensors == 0 and off.stats.host_alloc_failed_bytes > 0
+    assert off.stats.host_alloc_failed_bytes == _eligible_bytes(make_case("cnn")) - off.stats.kept_bytes
+    assert len(warned) == 1 and "cudaHostRegister" in str(warned[0].message)
+
+
+def test_host_allocation_failure_is_not_raised_from_pack_and_retried_next_step(monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(pool, "HostSlab", no_memory)
+    model = _Chain()
+    transport = SyncTransport()
+    off = offload_activations(model, min_bytes=0, devices=("cpu",), transport=transport)
+    with pytest.warns(UserWarning, match="could not be allocated or page-locked"):
+        with off:
+            loss = model()
+    loss.backward()
+    assert off.stats.host_alloc_failed_bytes == SAVES * NBYTES
+    assert off.stats.offloaded_tensors == 0
+    monkeypatch.undo()  # memory is back: the next step tries again
+    with off:
+        loss = model()
+    loss.backward()
+    assert off.stats.offloaded_bytes == SAVES * NBYTES and off.stats.host_alloc_failed_bytes == 0
+
+
+def test_registered_slabs_are_unregistered_when_given_back(monkeypatch):
+    cudart = _FakeCudart()
+    off, warned = _pinned_run(monkeypatch, cudart)
+    assert off.stats.offloaded_tensors > 0 and not warned
+    assert cudart.registered and not cudart.unregistered
+    gc.collect()
+    off.release_host_memory()
+    assert cudart.unregistered == cudart.registered and cudart.last_error == 0
+
+
+# -- 2. the bytes in flight to host are bounded ------------------------------------------------
+
+
+def test_inflight_bound_holds_device_bytes_and_serves_in_flight_entries_without_reload():
+    model = _Chain()
+    expected, _ = run_grads(model, _chain_loss)
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    transport.hold_copies_to_host()
+    actual, off = run_grads(model, _chain_loss, _offload_with(transport, max_inflight_bytes=3 * NBYTES))
+    assert_bitwise_equal(expected, actual)
+    stats = off.stats
+    assert transport.max_held_source_bytes == 3 * NBYTES  # never more than the bound, and reached
+    assert stats.inflight_waits == SAVES - 3  # each copy past the third waited for the oldest
+    assert stats.inflight_served == 3  # the three still in flight are read from the device
+    assert stats.reloaded_bytes == (SAVES - 3) * NBYTES
+    assert (stats.prefetch_misses, stats.prefetch_hits) == (1, SAVES - 4)
+    assert transport.stale_reads == 0
+    transport.release_copies_to_host()
+    transport.close()
+
+
+def test_sabotage_no_inflight_bound_is_detected(monkeypatch):
+    monkeypatch.setattr(inflight.InflightCopies, "_bound", lambda self, compute, stats: None)
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    transport.hold_copies_to_host()
+    run_grads(_Chain(), _chain_loss, _offload_with(transport, max_inflight_bytes=3 * NBYTES))
+    assert transport.max_held_source_bytes == (SAVES - 1) * NBYTES  # every queued copy held
+    transport.release_copies_to_host()
+    transport.close()
+
+
+def test_sabotage_in_flight_entry_reloaded_into_a_second_buffer_is_detected(monkeypatch):
+    monkeypatch.setattr(hooks, "served_view", lambda *args: None)
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    transport.hold_copies_to_host()
+    _, off = run_grads(_Chain(), _chain_loss, _offload_with(transport, max_inflight_bytes=3 * NBYTES))
+    assert off.stats.reloaded_bytes == SAVES * NBYTES
+    transport.close()
+
+
+def test_max_inflight_bytes_flag_is_validated():
+    with pytest.raises(ValueError, match=r"offload_activations\(max_inflight_bytes=...\)"):
+        offload_activations(devices=("cpu",), max_inflight_bytes=-1)
+    assert offload_activations(devices=("cpu",)).max_inflight_bytes == 256 * 2**20
+
+
+# -- 3. CUDA graph capture: saved tensors stay in place, nothing is queried or queued -----------
+
+
+def _capture_run(transport, sabotage=False):
+    model = _Chain()
+    expected, _ = run_grads(model, lambda m: m() + m())
+    model_copy = _Chain()
+    off = offload_activations(model_copy, min_bytes=0, devices=("cpu",), transport=transport)
+    if sabotage:
+        off._offloader._capturing = None  # the offloader no longer asks
+    with off:
+        eager = model_copy()  # offloaded, copies held in flight
+        transport.capturing_graph = True
+        try:
+            captured = model_copy()  # as under torch.cuda.graph / make_graphed_callables
+        finally:
+            transport.capturing_graph = False
+    (eager + captured).backward()
+    actual = {name: p.grad.clone() for name, p in model_copy.named_parameters()}
+    return expected, actual, off
+
+
+def test_graph_capture_keeps_saved_tensors_in_place_and_queries_nothing():
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    transport.hold_copies_to_host()
+    expected, actual, off = _capture_run(transport)
+    transport.release_copies_to_host()
+    assert_bitwise_equal(expected, actual)
+    assert transport.capture_violations == 0
+    assert off.stats.capture_kept_bytes == SAVES * NBYTES
+    assert off.stats.offloaded_bytes == SAVES * NBYTES  # the eager forward's
+    transport.close()
+
+
+def test_sabotage_offloading_while_capturing_is_detected():
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    transport.hold_copies_to_host()
+    with pytest.raises(RuntimeError, match="simulated CUDA graph capture"):
+        _capture_run(transport, sabotage=True)
+    assert transport.capture_violations > 0
+    transport.capturing_graph = False
+    transport.release_copies_to_host()
+    transport.close()
+
+
+# -- 5. reload buffers: allocated on the copy stream, recorded for the compute stream -----------
+
+
+def _lagging_backward(transport):
+    """Forward as usual; backward while the compute stream runs behind the calling thread."""
+    model = _Chain()
+    expected, _ = run_grads(model, _chain_loss)
+    model_copy = _Chain()
+    # One reload ahead: each reuses the memory of one that backward has just freed.
+    off = offload_activations(model_copy, min_bytes=0, devices=("cpu",), transport=transport, prefetch=NBYTES)
+    with off:
+        loss = model_copy()
+    transport.synchronize()  # every copy to host has run: backward reloads all of them
+    transport.lag_compute()
+    loss.backward()
+    transport.catch_up_compute()
+    actual = {name: p.grad.clone() for name, p in model_copy.named_parameters()}
+    return expected, actual, off
+
+
+def test_reloads_do_not_wait_for_compute_and_their_memory_waits_for_its_readers():
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    expected, actual, off = _lagging_backward(transport)
+    assert_bitwise_equal(expected, actual)
+    assert off.stats.reloaded_bytes == SAVES * NBYTES
+    assert transport.side_waits_on_lagging_compute == 0  # no reload waits for compute
+    assert transport.record_stream_calls == SAVES  # each reload recorded for the compute stream
+    assert transport.device_reuse_hazards == 0
+    transport.close()
+
+
+def test_sabotage_reload_buffer_not_recorded_for_compute_is_detected(monkeypatch):
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    allocate = transport.alloc
+    transport.alloc = lambda nbytes, device, stream, consumer: allocate(nbytes, device, stream, stream)
+    _lagging_backward(transport)
+    assert transport.record_stream_calls == 0
+    assert transport.device_reuse_hazards > 0  # a freed reload block reused while compute lags
+    transport.close()
+
+
+def test_a_reload_ordered_after_compute_would_be_counted():
+    # The protocol before this change: the copy stream waited for all compute issued so far.
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    allocate = transport.alloc
+
+    def after_compute(nbytes, device, stream, consumer):
+        storage = allocate(nbytes, device, stream, consumer)
+        transport.wait(stream, transport.record(COMPUTE))
+        return storage
+
+    transport.alloc = after_compute
+    transport.lag_grace_s = 0.05  # each reload blocks until compute catches up: keep it short
+    expected, actual, _ = _lagging_backward(transport)
+    assert_bitwise_equal(expected, actual)
+    assert transport.side_waits_on_lagging_compute == SAVES
+    transport.close()
+
+
+# -- the bound and in-flight serving on real models, at the default min_bytes --------------------
+
+
+def _hf_model(kind: str) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=256, n_positions=128, n_embd=128, n_layer=3, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("kind", ("gpt2", "llama"))
+def test_inflight_bound_on_real_models_at_the_default_min_bytes(kind, monkeypatch):
+    bound = 4 * 2**20
+    held = []
+    add = inflight.InflightCopies.add
+
+    def add_and_measure(self, entry, compute, stats):
+        add(self, entry, compute, stats)
+        held.append(self.bytes)
+
+    monkeypatch.setattr(inflight.InflightCopies, "add", add_and_measure)
+    tokens = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(model):
+        return model(input_ids=tokens, labels=tokens).loss
+
+    model = _hf_model(kind)
+    expected, _ = run_grads(model, loss_fn)
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    transport.hold_copies_to_host()
+    at_defaults = _offload_with(transport, min_bytes="1MiB", max_inflight_bytes=bound)
+    actual, off = run_grads(model, loss_fn, at_defaults)
+    assert_bitwise_equal(expected, actual)
+    stats = off.stats
+    assert stats.offloaded_bytes > 4 * bound  # the default min_bytes moves the big activations
+    assert max(held) <= bound and stats.inflight_waits > 0 and stats.inflight_served > 0
+    assert stats.reloaded_bytes < stats.offloaded_bytes  # the entries served were not reloaded
+    assert transport.stale_reads == 0
+    transport.release_copies_to_host()
+    transport.close()
+
+
+def test_backward_captured_over_offloaded_tensors_raises_a_clear_error():
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    model = _Chain()
+    with offload_activations(model, min_bytes=0, devices=("cpu",), transport=transport):
+        loss = model()
+    transport.synchronize()
+    transport.capturing_graph = True
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            loss.backward()
+    finally:
+        transport.capturing_graph = False
+    assert str(raised.value) == hooks.CAPTURED_RELOAD_MESSAGE
+    assert transport.capture_violations == 0
+    transport.close()
