@@ -17,7 +17,7 @@ from models import make_case
 
 from lightmem import offload_activations
 from lightmem.offload import hooks, inflight, pool
-from lightmem.offload.simulated import COMPUTE, SimulatedAsyncTransport
+from lightmem.testing.simulated import COMPUTE, SimulatedAsyncTransport
 from lightmem.offload.transport import SyncTransport
 
 NUMEL = 16384
