@@ -6,6 +6,7 @@ import copy
 import os
 import pickle
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,11 @@ def test_without_a_cgroup_usage_is_this_process_and_its_children_rss():
     page = os.sysconf("SC_PAGE_SIZE")
     worker = subprocess.Popen(["sleep", "30"])
     try:
+        # Read the child's RSS once it sleeps: while it is still being exec'd, its RSS moves.
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "S":
+            assert time.monotonic() < deadline, "the child process never went to sleep"
+            time.sleep(0.01)
         worker_rss = int(Path(f"/proc/{worker.pid}/statm").read_text().split()[1]) * page
         assert guard.workers_rss_bytes() == worker_rss
         assert guard._children == [worker.pid]
