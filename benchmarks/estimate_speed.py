@@ -1,12 +1,14 @@
 """How long estimation, batch search and planning take on a GPT-2-large-sized model.
 
-    python benchmarks/estimate_speed.py [--repeats 3]
+    python benchmarks/estimate_speed.py [--repeats 3] [--full-optimizer-step]
 
 The model (774M parameters, 36 layers, width 1280, sequence 1024) lives on the meta device; the
 step is bf16-mixed on device="cuda" (a CPU trace corrected for CUDA). Each call is timed
 ``--repeats`` times after one warm-up estimate; the table gives the minimum (other processes
 share the machine) and the answer of each call, so a faster version can be checked to give the
-same answers.
+same answers. ``--full-optimizer-step`` times the estimator as it was before the previous step's
+optimizer state was created by one update per kind of parameter (a full fake ``optimizer.step()``),
+for a before/after comparison on the same machine.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ def _timed(function, repeats: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--full-optimizer-step", action="store_true")
     args = parser.parse_args()
+    if args.full_optimizer_step:
+        from lightmem.estimate import step
+
+        step._create_state = lambda optimizer: optimizer.step()
     model, tokens, loss_fn = gpt2_large(16)
     common = {"precision": "bf16-mixed", "device": "cuda"}
 
@@ -53,6 +60,7 @@ def main() -> None:
     print(
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
         f"min of {args.repeats} runs"
+        + (", full fake optimizer step for the previous step's state" if args.full_optimizer_step else "")
     )
     print("| call | answer | time |")
     print("| --- | --- | --- |")

@@ -20,7 +20,9 @@ are taken out again (a real run would never have given them gradient or state).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 from collections import Counter
 import logging
 import sys
@@ -417,7 +419,7 @@ def _steady_step(
         param.grad = torch.empty_like(param)
         previous_grads[id(param)] = tracer.track(param.grad, GRADIENT)
     for optimizer in optimizers:
-        optimizer.step()
+        _create_state(optimizer)
     state_of = _mark_state(tracer, optimizers, request.device)
     grad_hooks = [
         p.register_post_accumulate_grad_hook(lambda p: tracer.mark_gradient(p.grad)) for p in trainable
@@ -532,6 +534,65 @@ def _state_records(tracer: StorageTracer, optimizers: list[torch.optim.Optimizer
                         seen.add(rid)
                         rids.append(rid)
     return rids
+
+
+# torch.optim classes whose state for one parameter depends only on that parameter and its
+# gradient (shape, strides, dtype, device) and on its group's settings, never on other parameters.
+_PER_PARAMETER_STATE = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
+    torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.ASGD,
+    torch.optim.Rprop,
+)  # fmt: skip
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state the previous step left, without paying for a full fake update.
+
+    For the classes above the update runs on one parameter of each kind (per group) and every other
+    parameter of that kind gets a clone of its state: same shapes, strides, dtypes and devices, so
+    the same bytes and roles as a full step (a clone also keeps a fake scalar's known value, e.g.
+    Adam's ``step``). Any other optimizer (a subclass included) runs its full step.
+    """
+    if type(optimizer) not in _PER_PARAMETER_STATE:
+        optimizer.step()
+        return
+    kept = [group["params"] for group in optimizer.param_groups]
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        for group in optimizer.param_groups:
+            firsts: dict[tuple, torch.Tensor] = {}
+            reduced = []
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:  # skipped by the update either way
+                    reduced.append(param)
+                    continue
+                kind = (
+                    param.shape, param.stride(), param.dtype, param.device, param.layout,
+                    grad.shape, grad.stride(), grad.dtype, grad.device, grad.layout,
+                )  # fmt: skip
+                first = firsts.setdefault(kind, param)
+                if first is param:
+                    reduced.append(param)
+                else:
+                    copies.append((param, first))
+            group["params"] = reduced
+        optimizer.step()
+    finally:
+        for group, params in zip(optimizer.param_groups, kept):
+            group["params"] = params
+    for param, first in copies:
+        optimizer.state[param] = {
+            key: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+            for key, value in optimizer.state[first].items()
+        }
+    # The order a full step would have left (state_dict and reports follow the groups' order).
+    state, ordered = optimizer.state, collections.defaultdict(dict)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param in state:
+                ordered[param] = state[param]
+    optimizer.state = ordered
 
 
 def _mark_state(
