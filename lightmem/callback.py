@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +43,6 @@ from lightmem.metrics.names import GROUPS
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
 from lightmem.offload.training import TrainingOffload
-
 
 
 def _flag(name: str) -> str:
@@ -358,29 +354,9 @@ class LightMem(Callback):
         self._recorder.batch_end(trainer)
 
     def _guard_host(self, trainer: pl.Trainer) -> None:
-        # Every batch, not only logged steps: memory that grows per batch outruns any logging interval.
-        guard = self._host_guard
-        if guard is None:
-            return
-        verdict = guard.check()
-        if verdict == "stop" and self._offloader is not None:
-            self._offloader.release_host_memory()
-            verdict = guard.recheck()
-        if trainer.world_size > 1:  # every rank saves and stops, or none (save_checkpoint is collective)
-            stop = trainer.strategy.reduce_boolean_decision(verdict == "stop", all=False)
-            verdict = "stop" if stop else verdict
-        if verdict == "warn":  # from every rank: each watches its own host
-            warnings.warn(guard.warning_message(), UserWarning, stacklevel=2)
-        elif verdict == "stop":
-            guard.stopped = True
-            path = self.host_stop_checkpoint or os.path.join(trainer.default_root_dir, "lightmem-host-stop.ckpt")
-            error: BaseException | None = None
-            try:
-                trainer.save_checkpoint(path)
-            except Exception as save_error:  # the job still stops rather than be killed
-                error = save_error
-            trainer.should_stop = True
-            print(guard.stop_message(path, error), file=sys.stderr, flush=True)
+        if self._host_guard is not None:
+            release = self._offloader.release_host_memory if self._offloader is not None else None
+            self._host_guard.on_training_batch(trainer, release, self.host_stop_checkpoint)
 
     def _plan_from(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         # The dry run calls training_step on fake tensors; its self.log calls must not reach the
@@ -503,6 +479,3 @@ class LightMem(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-
-def _flag(name: str) -> str:
-    return f"LightMem({name}=...)"

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -391,6 +394,37 @@ class HostGuard:
 
     def end_step(self) -> None:
         return None
+
+    def on_training_batch(
+        self, trainer: Any, release_host_memory: Callable[[], None] | None, checkpoint_path: str | None
+    ) -> None:
+        """Check once, after a training batch; warn, or stop the fit cleanly with a checkpoint.
+
+        Stopping first gives lightmem's cached host buffers back (``release_host_memory``) and
+        checks again; if usage is still over, every rank saves ``checkpoint_path`` (default
+        ``<default_root_dir>/lightmem-host-stop.ckpt``), ``trainer.should_stop`` is set and ``fit``
+        returns normally. Every batch, not only logged steps: memory that grows per batch outruns
+        any logging interval.
+        """
+        verdict = self.check()
+        if verdict == "stop" and release_host_memory is not None:
+            release_host_memory()
+            verdict = self.recheck()
+        if trainer.world_size > 1:  # every rank saves and stops, or none (save_checkpoint is collective)
+            stop = trainer.strategy.reduce_boolean_decision(verdict == "stop", all=False)
+            verdict = "stop" if stop else verdict
+        if verdict == "warn":  # from every rank: each watches its own host
+            warnings.warn(self.warning_message(), UserWarning, stacklevel=2)
+        elif verdict == "stop":
+            self.stopped = True
+            path = checkpoint_path or os.path.join(trainer.default_root_dir, "lightmem-host-stop.ckpt")
+            error: BaseException | None = None
+            try:
+                trainer.save_checkpoint(path)
+            except Exception as save_error:  # the job still stops rather than be killed
+                error = save_error
+            trainer.should_stop = True
+            print(self.stop_message(path, error), file=sys.stderr, flush=True)
 
 
 _GROWTH_HINT = (
