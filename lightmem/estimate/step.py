@@ -238,31 +238,36 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
 class FailureSite:
     """Where the fake step failed: the innermost module running and the op that raised.
 
-    Both are kept with the exception they belong to, so an error caught and handled inside the
-    model cannot be blamed for a later one.
+    Both are written on the exception they belong to (an attribute), so an error caught and handled
+    inside the model cannot be blamed for a later one, and nothing here holds an exception: an
+    exception holds its traceback's frames and their tensors. Checkpoint's early stop raises inside
+    every re-run block; holding that exception kept the block's recomputed tensors alive in the
+    trace until the next re-run, which a real step frees once backward is past them.
     """
+
+    _MODULE = "_lightmem_failed_module"
+    _OP = "_lightmem_failed_op"
 
     def __init__(self, module_names: dict[int, str]) -> None:
         self.module_names = module_names
-        self.module: tuple[BaseException, str, str] | None = None
-        self.op: tuple[BaseException, str, list[list[int]]] | None = None
 
     def module_failed(self, module: nn.Module, error: BaseException) -> None:
-        if self.module is not None and self.module[0] is error:
+        if self._MODULE in vars(error):
             return  # the innermost module, which the error left first, is already known
         name = self.module_names.get(id(module))
         if name is not None:
-            self.module = (error, name, type(module).__name__)
+            setattr(error, self._MODULE, (name, type(module).__name__))
 
     def op_failed(self, func: Any, args: Any, error: BaseException) -> None:
         shapes = [list(a.shape) for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
-        self.op = (error, str(func.name()).replace("::", ".").removesuffix(".default"), shapes)
+        setattr(error, self._OP, (str(func.name()).replace("::", ".").removesuffix(".default"), shapes))
 
     def where(self, error: BaseException, prefix: str) -> str:
         """`` in body.1 (Stats)`` for the innermost module that ``error`` left, or ""."""
-        if self.module is None or self.module[0] is not error:
+        site = vars(error).get(self._MODULE)
+        if site is None:
             return ""
-        _, name, cls = self.module
+        name, cls = site
         return f"{prefix}{name or 'the model'} ({cls})"
 
     def explain(self, error: RuntimeError) -> EstimateError:
@@ -275,8 +280,9 @@ class FailureSite:
                 "loss_fn=... that skips it)."
             )
         place = self.where(error, " in ") or " outside the model's modules"
-        if self.op is not None and self.op[0] is error:
-            _, op, shapes = self.op
+        failed_op = vars(error).get(self._OP)
+        if failed_op is not None:
+            op, shapes = failed_op
             place += f" at {op} with inputs of shape {', '.join(map(str, shapes))}"
         return EstimateError(
             f"the training step fails{place}: {message}. A real step fails there too: check the "
