@@ -216,3 +216,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Lightning leaves the process group up; exiting with it (and gloo's threads) alive can abort
+    # the interpreter at shutdown ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
