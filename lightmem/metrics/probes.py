@@ -13,6 +13,7 @@ import psutil
 import torch
 
 from lightmem.metrics.names import GiB, key
+from lightmem.offload.stats import OffloadStats
 
 
 class ProbeUnavailable(RuntimeError):
@@ -170,37 +171,26 @@ class LightmemProbe:
         self.reset()
 
     def reset(self) -> None:
-        self.offloaded_bytes = 0
-        self.reloaded_bytes = 0
-        self.kept_bytes = 0
-        self.deduplicated_bytes = 0
-        self.budget_kept_bytes = 0
-        self.prefetch_hits = 0
-        self.prefetch_misses = 0
-        self.wait_s = 0.0
-        self.inflight_waits = 0
+        self.totals = OffloadStats()
 
-    def add(self, stats: object) -> None:
+    def add(self, stats: OffloadStats) -> None:
         """Add one micro-batch's ``OffloadStats``."""
-        for name in (
-            "offloaded_bytes", "reloaded_bytes", "kept_bytes", "deduplicated_bytes", "budget_kept_bytes",
-            "prefetch_hits", "prefetch_misses", "wait_s", "inflight_waits",
-        ):  # fmt: skip
-            setattr(self, name, getattr(self, name) + getattr(stats, name))
+        self.totals.add(stats)
 
     def collect(self) -> dict[str, float]:
         values: dict[str, float] = {}
         if self.offload:
+            totals = self.totals
             values = {
-                key("offload/offloaded_GiB"): self.offloaded_bytes / GiB,
-                key("offload/reloaded_GiB"): self.reloaded_bytes / GiB,
-                key("offload/kept_GiB"): self.kept_bytes / GiB,
-                key("offload/deduplicated_GiB"): self.deduplicated_bytes / GiB,
-                key("offload/budget_kept_GiB"): self.budget_kept_bytes / GiB,
-                key("offload/prefetch_hits"): float(self.prefetch_hits),
-                key("offload/prefetch_misses"): float(self.prefetch_misses),
-                key("offload/wait_ms"): self.wait_s * 1e3,
-                key("offload/inflight_waits"): float(self.inflight_waits),
+                key("offload/offloaded_GiB"): totals.offloaded_bytes / GiB,
+                key("offload/reloaded_GiB"): totals.reloaded_bytes / GiB,
+                key("offload/kept_GiB"): totals.kept_bytes / GiB,
+                key("offload/deduplicated_GiB"): totals.deduplicated_bytes / GiB,
+                key("offload/budget_kept_GiB"): totals.budget_kept_bytes / GiB,
+                key("offload/prefetch_hits"): float(totals.prefetch_hits),
+                key("offload/prefetch_misses"): float(totals.prefetch_misses),
+                key("offload/wait_ms"): totals.wait_s * 1e3,
+                key("offload/inflight_waits"): float(totals.inflight_waits),
             }
         if self._checkpointed_blocks is not None:
             values[key("checkpoint/blocks")] = float(self._checkpointed_blocks())

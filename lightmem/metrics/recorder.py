@@ -171,8 +171,8 @@ class MetricsRecorder:
         # totals of the summary are plain attribute reads.
         self._steps += 1
         if self.traffic is not None:
-            self._offloaded_bytes += self.traffic.offloaded_bytes
-            self._wait_s += self.traffic.wait_s
+            self._offloaded_bytes += self.traffic.totals.offloaded_bytes
+            self._wait_s += self.traffic.totals.wait_s
         every = self.log_every_n_steps or trainer.log_every_n_steps
         logged = (trainer.global_step - 1) % every == 0
         values: dict[str, float] = {}

@@ -52,6 +52,12 @@ class OffloadStats:
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
+    def add(self, other: OffloadStats) -> None:
+        """Accumulate another batch's stats: counters add up, ``peak_*`` figures take the larger."""
+        for field in fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            setattr(self, field.name, max(mine, theirs) if field.name.startswith("peak_") else mine + theirs)
+
     def __str__(self) -> str:
         rows = []
         for field in fields(self):
