@@ -275,8 +275,8 @@ def test_reloads_do_not_wait_for_compute_and_their_memory_waits_for_its_readers(
 
 def test_sabotage_reload_buffer_not_recorded_for_compute_is_detected(monkeypatch):
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
-    allocate = transport.alloc
-    transport.alloc = lambda nbytes, device, stream, consumer: allocate(nbytes, device, stream, stream)
+    allocate = transport.alloc_like
+    transport.alloc_like = lambda template, device, stream, consumer: allocate(template, device, stream, stream)
     _lagging_backward(transport)
     assert transport.record_stream_calls == 0
     assert transport.device_reuse_hazards > 0  # a freed reload block reused while compute lags
@@ -286,14 +286,14 @@ def test_sabotage_reload_buffer_not_recorded_for_compute_is_detected(monkeypatch
 def test_a_reload_ordered_after_compute_would_be_counted():
     # The protocol before this change: the copy stream waited for all compute issued so far.
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
-    allocate = transport.alloc
+    allocate = transport.alloc_like
 
-    def after_compute(nbytes, device, stream, consumer):
-        storage = allocate(nbytes, device, stream, consumer)
+    def after_compute(template, device, stream, consumer):
+        tensor = allocate(template, device, stream, consumer)
         transport.wait(stream, transport.record(COMPUTE))
-        return storage
+        return tensor
 
-    transport.alloc = after_compute
+    transport.alloc_like = after_compute
     transport.lag_grace_s = 0.05  # each reload blocks until compute catches up: keep it short
     expected, actual, _ = _lagging_backward(transport)
     assert_bitwise_equal(expected, actual)

@@ -21,9 +21,9 @@ def offloaded_storages(monkeypatch):
     seen: list[int] = []
     original = hooks.Offloader._offload
 
-    def spy(self, tensor, storage, *args):
+    def spy(self, storage, *args):
         seen.append(storage.data_ptr())
-        return original(self, tensor, storage, *args)
+        return original(self, storage, *args)
 
     monkeypatch.setattr(hooks.Offloader, "_offload", spy)
     return seen

@@ -57,11 +57,11 @@ def _queued_copy_into_a_released_block(transport: SimulatedAsyncTransport):
     """A pool whose only block is released while a copy into it waits on a closed gate."""
     pool = HostPool(transport, budget_bytes=2**30, min_available_bytes=0)
     block = pool.acquire(2**20)
-    source = torch.ones(2**18).untyped_storage()
+    source = torch.ones(2**18)
     gate = _Event()
     _, to_host, _ = transport.streams(torch.device("cpu"))
     transport.wait(to_host, gate)
-    transport.copy_to_host(block.span(2**20), source, to_host)
+    transport.copy_to_host(block.view(torch.float32, source.size()), source, to_host)
     event = transport.record(to_host)
     pool.release(block, event)  # e.g. an entry freed by an exception mid-forward
     return pool, event, gate, source

@@ -6,10 +6,13 @@ forward, pack(t)            an entry and its host block; t is held and its copy 
                             the op that saved t has returned (an op may save an argument and
                             then write it, as rrelu does with its noise): the next pack of a
                             later op (a new autograd node), the context's exit, or an unpack.
-forward, copy(entry)        d2h waits for compute; copy t's storage -> host block on d2h;
+forward, copy(entry)        d2h waits for compute; copy t's storage -> host block on d2h, as one
+                            tensor copy into the block viewed with the storage's dtype and shape
+                            when a tensor covers the storage densely (else byte for byte);
                             entry.host_event = event on d2h; t is held until that event has
                             completed, so its memory is not reused before the copy has read it
-                            (the role record_stream plays elsewhere).
+                            (the role record_stream plays elsewhere). A synchronous transport
+                            (CPU) has no streams or events: the copy is done when it returns.
 forward, in flight          past max_inflight_bytes of copies not seen complete, compute waits
                             for the oldest and its tensor is let go (inflight.py).
 backward, reload(entry)     allocate on h2d, recorded as used by compute (record_stream: the
@@ -18,7 +21,8 @@ backward, reload(entry)     allocate on h2d, recorded as used by compute (record
                             compute; copy on h2d; entry.reload_event = host_event = event on h2d.
                             An entry whose copy to host is still in flight is served from the
                             device tensor it holds instead.
-backward, unpack(handle)    compute waits for reload_event, then reads a view of the storage.
+backward, unpack(handle)    compute waits for reload_event, then reads the reloaded tensor itself
+                            (a save of the dense tensor) or a view of its storage.
 graph freed (entry dies)    host block returns to the pool after entry.host_event; an unused
                             reload makes its allocation stream wait before the storage is freed.
 
@@ -128,7 +132,12 @@ class _KeptStorage:
 
 
 class _HostEntry:
-    """One device storage copied to a host block, shared by every save of that storage."""
+    """One device storage copied to a host block, shared by every save of that storage.
+
+    ``host`` is the block as a tensor shaped like ``alias`` when ``alias`` covers its storage
+    densely (the common case: then the copy and the reload are one tensor copy each, and a save
+    of ``alias`` itself gets the reloaded tensor back as it is), else as the storage's bytes.
+    """
 
     __slots__ = (
         "__weakref__",
@@ -148,7 +157,6 @@ class _HostEntry:
         "prefetched",
         "reload_event",
         "restored",
-        "restored_tensor",
         "session",
         "sweep",
         "unpacks",
@@ -157,26 +165,29 @@ class _HostEntry:
     )  # fmt: skip
 
     def __init__(
-        self, owner: Offloader, block: HostBlock, nbytes: int, device: torch.device,
-        alias: Tensor, version: int, version_holder: Tensor,
+        self, owner: Offloader, block: HostBlock, nbytes: int, alias: Tensor, storage: torch.UntypedStorage,
+        version: int, version_holder: Tensor,
     ) -> None:  # fmt: skip
         self.owner = owner
         self.block = block
-        self.host = block.span(nbytes)
         self.nbytes = nbytes
-        self.device = device
+        self.device = device = storage.device
+        if alias.is_contiguous() and alias.nbytes == nbytes and alias.storage_offset() == 0:
+            self.dense = True
+            self.host = block.view(alias.dtype, alias.size())
+            source = alias
+        else:
+            self.dense = False
+            self.host = block.raw(nbytes)
+            source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
         self.alias = weakref.ref(alias)  # identity, for dedupe within one forward
         self.version = version
         self.version_holder = version_holder
-        # Until the copy to host has run, the saved tensor is held so that its memory is not
-        # reused before the copy reads it; see Offloader._copy_deferred and Offloader._settle.
-        self.in_flight_alias: Tensor | None = alias
+        # Until the copy to host has run, the device tensor it reads is held so that its memory
+        # is not reused before the copy reads it; see Offloader._copy_deferred and _settle.
+        self.in_flight_alias: Tensor | None = source
         self.host_event: Any = None
-        self.restored: torch.UntypedStorage | None = None
-        # For a storage saved as one dense tensor (the common case) the reload is allocated as
-        # that tensor, and its first unpack returns it without building a view.
-        self.dense: tuple[torch.dtype, Any, Any] | None = None
-        self.restored_tensor: Tensor | None = None
+        self.restored: Tensor | None = None  # the reloaded storage, shaped as ``host``
         self.reload_event: Any = None
         self.alloc_stream: Any = None
         self.prefetched = False
@@ -202,19 +213,19 @@ class _HostEntry:
 
 
 class _Offloaded:
-    """What autograd holds for a saved tensor whose storage went to host memory."""
+    """What autograd holds for a saved tensor whose storage went to host memory.
 
-    __slots__ = ("dense", "dtype", "entry", "offset", "seen", "size", "stride", "version")
+    ``layout`` is ``None`` for a save of the entry's dense alias itself (it gets the reloaded
+    tensor); any other save keeps ``(dtype, size, stride, storage_offset)`` to view it.
+    """
 
-    def __init__(self, entry: _HostEntry, tensor: Tensor, version: int) -> None:
+    __slots__ = ("entry", "layout", "seen", "version")
+
+    def __init__(self, entry: _HostEntry, version: int, layout: tuple[Any, ...] | None) -> None:
         self.entry = entry
         self.version = version
-        self.dtype = tensor.dtype
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset = tensor.storage_offset()
+        self.layout = layout
         self.seen = -1  # the entry generation this handle last took a view of
-        self.dense = False  # this save is the entry's dense layout: it may take the reload itself
         entry.handles += 1
 
     def __del__(self) -> None:
@@ -225,6 +236,11 @@ class _Offloaded:
                 entry.unpacks -= 1
             elif entry.restored is not None and entry.handles and entry.unpacks >= entry.handles:
                 entry.owner._let_go(entry)  # the save that had not taken its view is gone
+
+
+def _layout(tensor: Tensor) -> tuple[Any, ...]:
+    """A handle's ``layout``: what it needs to view its save in the entry's storage."""
+    return (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
 
 
 def _modified_error(tensor_type: str, size: Any, version: int, expected: int) -> RuntimeError:
@@ -280,7 +296,7 @@ class Offloader:
             return self._keep_captured(tensor)
         if self._deferred and _sequence_nr() != self._deferred_after:
             self._copy_deferred()  # a later op has begun: the ops that saved them have returned
-        if self._pending:
+        if self._pending.entries:
             self._settle()
         verdict, alias, storage, nbytes, key = self._decide(tensor)
         if verdict == LEAVE:
@@ -291,17 +307,13 @@ class Offloader:
         if known is not None and same_save(known, alias, version):
             if type(known) is _HostEntry:
                 stats.deduplicated_bytes += known.nbytes
-                return _Offloaded(known, tensor, version)
+                return _Offloaded(known, version, None if tensor is alias and known.dense else _layout(tensor))
             return (_held(tensor), version, known)
         if verdict == MOVE:
             block = self._pool.acquire(nbytes)
             if block is not None:
-                entry = by_storage[key] = self._offload(tensor, storage, block, nbytes, alias, version)
-                handle = _Offloaded(entry, tensor, version)
-                if handle.offset == 0 and tensor.nbytes == nbytes and tensor.is_contiguous():
-                    entry.dense = (handle.dtype, handle.size, handle.stride)
-                    handle.dense = True
-                return handle
+                entry = by_storage[key] = self._offload(storage, block, nbytes, alias, version)
+                return _Offloaded(entry, version, None if tensor is alias and entry.dense else _layout(tensor))
             self._note_budget(nbytes)
         else:
             stats.kept_bytes += nbytes
@@ -309,13 +321,13 @@ class Offloader:
         return (_held(tensor), version, kept)
 
     def _offload(
-        self, tensor: Tensor, storage: torch.UntypedStorage, block: HostBlock, nbytes: int,
-        alias: Tensor, version: int,
-    ) -> _HostEntry:  # fmt: skip
-        empty = self._empty.get(storage.device)
+        self, storage: torch.UntypedStorage, block: HostBlock, nbytes: int, alias: Tensor, version: int
+    ) -> _HostEntry:
+        device = storage.device
+        empty = self._empty.get(device)
         if empty is None:
-            empty = self._empty[storage.device] = torch.empty(0, dtype=torch.uint8, device=storage.device)
-        entry = _HostEntry(self, block, nbytes, storage.device, alias, version, _version_holder(alias, empty))
+            empty = self._empty[device] = torch.empty(0, dtype=torch.uint8, device=device)
+        entry = _HostEntry(self, block, nbytes, alias, storage, version, _version_holder(alias, empty))
         # The copy waits until the op that saved the tensor has returned: an op may write an
         # argument after saving it (rrelu_with_noise's noise, schema ``Tensor(b!) noise``).
         self._deferred.append(entry)
@@ -328,17 +340,31 @@ class Offloader:
     def _copy_deferred(self) -> None:
         """Queue the copies to host of the tensors saved by ops that have since returned."""
         deferred = self._deferred
+        if not deferred:
+            return
         self._deferred = []
         transport = self._transport
-        for entry in deferred:
-            compute, to_host, _ = transport.streams(entry.device)
-            transport.wait(to_host, transport.record(compute))
-            transport.copy_to_host(entry.host, entry.in_flight_alias.untyped_storage(), to_host)
-            entry.host_event = transport.record(to_host)
-            if transport.done(entry.host_event):
-                entry.in_flight_alias = None
-            else:
-                self._pending.add(entry, compute, self.stats)
+        grad = torch.is_grad_enabled()  # off in pack; a copy must never join an autograd graph
+        if grad:
+            torch._C._set_grad_enabled(False)
+        try:
+            if transport.synchronous:  # done when it returns: nothing to order, nothing to hold
+                for entry in deferred:
+                    transport.copy_to_host(entry.host, entry.in_flight_alias, None)
+                    entry.in_flight_alias = None
+                return
+            for entry in deferred:
+                compute, to_host, _ = transport.streams(entry.device)
+                transport.wait(to_host, transport.record(compute))
+                transport.copy_to_host(entry.host, entry.in_flight_alias, to_host)
+                entry.host_event = transport.record(to_host)
+                if transport.done(entry.host_event):
+                    entry.in_flight_alias = None
+                else:
+                    self._pending.add(entry, compute, self.stats)
+        finally:
+            if grad:
+                torch._C._set_grad_enabled(True)
 
     def _settle(self) -> None:
         """Let go of saved tensors whose copy to host has finished."""
@@ -379,42 +405,44 @@ class Offloader:
             raise RuntimeError(CAPTURED_RELOAD_MESSAGE)
         if self._deferred:
             self._copy_deferred()
-        if self._pending:
+        if self._pending.entries:
             self._settle()
         entry = handle.entry
         current = entry.version_holder._version
         if current != handle.version:
-            tensor_type = torch.empty(0, dtype=handle.dtype, device=entry.device).type()
-            raise _modified_error(tensor_type, handle.size, current, handle.version)
-        transport = self._transport
-        stats = self.stats
+            layout = handle.layout
+            dtype, size = (entry.host.dtype, entry.host.size()) if layout is None else layout[:2]
+            tensor_type = torch.empty(0, dtype=dtype, device=entry.device).type()
+            raise _modified_error(tensor_type, size, current, handle.version)
         session = entry.session
-        if entry.restored is None:
-            view = served_view(entry, handle.dtype, handle.size, handle.stride, handle.offset)
+        restored = entry.restored
+        if restored is None:
+            view = served_view(entry, handle.layout)
             if view is not None:  # its copy to host still runs: the device tensor is still held
-                stats.inflight_served += 1
+                self.stats.inflight_served += 1
                 return view
-            stats.prefetch_misses += 1
+            self.stats.prefetch_misses += 1
             if entry.sweep == session.sweep:  # reloaded before in this sweep: a new backward pass
                 session.sweep += 1
                 session.cursor = entry.index
             elif entry.index < session.cursor:  # backward got ahead of prefetch
                 session.cursor = entry.index
-            self._reload(entry)
+            restored = self._reload(entry)
         elif entry.prefetched:
-            stats.prefetch_hits += 1
+            self.stats.prefetch_hits += 1
             entry.prefetched = False
             session.inflight_bytes -= entry.nbytes
         if entry.reload_event is not None:
-            compute = transport.streams(entry.device)[0]
-            transport.wait(compute, entry.reload_event)
+            transport = self._transport
+            transport.wait(transport.streams(entry.device)[0], entry.reload_event)
             entry.reload_event = None
-        view = entry.restored_tensor
-        if handle.dense and view is not None:
-            entry.restored_tensor = None  # handed out once; other saves build their own view
+        layout = handle.layout
+        if layout is None:
+            view = restored
         else:
-            view = torch.empty(0, dtype=handle.dtype, device=entry.device).set_(
-                entry.restored, handle.offset, handle.size, handle.stride
+            dtype, size, stride, offset = layout
+            view = torch.empty(0, dtype=dtype, device=entry.device).set_(
+                restored.untyped_storage(), offset, size, stride
             )
         if handle.seen != entry.generation:
             handle.seen = entry.generation
@@ -425,25 +453,26 @@ class Offloader:
             self._prefetch(session)
         return view
 
-    def _reload(self, entry: _HostEntry) -> None:
+    def _reload(self, entry: _HostEntry) -> Tensor:
         transport = self._transport
-        compute, _, to_device = transport.streams(entry.device)
-        if entry.dense is not None:
-            dtype, size, stride = entry.dense
-            entry.restored_tensor = transport.alloc_tensor(
-                size, stride, dtype, entry.device, to_device, compute
-            )
-            storage = entry.restored_tensor.untyped_storage()
+        if transport.synchronous:
+            restored = transport.alloc_like(entry.host, entry.device, None, None)
+            transport.copy_to_device(restored, entry.host, None)
         else:
-            storage = transport.alloc(entry.nbytes, entry.device, to_device, compute)
-        transport.wait(to_device, entry.host_event)
-        transport.copy_to_device(storage, entry.host, to_device)
-        entry.reload_event = entry.host_event = transport.record(to_device)
-        entry.alloc_stream = to_device
-        entry.restored = storage
+            compute, _, to_device = transport.streams(entry.device)
+            restored = transport.alloc_like(entry.host, entry.device, to_device, compute)
+            transport.wait(to_device, entry.host_event)
+            transport.copy_to_device(restored, entry.host, to_device)
+            entry.reload_event = entry.host_event = transport.record(to_device)
+            entry.alloc_stream = to_device
+        entry.restored = restored
         entry.sweep = entry.session.sweep
-        self.stats.reloaded_bytes += entry.nbytes
-        self._add_resident(entry.nbytes)
+        nbytes = entry.nbytes
+        self.stats.reloaded_bytes += nbytes
+        resident = self._resident_bytes = self._resident_bytes + nbytes
+        if resident > self.stats.peak_resident_bytes:
+            self.stats.peak_resident_bytes = resident
+        return restored
 
     def _prefetch(self, session: _Session) -> None:
         """Reload the entries packed just before the cursor, within the prefetch window."""
@@ -467,7 +496,7 @@ class Offloader:
             index -= 1
 
     def _let_go(self, entry: _HostEntry) -> None:
-        entry.restored = entry.restored_tensor = None
+        entry.restored = None
         entry.unpacks = 0
         entry.generation += 1
         self._resident_bytes -= entry.nbytes
@@ -477,13 +506,8 @@ class Offloader:
             self._transport.wait(entry.alloc_stream, entry.reload_event)
         if entry.prefetched:
             entry.session.inflight_bytes -= entry.nbytes
-        entry.restored = entry.restored_tensor = None
+        entry.restored = None
         self._resident_bytes -= entry.nbytes
-
-    def _add_resident(self, nbytes: int) -> None:
-        self._resident_bytes += nbytes
-        if self._resident_bytes > self.stats.peak_resident_bytes:
-            self.stats.peak_resident_bytes = self._resident_bytes
 
     @property
     def scope(self) -> ModuleScope | None:

@@ -73,10 +73,13 @@ class InflightCopies:
             entry.in_flight_alias = None
 
 
-def served_view(entry: Any, dtype: torch.dtype, size: Any, stride: Any, offset: int) -> Tensor | None:
-    """A view of the device tensor ``entry`` still holds for its unfinished copy, or ``None``."""
-    alias = entry.in_flight_alias
-    if alias is None:
+def served_view(entry: Any, layout: tuple[Any, ...] | None) -> Tensor | None:
+    """The save ``layout`` describes (``None``: the entry's alias itself) in the device tensor
+    ``entry`` still holds for its unfinished copy, or ``None`` when the copy has finished."""
+    source = entry.in_flight_alias
+    if source is None:
         return None
-    view = torch.empty(0, dtype=dtype, device=entry.device)
-    return view.set_(alias.untyped_storage(), offset, size, stride)
+    if layout is None:
+        return source
+    dtype, size, stride, offset = layout
+    return torch.empty(0, dtype=dtype, device=entry.device).set_(source.untyped_storage(), offset, size, stride)

@@ -148,12 +148,12 @@ class HostSlab:
 
 
 class HostBlock:
-    """``capacity`` bytes at ``offset`` in ``slab``; ``span(n)`` is the storage a copy writes.
+    """``capacity`` bytes at ``offset`` in ``slab``; a copy writes ``view(...)`` or ``raw(n)``.
 
     ``event`` is the last copy that reads or writes the block once it has been released.
     """
 
-    __slots__ = ("_span", "_span_bytes", "capacity", "event", "offset", "requested", "slab", "storage")
+    __slots__ = ("_raw", "_view", "_view_key", "capacity", "event", "offset", "requested", "slab")
 
     def __init__(self, slab: HostSlab, offset: int, capacity: int) -> None:
         self.slab = slab
@@ -161,21 +161,32 @@ class HostBlock:
         self.offset = offset
         self.capacity = capacity
         self.event: Any = None
-        self.storage = slab.storage[offset : offset + capacity]
-        self._span: torch.UntypedStorage | None = None
-        self._span_bytes = -1
+        self._view: torch.Tensor | None = None
+        self._view_key: tuple[torch.dtype, Any] | None = None
+        self._raw: torch.Tensor | None = None
 
-    def span(self, nbytes: int) -> torch.UntypedStorage:
-        """The first ``nbytes`` of the block as a storage (cached: a step reuses its sizes)."""
-        if nbytes != self._span_bytes:
-            self._span = self.storage[0:nbytes]
-            self._span_bytes = nbytes
-        return self._span
+    def view(self, dtype: torch.dtype, size: Any) -> torch.Tensor:
+        """The block's first bytes as a contiguous ``dtype`` tensor of ``size`` (cached: a step
+        hands a block the same shape it had the step before, and building a view costs more than
+        the copy into it)."""
+        key = (dtype, size)
+        if key != self._view_key:
+            nbytes = size.numel() * dtype.itemsize
+            self._view = self.slab.tensor[self.offset : self.offset + nbytes].view(dtype).view(size)
+            self._view_key = key
+        return self._view
+
+    def raw(self, nbytes: int) -> torch.Tensor:
+        """The block's first ``nbytes`` as a uint8 tensor (cached)."""
+        raw = self._raw
+        if raw is None or raw.numel() != nbytes:
+            raw = self._raw = self.slab.tensor[self.offset : self.offset + nbytes]
+        return raw
 
     @property
     def tensor(self) -> torch.Tensor:
         """The block's bytes as a uint8 tensor."""
-        return torch.empty(0, dtype=torch.uint8).set_(self.storage)
+        return self.slab.tensor[self.offset : self.offset + self.capacity]
 
 
 class HostAllocationError(RuntimeError):

@@ -11,7 +11,7 @@ Stream handles are opaque to the offloader; ``None`` stands for "already done" e
 
 from __future__ import annotations
 
-import time
+from time import perf_counter as _perf_counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -25,6 +25,8 @@ class Transport(Protocol):
     """Call ``poison(buffer)`` when a host buffer becomes reusable (test transports)."""
     capturing: Callable[[], bool] | None
     """Whether a CUDA graph is being captured on the current stream; ``None`` where none can be."""
+    synchronous: bool
+    """Copies have completed when they return: the offloader then skips streams and events."""
 
     def streams(self, device: torch.device) -> tuple[Any, Any, Any]:
         """(compute, device_to_host, host_to_device) streams for ``device``; compute is current."""
@@ -35,21 +37,18 @@ class Transport(Protocol):
     def wait(self, stream: Any, event: Any) -> None:
         """Work queued on ``stream`` after this call starts after ``event`` completes."""
 
-    def copy_to_host(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
-        """Queue ``dst <- src`` on ``stream``; the caller keeps the device ``src`` alive until it ran."""
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """Queue ``dst <- src`` (same dtype and shape) on ``stream``; the caller keeps the device
+        ``src`` alive until it ran. Called with grad mode off."""
 
-    def copy_to_device(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         """Queue ``dst <- src`` on ``stream``; the host ``src`` is protected by the pool's events."""
 
-    def alloc(self, nbytes: int, device: torch.device, stream: Any, consumer: Any) -> torch.UntypedStorage:
-        """Uninitialised device storage allocated on ``stream`` and recorded as used by ``consumer``
-        (``record_stream``): its memory is not reused before ``consumer``'s work queued up to its
-        free has run, so ``stream`` may write it without waiting for ``consumer``."""
-
-    def alloc_tensor(
-        self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device, stream: Any, consumer: Any
-    ) -> torch.Tensor:
-        """An uninitialised dense tensor; otherwise as ``alloc``."""
+    def alloc_like(self, template: torch.Tensor, device: torch.device, stream: Any, consumer: Any) -> torch.Tensor:
+        """An uninitialised tensor like the host ``template`` on ``device``, allocated on ``stream``
+        and recorded as used by ``consumer`` (``record_stream``): its memory is not reused before
+        ``consumer``'s work queued up to its free has run, so ``stream`` may write it without
+        waiting for ``consumer``."""
 
     def done(self, event: Any) -> bool:
         """Whether ``event`` has completed (``None`` has)."""
@@ -64,6 +63,7 @@ class SyncTransport:
     pin_memory = False
     poison_released = False
     capturing = None
+    synchronous = True
 
     def __init__(self) -> None:
         self._waited_s = 0.0
@@ -77,21 +77,16 @@ class SyncTransport:
     def wait(self, stream: Any, event: Any) -> None:
         return None
 
-    def copy_to_host(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         # A synchronous copy blocks the training thread for its whole duration: that is the wait.
-        start = time.perf_counter()
+        start = _perf_counter()
         dst.copy_(src)
-        self._waited_s += time.perf_counter() - start
+        self._waited_s += _perf_counter() - start
 
     copy_to_device = copy_to_host
 
-    def alloc(self, nbytes: int, device: torch.device, stream: Any, consumer: Any) -> torch.UntypedStorage:
-        return torch.UntypedStorage(nbytes, device=device)
-
-    def alloc_tensor(
-        self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device, stream: Any, consumer: Any
-    ) -> torch.Tensor:
-        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+    def alloc_like(self, template: torch.Tensor, device: torch.device, stream: Any, consumer: Any) -> torch.Tensor:
+        return torch.empty_like(template) if device.type == "cpu" else torch.empty_like(template, device=device)
 
     def done(self, event: Any) -> bool:
         return True
@@ -110,6 +105,7 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
 
     pin_memory = True
     poison_released = False
+    synchronous = False
     capturing = staticmethod(torch.cuda.is_current_stream_capturing)
 
     def __init__(self) -> None:
@@ -147,32 +143,20 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
             return
         stream.wait_event(event)
 
-    def copy_to_host(
-        self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: torch.cuda.Stream
-    ) -> None:
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
     copy_to_device = copy_to_host
 
-    def alloc(
-        self, nbytes: int, device: torch.device, stream: torch.cuda.Stream, consumer: torch.cuda.Stream
-    ) -> torch.UntypedStorage:
+    def alloc_like(
+        self, template: torch.Tensor, device: torch.device, stream: torch.cuda.Stream, consumer: torch.cuda.Stream
+    ) -> torch.Tensor:
         # Allocated on the copy stream, so the copy need not wait for the compute stream (the
         # memory's previous users); record_stream makes the allocator wait for compute's uses
         # of it before it is reused (PyTorch's documented pattern for cross-stream tensors).
         with torch.cuda.stream(stream):
-            storage = torch.UntypedStorage(nbytes, device=device)
-        if consumer != stream:
-            torch.empty(0, dtype=torch.uint8, device=device).set_(storage).record_stream(consumer)
-        return storage
-
-    def alloc_tensor(
-        self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device,
-        stream: torch.cuda.Stream, consumer: torch.cuda.Stream,
-    ) -> torch.Tensor:  # fmt: skip
-        with torch.cuda.stream(stream):
-            tensor = torch.empty_strided(size, stride, dtype=dtype, device=device)
+            tensor = torch.empty_like(template, device=device)
         if consumer != stream:
             tensor.record_stream(consumer)
         return tensor

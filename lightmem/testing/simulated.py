@@ -115,6 +115,7 @@ class SimulatedAsyncTransport:
 
     pin_memory = False
     poison_released = True
+    synchronous = False
 
     def __init__(self, seed: int = 0, max_delay_s: float = 0.002) -> None:
         rng = random.Random(seed)
@@ -231,15 +232,17 @@ class SimulatedAsyncTransport:
             self.side_waits_on_lagging_compute += 1
         stream.submit(event.flag.wait)
 
-    def copy_to_host(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
-        # Hold the device source weakly: only the caller may keep its memory from reuse, as with
-        # CUDA's caching allocator.
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        # Hold the device source's storage weakly: only the caller may keep its memory from
+        # reuse, as with CUDA's caching allocator.
         self._check_capture("a copy queued on a side stream")
         self.max_held_source_bytes = max(self.max_held_source_bytes, self.held_source_bytes())
-        src_ref = weakref.ref(src)
+        storage = src.untyped_storage()
+        layout = (src.dtype, src.storage_offset(), src.size(), src.stride())
+        src_ref = weakref.ref(storage)
         index = self._copies_queued
-        self._sources[index] = (src_ref, src.nbytes())
-        del src
+        self._sources[index] = (src_ref, storage.nbytes())
+        del src, storage
         host = self._track(dst)
         self._copies_queued += 1
 
@@ -250,9 +253,11 @@ class SimulatedAsyncTransport:
             source = src_ref()
             if source is None:
                 self.stale_reads += 1
-                torch.empty(0, dtype=torch.uint8).set_(dst).fill_(_POISON)
+                start = dst.storage_offset() * dst.element_size()
+                torch.empty(0, dtype=torch.uint8).set_(dst.untyped_storage(), start, (dst.nbytes,)).fill_(_POISON)
             else:
-                dst.copy_(source)
+                dtype, offset, size, stride = layout
+                dst.copy_(torch.empty(0, dtype=dtype, device=source.device).set_(source, offset, size, stride))
             del source
             self._sources.pop(index, None)
             self._untrack(host)
@@ -263,7 +268,7 @@ class SimulatedAsyncTransport:
         """Device bytes of queued copies to host whose source is still alive."""
         return sum(nbytes for ref, nbytes in list(self._sources.values()) if ref() is not None)
 
-    def copy_to_device(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, stream: Any) -> None:
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         # The host source is protected by the pool's release-after-event protocol, which the
         # poisoning of released buffers checks.
         self._check_capture("a copy queued on a side stream")
@@ -297,21 +302,14 @@ class SimulatedAsyncTransport:
                 self.reuse_hazards += 1
         host_buffer.fill_(_POISON)
 
-    def alloc(self, nbytes: int, device: torch.device, stream: Any, consumer: Any) -> torch.UntypedStorage:
-        block = self._take_block(nbytes, device, stream)
-        storage = block.backing[0:nbytes]
+    def alloc_like(self, template: torch.Tensor, device: torch.device, stream: Any, consumer: Any) -> torch.Tensor:
+        block = self._take_block(template.nbytes, device, stream)
+        storage = block.backing[0 : template.nbytes]
         torch.empty(0, dtype=torch.uint8, device=device).set_(storage).fill_(_POISON)
         weakref.finalize(storage, self._free_block, block)
         if consumer is not stream:
             self.record_stream(block, consumer)
-        return storage
-
-    def alloc_tensor(
-        self, size: Any, stride: Any, dtype: torch.dtype, device: torch.device, stream: Any, consumer: Any
-    ) -> torch.Tensor:
-        nbytes = torch.empty_strided(size, stride, dtype=dtype, device="meta").untyped_storage().nbytes()
-        storage = self.alloc(nbytes, device, stream, consumer)
-        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, size, stride)
+        return torch.empty(0, dtype=template.dtype, device=device).set_(storage, 0, template.size(), template.stride())
 
     def record_stream(self, block: _DeviceBlock, consumer: Any) -> None:
         """``tensor.record_stream(consumer)``: the block is reused only after consumer's work

@@ -51,9 +51,8 @@ def test_reload_buffers_not_recorded_for_compute_give_wrong_gradients():
     expected = kit.baseline_step(model, x)
     off = offload_activations(model)
     transport = off.transport
-    alloc, alloc_tensor = transport.alloc, transport.alloc_tensor
-    transport.alloc = lambda nbytes, device, stream, consumer: alloc(nbytes, device, stream, stream)
-    transport.alloc_tensor = lambda *args: alloc_tensor(*args[:-1], args[-2])
+    alloc_like = transport.alloc_like
+    transport.alloc_like = lambda template, device, stream, consumer: alloc_like(template, device, stream, stream)
     actual = kit.offloaded_step(model, x, off, "compute_in_backward")
     assert kit.differs(expected, actual), "without record_stream the result was still right"
 
