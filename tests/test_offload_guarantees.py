@@ -47,6 +47,69 @@ def test_in_place_change_through_a_detached_alias_raises_like_autograd(min_bytes
     assert (off.stats.offloaded_tensors, off.stats.kept_bytes) == ((1, 0) if min_bytes == 0 else (0, 4096))
 
 
+def _change_after_the_copy(keep):
+    """Saves ``y`` (4 KiB), lets the copy to host run, then doubles it through what ``keep`` kept."""
+    x = torch.ones(1024, requires_grad=True)
+    y = x * 2
+    kept = {"tensor": lambda: y, "view": lambda: y[:512], "detached alias": lambda: y.detach()}[keep]()
+    z = y.sin()  # saves y
+    w = z.cos()  # a later op's save: the copy of y runs here
+    del y
+    kept.mul_(2)
+    return w
+
+
+@pytest.mark.parametrize("keep", ["tensor", "view", "detached alias"])
+def test_in_place_change_after_the_copy_to_host_raises_through_any_alias(keep):
+    # The version holder is skipped only when nothing can write the storage any more; each of
+    # these aliases can, and must still be caught after its storage's copy ran.
+    with offload_activations(min_bytes=0, devices=("cpu",)) as off:
+        w = _change_after_the_copy(keep)
+    assert off.stats.offloaded_tensors == 2
+    with pytest.raises(RuntimeError, match=r"\[torch.FloatTensor \[1024\]\] is at version 1; expected version 0"):
+        w.sum().backward()
+
+
+def test_saved_tensor_nothing_else_refers_to_needs_no_version_holder():
+    # The cheap path, taken where it is exact: the tensor and its storage are gone once copied.
+    x = torch.randn(32, 32, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(20):
+            y = y.sin()
+        return y.sum()
+
+    (expected,) = torch.autograd.grad(chain(), x)
+    with offload_activations(min_bytes=0, devices=("cpu",)) as off:
+        loss = chain()
+    entries = [ref() for ref in off._offloader._session.refs]
+    assert [entry.version_holder is not None for entry in entries] == [True] + [False] * 19  # x is held
+    (grad,) = torch.autograd.grad(loss, x)
+    assert torch.equal(grad, expected)
+
+
+def _use_counts(tensor: torch.Tensor) -> tuple[int, int]:
+    """(owners of the tensor in C++, tensors on its storage + 1 for the storage object made here)."""
+    return tensor._use_count(), torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def test_use_counts_read_by_the_version_holder_skip_are_as_assumed():
+    # release_source relies on these counts; a PyTorch change to them must fail here first.
+    y = torch.randn(8, requires_grad=True).sin()  # sin saves its input, not y
+    alone = _use_counts(y)
+    detached = y.detach()  # another tensor on the storage; the tensor itself has no new owner
+    with_detached = _use_counts(y)
+    del detached
+    view = y[:4]  # a view owns its base
+    with_view = _use_counts(y)
+    del view
+    saved = y.sin()  # autograd saves y in C++
+    with_saved = _use_counts(y)
+    del saved
+    assert (alone, with_detached, with_view, with_saved, _use_counts(y)) == ((1, 2), (1, 3), (2, 3), (2, 2), (1, 2))
+
+
 # -- parameters, also those created after enter (FSDP's unsharded weights) ----------------------
 
 

@@ -116,7 +116,7 @@ def test_sabotage_source_released_before_its_copy_ran_is_detected(monkeypatch):
         while pending.entries:
             entry = pending.entries.popleft()
             pending.bytes -= entry.nbytes
-            entry.in_flight_alias = None
+            entry.release_source()
 
     monkeypatch.setattr(hooks.Offloader, "_settle", careless_settle)
     transport = SimulatedAsyncTransport(seed=1, max_delay_s=0.002)

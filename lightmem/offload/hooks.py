@@ -31,7 +31,8 @@ entry, and an entry returns its host block when the last handle is gone. No hand
 tensor whose grad_fn could reach the handle (``_held``): autograd passes a saved output with
 its own grad_fn to pack, and holding it would make a cycle (tensor -> grad_fn -> handle -> tensor)
 through C++ that Python's collector cannot break. In-place changes are caught through the saved
-tensor's version counter, which an entry keeps alive without the storage (``_version_holder``).
+tensor's version counter, which an entry keeps alive without the storage (``_version_holder``)
+while anything could still write the storage (``_HostEntry.release_source``).
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def _held(tensor: Tensor) -> Tensor:
     ):
         return tensor
     return tensor.detach()
+
+
+_storage_use_count = torch._C._storage_Use_Count
 
 
 def _version_holder(tensor: Tensor, empty: Tensor) -> Tensor:
@@ -161,12 +165,13 @@ class _HostEntry:
         "sweep",
         "unpacks",
         "version",
+        "version_final",
         "version_holder",
     )  # fmt: skip
 
     def __init__(
         self, owner: Offloader, block: HostBlock, nbytes: int, alias: Tensor, storage: torch.UntypedStorage,
-        version: int, version_holder: Tensor,
+        version: int, empty: Tensor,
     ) -> None:  # fmt: skip
         self.owner = owner
         self.block = block
@@ -176,13 +181,15 @@ class _HostEntry:
             self.dense = True
             self.host = block.view(alias.dtype, alias.size())
             source = alias
+            self.version_holder = alias  # until the copy has run; then see release_source
         else:
             self.dense = False
             self.host = block.raw(nbytes)
             source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            self.version_holder = _version_holder(alias, empty)
+        self.version_final = version
         self.alias = weakref.ref(alias)  # identity, for dedupe within one forward
         self.version = version
-        self.version_holder = version_holder
         # Until the copy to host has run, the device tensor it reads is held so that its memory
         # is not reused before the copy reads it; see Offloader._copy_deferred and _settle.
         self.in_flight_alias: Tensor | None = source
@@ -200,6 +207,30 @@ class _HostEntry:
         self.index = len(session.refs)
         session.refs.append(weakref.ref(self))
         owner._live_entries += 1
+
+    def release_source(self) -> None:
+        """Let go of the device tensor held for the copy to host, which has run.
+
+        In-place changes are still caught afterwards through a version holder (a tensor sharing
+        the saved tensor's version counter but none of its memory). It is needed only while some
+        tensor can still write the storage, so it is skipped, exactly, when nothing else refers
+        to the tensor or its storage: ``_use_count`` counts its owners in C++ (autograd, views),
+        the storage's use count its tensors (a ``detach()`` shares the storage, not the owner),
+        and after letting go the weak reference tells whether Python held it elsewhere. Then the
+        tensor is gone, nothing can change it any more, and its version is final.
+        """
+        alias = self.in_flight_alias
+        self.in_flight_alias = None
+        if not self.dense:  # the holder was made at pack; the source is a bytes view
+            return
+        # Use counts: this tensor only; the storage's: this tensor and the temporary storage object.
+        if alias._use_count() == 1 and _storage_use_count(alias.untyped_storage()._cdata) == 2:
+            self.version_final = alias._version
+            self.version_holder = alias = None  # was alias itself
+            alias = self.alias()
+            if alias is None:
+                return
+        self.version_holder = _version_holder(alias, self.owner._empty_on(self.device))
 
     def __del__(self) -> None:
         owner = self.owner
@@ -323,11 +354,7 @@ class Offloader:
     def _offload(
         self, storage: torch.UntypedStorage, block: HostBlock, nbytes: int, alias: Tensor, version: int
     ) -> _HostEntry:
-        device = storage.device
-        empty = self._empty.get(device)
-        if empty is None:
-            empty = self._empty[device] = torch.empty(0, dtype=torch.uint8, device=device)
-        entry = _HostEntry(self, block, nbytes, alias, storage, version, _version_holder(alias, empty))
+        entry = _HostEntry(self, block, nbytes, alias, storage, version, self._empty_on(storage.device))
         # The copy waits until the op that saved the tensor has returned: an op may write an
         # argument after saving it (rrelu_with_noise's noise, schema ``Tensor(b!) noise``).
         self._deferred.append(entry)
@@ -336,6 +363,13 @@ class Offloader:
         stats.offloaded_tensors += 1
         stats.offloaded_bytes += nbytes
         return entry
+
+    def _empty_on(self, device: torch.device) -> Tensor:
+        """An empty tensor on ``device``: the storage of version holders."""
+        empty = self._empty.get(device)
+        if empty is None:
+            empty = self._empty[device] = torch.empty(0, dtype=torch.uint8, device=device)
+        return empty
 
     def _copy_deferred(self) -> None:
         """Queue the copies to host of the tensors saved by ops that have since returned."""
@@ -351,7 +385,7 @@ class Offloader:
             if transport.synchronous:  # done when it returns: nothing to order, nothing to hold
                 for entry in deferred:
                     transport.copy_to_host(entry.host, entry.in_flight_alias, None)
-                    entry.in_flight_alias = None
+                    entry.release_source()
                 return
             for entry in deferred:
                 compute, to_host, _ = transport.streams(entry.device)
@@ -359,7 +393,7 @@ class Offloader:
                 transport.copy_to_host(entry.host, entry.in_flight_alias, to_host)
                 entry.host_event = transport.record(to_host)
                 if transport.done(entry.host_event):
-                    entry.in_flight_alias = None
+                    entry.release_source()
                 else:
                     self._pending.add(entry, compute, self.stats)
         finally:
@@ -408,7 +442,8 @@ class Offloader:
         if self._pending.entries:
             self._settle()
         entry = handle.entry
-        current = entry.version_holder._version
+        holder = entry.version_holder
+        current = entry.version_final if holder is None else holder._version
         if current != handle.version:
             layout = handle.layout
             dtype, size = (entry.host.dtype, entry.host.size()) if layout is None else layout[:2]

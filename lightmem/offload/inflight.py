@@ -61,7 +61,7 @@ class InflightCopies:
             if not transport.done(oldest.host_event):
                 transport.wait(compute, oldest.host_event)
                 stats.inflight_waits += 1
-            oldest.in_flight_alias = None
+            oldest.release_source()
 
     def settle(self) -> None:
         """Let go of the device tensors whose copy to host has finished."""
@@ -70,7 +70,7 @@ class InflightCopies:
         while entries and done(entries[0].host_event):
             entry = entries.popleft()
             self.bytes -= entry.nbytes
-            entry.in_flight_alias = None
+            entry.release_source()
 
 
 def served_view(entry: Any, layout: tuple[Any, ...] | None) -> Tensor | None:
