@@ -109,23 +109,33 @@ class _Session:
         self.inflight_bytes = 0
 
 
-class _KeptStorage:
-    """A saved storage left on the device; counts as resident while any save of it lives."""
+class _KeptStorage(weakref.ref):
+    """A saved storage left on the device; counts as resident while any save of it lives.
 
-    __slots__ = ("alias", "nbytes", "owner", "version")
+    It is the weak reference to the saved tensor's alias (for ``same_save``) itself: one object
+    per kept storage, made without a Python ``__init__`` (``_kept``), on the hot path of every save.
+    """
 
-    def __init__(self, owner: Offloader, nbytes: int, alias: Tensor, version: int) -> None:
-        self.owner = owner
-        self.nbytes = nbytes
-        self.alias = weakref.ref(alias)
-        self.version = version
-        resident = owner._resident_bytes = owner._resident_bytes + nbytes
-        stats = owner.stats
-        if resident > stats.peak_resident_bytes:
-            stats.peak_resident_bytes = resident
+    __slots__ = ("nbytes", "owner", "version")
+
+    @property
+    def alias(self) -> _KeptStorage:
+        return self
 
     def __del__(self) -> None:
         self.owner._resident_bytes -= self.nbytes
+
+
+def _kept(owner: Offloader, nbytes: int, alias: Tensor, version: int) -> _KeptStorage:
+    kept = _KeptStorage(alias)
+    kept.owner = owner
+    kept.nbytes = nbytes
+    kept.version = version
+    resident = owner._resident_bytes = owner._resident_bytes + nbytes
+    stats = owner.stats
+    if resident > stats.peak_resident_bytes:
+        stats.peak_resident_bytes = resident
+    return kept
 
 
 # What autograd holds for a saved tensor that stays where it is is a tuple, the cheapest object
@@ -348,7 +358,7 @@ class Offloader:
             self._note_budget(nbytes)
         else:
             stats.kept_bytes += nbytes
-        kept = by_storage[key] = _KeptStorage(self, nbytes, alias, version)
+        kept = by_storage[key] = _kept(self, nbytes, alias, version)
         return (_held(tensor), version, kept)
 
     def _offload(
