@@ -51,7 +51,7 @@ def _change_after_the_copy(keep):
     """Saves ``y`` (4 KiB), lets the copy to host run, then doubles it through what ``keep`` kept."""
     x = torch.ones(1024, requires_grad=True)
     y = x * 2
-    kept = {"tensor": lambda: y, "view": lambda: y[:512], "detached alias": lambda: y.detach()}[keep]()
+    kept = y if keep == "tensor" else y[:512] if keep == "view" else y.detach()
     z = y.sin()  # saves y
     w = z.cos()  # a later op's save: the copy of y runs here
     del y

@@ -67,8 +67,7 @@ class HostSlab:
     """One host allocation of ``capacity`` bytes, carved into blocks; free ranges sorted by offset."""
 
     __slots__ = (
-        "blocks", "capacity", "free_offsets", "free_sizes", "on_free", "registered", "storage", "tensor",
-        "used",
+        "blocks", "capacity", "free_offsets", "free_sizes", "on_free", "registered", "tensor", "used",
     )  # fmt: skip
 
     def __init__(
@@ -82,7 +81,6 @@ class HostSlab:
         self.on_free = on_free
         if poison:
             self.tensor.fill_(_POISON_BYTE)
-        self.storage = self.tensor.untyped_storage()
         self.free_offsets = [0]
         self.free_sizes = [capacity]
         self.used = 0

@@ -11,8 +11,8 @@ Stream handles are opaque to the offloader; ``None`` stands for "already done" e
 
 from __future__ import annotations
 
-from time import perf_counter as _perf_counter
 from collections.abc import Callable
+from time import perf_counter as _perf_counter
 from typing import Any, Protocol
 
 import torch
