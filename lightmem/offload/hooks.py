@@ -47,7 +47,7 @@ from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 
 from lightmem.config import warn_once
-from lightmem.offload.inflight import InflightCopies, served_view
+from lightmem.offload.inflight import InflightCopies, saved_view, served_view
 from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, prefetch_admits, same_save
 from lightmem.offload.pool import HostBlock, HostPool
 from lightmem.offload.scope import ModuleScope
@@ -83,6 +83,18 @@ def _held(tensor: Tensor) -> Tensor:
 
 
 _storage_use_count = torch._C._storage_Use_Count
+
+# Dtypes copied as typed tensors; any other (sub-byte "shell" dtypes such as uint4, whose copy_
+# has no kernel) is copied as bytes.
+_TYPED_COPY_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32", "bool",
+        "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    )
+    if hasattr(torch, name)
+)  # fmt: skip
 
 
 def _version_holder(tensor: Tensor, empty: Tensor) -> Tensor:
@@ -187,9 +199,15 @@ class _HostEntry:
         self.block = block
         self.nbytes = nbytes
         self.device = device = storage.device
-        if alias.is_contiguous() and alias.nbytes == nbytes and alias.storage_offset() == 0:
+        dtype = alias.dtype
+        if (
+            alias.is_contiguous()
+            and alias.nbytes == nbytes
+            and alias.storage_offset() == 0
+            and dtype in _TYPED_COPY_DTYPES
+        ):
             self.dense = True
-            self.host = block.view(alias.dtype, alias.size())
+            self.host = block.view(dtype, alias.size())
             source = alias
             self.version_holder = alias  # until the copy has run; then see release_source
         else:
@@ -280,8 +298,8 @@ class _Offloaded:
 
 
 def _layout(tensor: Tensor) -> tuple[Any, ...]:
-    """A handle's ``layout``: what it needs to view its save in the entry's storage."""
-    return (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
+    """A handle's ``layout``: what ``saved_view`` needs to view its save in the entry's storage."""
+    return (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.is_neg())
 
 
 def _modified_error(tensor_type: str, size: Any, version: int, expected: int) -> RuntimeError:
@@ -382,7 +400,13 @@ class Offloader:
         return empty
 
     def _copy_deferred(self) -> None:
-        """Queue the copies to host of the tensors saved by ops that have since returned."""
+        """Queue the copies to host of the tensors saved by ops that have since returned.
+
+        A dense tensor written in place since its save (its version moved) is not copied: every
+        unpack of it raises autograd's in-place error, so its bytes are never read, and an in-place
+        change of its shape or strides (``t_()``, ``unsqueeze_()``) would no longer match the host
+        view the copy writes.
+        """
         deferred = self._deferred
         if not deferred:
             return
@@ -394,10 +418,16 @@ class Offloader:
         try:
             if transport.synchronous:  # done when it returns: nothing to order, nothing to hold
                 for entry in deferred:
-                    transport.copy_to_host(entry.host, entry.in_flight_alias, None)
+                    source = entry.in_flight_alias
+                    if not entry.dense or source._version == entry.version:
+                        transport.copy_to_host(entry.host, source, None)
+                    del source
                     entry.release_source()
                 return
             for entry in deferred:
+                if entry.dense and entry.in_flight_alias._version != entry.version:
+                    entry.release_source()  # written since its save: see the docstring
+                    continue
                 compute, to_host, _ = transport.streams(entry.device)
                 transport.wait(to_host, transport.record(compute))
                 transport.copy_to_host(entry.host, entry.in_flight_alias, to_host)
@@ -482,13 +512,7 @@ class Offloader:
             transport.wait(transport.streams(entry.device)[0], entry.reload_event)
             entry.reload_event = None
         layout = handle.layout
-        if layout is None:
-            view = restored
-        else:
-            dtype, size, stride, offset = layout
-            view = torch.empty(0, dtype=dtype, device=entry.device).set_(
-                restored.untyped_storage(), offset, size, stride
-            )
+        view = restored if layout is None else saved_view(restored.untyped_storage(), layout, entry.device)
         if handle.seen != entry.generation:
             handle.seen = entry.generation
             entry.unpacks += 1

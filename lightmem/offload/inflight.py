@@ -81,5 +81,15 @@ def served_view(entry: Any, layout: tuple[Any, ...] | None) -> Tensor | None:
         return None
     if layout is None:
         return source
-    dtype, size, stride, offset = layout
-    return torch.empty(0, dtype=dtype, device=entry.device).set_(source.untyped_storage(), offset, size, stride)
+    return saved_view(source.untyped_storage(), layout, entry.device)
+
+
+def saved_view(storage: torch.UntypedStorage, layout: tuple[Any, ...], device: torch.device) -> Tensor:
+    """The save a handle's ``layout`` describes, as a view of ``storage``.
+
+    The layout's last item is the negative bit (``torch._neg_view``, ``z.conj().imag``): a lazily
+    negated view reads the same bytes as its base, so a view rebuilt on the storage carries it again.
+    """
+    dtype, size, stride, offset, negative = layout
+    view = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
+    return torch._neg_view(view) if negative else view

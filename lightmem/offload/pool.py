@@ -380,7 +380,7 @@ class HostPool:
     def release(self, block: HostBlock, event: Any = None) -> None:
         """Return ``block`` once ``event`` has completed. Never blocks: safe from finalizers."""
         lock = self._lock
-        if lock.acquire(blocking=False):
+        if lock.acquire(False):  # never blocks
             try:
                 if event is None or self._done(event):
                     self._make_free(block)
