@@ -193,7 +193,7 @@ class _HostEntry:
 
     def __init__(
         self, owner: Offloader, block: HostBlock, nbytes: int, alias: Tensor, storage: torch.UntypedStorage,
-        version: int, empty: Tensor,
+        version: int,
     ) -> None:  # fmt: skip
         self.owner = owner
         self.block = block
@@ -214,7 +214,7 @@ class _HostEntry:
             self.dense = False
             self.host = block.raw(nbytes)
             source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-            self.version_holder = _version_holder(alias, empty)
+            self.version_holder = _version_holder(alias, owner._empty_on(device))
         self.version_final = version
         self.alias = weakref.ref(alias)  # identity, for dedupe within one forward
         self.version = version
@@ -236,12 +236,19 @@ class _HostEntry:
         session.refs.append(weakref.ref(self))
         owner._live_entries += 1
 
+    def written_since_save(self) -> bool:
+        """Whether the dense tensor held for the copy was written (or reshaped) in place since its
+        save. It is then not copied: every unpack of it raises autograd's in-place error, so its
+        bytes are never read, and a new shape or strides (``t_()``, ``unsqueeze_()``) would no
+        longer match the host view the copy writes."""
+        return self.dense and self.in_flight_alias._version != self.version
+
     def release_source(self) -> None:
         """Let go of the device tensor held for the copy to host, which has run.
 
         In-place changes are still caught afterwards through a version holder (a tensor sharing
         the saved tensor's version counter but none of its memory). It is needed only while some
-        tensor can still write the storage, so it is skipped, exactly, when nothing else refers
+        tensor can still write the storage, so it is skipped when nothing else refers
         to the tensor or its storage: ``_use_count`` counts its owners in C++ (autograd, views),
         the storage's use count its tensors (a ``detach()`` shares the storage, not the owner),
         and after letting go the weak reference tells whether Python held it elsewhere. Then the
@@ -254,8 +261,9 @@ class _HostEntry:
         # Use counts: this tensor only; the storage's: this tensor and the temporary storage object.
         if alias._use_count() == 1 and _storage_use_count(alias.untyped_storage()._cdata) == 2:
             self.version_final = alias._version
-            self.version_holder = alias = None  # was alias itself
-            alias = self.alias()
+            self.version_holder = None  # it was the tensor itself
+            del alias
+            alias = self.alias()  # alive only if Python still refers to it elsewhere
             if alias is None:
                 return
         self.version_holder = _version_holder(alias, self.owner._empty_on(self.device))
@@ -297,8 +305,11 @@ class _Offloaded:
                 entry.owner._let_go(entry)  # the save that had not taken its view is gone
 
 
-def _layout(tensor: Tensor) -> tuple[Any, ...]:
-    """A handle's ``layout``: what ``saved_view`` needs to view its save in the entry's storage."""
+def _layout(tensor: Tensor, alias: Tensor, entry: _HostEntry) -> tuple[Any, ...] | None:
+    """A handle's ``layout``: ``None`` for a save of the entry's dense alias itself, else what
+    ``saved_view`` needs to view the save in the entry's storage."""
+    if tensor is alias and entry.dense:
+        return None
     return (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.is_neg())
 
 
@@ -366,13 +377,13 @@ class Offloader:
         if known is not None and same_save(known, alias, version):
             if type(known) is _HostEntry:
                 stats.deduplicated_bytes += known.nbytes
-                return _Offloaded(known, version, None if tensor is alias and known.dense else _layout(tensor))
+                return _Offloaded(known, version, _layout(tensor, alias, known))
             return (_held(tensor), version, known)
         if verdict == MOVE:
             block = self._pool.acquire(nbytes)
             if block is not None:
                 entry = by_storage[key] = self._offload(storage, block, nbytes, alias, version)
-                return _Offloaded(entry, version, None if tensor is alias and entry.dense else _layout(tensor))
+                return _Offloaded(entry, version, _layout(tensor, alias, entry))
             self._note_budget(nbytes)
         else:
             stats.kept_bytes += nbytes
@@ -382,7 +393,7 @@ class Offloader:
     def _offload(
         self, storage: torch.UntypedStorage, block: HostBlock, nbytes: int, alias: Tensor, version: int
     ) -> _HostEntry:
-        entry = _HostEntry(self, block, nbytes, alias, storage, version, self._empty_on(storage.device))
+        entry = _HostEntry(self, block, nbytes, alias, storage, version)
         # The copy waits until the op that saved the tensor has returned: an op may write an
         # argument after saving it (rrelu_with_noise's noise, schema ``Tensor(b!) noise``).
         self._deferred.append(entry)
@@ -400,13 +411,8 @@ class Offloader:
         return empty
 
     def _copy_deferred(self) -> None:
-        """Queue the copies to host of the tensors saved by ops that have since returned.
-
-        A dense tensor written in place since its save (its version moved) is not copied: every
-        unpack of it raises autograd's in-place error, so its bytes are never read, and an in-place
-        change of its shape or strides (``t_()``, ``unsqueeze_()``) would no longer match the host
-        view the copy writes.
-        """
+        """Queue the copies to host of the tensors saved by ops that have since returned (none of
+        a tensor ``written_since_save``)."""
         deferred = self._deferred
         if not deferred:
             return
@@ -418,15 +424,13 @@ class Offloader:
         try:
             if transport.synchronous:  # done when it returns: nothing to order, nothing to hold
                 for entry in deferred:
-                    source = entry.in_flight_alias
-                    if not entry.dense or source._version == entry.version:
-                        transport.copy_to_host(entry.host, source, None)
-                    del source
+                    if not entry.written_since_save():
+                        transport.copy_to_host(entry.host, entry.in_flight_alias, None)
                     entry.release_source()
                 return
             for entry in deferred:
-                if entry.dense and entry.in_flight_alias._version != entry.version:
-                    entry.release_source()  # written since its save: see the docstring
+                if entry.written_since_save():
+                    entry.release_source()
                     continue
                 compute, to_host, _ = transport.streams(entry.device)
                 transport.wait(to_host, transport.record(compute))
@@ -511,8 +515,7 @@ class Offloader:
             transport = self._transport
             transport.wait(transport.streams(entry.device)[0], entry.reload_event)
             entry.reload_event = None
-        layout = handle.layout
-        view = restored if layout is None else saved_view(restored.untyped_storage(), layout, entry.device)
+        view = saved_view(restored, handle.layout, entry.device)
         if handle.seen != entry.generation:
             handle.seen = entry.generation
             entry.unpacks += 1

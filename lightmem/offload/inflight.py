@@ -39,12 +39,6 @@ class InflightCopies:
         self.entries: deque[Any] = deque()
         self.bytes = 0
 
-    def __bool__(self) -> bool:
-        return bool(self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
     def add(self, entry: Any, compute: Any, stats: OffloadStats) -> None:
         """Track ``entry`` (its copy is queued); past the bound, compute waits for the oldest."""
         self.entries.append(entry)
@@ -77,19 +71,18 @@ def served_view(entry: Any, layout: tuple[Any, ...] | None) -> Tensor | None:
     """The save ``layout`` describes (``None``: the entry's alias itself) in the device tensor
     ``entry`` still holds for its unfinished copy, or ``None`` when the copy has finished."""
     source = entry.in_flight_alias
-    if source is None:
-        return None
-    if layout is None:
-        return source
-    return saved_view(source.untyped_storage(), layout, entry.device)
+    return None if source is None else saved_view(source, layout, entry.device)
 
 
-def saved_view(storage: torch.UntypedStorage, layout: tuple[Any, ...], device: torch.device) -> Tensor:
-    """The save a handle's ``layout`` describes, as a view of ``storage``.
+def saved_view(tensor: Tensor, layout: tuple[Any, ...] | None, device: torch.device) -> Tensor:
+    """The save a handle's ``layout`` describes in ``tensor``'s storage: ``tensor`` itself for
+    ``None`` (a save of the dense tensor), else a view built on the storage.
 
     The layout's last item is the negative bit (``torch._neg_view``, ``z.conj().imag``): a lazily
     negated view reads the same bytes as its base, so a view rebuilt on the storage carries it again.
     """
+    if layout is None:
+        return tensor
     dtype, size, stride, offset, negative = layout
-    view = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
+    view = torch.empty(0, dtype=dtype, device=device).set_(tensor.untyped_storage(), offset, size, stride)
     return torch._neg_view(view) if negative else view
