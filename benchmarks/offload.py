@@ -5,7 +5,9 @@
     python benchmarks/offload.py --per-tensor-only   # only the per-saved-tensor table (issue 13)
 
 On CPU nothing is saved (host and "device" are the same memory); the figure that matters there is
-the per-saved-tensor overhead of the hooks compared with save_on_cpu, which does the same copies.
+the per-saved-tensor overhead of the hooks, against yardsticks: pass-through hooks, the least a
+correct keeping hook does (version-checked hooks), hooks that copy each saved tensor out and back,
+and save_on_cpu (which copies nothing on a CPU: ``.cpu()`` of a CPU tensor returns it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from _common import GPT, gpt_loss, hardware, interleaved_median_s, print_table
 
 from lightmem import offload_activations
 from lightmem.config import format_bytes
+from lightmem.offload.policy import OffloadPolicy
 
 
 class _Counter:
@@ -126,6 +129,33 @@ def _copying_hooks():
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t.clone())
 
 
+CHECKED = "version-checked hooks (detach + version in pack, check in unpack)"
+DECIDING = "version-checked hooks + lightmem's policy decision"
+
+
+def _checked_hooks(decide=None):
+    """The least a correct keeping hook does: hold a ``detach()`` (never the tensor itself, whose
+    grad_fn may be the node that holds the handle: a reference cycle through C++) with the saved
+    version, and check the version in unpack (hooks switch off autograd's own check).
+
+    With ``decide``, pack also runs lightmem's offload policy on the tensor (its verdict is unused):
+    the policy's cost in place, on fresh tensors, apart from the rest of lightmem's bookkeeping.
+    """
+
+    def pack(tensor):
+        if decide is not None:
+            decide(tensor)
+        return tensor.detach(), tensor._version
+
+    def unpack(packed):
+        tensor, version = packed
+        if tensor._version != version:
+            raise RuntimeError("modified in place")
+        return tensor
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def per_saved_tensor_table(device: torch.device, rounds: int, repeats: int) -> None:
     """Hook overhead alone: 200 chained sin() on 32x32 float32 (4 KiB saved each), one thread.
 
@@ -148,9 +178,12 @@ def _per_saved_tensor_rows(device: torch.device, rounds: int, repeats: int) -> N
     x = torch.randn(32, 32, device=device, requires_grad=True)
     offloading = offload_activations(min_bytes=0, devices=(device.type,))
     keeping = offload_activations(min_bytes="1MiB", devices=(device.type,))
+    decide = OffloadPolicy(min_bytes=2**20, devices=(device.type,)).decide
     variants = {
         "no hooks": nullcontext,
         "pass-through hooks": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        CHECKED: _checked_hooks,
+        DECIDING: lambda: _checked_hooks(decide),
         "save_on_cpu": lambda: save_on_cpu(pin_memory=pin),
         COPYING: _copying_hooks,
         "lightmem offloading (min_bytes=0)": lambda: offloading,
@@ -190,7 +223,7 @@ def _per_saved_tensor_rows(device: torch.device, rounds: int, repeats: int) -> N
                 f"{added_us(name) / added_us('save_on_cpu'):.1f}x save_on_cpu, "
                 f"{added_us(name) / added_us(COPYING):.1f}x copying hooks"
             )
-        elif name.startswith("lightmem keeping"):
+        elif name.startswith("lightmem keeping") or name in (CHECKED, DECIDING):
             ratio = f"{added_us(name) / added_us('pass-through hooks'):.1f}x pass-through"
         added = f"{added_us(name):+.2f}" if name != "no hooks" else "-"
         rows.append([name, f"{best[name] * 1e3:.3f}", added, ratio])

@@ -276,3 +276,17 @@ def test_autocast_copies_of_parameters_are_not_offloaded():
     loss.backward()
     # the second layer saves the bfloat16 copy of its weight (2 MiB); that is a parameter, not an activation
     assert off.stats.offloaded_bytes == 0
+
+
+@pytest.mark.parametrize("min_bytes", [0, "1MiB"])
+def test_autocast_copies_of_parameters_are_kept_and_counted_as_kept_at_any_size(min_bytes):
+    """The bf16 copy of a weight is device memory the graph holds: kept, counted in kept_bytes."""
+    model = nn.Linear(512, 512, bias=False)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16)
+    with amp, offload_activations(model, min_bytes=min_bytes, devices=("cpu",)) as off:
+        loss = model(torch.randn(4, 512, requires_grad=True)).float().sum()  # mm saves both
+    input_copy, weight_copy = 4 * 512 * 2, 512 * 512 * 2  # both bf16; the weight's is a parameter copy
+    assert off.stats.offloaded_bytes == (input_copy if min_bytes == 0 else 0)
+    assert off.stats.kept_bytes == (weight_copy if min_bytes == 0 else input_copy + weight_copy)
+    assert off.resident_bytes == off.stats.kept_bytes
+    loss.backward()

@@ -20,7 +20,8 @@ backward, reload(entry)     allocate on h2d, recorded as used by compute (record
                             waits for entry.host_event (the host bytes are complete), not for
                             compute; copy on h2d; entry.reload_event = host_event = event on h2d.
                             An entry whose copy to host is still in flight is served from the
-                            device tensor it holds instead.
+                            device tensor it holds instead. A synchronous transport (CPU) makes
+                            the reload in one call (``transport.load``: a clone).
 backward, unpack(handle)    compute waits for reload_event, then reads the reloaded tensor itself
                             (a save of the dense tensor) or a view of its storage.
 graph freed (entry dies)    host block returns to the pool after entry.host_event; an unused
@@ -125,7 +126,8 @@ class _KeptStorage(weakref.ref):
     """A saved storage left on the device; counts as resident while any save of it lives.
 
     It is the weak reference to the saved tensor's alias (for ``same_save``) itself: one object
-    per kept storage, made without a Python ``__init__`` (``_kept``), on the hot path of every save.
+    per kept storage, made without a Python ``__init__`` (``Offloader.pack`` sets its fields and
+    counts its bytes), on the hot path of every save.
     """
 
     __slots__ = ("nbytes", "owner", "version")
@@ -136,18 +138,6 @@ class _KeptStorage(weakref.ref):
 
     def __del__(self) -> None:
         self.owner._resident_bytes -= self.nbytes
-
-
-def _kept(owner: Offloader, nbytes: int, alias: Tensor, version: int) -> _KeptStorage:
-    kept = _KeptStorage(alias)
-    kept.owner = owner
-    kept.nbytes = nbytes
-    kept.version = version
-    resident = owner._resident_bytes = owner._resident_bytes + nbytes
-    stats = owner.stats
-    if resident > stats.peak_resident_bytes:
-        stats.peak_resident_bytes = resident
-    return kept
 
 
 # What autograd holds for a saved tensor that stays where it is is a tuple, the cheapest object
@@ -351,6 +341,7 @@ class Offloader:
         self._deferred: list[_HostEntry] = []  # entries whose copy waits for their op to return
         self._deferred_after = -1  # the autograd sequence number when the last of them was saved
         self._pending = InflightCopies(max_inflight_bytes, transport)  # copies to host still queued
+        self._inflight = self._pending.entries  # the same deque, read on every pack and unpack
         self._capturing = transport.capturing
         self._empty: dict[torch.device, Tensor] = {}  # storage for version holders, per device
         # Backward runs one autograd thread per device; handles die on any thread.
@@ -366,7 +357,7 @@ class Offloader:
             return self._keep_captured(tensor)
         if self._deferred and _sequence_nr() != self._deferred_after:
             self._copy_deferred()  # a later op has begun: the ops that saved them have returned
-        if self._pending.entries:
+        if self._inflight:
             self._settle()
         verdict, alias, storage, nbytes, key = self._decide(tensor)
         if verdict == LEAVE:
@@ -387,7 +378,13 @@ class Offloader:
             self._note_budget(nbytes)
         else:
             stats.kept_bytes += nbytes
-        kept = by_storage[key] = _kept(self, nbytes, alias, version)
+        kept = by_storage[key] = _KeptStorage(alias)
+        kept.owner = self
+        kept.nbytes = nbytes
+        kept.version = version
+        resident = self._resident_bytes = self._resident_bytes + nbytes
+        if resident > stats.peak_resident_bytes:
+            stats.peak_resident_bytes = resident
         return (_held(tensor), version, kept)
 
     def _offload(
@@ -483,7 +480,7 @@ class Offloader:
             raise RuntimeError(CAPTURED_RELOAD_MESSAGE)
         if self._deferred:
             self._copy_deferred()
-        if self._pending.entries:
+        if self._inflight:
             self._settle()
         entry = handle.entry
         holder = entry.version_holder
@@ -515,7 +512,8 @@ class Offloader:
             transport = self._transport
             transport.wait(transport.streams(entry.device)[0], entry.reload_event)
             entry.reload_event = None
-        view = saved_view(restored, handle.layout, entry.device)
+        layout = handle.layout
+        view = restored if layout is None else saved_view(restored, layout, entry.device)
         if handle.seen != entry.generation:
             handle.seen = entry.generation
             entry.unpacks += 1
@@ -528,8 +526,7 @@ class Offloader:
     def _reload(self, entry: _HostEntry) -> Tensor:
         transport = self._transport
         if transport.synchronous:
-            restored = transport.alloc_like(entry.host, entry.device, None, None)
-            transport.copy_to_device(restored, entry.host, None)
+            restored = transport.load(entry.host, entry.device)
         else:
             compute, _, to_device = transport.streams(entry.device)
             restored = transport.alloc_like(entry.host, entry.device, to_device, compute)

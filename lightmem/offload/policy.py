@@ -11,11 +11,13 @@ For one saved tensor, in this order:
 1. Left alone (``LEAVE``): a device type not offloaded, a non-strided or nested layout, a tensor
    subclass or a ``Parameter``, a view of one, a storage of size 0 (nothing to move, or freed by
    ``resize_(0)`` as FSDP does), a parameter or buffer storage (by storage, so views and compiled
-   graphs are covered), an autocast (``.to()``) copy of a parameter.
+   graphs are covered).
 2. A storage already saved in this forward by the same tensor (or a view of it) at the same
    version is not decided again: the earlier decision holds (``same_save``).
 3. Kept on the device (``KEEP``): the storage it keeps alive is under ``min_bytes``, the module
-   scope (``include`` / ``exclude``) forbids it, or it is complex.
+   scope (``include`` / ``exclude``) forbids it, it is complex, or it is an autocast (``.to()``)
+   copy of a parameter (moving it every step would move the weights; it is device memory the
+   graph holds, so it counts as kept).
 4. Otherwise moved (``MOVE``), if the host budget has room for its host block
    (``fits_host_budget``); past the budget it stays on the device.
 
@@ -36,7 +38,7 @@ from lightmem.offload.scope import ModuleScope
 LEAVE = 0
 """Not the offloader's to move: parameters, buffers, other devices and layouts, empty storages."""
 KEEP = 1
-"""Stays on the device by policy: under ``min_bytes``, out of scope, or complex."""
+"""Stays on the device by policy: under ``min_bytes``, out of scope, complex, or a parameter copy."""
 MOVE = 2
 """Goes to host memory, if the host budget has room."""
 
@@ -115,12 +117,12 @@ class OffloadPolicy:
         key = self.key(storage)
         if key in self.protected:
             return _LEFT_ALONE
-        grad_fn = alias.grad_fn
-        if type(grad_fn) is _TO_COPY_BACKWARD and self._is_parameter_copy(grad_fn):
-            return _LEFT_ALONE
         scope = self.scope
         if nbytes >= self.min_bytes and (scope is None or scope.allowed) and not tensor.is_complex():
-            return (MOVE, alias, storage, nbytes, key)
+            # Read last: a tensor's grad_fn is a new Python object on most reads (its node's wrapper).
+            grad_fn = alias.grad_fn
+            if type(grad_fn) is not _TO_COPY_BACKWARD or not self._is_parameter_copy(grad_fn):
+                return (MOVE, alias, storage, nbytes, key)
         return (KEEP, alias, storage, nbytes, key)
 
     def _is_parameter_copy(self, grad_fn: Any) -> bool:

@@ -22,7 +22,8 @@ class OffloadStats:
     offloaded_bytes: int = 0
     """Bytes copied device -> host."""
     kept_bytes: int = 0
-    """Bytes of saved storages on an offload device left there by policy (size, scope)."""
+    """Bytes of saved storages on an offload device left there by policy (size, scope, complex,
+    autocast copies of parameters)."""
     deduplicated_bytes: int = 0
     """Bytes of saves served by a storage already on host (not copied again)."""
     budget_kept_bytes: int = 0
