@@ -1,0 +1,109 @@
+"""Per-saved-tensor cost of this checkout against an earlier commit, both loaded in one process.
+
+    python benchmarks/per_tensor_ab.py --base 557c1bd    # 40 interleaved rounds (default)
+
+Timing two checkouts in separate processes one after the other mixes the change with the
+machine's drift between processes (about +-1 us per saved tensor on the 2-core VM). Here the
+earlier commit's ``lightmem`` is exported with ``git archive`` and renamed ``lightmem_base``
+(its own imports rewritten), so both offloaders run in one process and every round times each
+variant once: the workload of ``offload.py --per-tensor-only`` (200 chained ``sin()`` on 32x32
+float32, one thread), minimum of ``--rounds`` rounds of 5 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from contextlib import nullcontext
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import hardware, print_table
+
+import lightmem
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _import_base(rev: str, into: str):
+    """``lightmem`` as of ``rev``, importable as ``lightmem_base``."""
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", rev, "lightmem"], cwd=_ROOT, check=True, capture_output=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    package = os.path.join(into, "lightmem_base")
+    os.rename(os.path.join(into, "lightmem"), package)
+    pattern = re.compile(r"\blightmem(?=[.\s])")
+    for folder, _, files in os.walk(package):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as source:
+                    text = pattern.sub("lightmem_base", source.read())
+                with open(path, "w") as target:
+                    target.write(text)
+    sys.path.insert(0, into)
+    import lightmem_base
+
+    return lightmem_base
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--base", required=True, help="the earlier commit (any git revision)")
+    parser.add_argument("--rounds", type=int, default=40)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    chain = 200
+    x = torch.randn(32, 32, requires_grad=True)
+    with tempfile.TemporaryDirectory() as folder:
+        base = _import_base(args.base, folder)
+        variants = {"no hooks": nullcontext}
+        for tag, module in ((args.base, base), ("this checkout", lightmem)):
+            offloading = module.offload_activations(min_bytes=0, devices=("cpu",))
+            keeping = module.offload_activations(min_bytes="1MiB", devices=("cpu",))
+            variants[f"offloading (min_bytes=0), {tag}"] = lambda off=offloading: off
+            variants[f"keeping (min_bytes=1MiB), {tag}"] = lambda off=keeping: off
+
+        def step(make_context) -> None:
+            with make_context():
+                y = x
+                for _ in range(chain):
+                    y = y.sin()
+                loss = y.sum()
+            loss.backward()
+            x.grad = None
+
+        best = {name: float("inf") for name in variants}
+        for make_context in variants.values():
+            step(make_context)  # warm-up
+        for _ in range(args.rounds):
+            for name, make_context in variants.items():
+                for _ in range(5):
+                    start = time.perf_counter()
+                    step(make_context)
+                    best[name] = min(best[name], time.perf_counter() - start)
+    rows = [
+        [name, f"{best[name] * 1e3:.3f}", f"{(best[name] - best['no hooks']) / chain * 1e6:+.2f}"]
+        for name in variants
+        if name != "no hooks"
+    ]
+    print_table(
+        f"Per-saved-tensor cost, {args.base} against this checkout in one process, min of "
+        f"{args.rounds} interleaved rounds x 5; {hardware()}",
+        ["lightmem variant", "step ms", "us added per saved tensor"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
