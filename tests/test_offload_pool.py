@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightmem.offload.pool import ALIGN_BYTES, HEADROOM, HostPool, size_class
+from lightmem.offload.pool import ALIGN_BYTES, HEADROOM, HostPool, HostSlab, size_class
 from lightmem.offload.transport import SyncTransport
 
 
@@ -98,3 +98,22 @@ def test_clear_gives_slabs_with_nothing_in_use_back():
     pool.release(pool.acquire(8 * 2**20))
     pool.clear()
     assert pool.held_bytes == in_use.slab.capacity and pool.in_use_bytes == 4096
+
+
+def test_a_first_step_of_many_equal_requests_scans_each_slab_once(monkeypatch):
+    """A step larger than any before takes a slab per block here (each keeps a 1 KiB remainder):
+    a request must not scan the full ones again, or the first step is quadratic."""
+    pool = _pool()
+    takes = []
+    take = HostSlab.take
+    monkeypatch.setattr(HostSlab, "take", lambda slab, size: takes.append(slab) or take(slab, size))
+    blocks = [pool.acquire(4096) for _ in range(200)]
+    assert len(pool._slabs) == 200 and len({block.slab for block in blocks}) == 200
+    assert len(takes) == 200 + 199  # the new slab once each, the one before it once (now full)
+    for block in blocks:
+        pool.release(block)
+    pool.end_step()
+    assert len(pool._slabs) == 1
+    takes.clear()
+    blocks = [pool.acquire(4096) for _ in range(200)]
+    assert pool.allocations == 201 and {block.slab for block in blocks} == {pool._slabs[0]}

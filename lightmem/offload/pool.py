@@ -266,6 +266,11 @@ class HostPool:
         # Free blocks not yet merged into their slab, by size: a step that repeats the last one's
         # sizes takes them back in O(1); the first request of another size merges them all.
         self._recent: dict[int, list[HostBlock]] = {}
+        # Per size, how many leading slabs have no free range that large: a step larger than any
+        # before gets a slab per few blocks, and scanning them all for each request would be
+        # quadratic. Taking only shrinks free ranges and new slabs are appended, so it holds until
+        # a range is given back or a slab removed (both clear it).
+        self._no_room_below: dict[int, int] = {}
         self._lock = threading.Lock()
         self._pin = transport.pin_memory
         self._poison = transport.poison_released
@@ -306,11 +311,15 @@ class HostPool:
             else:
                 if self._recent:
                     self._merge_recent()
-                for slab in self._slabs:
-                    block = slab.take(size)
+                slabs = self._slabs
+                first = self._no_room_below.get(size, 0)
+                for index in range(first, len(slabs)):
+                    block = slabs[index].take(size)
                     if block is not None:
+                        self._no_room_below[size] = index
                         break
                 else:
+                    self._no_room_below[size] = len(slabs)
                     block = self._grow(size, requested)
                     if block is None:
                         if requested > self._step_demand_requested:
@@ -473,6 +482,7 @@ class HostPool:
 
     def _merge_recent(self) -> None:
         """Give the recently freed blocks back to their slabs, merged with their neighbours."""
+        self._no_room_below = {}
         for size, blocks in self._recent.items():
             for block in blocks:
                 slab = block.slab
@@ -494,6 +504,7 @@ class HostPool:
                 freed += slab.capacity
 
     def _close(self, slab: HostSlab) -> None:
+        self._no_room_below = {}  # the slabs after it move down
         slab.close()
         self._held_bytes -= slab.capacity
 
