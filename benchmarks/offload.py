@@ -194,6 +194,34 @@ def _checked_hooks(decide=None):
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+def sin_chain_best_s(variants, x, chain: int, rounds: int, repeats: int, sync=lambda: None) -> dict[str, float]:
+    """Each variant's best step (``chain`` chained sin() from ``x``, forward + backward) under its
+    context, over ``rounds`` interleaved rounds of ``repeats`` steps: every round times each
+    variant in turn, so drift hits all alike."""
+
+    def step(make_context) -> None:
+        with make_context():
+            y = x
+            for _ in range(chain):
+                y = y.sin()
+            loss = y.sum()
+        loss.backward()
+        x.grad = None
+
+    best = {name: float("inf") for name in variants}
+    for make_context in variants.values():  # warm-up
+        step(make_context)
+    for _ in range(rounds):
+        for name, make_context in variants.items():
+            for _ in range(repeats):
+                sync()
+                start = time.perf_counter()
+                step(make_context)
+                sync()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def per_saved_tensor_table(device: torch.device, rounds: int, repeats: int) -> None:
     """Hook overhead alone: 200 chained sin() on 32x32 float32 (4 KiB saved each), one thread.
 
@@ -228,26 +256,7 @@ def _per_saved_tensor_rows(device: torch.device, rounds: int, repeats: int) -> N
         "lightmem keeping (min_bytes=1MiB)": lambda: keeping,
     }
 
-    def step(make_context) -> None:
-        with make_context():
-            y = x
-            for _ in range(chain):
-                y = y.sin()
-            loss = y.sum()
-        loss.backward()
-        x.grad = None
-
-    best = {name: float("inf") for name in variants}
-    for name, make_context in variants.items():  # warm-up
-        step(make_context)
-    for _ in range(rounds):
-        for name, make_context in variants.items():
-            for _ in range(repeats):
-                sync()
-                start = time.perf_counter()
-                step(make_context)
-                sync()
-                best[name] = min(best[name], time.perf_counter() - start)
+    best = sin_chain_best_s(variants, x, chain, rounds, repeats, sync)
     assert offloading.stats.offloaded_tensors == chain and keeping.stats.kept_bytes == chain * 4096
 
     def added_us(name: str) -> float:

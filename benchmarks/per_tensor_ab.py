@@ -20,13 +20,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from contextlib import nullcontext
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware, print_table
+from offload import sin_chain_best_s
 
 import lightmem
 
@@ -74,24 +74,7 @@ def main() -> None:
             variants[f"offloading (min_bytes=0), {tag}"] = lambda off=offloading: off
             variants[f"keeping (min_bytes=1MiB), {tag}"] = lambda off=keeping: off
 
-        def step(make_context) -> None:
-            with make_context():
-                y = x
-                for _ in range(chain):
-                    y = y.sin()
-                loss = y.sum()
-            loss.backward()
-            x.grad = None
-
-        best = {name: float("inf") for name in variants}
-        for make_context in variants.values():
-            step(make_context)  # warm-up
-        for _ in range(args.rounds):
-            for name, make_context in variants.items():
-                for _ in range(5):
-                    start = time.perf_counter()
-                    step(make_context)
-                    best[name] = min(best[name], time.perf_counter() - start)
+        best = sin_chain_best_s(variants, x, chain, args.rounds, repeats=5)
     rows = [
         [name, f"{best[name] * 1e3:.3f}", f"{(best[name] - best['no hooks']) / chain * 1e6:+.2f}"]
         for name in variants
