@@ -62,7 +62,7 @@ def test_fit_twice_and_a_distributed_checkpoint_round_trip(ranks):
         assert rank["fit_twice"] == {"checkpointed_blocks_logged": 3.0, "undone": True}
         # The same checkpoint restores to the same state with and without LightMem. (Restored and
         # saved FSDP2 weights differ slightly here with or without LightMem: Lightning's
-        # distributed-checkpoint resume; see the README's distributed section.)
+        # distributed-checkpoint resume; see docs/distributed.md.)
         assert rank["round_trip_same_with_and_without_lightmem"] is True
 
 

@@ -281,7 +281,7 @@ def test_a_forward_in_another_thread_is_not_offloaded():
         thread.start()
         thread.join()
     results[0].sum().backward()
-    assert off.stats.packed_tensors == 0  # hooks are per thread (documented in the README)
+    assert off.stats.packed_tensors == 0  # hooks are per thread (documented in docs/offload-protocol.md)
 
 
 # -- torch.func ------------------------------------------------------------------------------------

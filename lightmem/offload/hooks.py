@@ -446,7 +446,7 @@ class Offloader:
         self._pending.settle()
 
     def _keep_captured(self, tensor: Tensor) -> tuple[Tensor, int]:
-        """A save during CUDA graph capture stays where it is (README: "The CUDA path")."""
+        """A save during CUDA graph capture stays where it is (docs/offload-protocol.md: "The CUDA path")."""
         verdict, _, _, nbytes, _ = self._decide(tensor)
         if verdict == MOVE:
             self.stats.capture_kept_bytes += nbytes

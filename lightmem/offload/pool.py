@@ -17,7 +17,7 @@ during the current step or the ``TRIM_WINDOW_STEPS`` steps before it.
 
 The unit of memory is ``HostSlab`` (one allocation, given back whole by ``close``); blocks are
 views into it. On CUDA a slab is ordinary host memory page-locked with ``cudaHostRegister`` at its
-exact size (README, "Pinned host memory", says why not torch's pinned allocator). A slab that cannot
+exact size (docs/offload-protocol.md says why not torch's pinned allocator). A slab that cannot
 be allocated or page-locked is never an error of the caller's: CUDA's last error is cleared, the
 request is refused (the tensor stays on the device, counted by the offloader), one warning says so,
 and the pool does not try again before the next step boundary.
