@@ -59,11 +59,12 @@ def static_exceeds_budget(estimate: MemoryEstimate) -> list[Advice]:
             f"alone take {format_bytes(static)}, which leaves no room for activations in the "
             f"{format_bytes(estimate.budget_bytes)} budget"
         )
+    workspaces = f", cuBLAS workspaces ({format_bytes(parts['workspaces'])})" if parts["workspaces"] else ""
     return [
         Advice(
             "static-exceeds-budget",
             f"parameters ({format_bytes(parts['parameters'])}), "
-            f"gradients ({format_bytes(parts['gradients'])}) "
+            f"gradients ({format_bytes(parts['gradients'])}){workspaces} "
             f"and optimizer state ({format_bytes(parts['optimizer_state'])}) {over}: no activation technique "
             "(offload, checkpointing, a smaller batch) can help. "
             "Options: bf16 weights (precision='bf16-true' halves parameters, gradients and state); an 8-bit "

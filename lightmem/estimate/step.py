@@ -46,7 +46,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from lightmem.checkpoint import apply_checkpointing, op_policy
 from lightmem.config import OffloadSettings
 from lightmem.estimate.batch import batch_tensors, fake_batch
-from lightmem.estimate.cuda_model import CudaBehaviour
+from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
 from lightmem.estimate.kernels import CORRECTIONS
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
@@ -73,6 +73,8 @@ class StepRequest:
     original_batch_size: int | None = None
     zero_grad: str = "after_forward"
     """When gradients are set to None: "after_forward" (Lightning) or "before_forward" (a plain loop)."""
+    gpu: str = "default"
+    """The GPU a CUDA step runs on (``settings.parse_gpu``): sets the cuBLAS workspace size."""
 
 
 @dataclass
@@ -382,7 +384,8 @@ def _run(
     failure: FailureSite,
 ) -> StepTrace:  # fmt: skip
     precision = request.precision
-    tracer = StorageTracer(allocation_rounding(request.device), CORRECTIONS)
+    workspaces = CublasWorkspaces.for_gpu(request.gpu) if request.device == "cuda" else None
+    tracer = StorageTracer(allocation_rounding(request.device), CORRECTIONS, workspaces)
     tracer.on_failure = failure.op_failed
     tracer.op_policy = op_policy(request.checkpoint_policy)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

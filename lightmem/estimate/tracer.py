@@ -11,6 +11,7 @@ receives a gradient, hence never has optimizer state) can still be taken out of 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "workspaces")
 
 # Roles a storage can start with; "other" is anything allocated by an op.
 PARAMETER, BUFFER, INPUT, GRADIENT, STATE, OTHER = range(6)
@@ -30,7 +31,7 @@ class StorageRecord:
     """One device allocation (a storage) of the traced step."""
 
     nbytes: int
-    """Bytes as the allocator hands them out (rounded up on CUDA)."""
+    """Bytes as the allocator hands them out (its block size on CUDA)."""
     role: int
     alloc_event: int
     grad_at: int = -1
@@ -84,13 +85,21 @@ class StorageTracer(TorchDispatchMode):
     """Records allocations and frees of storages seen as op outputs while it is active.
 
     Args:
-        round_bytes: allocation granularity; every storage's size is rounded up to a multiple of
-            it (512 for CUDA's caching allocator, 1 for the CPU allocator).
+        block_bytes: the bytes the allocator hands out for a request (CUDA's caching allocator:
+            ``cuda_model.cuda_block_bytes``); None: exactly the request (the CPU allocator).
+        workspaces: the cuBLAS workspaces to learn from the ops and count from the start of the
+            step (CUDA), or None.
     """
 
-    def __init__(self, round_bytes: int = 1, corrections: dict[Any, Any] | None = None) -> None:
+    def __init__(
+        self,
+        block_bytes: Callable[[int], int] | None = None,
+        corrections: dict[Any, Any] | None = None,
+        workspaces: Any = None,
+    ) -> None:
         super().__init__()
-        self.round_bytes = round_bytes
+        self.block_bytes = block_bytes
+        self.workspaces = workspaces
         self.corrections = corrections or {}
         self.records: list[StorageRecord] = []
         self.events: list[int] = []  # rid + 1 for an allocation, -(rid + 1) for a free
@@ -139,6 +148,8 @@ class StorageTracer(TorchDispatchMode):
                     self._see(leaf)
         if self.count_flops:
             self._count_flops(func, out, args, kwargs or {})
+        if self.workspaces is not None:
+            self.workspaces.see(func, self.context.phase)
         return out
 
     def _count_flops(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
@@ -186,8 +197,7 @@ class StorageTracer(TorchDispatchMode):
         return rid
 
     def _round(self, nbytes: int) -> int:
-        step = self.round_bytes
-        return (nbytes + step - 1) // step * step
+        return nbytes if self.block_bytes is None else self.block_bytes(nbytes)
 
     def _free(self, key: int, rid: int) -> None:
         if self._live.get(key) == rid:
@@ -268,6 +278,9 @@ class StorageTracer(TorchDispatchMode):
         events = self.events
         live = 0
         start, end = self.window.start, self.window.end
+        # cuBLAS workspaces: allocated in an earlier step, alive throughout this one.
+        workspace_bytes = 0 if self.workspaces is None else self.workspaces.total_bytes
+        live += workspace_bytes
         for event in events[:start]:
             rid = event - 1 if event > 0 else -event - 1
             if rid in excluded:
@@ -287,6 +300,7 @@ class StorageTracer(TorchDispatchMode):
                 live -= records[rid].nbytes
         alive = self.alive_at(best_at)
         breakdown = dict.fromkeys(CATEGORIES, 0)
+        breakdown["workspaces"] = workspace_bytes
         inputs = buffers = 0
         for rid in alive:
             record = records[rid]
