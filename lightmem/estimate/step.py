@@ -48,6 +48,7 @@ from lightmem.config import OffloadSettings
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
 from lightmem.estimate.kernels import CORRECTIONS
+from lightmem.estimate.logits import LossLogits, loss_logits
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
@@ -104,6 +105,8 @@ class StepTrace:
     block_kinds: dict[str, str] = field(default_factory=dict)
     """Class name of each block."""
     repeated_blocks: set[str] = field(default_factory=set)
+    loss_logits: LossLogits | None = None
+    """The cross-entropy's logits and the peak without them (``lightmem.estimate.logits``)."""
 
 
 class EstimateError(RuntimeError):
@@ -403,9 +406,11 @@ def _run(
         for tensor in batch_tensors(inputs):
             tracer.track(tensor, INPUT)
         with _reparametrize_module(model, named), tracer, torch.enable_grad():
-            return _steady_step(
+            trace = _steady_step(
                 model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected, failure
             )
+    trace.loss_logits = loss_logits(tracer, trace.peak, named)
+    return trace
 
 
 def _steady_step(

@@ -43,6 +43,8 @@ class StorageRecord:
     freed: bool = False
     recomputed: bool = False
     """Allocated by a forward re-run during backward (activation checkpointing)."""
+    last_dim: int = 0
+    """Size of the last dimension of the tensor the storage was first seen as (0: a scalar)."""
 
 
 @dataclass(slots=True)
@@ -79,6 +81,7 @@ def _cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any =
 
 
 _EXTRA_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+_LOG_SOFTMAX = torch.ops.aten._log_softmax.default
 
 
 class StorageTracer(TorchDispatchMode):
@@ -124,6 +127,8 @@ class StorageTracer(TorchDispatchMode):
         self.saved: list[int] = []  # record ids in the order autograd first saved them
         self.on_failure: Any = None
         """Called with (op, (args, kwargs), exception) when an op raises."""
+        self.log_softmax_inputs: list[tuple[tuple[int, ...], int]] = []
+        """(shape, dim) of each log_softmax input of the forward: the loss's logits, usually."""
 
     # -- allocation tracking ---------------------------------------------------------------------
 
@@ -134,6 +139,8 @@ class StorageTracer(TorchDispatchMode):
             if self.on_failure is not None:
                 self.on_failure(func, (args, kwargs), error)
             raise
+        if func is _LOG_SOFTMAX and self.context.phase == "forward":
+            self.log_softmax_inputs.append((tuple(args[0].shape), args[1] % max(args[0].dim(), 1)))
         correction = self.corrections.get(func)
         if correction is not None:
             out = correction(args, kwargs or {}, out)
@@ -188,6 +195,7 @@ class StorageTracer(TorchDispatchMode):
         if rid is None:
             rid = len(self.records)
             record = StorageRecord(self._round(nbytes), role, len(self.events))
+            record.last_dim = tensor.shape[-1] if tensor.dim() else 0
             if self.in_recompute:
                 record.recomputed = True
             self.records.append(record)
@@ -273,31 +281,11 @@ class StorageTracer(TorchDispatchMode):
 
     def peak(self) -> PeakInfo:
         """The highest live total inside the measured window and what made it up."""
-        excluded = self.excluded
         records = self.records
-        events = self.events
-        live = 0
-        start, end = self.window.start, self.window.end
+        start = self.window.start
+        best, best_at = self._highest(self.excluded)
         # cuBLAS workspaces: allocated in an earlier step, alive throughout this one.
         workspace_bytes = 0 if self.workspaces is None else self.workspaces.total_bytes
-        live += workspace_bytes
-        for event in events[:start]:
-            rid = event - 1 if event > 0 else -event - 1
-            if rid in excluded:
-                continue
-            live += records[rid].nbytes if event > 0 else -records[rid].nbytes
-        best, best_at = live, start - 1
-        for index in range(start, end):
-            event = events[index]
-            rid = event - 1 if event > 0 else -event - 1
-            if rid in excluded:
-                continue
-            if event > 0:
-                live += records[rid].nbytes
-                if live > best:
-                    best, best_at = live, index
-            else:
-                live -= records[rid].nbytes
         alive = self.alive_at(best_at)
         breakdown = dict.fromkeys(CATEGORIES, 0)
         breakdown["workspaces"] = workspace_bytes
@@ -316,6 +304,35 @@ class StorageTracer(TorchDispatchMode):
         if best_at < start:
             phase, op, block = "forward", "(start of step)", None
         return PeakInfo(best, breakdown, phase, op, block, best_at, inputs, buffers)
+
+    def peak_bytes_without(self, records: set[int]) -> int:
+        """The peak had ``records`` never been allocated (what a change that avoids them gives)."""
+        return self._highest(self.excluded | records)[0]
+
+    def _highest(self, excluded: set[int]) -> tuple[int, int]:
+        """(bytes, event index) of the highest live total in the window, ``excluded`` left out."""
+        records = self.records
+        events = self.events
+        start, end = self.window.start, self.window.end
+        live = 0 if self.workspaces is None else self.workspaces.total_bytes
+        for event in events[:start]:
+            rid = event - 1 if event > 0 else -event - 1
+            if rid in excluded:
+                continue
+            live += records[rid].nbytes if event > 0 else -records[rid].nbytes
+        best, best_at = live, start - 1
+        for index in range(start, end):
+            event = events[index]
+            rid = event - 1 if event > 0 else -event - 1
+            if rid in excluded:
+                continue
+            if event > 0:
+                live += records[rid].nbytes
+                if live > best:
+                    best, best_at = live, index
+            else:
+                live -= records[rid].nbytes
+        return best, best_at
 
     def alive_at(self, at_event: int) -> list[int]:
         """Record ids alive just after event ``at_event`` (excluded records left out)."""
