@@ -40,9 +40,15 @@ class LossLogits:
     storages, plus ``chunked_kept_bytes`` throughout."""
 
 
-def loss_logits(tracer: StorageTracer, peak: PeakInfo, named: dict[str, torch.Tensor]) -> LossLogits | None:
+def loss_logits(
+    tracer: StorageTracer, peak: PeakInfo, named: dict[str, torch.Tensor], repeated: set[str]
+) -> LossLogits | None:
     """The loss's logits of the traced step, or None when the forward has no log-softmax over the
-    rows of a parameter (no cross-entropy over a linear layer's outputs)."""
+    rows of a parameter (no cross-entropy over a linear layer's outputs).
+
+    ``repeated`` names the repeated layers: the head and the loss run outside them, and storages
+    made inside them are never the logits, whatever their size (an MLP as wide as the vocabulary).
+    """
     if not tracer.log_softmax_inputs:
         return None
     shape, dim = max(tracer.log_softmax_inputs, key=lambda item: math.prod(item[0]))
@@ -63,6 +69,7 @@ def loss_logits(tracer: StorageTracer, peak: PeakInfo, named: dict[str, torch.Te
         and record.role == OTHER
         and record.nbytes >= rows * classes
         and record.alloc_event >= tracer.window.start
+        and tracer.block_at(record.alloc_event) not in repeated
     }
     alive = set(tracer.alive_at(peak.event))
     bytes_at_peak = sum(tracer.records[rid].nbytes for rid in logits_sized & alive)

@@ -409,7 +409,7 @@ def _run(
             trace = _steady_step(
                 model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected, failure
             )
-    trace.loss_logits = loss_logits(tracer, trace.peak, named)
+    trace.loss_logits = loss_logits(tracer, trace.peak, named, blocks.repeated)
     return trace
 
 

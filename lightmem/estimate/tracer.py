@@ -334,6 +334,10 @@ class StorageTracer(TorchDispatchMode):
                 live -= records[rid].nbytes
         return best, best_at
 
+    def block_at(self, event: int) -> str | None:
+        """The block running when event ``event`` happened (None: outside every block)."""
+        return self._context_list[self.event_context[event]][2]
+
     def alive_at(self, at_event: int) -> list[int]:
         """Record ids alive just after event ``at_event`` (excluded records left out)."""
         alive: dict[int, None] = {}
