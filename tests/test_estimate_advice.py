@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 import torch.nn.functional as F
 from models import TinyGPT, gpt_loss
@@ -162,3 +165,64 @@ def test_when_no_plan_fits_the_advice_says_so_with_the_plans_reason():
     assert not chosen.fits
     (message,) = [item.message for item in est.advice if item.rule == "reach-budget"]
     assert f"no lightmem configuration gets it there ({chosen.reason})" in message
+
+
+def _gpt2(vocab: int, width: int):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=width, n_head=4, vocab_size=vocab, n_positions=256)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _lm_batch(vocab: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (4, 256), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _hf_loss(model, batch):
+    return model(**batch).loss
+
+
+def _chunked_loss(model, batch):
+    """The change the advice proposes: the loss from the hidden states, logits never whole."""
+    hidden = model.transformer(input_ids=batch["input_ids"]).last_hidden_state
+    labels = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]  # Hugging Face's shift
+    return F.linear_cross_entropy(
+        hidden.flatten(0, 1), model.lm_head.weight, labels.flatten(), ignore_index=-100,
+        options=torch.nn.LinearCrossEntropyOptions(),
+    )  # fmt: skip
+
+
+LOGITS_ADVICE = re.compile(
+    r"the loss's logits \(1,024 x 32,000, from lm_head\.weight\), their float32 copies and gradients "
+    r"take (?P<logits>[\d.]+) MiB of the (?P<peak>[\d.]+) MiB peak \(\d+%, at backward: "
+    r"_log_softmax_backward_data\); checkpointing and offload cannot reach them\. "
+    r"torch\.nn\.functional\.linear_cross_entropy\(hidden_states, lm_head\.weight, labels, "
+    r"options=torch\.nn\.LinearCrossEntropyOptions\(\)\) computes the loss from the hidden states in "
+    r"chunks and never holds them whole: predicted peak about (?P<after>[\d.]+) MiB \([\d.]+ MiB less\), "
+    r"counting the [\d.]+ MiB of gradient buffers and float32 chunk it keeps instead\. "
+    r"examples/hf_linear_cross_entropy\.py shows the change for a Hugging Face causal LM\.$"
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_logits_dominated_lm_is_told_to_use_linear_cross_entropy_with_the_predicted_peak(device):
+    model, batch = _gpt2(32_000, 64), _lm_batch(32_000)
+    est = estimate_memory(model, batch, _hf_loss, device=device)
+    advice = [item.message for item in est.advice if item.rule == "loss-logits"]
+    assert len(advice) == 1
+    match = LOGITS_ADVICE.match(advice[0])
+    assert match is not None, advice[0]
+    assert float(match["peak"]) == round(est.peak_bytes / 2**20, 2)
+    assert float(match["logits"]) > 0.8 * float(match["peak"])
+    # The prediction is the estimator's own figure for the rewritten loss, within 3% (the
+    # prediction counts a float32 chunk the fake kernel does not allocate).
+    chunked = estimate_memory(model, batch, _chunked_loss, device=device)
+    assert "loss-logits" not in _rules(chunked)
+    assert abs(float(match["after"]) * 2**20 / chunked.peak_bytes - 1) < 0.03
+
+
+def test_logits_advice_stays_quiet_when_the_logits_are_a_small_share_of_the_peak():
+    est = estimate_memory(_gpt2(512, 128), _lm_batch(512), _hf_loss, device="cuda")
+    assert "loss-logits" not in _rules(est)

@@ -44,3 +44,33 @@ def test_deep_convnet_example_explains_why_it_did_not_fit(tmp_path):
     out = _run([str(EXAMPLES / "deep_convnet.py")], tmp_path, steps="1")
     assert "parameters: 206,538,153" in out
     assert "static-exceeds-budget" in out
+
+
+def test_linear_cross_entropy_example_gives_the_hugging_face_loss_and_gradients():
+    """The example's chunked loss equals ``model(labels=...).loss`` to float32 rounding (not
+    bitwise: the chunks sum in another order). In process, on a tiny model: the script itself
+    spends most of its time importing transformers and estimating a 32k-vocabulary model."""
+    import importlib.util
+
+    import pytest
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("hf_lce_example", EXAMPLES / "hf_linear_cross_entropy.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=4096, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    batch["labels"][:, :4] = -100
+    reference = model(**batch).loss
+    expected = example.gradients(model, reference)
+    chunked = example.chunked_causal_lm_loss(model, batch)
+    actual = example.gradients(model, chunked)
+    torch.testing.assert_close(chunked, reference, rtol=1e-6, atol=0)
+    assert expected.keys() == actual.keys() and len(expected) == len(list(model.parameters()))
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -8,6 +8,9 @@ Rules (identifiers as they appear in ``Advice.rule``):
   one-hot features belong in an embedding, other sparse inputs in a sparse layout.
 - ``quadratic-attention``: tensors saved for backward have two trailing dims equal to the sequence
   length (attention scores kept per layer): use scaled_dot_product_attention.
+- ``loss-logits``: the cross-entropy's logits, their float32 copies and gradients are a large
+  share of the peak (large vocabularies): ``torch.nn.functional.linear_cross_entropy`` with
+  chunking never holds them whole; the advice gives the predicted peak with it.
 - ``reach-budget``: the step does not fit: the verified plan (which repeated layers to
   checkpoint or offload, and the peak it gives), or, when no plan fits, a smaller batch.
 """
@@ -24,6 +27,10 @@ from lightmem.estimate.step import StepTrace
 QUADRATIC_MIN_SHARE = 0.05
 """Quadratic saved tensors must be at least this share of saved activations to be worth a word."""
 QUADRATIC_MIN_LENGTH = 16
+LOGITS_MIN_SHARE = 0.25
+"""The loss's logits must be at least this share of the peak to be worth a word..."""
+LOGITS_MIN_SAVING = 0.10
+"""...and the chunked loss must take at least this share off the peak."""
 
 
 def advise(
@@ -38,6 +45,7 @@ def advise(
     found.extend(static_exceeds_budget(estimate))
     found.extend(dense_zero_input(estimate, info, baseline))
     found.extend(quadratic_attention(estimate, info, baseline))
+    found.extend(loss_logits(estimate, baseline))
     found.extend(reach_budget(estimate, plan))
     return found
 
@@ -59,11 +67,12 @@ def static_exceeds_budget(estimate: MemoryEstimate) -> list[Advice]:
             f"alone take {format_bytes(static)}, which leaves no room for activations in the "
             f"{format_bytes(estimate.budget_bytes)} budget"
         )
+    workspaces = f", cuBLAS workspaces ({format_bytes(parts['workspaces'])})" if parts["workspaces"] else ""
     return [
         Advice(
             "static-exceeds-budget",
             f"parameters ({format_bytes(parts['parameters'])}), "
-            f"gradients ({format_bytes(parts['gradients'])}) "
+            f"gradients ({format_bytes(parts['gradients'])}){workspaces} "
             f"and optimizer state ({format_bytes(parts['optimizer_state'])}) {over}: no activation technique "
             "(offload, checkpointing, a smaller batch) can help. "
             "Options: bf16 weights (precision='bf16-true' halves parameters, gradients and state); an 8-bit "
@@ -123,6 +132,31 @@ def quadratic_attention(estimate: MemoryEstimate, info: BatchInfo, baseline: Ste
             "backward grow with the square of the sequence length. "
             "torch.nn.functional.scaled_dot_product_attention computes attention without keeping them "
             "(memory linear in sequence length).",
+        )
+    ]
+
+
+def loss_logits(estimate: MemoryEstimate, baseline: StepTrace) -> list[Advice]:
+    logits = baseline.loss_logits
+    peak = baseline.peak
+    if logits is None or logits.bytes_at_peak < LOGITS_MIN_SHARE * peak.bytes:
+        return []
+    saving = peak.bytes - logits.peak_bytes_chunked
+    if saving < LOGITS_MIN_SAVING * peak.bytes:
+        return []
+    return [
+        Advice(
+            "loss-logits",
+            f"the loss's logits ({logits.rows:,} x {logits.classes:,}, from {logits.weight_name}), their "
+            f"float32 copies and gradients take {format_bytes(logits.bytes_at_peak)} of the "
+            f"{format_bytes(peak.bytes)} peak ({100 * logits.bytes_at_peak / peak.bytes:.0f}%, at {peak.phase}: "
+            f"{peak.op}); checkpointing and offload cannot reach them. "
+            f"torch.nn.functional.linear_cross_entropy(hidden_states, {logits.weight_name}, labels, "
+            "options=torch.nn.LinearCrossEntropyOptions()) computes the loss from the hidden states in "
+            f"chunks and never holds them whole: predicted peak about {format_bytes(logits.peak_bytes_chunked)} "
+            f"({format_bytes(saving)} less), counting the {format_bytes(logits.chunked_kept_bytes)} of "
+            "gradient buffers and float32 chunk it keeps instead. examples/hf_linear_cross_entropy.py "
+            "shows the change for a Hugging Face causal LM.",
         )
     ]
 

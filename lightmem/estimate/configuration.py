@@ -21,6 +21,7 @@ from lightmem.estimate.settings import (
     OptimizerChoice,
     Precision,
     parse_device,
+    parse_gpu,
     parse_optimizer,
     parse_overhead,
     parse_precision,
@@ -44,6 +45,8 @@ class EstimateSettings:
     zero_grad: str = "after_forward"
     checkpoint_policy: CheckpointPolicyArg = "full"
     """What checkpointed blocks keep: applied to ``checkpoint=...`` and priced by the planner."""
+    gpu: str = "default"
+    """The GPU of a CUDA estimate (its cuBLAS workspace size)."""
 
 
 def parse_settings(
@@ -58,6 +61,7 @@ def parse_settings(
     budget: int | str | None,
     zero_grad: str = "after_forward",
     checkpoint_policy: CheckpointPolicyArg = "full",
+    gpu: str = "default",
 ) -> EstimateSettings:
     """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``."""
     if not isinstance(model, nn.Module):
@@ -80,6 +84,7 @@ def parse_settings(
         budget_bytes=None if budget is None else parse_size(budget, flag=f"{fn_name}(budget=...)"),
         zero_grad=parse_zero_grad(zero_grad, flag=f"{fn_name}(zero_grad=...)"),
         checkpoint_policy=parse_checkpoint_policy(checkpoint_policy, flag=f"{fn_name}(checkpoint_policy=...)"),
+        gpu=parse_gpu(gpu, flag=f"{fn_name}(gpu=...)"),
     )
 
 
@@ -106,6 +111,7 @@ def run_configuration(
         batch_size=batch_size,
         original_batch_size=info.batch_size,
         zero_grad=settings.zero_grad,
+        gpu=settings.gpu,
     )
     return run_step(model, batch, request)
 

@@ -32,6 +32,7 @@ def estimate_memory(
     overhead_bytes: int | str | None = None,
     zero_grad: str = "after_forward",
     checkpoint_policy: CheckpointPolicyArg = "full",
+    gpu: str = "default",
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating it.
 
@@ -54,8 +55,12 @@ def estimate_memory(
             "adamw" otherwise.
         precision: Lightning's precision flag: "32-true", "16-mixed", "bf16-mixed", "16-true",
             "bf16-true", "64-true" (or 32, 16, "bf16", 64).
-        device: "cuda" (CUDA's allocator rounding, foreach optimizers, autocast policy, fused
-            dropout) or "cpu" (matches a real CPU run).
+        device: "cuda" (what ``torch.cuda.max_memory_allocated`` counts: the caching
+            allocator's block sizes, cuBLAS workspaces, foreach optimizers, CUDA's autocast
+            policy, fused dropout) or "cpu" (matches a real CPU run).
+        gpu: the GPU of a CUDA estimate, which sets the cuBLAS workspace size: "h100", "h200",
+            "gh200" or "hopper" (32 MiB each), "default" or another name such as "a100"
+            (8 MiB + 128 KiB each). One workspace for the forward, one for the backward.
         offload: lightmem's activation offload to simulate: True for its defaults, or a dict with
             any of ``min_bytes``, ``include``, ``exclude``, ``prefetch``, ``host_budget``.
         checkpoint: targets for ``lightmem.checkpoint.apply_checkpointing`` (class names,
@@ -64,8 +69,9 @@ def estimate_memory(
             ``"full"``, ``"save_matmuls"`` or a per-op callable (also what the advice's plan
             prices checkpointing with).
         budget: device memory to compare against ("24GiB", bytes); enables budget advice.
-        overhead_bytes: allowance for what is not modelled (CUDA context, library workspaces,
-            fragmentation): default "1GiB" on CUDA, 0 on CPU. Reported apart from the breakdown.
+        overhead_bytes: allowance for what the caching allocator does not count (the CUDA
+            context, NCCL buffers): default "1GiB" on CUDA, 0 on CPU. Reported apart from the
+            breakdown.
         zero_grad: "after_forward" (Lightning's order, the default: the previous step's
             gradients are alive during forward) or "before_forward" (a plain PyTorch loop that
             calls ``optimizer.zero_grad()`` before the forward).
@@ -86,13 +92,16 @@ def estimate_memory(
         >>> from lightmem import estimate_memory
         >>> model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1))
         >>> est = estimate_memory(model, torch.randn(64, 1024), lambda m, x: m(x).mean(), device="cpu")
-        >>> sorted(est.breakdown) == sorted(["parameters", "gradients", "optimizer_state", "activations", "temporaries"])
-        True
+        >>> list(est.breakdown)
+        ['parameters', 'gradients', 'optimizer_state', 'activations', 'temporaries', 'workspaces']
+        >>> est.breakdown["workspaces"]  # cuBLAS workspaces: CUDA only
+        0
     """
     started = time.perf_counter()
     settings = parse_settings(
         "estimate_memory", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
+        gpu=gpu,
     )  # fmt: skip
     offload_config = parse_offload(offload, flag="estimate_memory(offload=...)")
     if offload_config is not None:

@@ -21,7 +21,8 @@ from lightmem.estimate.tracer import CATEGORIES
 from lightmem.tables import format_table
 
 NOT_MODELLED = (
-    "the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers (covered by the overhead allowance)",
+    "the CUDA context and NCCL buffers, which the caching allocator does not count (covered by the "
+    "overhead allowance); cuDNN workspaces",
     "allocator fragmentation and cached-but-free blocks (reserved minus allocated memory)",
     "memory a kernel allocates and frees inside itself (e.g. convolution algorithm workspaces)",
     "GradScaler's unscale and gradient clipping temporaries; LR schedulers; logging",
@@ -29,8 +30,10 @@ NOT_MODELLED = (
 CUDA_NOTES = (
     (
         "CUDA figures come from a CPU trace corrected for CUDA (autocast policy, fused dropout and "
-        "attention, foreach optimizers, 512-byte allocation rounding); cuDNN RNN reserve space is "
-        "approximated by oneDNN's workspace; no figure here was measured on a GPU"
+        "attention, foreach optimizers, the caching allocator's block sizes for new segments, one "
+        "cuBLAS workspace per matmul thread); a cached block reused whole can hold up to 1 MiB "
+        "more than asked; cuDNN RNN reserve space is approximated by oneDNN's workspace; no "
+        "figure here was measured on a GPU"
     ),
 )
 
@@ -111,9 +114,11 @@ class MemoryEstimate:
     The top-level figures are those of the configuration asked for (baseline when neither
     ``offload`` nor ``checkpoint`` was given); ``scenarios`` holds every configuration that was
     run, always including "baseline", so the effect of each lightmem flag can be read off.
-    ``breakdown`` has exactly the keys parameters, gradients, optimizer_state, activations and
-    temporaries, summing to ``peak_bytes``. ``overhead_bytes`` is the allowance for what is not
-    modelled and is never part of the breakdown; ``total_bytes`` = peak + overhead.
+    ``breakdown`` has exactly the keys parameters, gradients, optimizer_state, activations,
+    temporaries and workspaces (cuBLAS, CUDA only), summing to ``peak_bytes``: on CUDA the
+    prediction of ``torch.cuda.max_memory_allocated``. ``overhead_bytes`` is the allowance for what
+    the caching allocator does not count (CUDA context, NCCL) and is never part of the breakdown;
+    ``total_bytes`` = peak + overhead.
     """
 
     peak_bytes: int
@@ -164,9 +169,12 @@ class MemoryEstimate:
 
     @property
     def static_bytes(self) -> int:
-        """Parameters + gradients + optimizer state: what no activation technique reduces."""
+        """Parameters + gradients + optimizer state + cuBLAS workspaces: what no activation
+        technique reduces."""
         baseline = self.scenarios["baseline"].breakdown
-        return baseline["parameters"] + baseline["gradients"] + baseline["optimizer_state"]
+        return (
+            baseline["parameters"] + baseline["gradients"] + baseline["optimizer_state"] + baseline["workspaces"]
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -209,6 +217,7 @@ class MemoryEstimate:
         rows = [
             [category.replace("_", " "), *(format_bytes(s.breakdown[category]) for s in scenarios)]
             for category in CATEGORIES
+            if category != "workspaces" or any(s.breakdown[category] for s in scenarios)
         ]
         totals = [s.peak_bytes + self.overhead_bytes for s in scenarios]
         rows.append(["peak", *(format_bytes(s.peak_bytes) for s in scenarios)])

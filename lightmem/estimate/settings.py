@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from lightmem.config import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH, OffloadSettings, parse_patterns, parse_size
+from lightmem.estimate.cuda_model import HOPPER_NAMES, OTHER_NAMES, cuda_block_bytes
 
 DEFAULT_CUDA_OVERHEAD = "1GiB"
-CUDA_ALLOCATION_BYTES = 512  # CUDA's caching allocator rounds every block up to this multiple
 
 
 @dataclass(frozen=True)
@@ -167,14 +167,29 @@ def parse_checkpoint(value: Iterable[str | type] | str | None, *, flag: str) -> 
 
 
 def parse_overhead(value: int | str | None, device: str, *, flag: str) -> int:
-    """Bytes set aside for what the estimate does not model: default 1 GiB on CUDA, 0 on CPU."""
+    """Bytes set aside for what the caching allocator does not count (the CUDA context, NCCL
+    buffers): default 1 GiB on CUDA, 0 on CPU."""
     if value is None:
         value = DEFAULT_CUDA_OVERHEAD if device == "cuda" else 0
     return parse_size(value, flag=flag)
 
 
-def allocation_rounding(device: str) -> int:
-    return CUDA_ALLOCATION_BYTES if device == "cuda" else 1
+def allocation_rounding(device: str) -> Callable[[int], int] | None:
+    """The bytes the device's allocator hands out for a request (None: exactly the request)."""
+    return cuda_block_bytes if device == "cuda" else None
+
+
+GPU_NAMES = HOPPER_NAMES + OTHER_NAMES
+
+
+def parse_gpu(value: str, *, flag: str) -> str:
+    """The GPU the CUDA estimate is for, which sets the cuBLAS workspace size: a Hopper name
+    ("h100", "h200", "gh200", "hopper", ...) for 32 MiB, any other listed name or "default" for
+    torch's default of 8 MiB + 128 KiB."""
+    key = value.strip().lower().replace(" ", "").replace("-", "") if isinstance(value, str) else None
+    if key not in GPU_NAMES:
+        raise ValueError(f"{flag}: unknown GPU {value!r}; accepted: {', '.join(GPU_NAMES)}")
+    return key
 
 
 ZERO_GRAD_ORDERS = ("after_forward", "before_forward")

@@ -46,8 +46,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 from lightmem.checkpoint import apply_checkpointing, op_policy
 from lightmem.config import OffloadSettings
 from lightmem.estimate.batch import batch_tensors, fake_batch
-from lightmem.estimate.cuda_model import CudaBehaviour
+from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
 from lightmem.estimate.kernels import CORRECTIONS
+from lightmem.estimate.logits import LossLogits, loss_logits
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
@@ -73,6 +74,8 @@ class StepRequest:
     original_batch_size: int | None = None
     zero_grad: str = "after_forward"
     """When gradients are set to None: "after_forward" (Lightning) or "before_forward" (a plain loop)."""
+    gpu: str = "default"
+    """The GPU a CUDA step runs on (``settings.parse_gpu``): sets the cuBLAS workspace size."""
 
 
 @dataclass
@@ -102,6 +105,8 @@ class StepTrace:
     block_kinds: dict[str, str] = field(default_factory=dict)
     """Class name of each block."""
     repeated_blocks: set[str] = field(default_factory=set)
+    loss_logits: LossLogits | None = None
+    """The cross-entropy's logits and the peak without them (``lightmem.estimate.logits``)."""
 
 
 class EstimateError(RuntimeError):
@@ -382,7 +387,8 @@ def _run(
     failure: FailureSite,
 ) -> StepTrace:  # fmt: skip
     precision = request.precision
-    tracer = StorageTracer(allocation_rounding(request.device), CORRECTIONS)
+    workspaces = CublasWorkspaces.for_gpu(request.gpu) if request.device == "cuda" else None
+    tracer = StorageTracer(allocation_rounding(request.device), CORRECTIONS, workspaces)
     tracer.on_failure = failure.op_failed
     tracer.op_policy = op_policy(request.checkpoint_policy)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -400,9 +406,11 @@ def _run(
         for tensor in batch_tensors(inputs):
             tracer.track(tensor, INPUT)
         with _reparametrize_module(model, named), tracer, torch.enable_grad():
-            return _steady_step(
+            trace = _steady_step(
                 model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected, failure
             )
+    trace.loss_logits = loss_logits(tracer, trace.peak, named, blocks.repeated)
+    return trace
 
 
 def _steady_step(

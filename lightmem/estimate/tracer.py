@@ -11,6 +11,7 @@ receives a gradient, hence never has optimizer state) can still be taken out of 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "workspaces")
 
 # Roles a storage can start with; "other" is anything allocated by an op.
 PARAMETER, BUFFER, INPUT, GRADIENT, STATE, OTHER = range(6)
@@ -30,7 +31,7 @@ class StorageRecord:
     """One device allocation (a storage) of the traced step."""
 
     nbytes: int
-    """Bytes as the allocator hands them out (rounded up on CUDA)."""
+    """Bytes as the allocator hands them out (its block size on CUDA)."""
     role: int
     alloc_event: int
     grad_at: int = -1
@@ -42,6 +43,8 @@ class StorageRecord:
     freed: bool = False
     recomputed: bool = False
     """Allocated by a forward re-run during backward (activation checkpointing)."""
+    last_dim: int = 0
+    """Size of the last dimension of the tensor the storage was first seen as (0: a scalar)."""
 
 
 @dataclass(slots=True)
@@ -78,19 +81,28 @@ def _cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any =
 
 
 _EXTRA_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+_LOG_SOFTMAX = torch.ops.aten._log_softmax.default
 
 
 class StorageTracer(TorchDispatchMode):
     """Records allocations and frees of storages seen as op outputs while it is active.
 
     Args:
-        round_bytes: allocation granularity; every storage's size is rounded up to a multiple of
-            it (512 for CUDA's caching allocator, 1 for the CPU allocator).
+        block_bytes: the bytes the allocator hands out for a request (CUDA's caching allocator:
+            ``cuda_model.cuda_block_bytes``); None: exactly the request (the CPU allocator).
+        workspaces: the cuBLAS workspaces to learn from the ops and count from the start of the
+            step (CUDA), or None.
     """
 
-    def __init__(self, round_bytes: int = 1, corrections: dict[Any, Any] | None = None) -> None:
+    def __init__(
+        self,
+        block_bytes: Callable[[int], int] | None = None,
+        corrections: dict[Any, Any] | None = None,
+        workspaces: Any = None,
+    ) -> None:
         super().__init__()
-        self.round_bytes = round_bytes
+        self.block_bytes = block_bytes
+        self.workspaces = workspaces
         self.corrections = corrections or {}
         self.records: list[StorageRecord] = []
         self.events: list[int] = []  # rid + 1 for an allocation, -(rid + 1) for a free
@@ -115,6 +127,8 @@ class StorageTracer(TorchDispatchMode):
         self.saved: list[int] = []  # record ids in the order autograd first saved them
         self.on_failure: Any = None
         """Called with (op, (args, kwargs), exception) when an op raises."""
+        self.log_softmax_inputs: list[tuple[tuple[int, ...], int]] = []
+        """(shape, dim) of each log_softmax input of the forward: the loss's logits, usually."""
 
     # -- allocation tracking ---------------------------------------------------------------------
 
@@ -125,6 +139,8 @@ class StorageTracer(TorchDispatchMode):
             if self.on_failure is not None:
                 self.on_failure(func, (args, kwargs), error)
             raise
+        if func is _LOG_SOFTMAX and self.context.phase == "forward":
+            self.log_softmax_inputs.append((tuple(args[0].shape), args[1] % max(args[0].dim(), 1)))
         correction = self.corrections.get(func)
         if correction is not None:
             out = correction(args, kwargs or {}, out)
@@ -139,6 +155,8 @@ class StorageTracer(TorchDispatchMode):
                     self._see(leaf)
         if self.count_flops:
             self._count_flops(func, out, args, kwargs or {})
+        if self.workspaces is not None:
+            self.workspaces.see(func, self.context.phase)
         return out
 
     def _count_flops(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
@@ -177,6 +195,7 @@ class StorageTracer(TorchDispatchMode):
         if rid is None:
             rid = len(self.records)
             record = StorageRecord(self._round(nbytes), role, len(self.events))
+            record.last_dim = tensor.shape[-1] if tensor.dim() else 0
             if self.in_recompute:
                 record.recomputed = True
             self.records.append(record)
@@ -186,8 +205,7 @@ class StorageTracer(TorchDispatchMode):
         return rid
 
     def _round(self, nbytes: int) -> int:
-        step = self.round_bytes
-        return (nbytes + step - 1) // step * step
+        return nbytes if self.block_bytes is None else self.block_bytes(nbytes)
 
     def _free(self, key: int, rid: int) -> None:
         if self._live.get(key) == rid:
@@ -263,11 +281,40 @@ class StorageTracer(TorchDispatchMode):
 
     def peak(self) -> PeakInfo:
         """The highest live total inside the measured window and what made it up."""
-        excluded = self.excluded
+        records = self.records
+        start = self.window.start
+        best, best_at = self._highest(self.excluded)
+        # cuBLAS workspaces: allocated in an earlier step, alive throughout this one.
+        workspace_bytes = 0 if self.workspaces is None else self.workspaces.total_bytes
+        alive = self.alive_at(best_at)
+        breakdown = dict.fromkeys(CATEGORIES, 0)
+        breakdown["workspaces"] = workspace_bytes
+        inputs = buffers = 0
+        for rid in alive:
+            record = records[rid]
+            breakdown[self.category(record, best_at)] += record.nbytes
+            if record.role == INPUT:
+                inputs += record.nbytes
+            elif record.role == BUFFER:
+                buffers += record.nbytes
+        if best_at >= 0 and best_at < len(self.event_context):
+            phase, op, block = self._context_list[self.event_context[best_at]]
+        else:
+            phase, op, block = "forward", "", None
+        if best_at < start:
+            phase, op, block = "forward", "(start of step)", None
+        return PeakInfo(best, breakdown, phase, op, block, best_at, inputs, buffers)
+
+    def peak_bytes_without(self, records: set[int]) -> int:
+        """The peak had ``records`` never been allocated (what a change that avoids them gives)."""
+        return self._highest(self.excluded | records)[0]
+
+    def _highest(self, excluded: set[int]) -> tuple[int, int]:
+        """(bytes, event index) of the highest live total in the window, ``excluded`` left out."""
         records = self.records
         events = self.events
-        live = 0
         start, end = self.window.start, self.window.end
+        live = 0 if self.workspaces is None else self.workspaces.total_bytes
         for event in events[:start]:
             rid = event - 1 if event > 0 else -event - 1
             if rid in excluded:
@@ -285,23 +332,11 @@ class StorageTracer(TorchDispatchMode):
                     best, best_at = live, index
             else:
                 live -= records[rid].nbytes
-        alive = self.alive_at(best_at)
-        breakdown = dict.fromkeys(CATEGORIES, 0)
-        inputs = buffers = 0
-        for rid in alive:
-            record = records[rid]
-            breakdown[self.category(record, best_at)] += record.nbytes
-            if record.role == INPUT:
-                inputs += record.nbytes
-            elif record.role == BUFFER:
-                buffers += record.nbytes
-        if best_at >= 0 and best_at < len(self.event_context):
-            phase, op, block = self._context_list[self.event_context[best_at]]
-        else:
-            phase, op, block = "forward", "", None
-        if best_at < start:
-            phase, op, block = "forward", "(start of step)", None
-        return PeakInfo(best, breakdown, phase, op, block, best_at, inputs, buffers)
+        return best, best_at
+
+    def block_at(self, event: int) -> str | None:
+        """The block running when event ``event`` happened (None: outside every block)."""
+        return self._context_list[self.event_context[event]][2]
 
     def alive_at(self, at_event: int) -> list[int]:
         """Record ids alive just after event ``at_event`` (excluded records left out)."""
