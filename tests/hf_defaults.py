@@ -41,7 +41,7 @@ def default_model(kind: str, seed: int = 0) -> nn.Module:
         )  # fmt: skip
         model = transformers.T5ForConditionalGeneration(config)
     elif kind == "mixtral":
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**_DECODER, num_local_experts=4))
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**_DECODER))
     else:
         raise KeyError(kind)
     return model.train()
