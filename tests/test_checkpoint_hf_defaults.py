@@ -207,3 +207,22 @@ def test_default_config_trains_bitwise_equal_in_a_lightning_fit(kind, policy):
     assert_state_equal(expected_module, module, expected_optimizer, optimizer)
     assert module.model.config.use_cache is True
     assert module.model(**default_batch(kind)).past_key_values is not None  # after fit: hooks gone
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
+def test_plan_auto_checkpoints_a_default_config_llama_and_trains_bitwise_equal():
+    from lightmem import estimate_memory
+
+    def peak(**options):
+        loss = lambda m, b: m(**b).loss  # noqa: E731
+        return estimate_memory(default_model("llama"), default_batch("llama"), loss, device="cpu", **options).peak_bytes
+
+    checkpointed = peak(checkpoint=[BLOCKS["llama"]], checkpoint_policy="save_matmuls")
+    budget = checkpointed + (peak() - checkpointed) // 4  # checkpointing fits, the plain step does not
+    callback = LightMem(
+        plan="auto", device_budget=budget, checkpoint_policy="save_matmuls", offload_devices=["cpu"], metrics=[]
+    )
+    expected_module, expected_optimizer = _fit("llama", use_cache=False)
+    module, optimizer = _fit("llama", callback)
+    assert callback.chosen_plan.fits and callback.chosen_plan.checkpoint
+    assert_state_equal(expected_module, module, expected_optimizer, optimizer)
