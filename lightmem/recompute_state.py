@@ -31,12 +31,13 @@ from torch import nn
 from lightmem.config import warn_once
 
 
-def _use_cache_parameter(module: nn.Module) -> inspect.Parameter | None:
+def _forward_parameters(module: nn.Module) -> list[inspect.Parameter]:
+    # The class's forward: a checkpointed block's instance forward is lightmem's wrapper.
     try:
-        parameters = inspect.signature(module.forward).parameters
+        parameters = list(inspect.signature(type(module).forward).parameters.values())
     except (TypeError, ValueError):
-        return None
-    return parameters.get("use_cache")
+        return []
+    return parameters[1:]  # without self
 
 
 class CacheOffInTraining:
@@ -46,8 +47,9 @@ class CacheOffInTraining:
     after the forward (or after one that raised).
     """
 
-    def __init__(self, module: nn.Module, parameter: inspect.Parameter) -> None:
-        names = list(inspect.signature(module.forward).parameters)
+    def __init__(self, module: nn.Module, parameters: list[inspect.Parameter]) -> None:
+        names = [parameter.name for parameter in parameters]
+        parameter = parameters[names.index("use_cache")]
         positional = parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         self.position = names.index("use_cache") if positional else None
         self.default = parameter.default if parameter.default is not inspect.Parameter.empty else None
@@ -84,9 +86,9 @@ def cache_off_in_training(model: nn.Module, block_names: Iterable[str]) -> list[
     for name, module in model.named_modules():
         if not any(name == "" or block == name or block.startswith(f"{name}.") for block in names):
             continue
-        parameter = _use_cache_parameter(module)
-        if parameter is not None:
-            hook = CacheOffInTraining(module, parameter)
+        parameters = _forward_parameters(module)
+        if any(parameter.name == "use_cache" for parameter in parameters):
+            hook = CacheOffInTraining(module, parameters)
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     return handles
 

@@ -82,6 +82,25 @@ def test_decoder_only_families_train_bitwise_equal_to_their_default_cached_run(k
     assert_state_equal(expected_model, model, expected_optimizer, optimizer)
 
 
+@pytest.mark.filterwarnings("ignore:lightmem.*use_cache=False")
+def test_a_model_checkpointed_as_one_block_trains_without_its_cache():
+    def gradients(checkpointed):
+        torch.manual_seed(0)
+        model = transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128))
+        options = {}
+        if checkpointed:
+            apply_checkpointing(model, ["GPT2Model"], policy="save_matmuls")  # the block makes the cache
+        else:
+            options["use_cache"] = False
+        torch.manual_seed(5)
+        output = model(default_batch("gpt2")["input_ids"], **options)
+        assert output.past_key_values is None
+        output.last_hidden_state.square().mean().backward()
+        return {name: parameter.grad for name, parameter in model.named_parameters()}
+
+    assert_same(gradients(False), gradients(True), "gradients")
+
+
 class _Unique(transformers.GPT2LMHeadModel):
     """Its own class name, so the once-per-process warning is this test's alone."""
 
