@@ -123,6 +123,8 @@ def _fingerprint(value: Any, depth: int, budget: list[int], held: bool = False) 
         return ...
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value), value._version if held else None)
+    if isinstance(value, (float, complex)):
+        return repr(value)  # nan != nan: compare what it reads as
     if isinstance(value, _ATOMS):
         return value
     if isinstance(value, tuple):

@@ -185,6 +185,36 @@ def test_a_block_that_changes_state_in_its_arguments_is_refused_by_name(policy, 
         model(torch.randn(1, 4), state)
 
 
+class _Settings:
+    """State a block only reads: a scale tensor, a NaN fill value, a list of masks."""
+
+    def __init__(self) -> None:
+        self.scale = torch.full((4,), 0.5)
+        self.fill = float("nan")
+        self.masks = [torch.ones(4)]
+
+
+class _Reads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, settings, extra):
+        return self.linear(x * settings.scale * settings.masks[0] + extra["bias"]).relu()
+
+
+def test_a_block_that_only_reads_state_in_its_arguments_is_checkpointed_as_usual():
+    def gradients(checkpointed):
+        torch.manual_seed(0)
+        model = _Reads()
+        handle = apply_checkpointing(model, ["_Reads"]) if checkpointed else None
+        model(torch.randn(2, 4), _Settings(), {"bias": torch.ones(4)}).sum().backward()
+        assert handle is None or handle.modules == [""]
+        return {name: parameter.grad for name, parameter in model.named_parameters()}
+
+    assert_same(gradients(False), gradients(True), "gradients")
+
+
 # -- in a Lightning fit ----------------------------------------------------------------------------
 
 
