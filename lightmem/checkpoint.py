@@ -35,7 +35,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from lightmem.config import warn_once
 from lightmem.matching import Target, select_modules
+from lightmem.recompute_state import ArgumentStates, cache_off_in_training, model_cache_argument
 
 
 OpPolicy = Callable[..., Union[CheckpointPolicy, bool]]
@@ -279,14 +281,19 @@ class CheckpointedForward:
 
     A plain picklable object (not a closure), so ``copy.deepcopy`` and ``pickle`` of the model
     rebind it to the copied module. Without grad (validation, inference) the block runs as usual.
+    A call that gets a model cache runs without checkpointing, and a forward that changes state
+    held by its arguments raises (see ``lightmem.recompute_state``).
     """
 
     def __init__(
         self, inner: Any, had_instance_forward: bool, block: nn.Module,
         policy: CheckpointPolicyArg = "full",
         policy_flag: str = "apply_checkpointing(policy=...)",
+        name: str = "",
     ) -> None:
         self.inner = inner
+        self.name = name
+        self.block_class = type(block).__name__
         self.had_instance_forward = had_instance_forward
         self.users = 0
         self.buffers = BufferSnapshots(block)
@@ -322,7 +329,18 @@ class CheckpointedForward:
                 function, *args, use_reentrant=False, preserve_rng_state=True,
                 context_fn=functools.partial(create_selective_checkpoint_contexts, self.op_policy),
             )  # fmt: skip
-        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self.contexts)
+        cache = model_cache_argument(args, kwargs)
+        if cache is not None:
+            warn_once(
+                f"lightmem: {self.block_class} got a cache ({type(cache).__name__}) in a forward with grad enabled "
+                "(use_cache=True in eval mode, or a cache passed in): such calls run without checkpointing, "
+                "so backward never recomputes into the cache their forward filled"
+            )
+            return self.inner(*args, **kwargs)
+        states = ArgumentStates(args, kwargs)
+        output = checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self.contexts)
+        states.check(self.name, self.block_class, self.inner)
+        return output
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -341,12 +359,17 @@ class CheckpointHandle:
         self.modules: list[str] = list(modules)
         self._blocks = list(modules.values())
         self._removed = False
+        # Training forwards of the models around these blocks run without a cache (Hugging Face's
+        # use_cache): a recompute must not see or fill a cache the forward filled.
+        self._cache_hooks = cache_off_in_training(model, self.modules)
 
     def remove(self) -> None:
         """Undo this call. A block applied by several calls unwraps when the last one is removed."""
         if self._removed:
             return
         self._removed = True
+        for hook in self._cache_hooks:
+            hook.remove()
         for block in self._blocks:
             wrapper = block.__dict__.get("forward")
             if not isinstance(wrapper, CheckpointedForward):
@@ -436,11 +459,11 @@ def apply_checkpointing(
                 f"{policy_flag}: block {name or type(block).__name__!r} is already checkpointed with "
                 f"policy {wrapper.policy!r}; remove that handle first to checkpoint it with {policy!r}"
             )
-    for block in blocks.values():
+    for name, block in blocks.items():
         wrapper = block.__dict__.get("forward")
         if not isinstance(wrapper, CheckpointedForward):
             had_instance_forward = "forward" in block.__dict__
-            wrapper = CheckpointedForward(block.forward, had_instance_forward, block, policy, policy_flag)
+            wrapper = CheckpointedForward(block.forward, had_instance_forward, block, policy, policy_flag, name)
             block.forward = wrapper
         wrapper.users += 1
     return CheckpointHandle(model, blocks)

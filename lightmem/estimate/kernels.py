@@ -11,15 +11,26 @@ in for it there.
 Batch norm on a bfloat16/float16 input with float32 parameters or running statistics (autocast's
 mixed precision) keeps its saved mean and inverse std in float32; the meta kernel gives them the
 input's dtype.
+
+Some fake kernels are stricter than the real ones: torch 2.13's ``aten._grouped_mm`` (what Hugging
+Face's mixture-of-experts layers run by default) accepts only bfloat16 on fake tensors, while the
+real CPU kernel takes float32. ``STAND_INS`` computes such an op's output itself when its fake
+kernel refuses inputs the real kernel takes. Any other op whose fake kernel refuses is run for
+real on zero tensors of the same shapes, when they are small (``real_output``): its output then
+stands in, and when the real kernel refuses too, the estimate can say that a real step fails.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._pytree import tree_leaves, tree_map
+
+from lightmem.config import format_bytes
 
 _workspace_cache: dict[tuple[Any, ...], int] = {}
 
@@ -94,3 +105,101 @@ CORRECTIONS: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], Any], Any]] = 
     torch.ops.aten.mkldnn_rnn_layer.default: _fix_mkldnn_rnn_layer,
     torch.ops.aten.native_batch_norm.default: _fix_native_batch_norm,
 }
+
+
+def _grouped_mm_output(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The output of ``aten._grouped_mm`` as the real kernels shape it (row-major), or None when
+    the shapes do not fit (then the fake kernel's refusal stands)."""
+    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+    bound = dict(zip(names, args), **kwargs)
+    mat_a, mat_b, offs = bound["mat_a"], bound["mat_b"], bound.get("offs")
+    if bound.get("bias") is not None or mat_a.dim() not in (2, 3) or mat_b.dim() not in (2, 3):
+        return None
+    if mat_a.dim() == 3 and mat_b.dim() == 3:  # a batch of matmuls
+        if offs is not None or mat_a.shape[0] != mat_b.shape[0] or mat_a.shape[2] != mat_b.shape[1]:
+            return None
+        shape = (mat_a.shape[0], mat_a.shape[1], mat_b.shape[2])
+    elif offs is None or offs.dim() != 1:
+        return None
+    elif mat_a.dim() == 2 and mat_b.dim() == 2:  # groups along the contraction: one output per group
+        if mat_a.shape[1] != mat_b.shape[0]:
+            return None
+        shape = (offs.shape[0], mat_a.shape[0], mat_b.shape[1])
+    elif mat_a.dim() == 2:  # groups of rows of mat_a, one matrix of mat_b each
+        if mat_a.shape[1] != mat_b.shape[1] or offs.shape[0] != mat_b.shape[0]:
+            return None
+        shape = (mat_a.shape[0], mat_b.shape[2])
+    else:
+        if mat_a.shape[2] != mat_b.shape[0] or offs.shape[0] != mat_a.shape[0]:
+            return None
+        shape = (mat_a.shape[1], mat_b.shape[1])
+    return torch.empty(shape, dtype=bound.get("out_dtype") or mat_a.dtype, device=mat_a.device)
+
+
+STAND_INS: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
+    torch.ops.aten._grouped_mm.default: _grouped_mm_output,
+}
+
+REAL_RUN_LIMIT_BYTES = 64 * 2**20
+"""The most input bytes ``real_output`` runs an op on for real (zero tensors, host memory)."""
+
+
+class RealKernel(enum.Enum):
+    """What is known about the real kernel of an op whose fake kernel refused its inputs."""
+
+    ACCEPTS = "accepts"
+    REFUSES = "refuses"
+    NOT_RUN = "not run"
+
+
+def real_output(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[RealKernel, Any, str]:
+    """The output of ``func`` when its fake kernel refused ``args``: (verdict, output, why not run).
+
+    A stand-in computes it for the ops listed in ``STAND_INS``. Otherwise the real kernel runs on
+    zero tensors of the same shapes, strides and dtypes, when they are at most
+    ``REAL_RUN_LIMIT_BYTES`` on the CPU and the op neither draws random numbers (the user's RNG
+    stays as it was), writes its arguments nor returns a view of them; its output's shape, strides
+    and dtype stand in for the fake one's.
+    """
+    stand_in = STAND_INS.get(func)
+    if stand_in is not None:
+        output = stand_in(args, kwargs)
+        if output is not None:
+            return RealKernel.ACCEPTS, output, ""
+    schema = func._schema
+    if schema.is_mutable or any(ret.alias_info is not None for ret in schema.returns):
+        return RealKernel.NOT_RUN, None, "it writes its arguments or returns a view of them"
+    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return RealKernel.NOT_RUN, None, "it draws random numbers"
+    tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+    if any(tensor.device.type != "cpu" for tensor in tensors):
+        return RealKernel.NOT_RUN, None, "its inputs are not on the CPU"
+    input_bytes = sum(tensor.untyped_storage().nbytes() for tensor in tensors)
+    if input_bytes > REAL_RUN_LIMIT_BYTES:
+        return RealKernel.NOT_RUN, None, (
+            f"its inputs take {format_bytes(input_bytes)}, more than the {format_bytes(REAL_RUN_LIMIT_BYTES)} "
+            "lightmem runs an op on for real"
+        )
+
+    def real(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        zeros = torch.zeros(leaf.untyped_storage().nbytes(), dtype=torch.uint8)
+        return zeros.view(leaf.dtype).as_strided(leaf.shape, leaf.stride(), leaf.storage_offset())
+
+    with unset_fake_temporarily(), torch.no_grad():
+        try:
+            output = func(*tree_map(real, args), **tree_map(real, kwargs))
+        except Exception:  # noqa: BLE001 - any refusal of the real kernel is the answer
+            return RealKernel.REFUSES, None, ""
+        shapes = tree_map(
+            lambda t: (tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t, output
+        )
+    return RealKernel.ACCEPTS, tree_map(
+        lambda m: torch.empty_strided(m[0], m[1], dtype=m[2]) if _is_meta_triple(m) else m, shapes,
+        is_leaf=_is_meta_triple,
+    ), ""
+
+
+def _is_meta_triple(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 3 and isinstance(value[2], torch.dtype)

@@ -47,7 +47,7 @@ from lightmem.checkpoint import apply_checkpointing, op_policy
 from lightmem.config import OffloadSettings
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
-from lightmem.estimate.kernels import CORRECTIONS
+from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
 from lightmem.estimate.logits import LossLogits, loss_logits
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
@@ -263,9 +263,10 @@ class FailureSite:
         if name is not None:
             setattr(error, self._MODULE, (name, type(module).__name__))
 
-    def op_failed(self, func: Any, args: Any, error: BaseException) -> None:
+    def op_failed(self, func: Any, args: Any, error: BaseException, real: tuple | None = None) -> None:
         shapes = [list(a.shape) for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
-        setattr(error, self._OP, (str(func.name()).replace("::", ".").removesuffix(".default"), shapes))
+        verdict, why = (real[0], real[2]) if real is not None else (None, "no real run was tried")
+        setattr(error, self._OP, (str(func.name()).replace("::", ".").removesuffix(".default"), shapes, verdict, why))
 
     def where(self, error: BaseException, prefix: str) -> str:
         """`` in body.1 (Stats)`` for the innermost module that ``error`` left, or ""."""
@@ -286,12 +287,21 @@ class FailureSite:
             )
         place = self.where(error, " in ") or " outside the model's modules"
         failed_op = vars(error).get(self._OP)
-        if failed_op is not None:
-            op, shapes = failed_op
-            place += f" at {op} with inputs of shape {', '.join(map(str, shapes))}"
+        if failed_op is None:
+            return EstimateError(
+                f"the training step fails{place}: {message}. Check the batch's shapes and dtypes against the model."
+            )
+        op, shapes, verdict, why = failed_op
+        place += f" at {op} with inputs of shape {', '.join(map(str, shapes))}"
+        if verdict is RealKernel.REFUSES:
+            return EstimateError(
+                f"the training step fails{place}: {message}. A real step fails there too: check the "
+                "batch's shapes and dtypes against the model."
+            )
         return EstimateError(
-            f"the training step fails{place}: {message}. A real step fails there too: check the "
-            "batch's shapes and dtypes against the model."
+            f"the training step fails on fake tensors{place}: {message}. lightmem did not run the real kernel "
+            f"({why}), so it cannot tell whether a real step fails: a fake kernel can be stricter than the real "
+            "one. If a real step runs, measure it (lightmem.testing.measure.measure_cpu_step) and please report the op."
         )
 
 
@@ -390,6 +400,7 @@ def _run(
     workspaces = CublasWorkspaces.for_gpu(request.gpu) if request.device == "cuda" else None
     tracer = StorageTracer(allocation_rounding(request.device), CORRECTIONS, workspaces)
     tracer.on_failure = failure.op_failed
+    tracer.when_fake_refuses = real_output
     tracer.op_policy = op_policy(request.checkpoint_policy)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:

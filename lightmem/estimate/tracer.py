@@ -16,11 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "workspaces")
+
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 # Roles a storage can start with; "other" is anything allocated by an op.
 PARAMETER, BUFFER, INPUT, GRADIENT, STATE, OTHER = range(6)
@@ -125,8 +128,11 @@ class StorageTracer(TorchDispatchMode):
         self.block_recompute_flops: dict[str | None, float] = {}
         self.excluded: set[int] = set()
         self.saved: list[int] = []  # record ids in the order autograd first saved them
+        self.when_fake_refuses: Any = None
+        """Called with (op, args, kwargs) when an op's fake kernel raises: returns (verdict, output,
+        why) (``lightmem.estimate.kernels.real_output``); an output stands in for the fake one."""
         self.on_failure: Any = None
-        """Called with (op, (args, kwargs), exception) when an op raises."""
+        """Called with (op, (args, kwargs), exception, what when_fake_refuses said) when an op raises."""
         self.log_softmax_inputs: list[tuple[tuple[int, ...], int]] = []
         """(shape, dim) of each log_softmax input of the forward: the loss's logits, usually."""
 
@@ -136,9 +142,15 @@ class StorageTracer(TorchDispatchMode):
         try:
             out = func(*args, **(kwargs or {}))
         except Exception as error:
-            if self.on_failure is not None:
-                self.on_failure(func, (args, kwargs), error)
-            raise
+            real = None
+            # A data-dependent output is no refusal: zeros would give it a wrong shape, silently.
+            if self.when_fake_refuses is not None and not isinstance(error, _DATA_DEPENDENT):
+                real = self.when_fake_refuses(func, args, kwargs or {})
+            if real is None or real[1] is None:
+                if self.on_failure is not None:
+                    self.on_failure(func, (args, kwargs), error, real)
+                raise
+            out = real[1]
         if func is _LOG_SOFTMAX and self.context.phase == "forward":
             self.log_softmax_inputs.append((tuple(args[0].shape), args[1] % max(args[0].dim(), 1)))
         correction = self.corrections.get(func)
