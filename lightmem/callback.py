@@ -7,7 +7,6 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -39,6 +38,7 @@ from lightmem.config import (
 )
 from lightmem.estimate import plan
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
+from lightmem.lightning_packages import callback_bases
 from lightmem.metrics.names import GROUPS
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
@@ -49,7 +49,7 @@ def _flag(name: str) -> str:
     return f"LightMem({name}=...)"
 
 
-class LightMem(Callback):
+class LightMem(*callback_bases()):  # type: ignore[misc]
     r"""Train models that do not fit in GPU memory, and log where every byte goes.
 
     Activation offload wraps every training forward; selective checkpointing is applied to the chosen

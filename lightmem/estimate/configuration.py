@@ -26,7 +26,8 @@ from lightmem.estimate.settings import (
     parse_precision,
     parse_zero_grad,
 )
-from lightmem.estimate.step import StepRequest, StepTrace, _is_lightning, run_step
+from lightmem.estimate.step import StepRequest, StepTrace, run_step
+from lightmem.lightning_packages import is_lightning_module
 
 LossFn = Callable[[nn.Module, Any], Any]
 
@@ -68,7 +69,7 @@ def parse_settings(
         raise ValueError(
             f"{fn_name}(loss_fn=...): expected a callable loss_fn(model, batch) -> loss; got {loss_fn!r}"
         )
-    if optimizer is None and not _is_lightning(model):
+    if optimizer is None and not is_lightning_module(model):
         optimizer = "adamw"
     kind = parse_device(device, flag=f"{fn_name}(device=...)")
     return EstimateSettings(
