@@ -30,8 +30,8 @@ def test_lightning_cli_of_either_package_accepts_lightmem_from_a_class_path(ligh
     )  # fmt: skip
     (callback,) = [c for c in parsed.trainer.callbacks if isinstance(c, LightMem)]
     assert isinstance(callback, lightning_package.Callback)
-    assert callback.offload_min_bytes == 64 * 1024
-    assert callback.checkpoint == ["Block"]
+    assert callback.settings.offload.min_bytes == 64 * 1024
+    assert callback.settings.checkpoint.targets == ("Block",)
 
 
 def test_either_packages_fsdp_strategy_that_checkpoints_is_detected(lightning_package):

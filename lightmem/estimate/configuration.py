@@ -13,8 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from lightmem.checkpoint import CheckpointPolicyArg, parse_checkpoint_policy
-from lightmem.config import OffloadSettings, parse_size
+from lightmem.checkpoint import CheckpointPolicyArg
+from lightmem.config import OffloadSettings, parse_checkpoint_policy, parse_size
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
 from lightmem.estimate.settings import (

@@ -335,6 +335,9 @@ class Plan:
     """Class name per block, for the description."""
     checkpoint_policy: CheckpointPolicyArg = "full"
     """What the checkpointed blocks keep (``LightMem(checkpoint_policy=...)``)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """What the search ran under, as parsed: device, precision, optimizer, overhead, budget,
+    checkpoint policy, offload settings, whether offload was considered (not on "cpu"), prices."""
 
     @property
     def predicted_total_bytes(self) -> int:
@@ -357,7 +360,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "checkpoint": list(self.checkpoint),
-            "checkpoint_policy": _policy_name(self.checkpoint_policy),
+            "checkpoint_policy": policy_name(self.checkpoint_policy),
             "offload": self.offload.to_dict() if self.offload is not None else None,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_total_bytes": self.predicted_total_bytes,
@@ -367,8 +370,9 @@ class Plan:
             "reason": self.reason,
             "recompute_s": self.recompute_s,
             "exposed_transfer_s": self.exposed_transfer_s,
+            "settings": self.settings,
             "lightmem_kwargs": {
-                name: _policy_name(value) if name == "checkpoint_policy" else value
+                name: policy_name(value) if name == "checkpoint_policy" else value
                 for name, value in self.lightmem_kwargs().items()
             },
         }
@@ -382,7 +386,7 @@ class Plan:
         parts = []
         if self.checkpoint:
             names = compact_names(sorted(self.checkpoint, key=natural_order), kinds)
-            policy = "" if self.checkpoint_policy == "full" else f" (policy {_policy_name(self.checkpoint_policy)})"
+            policy = "" if self.checkpoint_policy == "full" else f" (policy {policy_name(self.checkpoint_policy)})"
             parts.append(f"checkpoint {names}{policy}")
         if self.offload is not None:
             names = compact_names(sorted(self.offload.include or (), key=natural_order), kinds)
@@ -395,7 +399,7 @@ class Plan:
         )
 
 
-def _policy_name(policy: CheckpointPolicyArg) -> str:
+def policy_name(policy: CheckpointPolicyArg) -> str:
     """A policy as JSON and people read it: its name, or the callable's name."""
     return policy if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
 
