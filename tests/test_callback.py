@@ -135,6 +135,26 @@ def test_fit_twice_validate_predict_and_checkpoint_round_trip(tmp_path):
     assert "configure_model" not in module.__dict__
 
 
+def test_a_fit_session_lives_from_setup_to_teardown():
+    callback = _cpu_lightmem()
+    sessions = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            sessions.append(callback.fit_session)
+
+    assert callback.fit_session is None
+    pl.seed_everything(0, verbose=False)
+    trainer = _trainer([callback, Spy()], max_steps=2)
+    trainer.fit(LitGPT(), token_loader())
+    first = sessions[0]
+    assert sessions == [first, first] and first is not None and callback.fit_session is None
+    trainer = _trainer([callback, Spy()], max_steps=1)
+    trainer.fit(LitGPT(), token_loader())
+    assert sessions[2] is not first and callback.fit_session is None
+    assert callback.summary()["blocks checkpointed"] == "3"
+
+
 def test_exception_in_training_step_leaves_no_hooks_behind():
     class Fails(LitGPT):
         def training_step(self, batch, batch_idx):
@@ -142,8 +162,10 @@ def test_exception_in_training_step_leaves_no_hooks_behind():
             raise RuntimeError("boom")
 
     module = Fails()
+    callback = _cpu_lightmem()
     with pytest.raises(RuntimeError, match="boom"):
-        _trainer([_cpu_lightmem()]).fit(module, token_loader())
+        _trainer([callback]).fit(module, token_loader())
+    assert callback.fit_session is None
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert not any(is_checkpointed(b) for b in module.model.blocks)
     assert "configure_model" not in module.__dict__

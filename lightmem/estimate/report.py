@@ -344,18 +344,20 @@ class Plan:
         return self.predicted_peak_bytes + self.overhead_bytes
 
     def lightmem_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``LightMem(...)``: offload, checkpoint, and when offloading,
-        offload_min_bytes and offload_include; checkpoint_policy when it is not the default."""
-        policy = {} if self.checkpoint_policy == "full" else {"checkpoint_policy": self.checkpoint_policy}
-        if self.offload is None:
-            return {"offload": False, "checkpoint": list(self.checkpoint), **policy}
-        return {
-            "offload": True,
-            "offload_min_bytes": self.offload.min_bytes,
-            "offload_include": list(self.offload.include or ()),
-            "checkpoint": list(self.checkpoint),
-            **policy,
-        }
+        """Keyword arguments for ``LightMem(...)``: offload; when offloading, offload_min_bytes,
+        offload_include (and offload_exclude when the search ran under one); checkpoint when it
+        checkpoints, with checkpoint_policy when it is not the default."""
+        kwargs: dict[str, Any] = {"offload": self.offload is not None}
+        if self.offload is not None:
+            kwargs["offload_min_bytes"] = self.offload.min_bytes
+            kwargs["offload_include"] = list(self.offload.include or ())
+            if self.offload.exclude is not None:
+                kwargs["offload_exclude"] = list(self.offload.exclude)
+        if self.checkpoint:
+            kwargs["checkpoint"] = list(self.checkpoint)
+            if self.checkpoint_policy != "full":
+                kwargs["checkpoint_policy"] = self.checkpoint_policy
+        return kwargs
 
     def to_dict(self) -> dict[str, Any]:
         return {
