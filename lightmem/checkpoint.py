@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Union
 
@@ -35,7 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from lightmem.config import CHECKPOINT_POLICIES, POLICY_HELP, parse_checkpoint_policy, parse_checkpoint_targets
+from lightmem.config import parse_checkpoint_policy, parse_checkpoint_targets
 from lightmem.matching import Target, select_modules
 
 
