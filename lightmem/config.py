@@ -1,7 +1,12 @@
-"""Parsing and validation of user-facing configuration values.
+"""Parsing and validation of user-facing configuration values, and the settings they make.
 
 Every size in lightmem ("512KiB", "2GB", 1_048_576, 0.25 of RAM) is parsed here and nowhere else,
-and every bad value fails with a message that names the flag and what it accepts.
+and every bad value fails with a message that names the flag and what it accepts. Each flag is
+parsed once into one frozen settings object per concern (``OffloadSettings``,
+``CheckpointSettings``, ``MetricsSettings``, ``HostGuardSettings``, ``PlanSettings``; the callback's
+five in ``LightMemSettings``), which the callback, the functions, the estimator/planner and the CLI
+all read. A settings object carries its entry point's ``Spelling``, so an error names the flag as
+the user typed it.
 """
 
 from __future__ import annotations
