@@ -34,7 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from lightmem.config import parse_checkpoint_policy, parse_checkpoint_targets
+from lightmem.config import parse_checkpoint_policy, parse_checkpoint_targets, parse_count
 from lightmem.matching import Target, select_modules
 
 
@@ -341,8 +341,7 @@ def select_blocks(
     every_n_flag: str = "apply_checkpointing(every_n=...)",
 ) -> dict[str, nn.Module]:
     """The blocks ``apply_checkpointing`` would wrap: outermost matches, every n-th in module order."""
-    if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
-        raise ValueError(f"{every_n_flag}: expected an integer >= 1; got {every_n!r}")
+    parse_count(every_n, flag=every_n_flag)
     targets = parse_checkpoint_targets(targets, flag=targets_flag)
     matched = select_modules(model, list(targets), flag=targets_flag)
     outermost: dict[str, nn.Module] = {}

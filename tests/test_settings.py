@@ -49,6 +49,20 @@ def test_the_estimator_parses_an_offload_dict_with_the_engines_parser():
     assert (estimated.min_bytes, estimated.exclude, estimated.host_budget_bytes) == (64 * 1024, ("lm_head",), None)
 
 
+def test_the_callback_and_offload_activations_parse_the_same_flags_into_the_same_settings():
+    callback = LightMem(
+        offload_min_bytes="2MiB", offload_devices=["cpu"], offload_exclude=["lm_head"], host_budget="1GiB",
+        prefetch_bytes="8MiB", offload_max_inflight_bytes=0, host_min_available="1GiB",
+    )  # fmt: skip
+    function = offload_activations(
+        TinyGPT(), min_bytes="2MiB", devices=["cpu"], exclude=["lm_head"], host_budget="1GiB", prefetch="8MiB",
+        max_inflight_bytes=0, host_min_available="1GiB",
+    )  # fmt: skip
+    assert replace(callback.settings.offload, spelling=OFFLOAD_ACTIVATIONS) == function.settings
+    assert callback.settings.offload.flag("exclude") == "LightMem(offload_exclude=...)"
+    assert function.settings.flag("exclude") == "offload_activations(exclude=...)"
+
+
 def test_settings_already_parsed_reach_the_estimator_unchanged():
     settings = LightMem(offload_min_bytes="2MiB", offload_devices=["cpu"]).settings.offload
     assert parse_offload(settings, flag="estimate_memory(offload=...)") is settings
