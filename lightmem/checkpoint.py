@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Union
 
@@ -35,19 +34,13 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from lightmem.config import warn_once
+from lightmem.config import parse_checkpoint_policy, parse_checkpoint_targets, parse_count, warn_once
 from lightmem.matching import Target, select_modules
 from lightmem.recompute_state import ArgumentStates, cache_off_in_training, model_cache_argument
 
 
 OpPolicy = Callable[..., Union[CheckpointPolicy, bool]]
 CheckpointPolicyArg = Union[str, OpPolicy]
-
-CHECKPOINT_POLICIES = ("full", "save_matmuls")
-POLICY_HELP = (
-    "'full' (recompute the whole block), 'save_matmuls' (keep matmul, convolution and attention "
-    "outputs, recompute the rest), or a callable (ctx, op, *args, **kwargs) -> CheckpointPolicy or bool"
-)
 
 # Packets, not overloads: every overload of these ops (mm.default, mm.out, ...) is kept. Composite
 # ops (matmul, linear, scaled_dot_product_attention) reach the dispatcher as the ops listed here.
@@ -65,33 +58,6 @@ MATMUL_OPS: frozenset = frozenset(
 def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The ``"save_matmuls"`` policy: keep the outputs of matmul, convolution and attention ops."""
     return CheckpointPolicy.MUST_SAVE if op.overloadpacket in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def parse_checkpoint_policy(policy: Any, *, flag: str) -> CheckpointPolicyArg:
-    """Validate a checkpoint policy; returns it unchanged ("full", "save_matmuls" or the callable).
-
-    Raises:
-        ValueError: naming ``flag`` and the accepted values, for any other string or object, or a
-            callable that cannot take ``(ctx, op, *args, **kwargs)``.
-    """
-    if isinstance(policy, str):
-        if policy in CHECKPOINT_POLICIES:
-            return policy
-        raise ValueError(f"{flag}: expected {POLICY_HELP}; got {policy!r}")
-    if not callable(policy) or isinstance(policy, type):
-        raise ValueError(f"{flag}: expected {POLICY_HELP}; got {policy!r}")
-    try:
-        signature = inspect.signature(policy)
-    except (TypeError, ValueError):  # some builtins have none: accepted, checked when called
-        return policy
-    try:
-        signature.bind(None, None)
-    except TypeError:
-        raise ValueError(
-            f"{flag}: a callable policy is called as policy(ctx, op, *args, **kwargs); "
-            f"{getattr(policy, '__name__', policy)!r} has the signature {signature}"
-        ) from None
-    return policy
 
 
 class _OpPolicy:
@@ -397,14 +363,9 @@ def select_blocks(
     every_n_flag: str = "apply_checkpointing(every_n=...)",
 ) -> dict[str, nn.Module]:
     """The blocks ``apply_checkpointing`` would wrap: outermost matches, every n-th in module order."""
-    if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
-        raise ValueError(f"{every_n_flag}: expected an integer >= 1; got {every_n!r}")
-    if isinstance(targets, (str, type)):
-        targets = [targets]
-    targets = list(targets)
-    if not targets:
-        raise ValueError(f"{targets_flag}: expected at least one class name, class or module-name pattern")
-    matched = select_modules(model, targets, flag=targets_flag)
+    parse_count(every_n, flag=every_n_flag)
+    targets = parse_checkpoint_targets(targets, flag=targets_flag)
+    matched = select_modules(model, list(targets), flag=targets_flag)
     outermost: dict[str, nn.Module] = {}
     for name, module in matched.items():  # pre-order: an ancestor is seen before its children
         if not any(kept == "" or name.startswith(f"{kept}.") for kept in outermost):

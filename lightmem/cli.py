@@ -13,9 +13,11 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from lightmem.config import parse_size
+from lightmem.checkpoint import select_blocks
+from lightmem.config import CLI, CheckpointSettings, OffloadSettings, parse_size
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.estimate.settings import parse_device, parse_optimizer, parse_overhead, parse_precision
 
@@ -108,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TARGET",
         help="checkpoint these blocks (names, class names, globs)",
     )
+    estimate.add_argument(
+        "--checkpoint-policy",
+        default=None,
+        metavar="POLICY",
+        help="what checkpointed blocks keep: full (their inputs, default) or save_matmuls (also matmul, "
+        "convolution and attention outputs); needs --checkpoint or --plan",
+    )
     estimate.add_argument("--offload", action="store_true", help="simulate lightmem's activation offload")
     estimate.add_argument("--offload-min-bytes", default=None, help="offload threshold (default 1MiB)")
     estimate.add_argument(
@@ -117,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--offload-exclude", nargs="+", default=None, metavar="PATTERN", help="never offload in these modules"
     )
     estimate.add_argument(
-        "--plan", action="store_true", help="also plan the cheapest configuration that fits --budget"
+        "--plan",
+        action="store_true",
+        help="also plan the cheapest configuration that fits --budget, under the --offload-* and "
+        "--checkpoint-policy flags (the plan chooses the modules itself)",
     )
     estimate.add_argument(
         "--max-batch-size", action="store_true", help="also search the largest batch that fits --budget"
@@ -140,7 +152,15 @@ def _version() -> str:
         return lightmem.__version__
 
 
-def _check_flags(args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class _Flags:
+    """The estimate command's lightmem flags, parsed once under the names the user typed."""
+
+    offload: OffloadSettings | None
+    checkpoint: CheckpointSettings
+
+
+def _check_flags(args: argparse.Namespace) -> _Flags:
     """Validate the values with the API's own parsers, under the names the user typed (``--budget``)."""
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected a positive integer; got {args.batch_size}")
@@ -150,44 +170,24 @@ def _check_flags(args: argparse.Namespace) -> None:
     parse_precision(args.precision, flag="--precision")
     parse_optimizer(args.optimizer, flag="--optimizer")
     parse_overhead(args.overhead, device, flag="--overhead")
-    for value, flag in ((args.budget, "--budget"), (args.offload_min_bytes, "--offload-min-bytes")):
-        if value is not None:
-            parse_size(value, flag=flag)
-
-
-# Errors found later (a pattern that matches no module) name the Python argument the CLI passed.
-_CLI_NAMES = {
-    "estimate_memory(offload=...)['include']": "--offload-include",
-    "estimate_memory(offload=...)['exclude']": "--offload-exclude",
-    "estimate_memory(checkpoint=...)": "--checkpoint",
-    "max_batch_size(checkpoint=...)": "--checkpoint",
-    "apply_checkpointing(targets=...)": "--checkpoint",
-}
-
-
-def _in_cli_words(message: str) -> str:
-    for python_name, cli_name in _CLI_NAMES.items():
-        message = message.replace(python_name, cli_name)
-    return message
-
-
-def _offload_arg(args: argparse.Namespace) -> dict[str, Any] | None:
-    if not (args.offload or args.offload_min_bytes or args.offload_include or args.offload_exclude):
-        return None
-    offload: dict[str, Any] = {}
-    if args.offload_min_bytes is not None:
-        offload["min_bytes"] = args.offload_min_bytes
-    if args.offload_include:
-        offload["include"] = args.offload_include
-    if args.offload_exclude:
-        offload["exclude"] = args.offload_exclude
-    return offload
+    if args.budget is not None:
+        parse_size(args.budget, flag="--budget")
+    offload = None
+    if args.offload or args.offload_min_bytes or args.offload_include or args.offload_exclude:
+        offload_flags = {"min_bytes": args.offload_min_bytes, "include": args.offload_include, "exclude": args.offload_exclude}
+        given = {name: value for name, value in offload_flags.items() if value is not None}
+        offload = OffloadSettings.for_estimate(spelling=CLI, **given)
+    checkpoint = CheckpointSettings.parse(args.checkpoint, None, args.checkpoint_policy, spelling=CLI, planned=args.plan)
+    return _Flags(offload, checkpoint)
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    _check_flags(args)
+    flags = _check_flags(args)
     factory = load_factory(args.factory)
     model, batch, loss_fn = _call_factory(factory, args.batch_size)
+    targets = flags.checkpoint.targets
+    if targets is not None:  # a typo fails under the flag's own name, before any tracing
+        select_blocks(model, targets, targets_flag=flags.checkpoint.flag("targets"))
     common = {
         "optimizer": args.optimizer,
         "precision": args.precision,
@@ -195,19 +195,21 @@ def run_estimate(args: argparse.Namespace) -> int:
         "overhead_bytes": args.overhead,
         "zero_grad": args.zero_grad,
     }
-    offload = _offload_arg(args)
+    policy = flags.checkpoint.policy
     result = estimate_memory(
-        model, batch, loss_fn, offload=offload, checkpoint=args.checkpoint, budget=args.budget, **common
-    )
+        model, batch, loss_fn, offload=flags.offload, checkpoint=targets, checkpoint_policy=policy,
+        budget=args.budget, **common,
+    )  # fmt: skip
     output: dict[str, Any] = {"estimate": result.to_dict()}
     found_plan = search = None
     if args.plan:
-        found_plan = plan(model, batch, args.budget, loss_fn, **common)
+        found_plan = plan(model, batch, args.budget, loss_fn, offload=flags.offload, checkpoint_policy=policy, **common)
         output["plan"] = found_plan.to_dict()
     if args.max_batch_size:
         search = max_batch_size(
-            model, batch, args.budget, loss_fn, offload=offload, checkpoint=args.checkpoint, **common
-        )
+            model, batch, args.budget, loss_fn, offload=flags.offload, checkpoint=targets, checkpoint_policy=policy,
+            **common,
+        )  # fmt: skip
         output["max_batch_size"] = search.to_dict()
     if args.json:
         print(json.dumps(output, indent=2))
@@ -233,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "estimate":
             return run_estimate(args)
     except ValueError as error:
-        print(f"lightmem {args.command}: error: {_in_cli_words(str(error))}", file=sys.stderr)
+        print(f"lightmem {args.command}: error: {error}", file=sys.stderr)
         return 2
     except RuntimeError as error:  # EstimateError and failures of the user's model on fake tensors
         print(f"lightmem {args.command}: error: {error}", file=sys.stderr)

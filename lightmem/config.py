@@ -1,11 +1,17 @@
-"""Parsing and validation of user-facing configuration values.
+"""Parsing and validation of user-facing configuration values, and the settings they make.
 
 Every size in lightmem ("512KiB", "2GB", 1_048_576, 0.25 of RAM) is parsed here and nowhere else,
-and every bad value fails with a message that names the flag and what it accepts.
+and every bad value fails with a message that names the flag and what it accepts. Each flag is
+parsed once into one frozen settings object per concern (``OffloadSettings``,
+``CheckpointSettings``, ``MetricsSettings``, ``HostGuardSettings``, ``PlanSettings``; the callback's
+five in ``LightMemSettings``), which the callback, the functions, the estimator/planner and the CLI
+all read. A settings object carries its entry point's ``Spelling``, so an error names the flag as
+the user typed it.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -15,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import psutil
+from torch.nn import Module
 
 _UNITS = {
     "": 1,
@@ -218,33 +225,80 @@ def parse_patterns(patterns: Iterable[str] | str | None, *, flag: str) -> tuple[
     return result
 
 
+# -- how each entry point spells its flags -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How one entry point spells its flags, so that an error raised deep inside (a pattern that
+    matches no module, found at the first batch) names the flag the user typed, with no rewrite.
+
+    Every settings object below carries one. ``names`` maps a settings field to the entry point's
+    own name for it (absent: the field's name); ``style`` is how a flag is written:
+    ``"call"``: ``LightMem(offload_min_bytes=...)``, ``"key"``: ``estimate_memory(offload=...)['min_bytes']``,
+    ``"cli"``: ``--offload-min-bytes``.
+    """
+
+    entry: str
+    names: tuple[tuple[str, str], ...] = ()
+    style: str = "call"
+
+    def name(self, field: str) -> str:
+        """The bare name: ``checkpoint_policy``, ``--checkpoint-policy``."""
+        name = dict(self.names).get(field, field)
+        return f"--{name}" if self.style == "cli" else name
+
+    def flag(self, field: str) -> str:
+        name = dict(self.names).get(field, field)
+        if self.style == "cli":
+            return f"--{name}"
+        if self.style == "key":
+            return f"{self.entry}['{name}']"
+        return f"{self.entry}({name}=...)"
+
+
+LIGHTMEM = Spelling("LightMem", (
+    ("min_bytes", "offload_min_bytes"), ("devices", "offload_devices"), ("include", "offload_include"),
+    ("exclude", "offload_exclude"), ("prefetch", "prefetch_bytes"), ("max_inflight_bytes", "offload_max_inflight_bytes"),
+    ("targets", "checkpoint"), ("every_n", "checkpoint_every"), ("policy", "checkpoint_policy"),
+    ("groups", "metrics"), ("limit", "host_limit"), ("warn_at", "host_warn_at"), ("stop_at", "host_stop_at"),
+    ("stop_checkpoint", "host_stop_checkpoint"),
+))  # fmt: skip
+"""``LightMem``'s keyword arguments."""
+OFFLOAD_ACTIVATIONS = Spelling("offload_activations")
+APPLY_CHECKPOINTING = Spelling("apply_checkpointing")
+CLI = Spelling("lightmem estimate", (
+    ("min_bytes", "offload-min-bytes"), ("include", "offload-include"), ("exclude", "offload-exclude"),
+    ("targets", "checkpoint"), ("policy", "checkpoint-policy"), ("plan", "plan"), ("budget", "budget"),
+), style="cli")  # fmt: skip
+"""The ``lightmem estimate`` command's options."""
+
+
+def reject_without_partner(spelling: Spelling, field: str, partner: str, what: str) -> None:
+    """A flag that does nothing without its partner is an error that names both: ``partner`` as
+    the user writes it, ``what`` the way to give it."""
+    raise ValueError(
+        f"{spelling.flag(field)}: has no effect without {partner}; {what} or leave {spelling.name(field)} unset"
+    )
+
+
+# -- offload ------------------------------------------------------------------------------------
+
 DEFAULT_MIN_BYTES = "1MiB"
 DEFAULT_HOST_BUDGET = 0.5
 DEFAULT_PREFETCH = "256MiB"
 DEFAULT_MAX_INFLIGHT = "256MiB"
 DEFAULT_HOST_MIN_AVAILABLE = 0.10
 
-# How each entry point spells the offload flags (the settings' field names are offload_activations').
-_OFFLOAD_FLAG_NAMES = {
-    "LightMem": {
-        "min_bytes": "offload_min_bytes",
-        "devices": "offload_devices",
-        "include": "offload_include",
-        "exclude": "offload_exclude",
-        "prefetch": "prefetch_bytes",
-        "max_inflight_bytes": "offload_max_inflight_bytes",
-    },
-}
-
 
 @dataclass(frozen=True)
 class OffloadSettings:
     """The offload flags, parsed and validated once; ``LightMem``, ``offload_activations``, the
-    estimator (``estimate_memory(offload=...)``) and ``Plan.offload`` all read this object instead of
-    re-parsing flags.
+    estimator (``estimate_memory(offload=...)``), the planner, ``Plan.offload`` and the CLI all
+    read this object instead of re-parsing flags.
 
-    ``owner`` is the entry point the user called (``"offload_activations"`` or ``"LightMem"``): error
-    messages raised later (a pattern matching no module) name the flag as the user spelled it.
+    ``spelling`` is the entry point the user called: error messages raised later (a pattern
+    matching no module) name the flag as the user spelled it.
     """
 
     min_bytes: int
@@ -254,11 +308,11 @@ class OffloadSettings:
     host_budget: int | float | str | None
     """As given: a fraction is taken of this node's available RAM, shared by its ranks."""
     host_budget_bytes: int | None
-    """None only in the estimator: no cap (the target machine's host is not this one)."""
+    """None only in the estimator without a ``host_budget``: the target machine's host is not this one."""
     prefetch_bytes: int
     host_min_available_bytes: int
     max_inflight_bytes: int = 256 << 20
-    owner: str = "offload_activations"
+    spelling: Spelling = OFFLOAD_ACTIVATIONS
 
     @classmethod
     def parse(
@@ -272,21 +326,24 @@ class OffloadSettings:
         prefetch: int | str = DEFAULT_PREFETCH,
         max_inflight_bytes: int | str = DEFAULT_MAX_INFLIGHT,
         host_min_available: int | float | str = DEFAULT_HOST_MIN_AVAILABLE,
-        owner: str = "offload_activations",
+        spelling: Spelling = OFFLOAD_ACTIVATIONS,
         ranks_per_node: int | None = None,
     ) -> OffloadSettings:
-        """Validate every flag; ``ValueError`` names the first bad one as ``owner`` spells it."""
-
-        def flag(field: str) -> str:
-            return offload_flag(owner, field)
-
+        """Validate every flag; ``ValueError`` names the first bad one as ``spelling`` spells it."""
+        flag = spelling.flag
         if host_budget is None:
             host_budget = DEFAULT_HOST_BUDGET
+        included = parse_patterns(include, flag=flag("include"))
+        if included == ():
+            raise ValueError(
+                f"{flag('include')}: an empty list offloads nothing; leave it unset (None) to offload "
+                "in every module, or name the modules to offload in"
+            )
         return cls(
             min_bytes=parse_size(min_bytes, flag=flag("min_bytes")),
             devices=parse_devices(devices, flag=flag("devices")),
-            include=parse_patterns(include, flag=flag("include")),
-            exclude=parse_patterns(exclude, flag=flag("exclude")),
+            include=included,
+            exclude=parse_patterns(exclude, flag=flag("exclude")) or None,
             host_budget=host_budget,
             host_budget_bytes=parse_size(
                 host_budget, flag=flag("host_budget"),
@@ -298,12 +355,22 @@ class OffloadSettings:
                 host_min_available, flag=flag("host_min_available"), fraction_of=total_ram_bytes,
                 fraction_name="total RAM",
             ),  # fmt: skip
-            owner=owner,
+            spelling=spelling,
         )
+
+    @classmethod
+    def for_estimate(
+        cls, *, host_budget: int | str | None = None, spelling: Spelling, **flags: Any
+    ) -> OffloadSettings:
+        """The engine's settings with the engine's defaults, for a machine that is not this one:
+        no host cap unless ``host_budget`` (bytes) is given, no floor on this host's free RAM."""
+        settings = cls.parse(spelling=spelling, **flags)
+        budget_bytes = None if host_budget is None else parse_size(host_budget, flag=spelling.flag("host_budget"))
+        return replace(settings, host_budget=host_budget, host_budget_bytes=budget_bytes, host_min_available_bytes=0)
 
     def flag(self, field: str) -> str:
         """How the user spelled the flag behind ``field``: ``LightMem(offload_include=...)``."""
-        return offload_flag(self.owner, field)
+        return self.spelling.flag(field)
 
     def for_ranks_per_node(self, ranks_per_node: int) -> OffloadSettings:
         """The same settings with a fractional ``host_budget`` shared by ``ranks_per_node`` ranks."""
@@ -330,8 +397,227 @@ class OffloadSettings:
         return replace(self, min_bytes=min_bytes, include=include)
 
 
-def offload_flag(owner: str, field: str) -> str:
-    return f"{owner}({_OFFLOAD_FLAG_NAMES.get(owner, {}).get(field, field)}=...)"
+# -- checkpoint ---------------------------------------------------------------------------------
+
+CHECKPOINT_POLICIES = ("full", "save_matmuls")
+POLICY_HELP = (
+    "'full' (recompute the whole block), 'save_matmuls' (keep matmul, convolution and attention "
+    "outputs, recompute the rest), or a callable (ctx, op, *args, **kwargs) -> CheckpointPolicy or bool"
+)
+
+
+def parse_checkpoint_policy(policy: Any, *, flag: str) -> Any:
+    """Validate a checkpoint policy; returns it unchanged ("full", "save_matmuls" or the callable).
+
+    Raises:
+        ValueError: naming ``flag`` and the accepted values, for any other string or object, or a
+            callable that cannot take ``(ctx, op, *args, **kwargs)``.
+    """
+    if isinstance(policy, str):
+        if policy in CHECKPOINT_POLICIES:
+            return policy
+        raise ValueError(f"{flag}: expected {POLICY_HELP}; got {policy!r}")
+    if not callable(policy) or isinstance(policy, type):
+        raise ValueError(f"{flag}: expected {POLICY_HELP}; got {policy!r}")
+    try:
+        signature = inspect.signature(policy)
+    except (TypeError, ValueError):  # some builtins have none: accepted, checked when called
+        return policy
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ValueError(
+            f"{flag}: a callable policy is called as policy(ctx, op, *args, **kwargs); "
+            f"{getattr(policy, '__name__', policy)!r} has the signature {signature}"
+        ) from None
+    return policy
+
+
+def parse_checkpoint_targets(targets: Any, *, flag: str) -> tuple[Any, ...]:
+    """Blocks to checkpoint: class names, ``nn.Module`` classes or module-name globs; a bare name or
+    class is one target. An empty list is an error: it would checkpoint nothing."""
+    if isinstance(targets, (str, type)):
+        targets = [targets]
+    try:
+        result = tuple(targets)
+    except TypeError:
+        raise ValueError(f"{flag}: expected a list of module names, classes or glob patterns; got {targets!r}") from None
+    if not result:
+        raise ValueError(
+            f"{flag}: expected at least one class name, class or module-name pattern; an empty list checkpoints nothing"
+        )
+    for target in result:
+        if target == "":
+            raise ValueError(f"{flag}: every pattern must be a non-empty string; got ''")
+        if not isinstance(target, str) and not (isinstance(target, type) and issubclass(target, Module)):
+            raise ValueError(f"{flag}: expected module names, nn.Module classes or glob patterns; got {target!r}")
+    return result
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Which blocks to checkpoint and what they keep, parsed once (``LightMem``, the estimator, the CLI)."""
+
+    targets: tuple[Any, ...] | None
+    """None: checkpoint nothing (``plan="auto"`` may still choose blocks, with ``policy``)."""
+    every_n: int = 1
+    policy: Any = "full"
+    spelling: Spelling = APPLY_CHECKPOINTING
+
+    @classmethod
+    def parse(
+        cls, targets: Any = None, every_n: int | None = None, policy: Any = None, *,
+        spelling: Spelling = APPLY_CHECKPOINTING, planned: bool = False,
+    ) -> CheckpointSettings:  # fmt: skip
+        """``every_n`` and ``policy`` need ``targets`` (``policy`` also serves a plan: ``planned``)."""
+        flag = spelling.flag
+        settings = cls(
+            targets=None if targets is None else parse_checkpoint_targets(targets, flag=flag("targets")),
+            every_n=1 if every_n is None else parse_count(every_n, flag=flag("every_n")),  # type: ignore[arg-type]
+            policy="full" if policy is None else parse_checkpoint_policy(policy, flag=flag("policy")),
+            spelling=spelling,
+        )
+        if targets is None:
+            if every_n is not None:
+                reject_without_partner(spelling, "every_n", flag("targets"), "name the blocks to checkpoint")
+            if policy is not None and not planned:
+                partner = f"{flag('targets')} or {flag('plan')}"
+                reject_without_partner(spelling, "policy", partner, "name the blocks to checkpoint")
+        return settings
+
+    def flag(self, field: str) -> str:
+        return self.spelling.flag(field)
+
+
+# -- metrics, host guard, plan ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """What the callback logs and where: probe groups, interval, TensorBoard panels, OOM snapshot."""
+
+    groups: tuple[str, ...]
+    log_every_n_steps: int | None
+    tensorboard_panels: bool
+    oom_snapshot: str | None
+
+    @classmethod
+    def parse(
+        cls, *, groups: Iterable[str] | str, accepted: Iterable[str], log_every_n_steps: int | None,
+        tensorboard_panels: bool, oom_snapshot: str | None, spelling: Spelling = LIGHTMEM,
+    ) -> MetricsSettings:  # fmt: skip
+        flag = spelling.flag
+        return cls(
+            groups=parse_choices(groups, flag=flag("groups"), accepted=accepted, what="probe group"),
+            log_every_n_steps=parse_count(log_every_n_steps, flag=flag("log_every_n_steps"), allow_none=True),
+            tensorboard_panels=parse_bool(tensorboard_panels, flag=flag("tensorboard_panels")),
+            oom_snapshot=parse_path(oom_snapshot, flag=flag("oom_snapshot")),
+        )
+
+
+@dataclass(frozen=True)
+class HostGuardSettings:
+    """The host memory guard: the limit it watches, where it warns, where it stops and saves."""
+
+    limit_bytes: int | None
+    """None: ``"auto"``, the cgroup limit or total RAM, read when training starts."""
+    warn_at: float
+    stop_at: float | None
+    stop_checkpoint: str | None
+
+    @classmethod
+    def parse(
+        cls, *, limit: int | float | str = "auto", warn_at: float = 0.85, stop_at: float | None = 0.95,
+        stop_checkpoint: str | None = None, spelling: Spelling = LIGHTMEM,
+    ) -> HostGuardSettings:  # fmt: skip
+        flag = spelling.flag
+        warn = parse_fraction(warn_at, flag=flag("warn_at"))
+        stop = parse_fraction(stop_at, flag=flag("stop_at"), allow_none=True)
+        if stop is not None and stop < warn:  # type: ignore[operator]
+            raise ValueError(f"{flag('stop_at')}: must be >= {dict(spelling.names).get('warn_at', 'warn_at')} ({warn_at}); got {stop_at!r}")
+        if stop is None and stop_checkpoint is not None:
+            raise ValueError(
+                f"{flag('stop_checkpoint')}: has no effect while {spelling.name('stop_at')} is None (the guard "
+                f"only warns, nothing is saved); set {spelling.name('stop_at')} or leave {spelling.name('stop_checkpoint')} unset"
+            )
+        return cls(
+            limit_bytes=parse_host_limit(limit, flag=flag("limit")),
+            warn_at=warn,  # type: ignore[arg-type]
+            stop_at=stop,
+            stop_checkpoint=parse_path(stop_checkpoint, flag=flag("stop_checkpoint")),
+        )
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """``plan="auto"``: the device budget the step must fit, planned from the first batch."""
+
+    auto: bool
+    device_budget_bytes: int | None
+
+    @classmethod
+    def parse(
+        cls, *, plan: str | None, device_budget: int | str | None, spelling: Spelling = LIGHTMEM
+    ) -> PlanSettings:
+        flag = spelling.flag
+        if plan not in (None, "auto"):
+            raise ValueError(f"{flag('plan')}: expected None or 'auto'; got {plan!r}")
+        budget = None if device_budget is None else parse_size(device_budget, flag=flag("device_budget"))
+        if plan == "auto" and budget is None:
+            raise ValueError(
+                f"{flag('plan')}: 'auto' needs device_budget, e.g. {spelling.entry}(plan='auto', device_budget='20GiB')"
+            )
+        if plan is None and budget is not None:
+            reject_without_partner(spelling, "device_budget", f"{spelling.entry}(plan='auto')", "set plan='auto'")
+        return cls(auto=plan == "auto", device_budget_bytes=budget)
+
+
+@dataclass(frozen=True)
+class LightMemSettings:
+    """Every ``LightMem`` flag, parsed once into one settings object per concern.
+
+    ``parse`` takes ``LightMem``'s keyword arguments; a flag is added by adding it there and to
+    its concern's settings. The rules between concerns (``plan="auto"`` chooses the blocks
+    itself) live here.
+    """
+
+    offload_on: bool
+    offload: OffloadSettings
+    checkpoint: CheckpointSettings
+    metrics: MetricsSettings
+    host_guard: HostGuardSettings
+    plan: PlanSettings
+
+    @classmethod
+    def parse(cls, *, metric_groups: tuple[str, ...], **flags: Any) -> LightMemSettings:
+        """``flags``: ``LightMem``'s keyword arguments, every one given; ``metric_groups``: the
+        probe groups ``metrics`` accepts."""
+        flag = LIGHTMEM.flag
+        plan = PlanSettings.parse(plan=flags["plan"], device_budget=flags["device_budget"])
+        if plan.auto and (flags["checkpoint"] is not None or flags["offload_include"] is not None):
+            raise ValueError(f"{flag('plan')}: 'auto' chooses checkpoint and offload_include itself; leave them unset")
+        return cls(
+            offload_on=parse_bool(flags["offload"], flag=flag("offload")),
+            offload=OffloadSettings.parse(
+                min_bytes=flags["offload_min_bytes"], devices=flags["offload_devices"],
+                include=flags["offload_include"], exclude=flags["offload_exclude"], host_budget=flags["host_budget"],
+                prefetch=flags["prefetch_bytes"], max_inflight_bytes=flags["offload_max_inflight_bytes"],
+                host_min_available=flags["host_min_available"], spelling=LIGHTMEM,
+            ),
+            checkpoint=CheckpointSettings.parse(
+                flags["checkpoint"], flags["checkpoint_every"], flags["checkpoint_policy"], spelling=LIGHTMEM,
+                planned=plan.auto,
+            ),
+            metrics=MetricsSettings.parse(
+                groups=flags["metrics"], accepted=metric_groups, log_every_n_steps=flags["log_every_n_steps"],
+                tensorboard_panels=flags["tensorboard_panels"], oom_snapshot=flags["oom_snapshot"],
+            ),
+            host_guard=HostGuardSettings.parse(
+                limit=flags["host_limit"], warn_at=flags["host_warn_at"], stop_at=flags["host_stop_at"],
+                stop_checkpoint=flags["host_stop_checkpoint"],
+            ),
+            plan=plan,
+        )  # fmt: skip
 
 
 _warned: set[str] = set()

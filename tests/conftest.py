@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import sys
 from contextlib import nullcontext
@@ -46,3 +47,9 @@ def cpu_offload():
         return offload_activations(model, **kwargs)
 
     return make
+
+
+@pytest.fixture(params=["pytorch_lightning", "lightning.pytorch"])
+def lightning_package(request):
+    """Each Lightning package in turn: ``pytorch_lightning``, and ``lightning.pytorch`` (``import lightning as L``)."""
+    return importlib.import_module(request.param)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytorch_lightning as pl
 import torch
 from models import TinyGPT, gpt_loss
@@ -14,7 +16,9 @@ def token_loader(batches: int = 6, batch_size: int = 4, seq: int = 33, seed: int
     return DataLoader(TensorDataset(tokens), batch_size=batch_size, shuffle=False)
 
 
-class LitGPT(pl.LightningModule):
+class _LitGPTBody:
+    """LitGPT's methods, on the LightningModule of either package (``lit_gpt_class``)."""
+
     def __init__(self, depth: int = 3, manual: bool = False, skip_every: int = 0, build_in_configure_model: bool = False) -> None:
         super().__init__()
         self.depth = depth
@@ -61,3 +65,12 @@ class LitGPT(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class LitGPT(_LitGPTBody, pl.LightningModule):
+    pass
+
+
+def lit_gpt_class(package: types.ModuleType) -> type:
+    """LitGPT on ``package.LightningModule`` (``pytorch_lightning`` or ``lightning.pytorch``)."""
+    return LitGPT if package is pl else type("LitGPT", (_LitGPTBody, package.LightningModule), {})

@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 from bn_models import LitResNet, image_loader
 from exact import assert_state_equal
-from lit_models import LitGPT, token_loader
+from lit_models import LitGPT, lit_gpt_class, token_loader
 
 from lightmem import LightMem
 from lightmem.checkpoint import is_checkpointed
@@ -17,19 +17,19 @@ from lightmem.checkpoint import is_checkpointed
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
 
 
-def _trainer(callbacks=(), **kwargs):
+def _trainer(callbacks=(), package=pl, **kwargs):
     defaults = dict(
         accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     defaults.update(kwargs)
-    return pl.Trainer(callbacks=list(callbacks), **defaults)
+    return package.Trainer(callbacks=list(callbacks), **defaults)
 
 
-def _fit(callback=None, module_kwargs=None, module_class=LitGPT, loader=token_loader, **trainer_kwargs):
+def _fit(callback=None, module_kwargs=None, module_class=LitGPT, loader=token_loader, package=pl, **trainer_kwargs):
     pl.seed_everything(0, verbose=False)
     module = module_class(**(module_kwargs or {}))
-    trainer = _trainer([callback] if callback else [], **trainer_kwargs)
+    trainer = _trainer([callback] if callback else [], package, **trainer_kwargs)
     trainer.fit(module, loader())
     return module, trainer
 
@@ -65,6 +65,16 @@ def test_trained_weights_are_bitwise_equal_to_a_run_without_the_callback(module_
     callback = _cpu_lightmem()
     actual = _fit(callback, module_kwargs, **trainer_kwargs)
     _assert_same_state(expected, actual)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_either_lightning_package_trains_bitwise_equal_with_offload_and_checkpoint(lightning_package):
+    module_class = lit_gpt_class(lightning_package)
+    expected = _fit(None, module_class=module_class, package=lightning_package)
+    callback = _cpu_lightmem()
+    actual = _fit(callback, module_class=module_class, package=lightning_package)
+    _assert_same_state(expected, actual)
+    assert callback.summary()["blocks checkpointed"] == "3"
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
@@ -125,6 +135,26 @@ def test_fit_twice_validate_predict_and_checkpoint_round_trip(tmp_path):
     assert "configure_model" not in module.__dict__
 
 
+def test_a_fit_session_lives_from_setup_to_teardown():
+    callback = _cpu_lightmem()
+    sessions = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            sessions.append(callback.fit_session)
+
+    assert callback.fit_session is None
+    pl.seed_everything(0, verbose=False)
+    trainer = _trainer([callback, Spy()], max_steps=2)
+    trainer.fit(LitGPT(), token_loader())
+    first = sessions[0]
+    assert sessions == [first, first] and first is not None and callback.fit_session is None
+    trainer = _trainer([callback, Spy()], max_steps=1)
+    trainer.fit(LitGPT(), token_loader())
+    assert sessions[2] is not first and callback.fit_session is None
+    assert callback.summary()["blocks checkpointed"] == "3"
+
+
 def test_exception_in_training_step_leaves_no_hooks_behind():
     class Fails(LitGPT):
         def training_step(self, batch, batch_idx):
@@ -132,8 +162,10 @@ def test_exception_in_training_step_leaves_no_hooks_behind():
             raise RuntimeError("boom")
 
     module = Fails()
+    callback = _cpu_lightmem()
     with pytest.raises(RuntimeError, match="boom"):
-        _trainer([_cpu_lightmem()]).fit(module, token_loader())
+        _trainer([callback]).fit(module, token_loader())
+    assert callback.fit_session is None
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert not any(is_checkpointed(b) for b in module.model.blocks)
     assert "configure_model" not in module.__dict__
@@ -178,7 +210,7 @@ def test_cpu_only_default_turns_offload_off_and_says_so(caplog):
         "metrics. Off: activation offload (no CUDA device: moving CPU tensors to host memory gains nothing); "
         "gpu and device metrics (the training device is not a CUDA device)."
     ]
-    assert callback._offloader is None
+    assert "offloaded per step" not in callback.summary()
 
 
 def test_cpu_only_defaults_say_exactly_what_is_on_in_one_line(caplog):
@@ -236,24 +268,25 @@ def test_checkpoint_target_matching_nothing_fails_when_fit_starts():
         _fit(_cpu_lightmem(checkpoint=["Blok"]))
 
 
-def test_plan_auto_checkpoints_what_the_budget_needs_and_keeps_weights_exact():
+def test_plan_auto_checkpoints_what_the_budget_needs_and_keeps_weights_exact(lightning_package):
+    module_class = lit_gpt_class(lightning_package)
     from lightmem import estimate_memory
 
-    module = LitGPT()
+    module = module_class()
     (tokens,) = next(iter(token_loader()))
     baseline = estimate_memory(module, (tokens,), device="cpu")
     budget = baseline.static_bytes + (baseline.peak_bytes - baseline.static_bytes) * 6 // 10
-    expected = _fit(None)
+    expected = _fit(None, module_class=module_class, package=lightning_package)
     callback = LightMem(plan="auto", device_budget=budget, offload_devices=["cpu"])
     seen = {}
 
-    class Spy(pl.Callback):
+    class Spy(lightning_package.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             seen["checkpointed"] = [name for name, m in pl_module.named_modules() if is_checkpointed(m)]
 
     pl.seed_everything(0, verbose=False)
-    actual = LitGPT()
-    trainer = _trainer([callback, Spy()])
+    actual = module_class()
+    trainer = _trainer([callback, Spy()], lightning_package)
     trainer.fit(actual, token_loader())
     chosen = callback.chosen_plan
     assert chosen.fits and chosen.predicted_total_bytes <= budget

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
-from lit_models import LitGPT, token_loader
+from lit_models import LitGPT, lit_gpt_class, token_loader
 from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
 from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 
@@ -44,13 +44,13 @@ class MemoryLogger(Logger):
         self.hparams.update(params)
 
 
-def _fit(callback, logger, max_steps=5, **kwargs):
+def _fit(callback, logger, max_steps=5, package=pl, **kwargs):
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(
+    trainer = package.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=logger, callbacks=[callback], enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **kwargs,
     )  # fmt: skip
-    trainer.fit(LitGPT(), token_loader())
+    trainer.fit(lit_gpt_class(package)(), token_loader())
     return trainer
 
 
@@ -115,12 +115,13 @@ def test_end_of_fit_summary_goes_to_console_and_every_loggers_metrics(capsys):
     }  # fmt: skip
 
 
-def test_end_of_fit_summary_reaches_tensorboards_text_tab_and_the_csv(tmp_path):
+def test_end_of_fit_summary_reaches_tensorboards_text_tab_and_the_csv(tmp_path, lightning_package):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tensorboard, csv = TensorBoardLogger(tmp_path, name="tb"), CSVLogger(tmp_path, name="csv")
+    loggers = lightning_package.loggers
+    tensorboard, csv = loggers.TensorBoardLogger(tmp_path, name="tb"), loggers.CSVLogger(tmp_path, name="csv")
     callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"], log_every_n_steps=1)
-    _fit(callback, [tensorboard, csv], max_steps=2)
+    _fit(callback, [tensorboard, csv], max_steps=2, package=lightning_package)
     accumulator = EventAccumulator(tensorboard.log_dir, size_guidance={"tensors": 0, "scalars": 0})
     accumulator.Reload()
     (text,) = accumulator.Tensors("lightmem/summary/text_summary")
@@ -167,12 +168,13 @@ def test_no_summary_and_no_panels_for_features_that_are_off(tmp_path, capsys):
     assert callback.summary() == {"peak host RSS": callback.summary()["peak host RSS"]}
 
 
-def test_tensorboard_event_files_hold_the_panels_and_the_scalars(tmp_path):
+def test_tensorboard_event_files_hold_the_panels_and_the_scalars(tmp_path, lightning_package):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
 
-    logger = TensorBoardLogger(tmp_path, name="run")
-    _fit(LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"], log_every_n_steps=1), logger, max_steps=3)
+    logger = lightning_package.loggers.TensorBoardLogger(tmp_path, name="run")
+    callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"], log_every_n_steps=1)
+    _fit(callback, logger, max_steps=3, package=lightning_package)
     accumulator = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
     accumulator.Reload()
     scalars = accumulator.Tags()["scalars"]

@@ -263,8 +263,8 @@ def test_unknown_policy_names_the_flag_and_the_accepted_values():
         apply_checkpointing(TinyGPT(depth=1), "Block", policy="matmuls")
     assert str(error.value) == f"apply_checkpointing(policy=...): expected {accepted}; got 'matmuls'"
     with pytest.raises(ValueError) as error:
-        LightMem(checkpoint=["Block"], checkpoint_policy=None)
-    assert str(error.value) == f"LightMem(checkpoint_policy=...): expected {accepted}; got None"
+        LightMem(checkpoint=["Block"], checkpoint_policy="none")
+    assert str(error.value) == f"LightMem(checkpoint_policy=...): expected {accepted}; got 'none'"
 
 
 def test_a_callable_that_cannot_take_ctx_and_op_fails_at_construction():

@@ -14,6 +14,7 @@ from pytorch_lightning.strategies import FSDPStrategy
 import lightmem.config
 from lightmem import LightMem, oom, offload_activations
 from lightmem.checkpoint import existing_checkpointing, is_checkpointed
+from lightmem.fit_session import FitSession
 from lightmem.offload.context import ActivationOffloader
 
 GiB = 1024**3
@@ -127,13 +128,14 @@ def test_strategies_without_their_own_checkpointing_leave_it_to_lightmem(strateg
     "strategy", [FSDPStrategy(activation_checkpointing_policy={Block}), DeepSpeedStrategy({"partition_activations": True})]
 )
 def test_lightmem_skips_its_checkpointing_with_one_warning_and_keeps_offload_on(strategy):
-    callback = LightMem(checkpoint=["Block"], offload_devices=["cpu"], offload_min_bytes=0)
+    settings = LightMem(checkpoint=["Block"], offload_devices=["cpu"], offload_min_bytes=0).settings
+    session = FitSession(settings, SimpleNamespace(num_devices=1))
     module = LitGPT()
     with pytest.warns(UserWarning) as caught:
-        callback._apply_checkpointing(SimpleNamespace(strategy=strategy), module, ["Block"], 1)
+        session.apply_checkpointing(SimpleNamespace(strategy=strategy), module, ("Block",), 1)
     assert [str(w.message) for w in caught] == [
         f"lightmem: not applying LightMem(checkpoint=['Block']) because {existing_checkpointing(strategy, module)}; "
         "checkpointing twice would recompute twice."
     ]
     assert not any(is_checkpointed(m) for m in module.modules())
-    assert isinstance(callback._build_offloader(module), ActivationOffloader)
+    assert isinstance(session.build_offloader(module, session.offload_settings), ActivationOffloader)

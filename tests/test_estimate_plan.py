@@ -61,7 +61,11 @@ def test_plan_fits_when_the_budget_allows_and_its_flags_verify():
     result = plan(TinyGPT(), _tokens(16), budget, gpt_loss, device="cuda", overhead_bytes=0)
     assert result.fits and result.predicted_total_bytes <= budget
     kwargs = result.lightmem_kwargs()
-    expected_keys = {"offload", "checkpoint"} | ({"offload_min_bytes", "offload_include"} if result.offload else set())
+    expected_keys = (
+        {"offload"}
+        | ({"checkpoint"} if result.checkpoint else set())
+        | ({"offload_min_bytes", "offload_include"} if result.offload else set())
+    )
     assert set(kwargs) == expected_keys
     from lightmem import LightMem
 
@@ -76,7 +80,7 @@ def test_plan_fits_when_the_budget_allows_and_its_flags_verify():
 def test_plan_is_empty_when_the_baseline_fits():
     result = plan(TinyGPT(), _tokens(), "1GiB", gpt_loss, device="cpu")
     assert result.fits and result.checkpoint == [] and result.offload is None
-    assert result.lightmem_kwargs() == {"offload": False, "checkpoint": []}
+    assert result.lightmem_kwargs() == {"offload": False}  # LightMem(checkpoint=[]) would be refused
 
 
 def test_plan_says_it_cannot_when_static_memory_exceeds_the_budget():

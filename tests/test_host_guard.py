@@ -202,9 +202,9 @@ def test_bad_flags_fail_at_construction_naming_the_flag(flags, message):
 
 
 def test_host_limit_accepts_auto_a_size_or_a_fraction_of_ram():
-    assert LightMem().host_limit_bytes is None
-    assert LightMem(host_limit="2GiB").host_limit_bytes == 2 * GiB
-    assert LightMem(host_limit=1.0).host_limit_bytes == discover_limit(ram_bytes=None, proc_cgroup="/absent").limit_bytes
+    assert LightMem().settings.host_guard.limit_bytes is None
+    assert LightMem(host_limit="2GiB").settings.host_guard.limit_bytes == 2 * GiB
+    assert LightMem(host_limit=1.0).settings.host_guard.limit_bytes == discover_limit(ram_bytes=None, proc_cgroup="/absent").limit_bytes
 
 
 def _fit(tmp_path, callback, max_steps=4):
@@ -252,7 +252,8 @@ def test_after_fit_the_callback_pickles_and_deep_copies(tmp_path):
     restored = pickle.loads(pickle.dumps(callback))
     copied = copy.deepcopy(callback)
     for other in (restored, copied):
-        assert (other.offload_devices, other.checkpoint, other.host_warn_at) == (("cpu",), ["Block"], 0.85)
+        assert other.settings == callback.settings
+        assert other.summary() == callback.summary()
         assert other.last_metrics == callback.last_metrics
 
 
@@ -281,7 +282,7 @@ def test_the_callback_tells_the_guard_how_far_workers_load_ahead(tmp_path):
 
     class Probe(pl.Callback):
         def on_train_batch_end(self, trainer, *args):
-            seen.append(callback._host_guard.batches_ahead)
+            seen.append(callback.fit_session.host_guard.batches_ahead)
 
     callback = LightMem(metrics=["host"])
     pl.seed_everything(0, verbose=False)

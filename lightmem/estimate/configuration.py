@@ -13,8 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from lightmem.checkpoint import CheckpointPolicyArg, parse_checkpoint_policy
-from lightmem.config import OffloadSettings, parse_size
+from lightmem.checkpoint import CheckpointPolicyArg
+from lightmem.config import OffloadSettings, parse_checkpoint_policy, parse_size
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
 from lightmem.estimate.settings import (
@@ -27,7 +27,8 @@ from lightmem.estimate.settings import (
     parse_precision,
     parse_zero_grad,
 )
-from lightmem.estimate.step import StepRequest, StepTrace, _is_lightning, run_step
+from lightmem.estimate.step import StepRequest, StepTrace, run_step
+from lightmem.lightning_packages import is_lightning_module
 
 LossFn = Callable[[nn.Module, Any], Any]
 
@@ -72,7 +73,7 @@ def parse_settings(
         raise ValueError(
             f"{fn_name}(loss_fn=...): expected a callable loss_fn(model, batch) -> loss; got {loss_fn!r}"
         )
-    if optimizer is None and not _is_lightning(model):
+    if optimizer is None and not is_lightning_module(model):
         optimizer = "adamw"
     kind = parse_device(device, flag=f"{fn_name}(device=...)")
     return EstimateSettings(

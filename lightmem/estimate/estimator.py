@@ -26,7 +26,7 @@ def estimate_memory(
     optimizer: str | Callable[..., Any] | None = None,
     precision: str | int = "32-true",
     device: str = "cuda",
-    offload: bool | Mapping[str, Any] | None = None,
+    offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
     checkpoint: Iterable[str | type] | str | None = None,
     budget: int | str | None = None,
     overhead_bytes: int | str | None = None,
@@ -61,8 +61,10 @@ def estimate_memory(
         gpu: the GPU of a CUDA estimate, which sets the cuBLAS workspace size: "h100", "h200",
             "gh200" or "hopper" (32 MiB each), "default" or another name such as "a100"
             (8 MiB + 128 KiB each). One workspace for the forward, one for the backward.
-        offload: lightmem's activation offload to simulate: True for its defaults, or a dict with
-            any of ``min_bytes``, ``include``, ``exclude``, ``prefetch``, ``host_budget``.
+        offload: lightmem's activation offload to simulate: True for its defaults, a dict with
+            any of ``min_bytes``, ``include``, ``exclude``, ``prefetch``, ``max_inflight_bytes``,
+            ``host_budget`` (parsed as ``offload_activations`` parses them), or an
+            ``OffloadSettings`` (``LightMem(...).settings.offload``).
         checkpoint: targets for ``lightmem.checkpoint.apply_checkpointing`` (class names,
             qualified-name globs, classes), applied for the estimate and removed afterwards.
         checkpoint_policy: what those blocks keep, as ``apply_checkpointing(policy=...)``:
@@ -110,8 +112,7 @@ def estimate_memory(
 
         ModuleScope(
             model, offload_config.include, offload_config.exclude,
-            include_flag="estimate_memory(offload=...)['include']",
-            exclude_flag="estimate_memory(offload=...)['exclude']",
+            include_flag=offload_config.flag("include"), exclude_flag=offload_config.flag("exclude"),
         )  # fmt: skip
     targets = parse_checkpoint(checkpoint, flag="estimate_memory(checkpoint=...)")
     info = inspect_batch(batch)

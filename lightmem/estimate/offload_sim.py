@@ -131,7 +131,7 @@ class SavedTensorHooks:
             if offload.include is not None or offload.exclude is not None:
                 self.scope = self.policy.scope = ModuleScope(
                     model, offload.include, offload.exclude,
-                    include_flag="offload['include']", exclude_flag="offload['exclude']",
+                    include_flag=offload.flag("include"), exclude_flag=offload.flag("exclude"),
                 )  # fmt: skip
         self._entries: list[Any] = []  # weak references, in pack order
         self._by_storage: dict[int, _Entry | _KeptRecord] = {}

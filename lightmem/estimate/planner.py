@@ -24,11 +24,11 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import DEFAULT_MIN_BYTES, format_bytes, parse_size
+from lightmem.config import DEFAULT_MIN_BYTES, OffloadSettings, format_bytes, parse_size
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.configuration import EstimateSettings, build_report, parse_settings, run_configuration
-from lightmem.estimate.report import BlockMemory, MemoryEstimate, Plan, natural_order
+from lightmem.estimate.report import BlockMemory, MemoryEstimate, Plan, natural_order, policy_name
 from lightmem.estimate.settings import parse_offload
 from lightmem.estimate.step import ROOT_BLOCK
 
@@ -150,7 +150,7 @@ def plan(
     zero_grad: str = "after_forward",
     flops_per_s: float | None = None,
     link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
-    offload_min_bytes: int | str = DEFAULT_MIN_BYTES,
+    offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
     max_rounds: int = 4,
     checkpoint_policy: CheckpointPolicyArg = "full",
 ) -> Plan:
@@ -161,7 +161,12 @@ def plan(
         flops_per_s: sustained forward throughput used to price re-computation (default 100e12
             on CUDA, 0.2e12 on CPU).
         link_bytes_per_s: host link bandwidth per second for offload ("25GB" by default).
-        offload_min_bytes: the offload threshold the plan uses.
+        offload: the offload settings the plan searches under, as for :func:`estimate_memory`
+            (a dict such as ``{"min_bytes": "4MiB", "exclude": ["lm_head"]}``, or
+            ``OffloadSettings``); None: lightmem's defaults; False: plan checkpointing only. The
+            modules to offload are the plan's choice: ``include`` is refused. ``Plan.offload``
+            is these settings with the chosen threshold and modules, and ``Plan.settings`` says
+            what the search ran under.
         max_rounds: verification rounds before giving up.
         checkpoint_policy: what the blocks the plan checkpoints keep: ``"full"`` (their inputs),
             ``"save_matmuls"`` or a per-op callable, as in ``apply_checkpointing``; priced and
@@ -182,18 +187,25 @@ def plan(
         "plan", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
     )  # fmt: skip
-    min_bytes = parse_size(offload_min_bytes, flag="plan(offload_min_bytes=...)")
+    offload_settings = parse_offload(True if offload is None else offload, flag="plan(offload=...)")
+    if offload_settings is not None and offload_settings.include is not None:
+        raise ValueError(
+            f"{offload_settings.flag('include')}: the plan chooses the modules to offload itself; leave it unset"
+        )
     link = parse_size(link_bytes_per_s, flag="plan(link_bytes_per_s=...)")
     if link <= 0:
         raise ValueError(f"plan(link_bytes_per_s=...): must be positive; got {link_bytes_per_s!r}")
     if flops_per_s is not None and float(flops_per_s) <= 0:
         raise ValueError(f"plan(flops_per_s=...): must be positive; got {flops_per_s!r}")
     costs = default_costs(
-        settings.device, flops_per_s=flops_per_s, link_bytes_per_s=link, min_bytes=min_bytes
-    )
+        settings.device, flops_per_s=flops_per_s, link_bytes_per_s=link,
+        min_bytes=offload_settings.min_bytes if offload_settings is not None else DEFAULT_MIN_BYTES,
+    )  # fmt: skip
+    if offload_settings is None:
+        costs.allow_offload = False
     info = inspect_batch(batch)
     base, baseline = build_report(model, batch, settings, info, None, None)
-    result = search_plan(model, batch, settings, info, base, costs, max_rounds=max_rounds)
+    result = search_plan(model, batch, settings, info, base, costs, offload=offload_settings, max_rounds=max_rounds)
     base.advice = advise(base, info, baseline, result)
     result.seconds = time.perf_counter() - started
     return result
@@ -222,9 +234,14 @@ def search_plan(
     base: MemoryEstimate,
     costs: Costs,
     *,
+    offload: OffloadSettings | None = None,
     max_rounds: int = 4,
 ) -> Plan:
-    """Choose actions for the repeated layers of ``base`` and verify each choice with a fake step."""
+    """Choose actions for the repeated layers of ``base`` and verify each choice with a fake step.
+
+    ``offload``: the settings a chosen offload is built from (None: lightmem's defaults)."""
+    base_offload = offload if offload is not None else parse_offload(True, flag="plan(offload=...)")
+    assert base_offload is not None
     budget_bytes = settings.budget_bytes
     assert budget_bytes is not None
     min_bytes = costs.min_bytes
@@ -232,7 +249,7 @@ def search_plan(
     baseline_peak = base.scenarios["baseline"].peak_bytes
     result = Plan(
         [], None, baseline_peak, settings.overhead_bytes, budget_bytes, False, "", estimate=base,
-        checkpoint_policy=settings.checkpoint_policy,
+        checkpoint_policy=settings.checkpoint_policy, settings=_searched_under(settings, costs, offload),
     )  # fmt: skip
     result.estimate_kinds = {name: block.kind for name, block in base.blocks.items()}
     if base.static_exceeds_budget:
@@ -256,8 +273,12 @@ def search_plan(
             exhausted = True
             break
         actions = chosen
-        checkpoint, offload = config_for(actions, min_bytes)
-        offload_config = parse_offload(offload, flag="plan") if offload else None
+        checkpoint, chosen_offload = config_for(actions, min_bytes)
+        offload_config = (
+            base_offload.with_choice(min_bytes=chosen_offload["min_bytes"], include=tuple(chosen_offload["include"]))
+            if chosen_offload
+            else None
+        )
         trace = run_configuration(
             model, batch, settings, info=info, checkpoint=tuple(checkpoint) or None, offload=offload_config
         )
@@ -288,3 +309,19 @@ def search_plan(
             "gradients, optimizer state, temporaries and tensors outside the blocks"
         )
     return result
+
+
+def _searched_under(settings: EstimateSettings, costs: Costs, offload: OffloadSettings | None) -> dict[str, Any]:
+    """What a plan was searched under, JSON-ready: the flags that shaped it, as parsed."""
+    return {
+        "device": settings.device,
+        "precision": settings.precision.name,
+        "optimizer": settings.optimizer.name,
+        "overhead_bytes": settings.overhead_bytes,
+        "budget_bytes": settings.budget_bytes,
+        "checkpoint_policy": policy_name(settings.checkpoint_policy),
+        "offload": offload.to_dict() if offload is not None else None,
+        "offload_considered": costs.allow_offload,
+        "flops_per_s": costs.flops_per_s,
+        "link_bytes_per_s": costs.link_bytes_per_s,
+    }

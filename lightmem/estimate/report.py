@@ -344,29 +344,34 @@ class Plan:
     """Class name per block, for the description."""
     checkpoint_policy: CheckpointPolicyArg = "full"
     """What the checkpointed blocks keep (``LightMem(checkpoint_policy=...)``)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """What the search ran under, as parsed: device, precision, optimizer, overhead, budget,
+    checkpoint policy, offload settings, whether offload was considered (not on "cpu"), prices."""
 
     @property
     def predicted_total_bytes(self) -> int:
         return self.predicted_peak_bytes + self.overhead_bytes
 
     def lightmem_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``LightMem(...)``: offload, checkpoint, and when offloading,
-        offload_min_bytes and offload_include; checkpoint_policy when it is not the default."""
-        policy = {} if self.checkpoint_policy == "full" else {"checkpoint_policy": self.checkpoint_policy}
-        if self.offload is None:
-            return {"offload": False, "checkpoint": list(self.checkpoint), **policy}
-        return {
-            "offload": True,
-            "offload_min_bytes": self.offload.min_bytes,
-            "offload_include": list(self.offload.include or ()),
-            "checkpoint": list(self.checkpoint),
-            **policy,
-        }
+        """Keyword arguments for ``LightMem(...)``: offload; when offloading, offload_min_bytes,
+        offload_include (and offload_exclude when the search ran under one); checkpoint when it
+        checkpoints, with checkpoint_policy when it is not the default."""
+        kwargs: dict[str, Any] = {"offload": self.offload is not None}
+        if self.offload is not None:
+            kwargs["offload_min_bytes"] = self.offload.min_bytes
+            kwargs["offload_include"] = list(self.offload.include or ())
+            if self.offload.exclude is not None:
+                kwargs["offload_exclude"] = list(self.offload.exclude)
+        if self.checkpoint:
+            kwargs["checkpoint"] = list(self.checkpoint)
+            if self.checkpoint_policy != "full":
+                kwargs["checkpoint_policy"] = self.checkpoint_policy
+        return kwargs
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "checkpoint": list(self.checkpoint),
-            "checkpoint_policy": _policy_name(self.checkpoint_policy),
+            "checkpoint_policy": policy_name(self.checkpoint_policy),
             "offload": self.offload.to_dict() if self.offload is not None else None,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_total_bytes": self.predicted_total_bytes,
@@ -376,8 +381,9 @@ class Plan:
             "reason": self.reason,
             "recompute_s": self.recompute_s,
             "exposed_transfer_s": self.exposed_transfer_s,
+            "settings": self.settings,
             "lightmem_kwargs": {
-                name: _policy_name(value) if name == "checkpoint_policy" else value
+                name: policy_name(value) if name == "checkpoint_policy" else value
                 for name, value in self.lightmem_kwargs().items()
             },
         }
@@ -391,7 +397,7 @@ class Plan:
         parts = []
         if self.checkpoint:
             names = compact_names(sorted(self.checkpoint, key=natural_order), kinds)
-            policy = "" if self.checkpoint_policy == "full" else f" (policy {_policy_name(self.checkpoint_policy)})"
+            policy = "" if self.checkpoint_policy == "full" else f" (policy {policy_name(self.checkpoint_policy)})"
             parts.append(f"checkpoint {names}{policy}")
         if self.offload is not None:
             names = compact_names(sorted(self.offload.include or (), key=natural_order), kinds)
@@ -404,7 +410,7 @@ class Plan:
         )
 
 
-def _policy_name(policy: CheckpointPolicyArg) -> str:
+def policy_name(policy: CheckpointPolicyArg) -> str:
     """A policy as JSON and people read it: its name, or the callable's name."""
     return policy if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings
 from lightmem.estimate.batch import inspect_batch
 from lightmem.estimate.configuration import parse_settings, run_configuration
@@ -137,11 +138,12 @@ def max_batch_size(
     optimizer: str | Callable[..., Any] | None = None,
     precision: str | int = "32-true",
     device: str = "cuda",
-    offload: bool | Mapping[str, Any] | None = None,
+    offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
     checkpoint: Iterable[str | type] | str | None = None,
     overhead_bytes: int | str | None = None,
     zero_grad: str = "after_forward",
     limit: int = DEFAULT_LIMIT,
+    checkpoint_policy: CheckpointPolicyArg = "full",
 ) -> BatchSearch:
     """The largest batch size whose step fits ``budget``, without lightmem and with a configuration.
 
@@ -153,6 +155,7 @@ def max_batch_size(
         budget: device memory for the step including the overhead allowance ("24GiB", bytes).
         offload, checkpoint: the lightmem configuration for ``configured`` (None: baseline only).
         limit: the largest batch size considered.
+        checkpoint_policy: what the ``checkpoint`` blocks keep, as for :func:`estimate_memory`.
         Other arguments: as for :func:`estimate_memory`.
 
     Raises:
@@ -161,7 +164,7 @@ def max_batch_size(
     started = time.perf_counter()
     settings = parse_settings(
         "max_batch_size", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
-        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
     )  # fmt: skip
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"max_batch_size(limit=...): expected a positive int; got {limit!r}")

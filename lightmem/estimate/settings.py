@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lightmem.config import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH, OffloadSettings, parse_patterns, parse_size
+from lightmem.config import OffloadSettings, Spelling, parse_checkpoint_targets, parse_size
 from lightmem.estimate.cuda_model import HOPPER_NAMES, OTHER_NAMES, cuda_block_bytes
 
 DEFAULT_CUDA_OVERHEAD = "1GiB"
@@ -105,19 +105,24 @@ def parse_optimizer(value: str | OptimizerFactory | None, *, flag: str) -> Optim
     )
 
 
-_OFFLOAD_KEYS = ("min_bytes", "include", "exclude", "prefetch", "host_budget")
+_OFFLOAD_KEYS = ("min_bytes", "include", "exclude", "prefetch", "max_inflight_bytes", "host_budget")
 
 
-def parse_offload(value: bool | Mapping[str, Any] | None, *, flag: str) -> OffloadSettings | None:
-    """``None``/``False`` (no offload), ``True`` (lightmem's defaults), or a dict.
+def parse_offload(
+    value: bool | Mapping[str, Any] | OffloadSettings | None, *, flag: str
+) -> OffloadSettings | None:
+    """``None``/``False`` (no offload), ``True`` (lightmem's defaults), a dict, or settings already
+    parsed (``LightMem``'s, the CLI's: used as they are).
 
-    The dict takes the keys of ``offload_activations``: ``min_bytes`` (default "1MiB"),
-    ``include`` / ``exclude`` (module patterns), ``prefetch`` (bytes of reloads in flight ahead of
-    backward, default "256MiB") and ``host_budget`` (host bytes; default unlimited, since the
-    host of the target machine is not this one).
+    The dict takes the keys of ``offload_activations`` and is parsed by the engine's own
+    :meth:`OffloadSettings.parse`, with its defaults: ``min_bytes`` ("1MiB"), ``include`` /
+    ``exclude`` (module patterns), ``prefetch`` ("256MiB"), ``max_inflight_bytes`` ("256MiB").
+    ``host_budget`` (bytes) has no default: the host of the target machine is not this one.
     """
     if value is None or value is False:
         return None
+    if isinstance(value, OffloadSettings):
+        return value
     if value is True:
         value = {}
     if not isinstance(value, Mapping):
@@ -129,41 +134,12 @@ def parse_offload(value: bool | Mapping[str, Any] | None, *, flag: str) -> Offlo
         raise ValueError(
             f"{flag}: unknown key(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(_OFFLOAD_KEYS)}"
         )
-    host_budget = value.get("host_budget")
-    return OffloadSettings(
-        min_bytes=parse_size(value.get("min_bytes", DEFAULT_MIN_BYTES), flag=f"{flag}['min_bytes']"),
-        devices=("cuda",),  # not read: the estimator offloads the tensors of the device it models
-        include=parse_patterns(value.get("include"), flag=f"{flag}['include']"),
-        exclude=parse_patterns(value.get("exclude"), flag=f"{flag}['exclude']"),
-        host_budget=host_budget,
-        host_budget_bytes=None
-        if host_budget is None
-        else parse_size(host_budget, flag=f"{flag}['host_budget']"),
-        prefetch_bytes=parse_size(value.get("prefetch", DEFAULT_PREFETCH), flag=f"{flag}['prefetch']"),
-        host_min_available_bytes=0,  # not modelled: the target machine's RAM is not this one's
-    )
+    return OffloadSettings.for_estimate(spelling=Spelling(flag, style="key"), **value)
 
 
 def parse_checkpoint(value: Iterable[str | type] | str | None, *, flag: str) -> tuple[str | type, ...] | None:
-    """Checkpoint targets as ``apply_checkpointing`` takes them (names, classes, globs)."""
-    if value is None:
-        return None
-    if isinstance(value, (str, type)):
-        value = [value]
-    try:
-        targets = tuple(value)
-    except TypeError:
-        raise ValueError(
-            f"{flag}: expected a list of module names, classes or glob patterns; got {value!r}"
-        ) from None
-    for target in targets:
-        if not (isinstance(target, str) and target) and not (
-            isinstance(target, type) and issubclass(target, torch.nn.Module)
-        ):
-            raise ValueError(
-                f"{flag}: expected module names, nn.Module classes or glob patterns; got {target!r}"
-            )
-    return targets or None
+    """Checkpoint targets as ``apply_checkpointing`` takes them (names, classes, globs); None: none."""
+    return None if value is None else parse_checkpoint_targets(value, flag=flag)
 
 
 def parse_overhead(value: int | str | None, device: str, *, flag: str) -> int:

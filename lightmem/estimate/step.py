@@ -52,6 +52,7 @@ from lightmem.estimate.logits import LossLogits, loss_logits
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
+from lightmem.lightning_packages import is_lightning_module
 
 ROOT_BLOCK = "(outside blocks)"
 
@@ -190,14 +191,6 @@ def find_blocks(model: nn.Module) -> Blocks:
     return found
 
 
-def _is_lightning(model: nn.Module) -> bool:
-    try:
-        from pytorch_lightning import LightningModule
-    except ImportError:  # pragma: no cover - Lightning is a dependency
-        return False
-    return isinstance(model, LightningModule)
-
-
 def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
     """Run one steady-state step of ``model`` on fake tensors and trace its memory.
 
@@ -207,7 +200,7 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
         ValueError: the loss is not a scalar, or a module pattern matches nothing.
     """
     started = time.perf_counter()
-    is_lightning = _is_lightning(model)
+    is_lightning = is_lightning_module(model)
     blocks = find_blocks(model)
     handle = None
     checkpointed: list[str] = []

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightmem.config import format_bytes
+from lightmem.lightning_packages import is_tensorboard_logger
 from lightmem.metrics.names import BY_KEY, GiB, key
 from lightmem.metrics.probes import (
     HostProbe,
@@ -26,6 +25,9 @@ from lightmem.metrics.probes import (
 from lightmem.metrics.ranks import RankMax
 from lightmem.metrics.tensorboard import custom_scalars_layout
 from lightmem.tables import format_table, markdown_table
+
+if TYPE_CHECKING:  # a Trainer of either Lightning package
+    import pytorch_lightning as pl
 
 SUMMARY_PREFIX = "lightmem/summary"
 SUMMARY_TITLE = "lightmem: memory summary of this fit"
@@ -195,7 +197,7 @@ class MetricsRecorder:
             self._panels_written = True
             layout = custom_scalars_layout(values)
             for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
+                if is_tensorboard_logger(logger):
                     logger.experiment.add_custom_scalars(layout)
         for logger in trainer.loggers:
             logger.log_metrics(values, step=trainer.global_step)
@@ -232,7 +234,7 @@ class MetricsRecorder:
         rows = [(figure.label, figure.readable()) for figure in figures]
         print(format_table(rows, ("figure", "value"), title=SUMMARY_TITLE, align="lr"), flush=True)
         for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
+            if is_tensorboard_logger(logger):
                 text = markdown_table(rows, ("figure", "value"))
                 logger.experiment.add_text(SUMMARY_PREFIX, text, trainer.global_step)
             values = {f"{SUMMARY_PREFIX}/{figure.name}": figure.value for figure in figures}

@@ -1,0 +1,267 @@
+"""``FitSession``: what ``LightMem`` holds for one ``fit``, from ``setup`` to ``teardown``.
+
+The callback creates one in ``setup`` and drops it in ``teardown`` (or ``on_exception``), so no
+per-fit field outlives its fit or has to be reset. The session drives the parts that do the work:
+checkpointing applied after ``configure_model``, the offloader around each training forward, the
+plan of ``plan="auto"`` at the first batch, the metrics recorder, the host guard and the OOM report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+
+from lightmem import oom
+from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing, select_blocks
+from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
+from lightmem.estimate import Plan, plan
+from lightmem.host_guard import HostGuard, batches_loaded_ahead
+from lightmem.metrics.recorder import MetricsRecorder, build_probes
+from lightmem.offload.context import ActivationOffloader
+from lightmem.offload.training import TrainingOffload
+
+# A Trainer and a LightningModule of either Lightning package: only their attributes are read.
+Trainer = Any
+Module = Any
+
+
+def offload_off_reason(settings: OffloadSettings) -> str | None:
+    """Why offload with these settings would gain nothing on this machine, or None."""
+    if settings.devices == ("cuda",) and not torch.cuda.is_available():
+        return "no CUDA device: moving CPU tensors to host memory gains nothing"
+    return None
+
+
+class FitSession:
+    """The state of one fit: checkpoint handle, offloader, plan, recorder, host guard.
+
+    Args:
+        settings: the callback's parsed flags.
+        trainer: the Trainer whose ``fit`` this is (its devices per node share a fractional
+            ``host_budget``).
+    """
+
+    def __init__(self, settings: LightMemSettings, trainer: Trainer) -> None:
+        # A fractional host_budget is shared by this node's ranks (Lightning sets no LOCAL_WORLD_SIZE).
+        self.offload_settings = settings.offload.for_ranks_per_node(trainer.num_devices)
+        self.settings = settings
+        self.chosen_plan: Plan | None = None
+        self.host_guard: HostGuard | None = None
+        self.recorder: MetricsRecorder | None = None
+        self._offload: TrainingOffload | None = None
+        self._checkpoint: CheckpointHandle | None = None
+        self._patched_module: Module | None = None
+
+    @property
+    def offloader(self) -> ActivationOffloader | None:
+        return self._offload.offloader if self._offload is not None else None
+
+    @property
+    def checkpointed_blocks(self) -> int:
+        return len(self._checkpoint) if self._checkpoint is not None else 0
+
+    # -- checkpointing, before the strategy wraps the model --------------------------------------
+
+    def checkpoint_after_configure_model(self, trainer: Trainer, pl_module: Module) -> None:
+        """Checkpoint the chosen blocks right after ``configure_model``: Lightning calls it after
+        ``setup`` and before the strategy wraps the model, and it may create the blocks."""
+        targets = self.settings.checkpoint.targets
+        if targets is None:
+            return
+        original = pl_module.configure_model
+
+        def configure_model_then_checkpoint() -> None:
+            original()
+            self.apply_checkpointing(trainer, pl_module, targets, self.settings.checkpoint.every_n)
+
+        pl_module.configure_model = configure_model_then_checkpoint
+        self._patched_module = pl_module
+
+    def apply_checkpointing(self, trainer: Trainer, pl_module: Module, targets: tuple[Any, ...], every_n: int) -> None:
+        """Checkpoint ``targets`` unless the strategy or the model already checkpoints (then warn)."""
+        if self._checkpoint is not None:
+            return
+        checkpoint = self.settings.checkpoint
+        reason = existing_checkpointing(trainer.strategy, pl_module)
+        if reason is not None:
+            rank_zero_warn(
+                f"lightmem: not applying {checkpoint.spelling.entry}(checkpoint={list(targets)!r}) because "
+                f"{reason}; checkpointing twice would recompute twice."
+            )
+            return
+        # Fails with the user's flag names before anything is wrapped.
+        select_blocks(
+            pl_module, targets, every_n, targets_flag=checkpoint.flag("targets"), every_n_flag=checkpoint.flag("every_n")
+        )
+        self._checkpoint = apply_checkpointing(
+            pl_module, targets, every_n, checkpoint.policy, policy_flag=checkpoint.flag("policy")
+        )
+
+    # -- start --------------------------------------------------------------------------------------
+
+    def start(self, trainer: Trainer, pl_module: Module) -> None:
+        """At ``on_fit_start``: the host guard, the OOM history, and (without a plan) offload and metrics."""
+        guard = self.settings.host_guard
+        self.host_guard = HostGuard(guard.limit_bytes, guard.warn_at, guard.stop_at, self._host_bytes_held)
+        if self.settings.metrics.oom_snapshot:
+            oom.record_memory_history()
+        if self.settings.plan.auto:  # planned from the first training batch, then recording starts
+            return
+        if self.settings.offload_on:
+            self._start_offload(pl_module, self.offload_settings)
+        self._start_recording(trainer, pl_module)
+
+    def train_start(self, trainer: Trainer) -> None:
+        if self.host_guard is not None:
+            self.host_guard.batches_ahead = batches_loaded_ahead(trainer.train_dataloader)
+
+    def _start_offload(self, pl_module: Module, settings: OffloadSettings) -> None:
+        offloader = self.build_offloader(pl_module, settings)
+        self._offload = TrainingOffload(offloader) if offloader is not None else None
+
+    def build_offloader(self, pl_module: Module, settings: OffloadSettings) -> ActivationOffloader | None:
+        if offload_off_reason(settings) is not None:
+            return None
+        return ActivationOffloader(pl_module, settings=settings)
+
+    def _start_recording(self, trainer: Trainer, pl_module: Module) -> None:
+        metrics = self.settings.metrics
+        blocks = self.checkpointed_blocks
+        probes, metrics_off = build_probes(
+            metrics.groups, pl_module.device, checkpointed_blocks=blocks,
+            host_bytes_held=self._host_bytes_held if self.offloader is not None else None,
+            host_bytes_peak_in_use=self._host_bytes_peak_in_use,
+        )  # fmt: skip
+        if "host" in metrics.groups:
+            probes.append(self.host_guard)
+        self.recorder = MetricsRecorder(
+            probes, log_every_n_steps=metrics.log_every_n_steps, tensorboard_panels=metrics.tensorboard_panels,
+            checkpointed_blocks=blocks,
+        )  # fmt: skip
+        self.recorder.start(trainer)
+        rank_zero_info(self._what_is_on([probe.group for probe in probes], metrics_off))
+
+    def _what_is_on(self, metrics_on: list[str], metrics_off: dict[str, str]) -> str:
+        """One line: every feature that is on, and why each one asked for is off."""
+        on, off = [], []
+        if self.offloader is not None:
+            on.append(f"activation offload (tensors from {format_bytes(self.offloader.min_bytes)})")
+        elif self.settings.offload_on or self.chosen_plan is not None:
+            reason = offload_off_reason(self.offload_settings) or "the plan offloads nothing"
+            off.append(f"activation offload ({reason})")
+        blocks = self.checkpointed_blocks
+        if blocks:
+            names = self._checkpoint.modules  # type: ignore[union-attr]
+            on.append(f"checkpointing {blocks} blocks ({', '.join(names[:3])}{', ...' if blocks > 3 else ''})")
+        elif self.settings.checkpoint.targets is not None:
+            off.append("checkpointing (see the warning above)")
+        if metrics_on:
+            on.append(f"{', '.join(dict.fromkeys(metrics_on))} metrics")
+        for reason in dict.fromkeys(metrics_off.values()):
+            groups = [group for group, why in metrics_off.items() if why == reason]
+            off.append(f"{' and '.join(groups)} metrics ({reason})")
+        return f"lightmem: on: {'; '.join(on) or 'nothing'}." + (f" Off: {'; '.join(off)}." if off else "")
+
+    def _host_bytes_peak_in_use(self) -> int:
+        return self.offloader.host_bytes_peak_in_use if self.offloader is not None else 0
+
+    def _host_bytes_held(self) -> int:
+        return self.offloader.host_bytes_held if self.offloader is not None else 0
+
+    # -- one training batch -------------------------------------------------------------------------
+
+    def batch_start(self, trainer: Trainer, pl_module: Module, batch: Any) -> None:
+        if self.settings.plan.auto and self.chosen_plan is None:
+            self._plan_from(trainer, pl_module, batch)
+        if self._offload is not None:
+            self._offload.enter()
+
+    def forward_done(self, exception: BaseException | None = None) -> None:
+        """Leave the offload hooks (before backward, or wherever a batch may end)."""
+        if self._offload is not None:
+            self._offload.exit(exception)
+
+    def batch_end(self, trainer: Trainer) -> None:
+        self.forward_done()  # training_step returned None: no backward ran
+        if self.host_guard is not None:
+            release = self.offloader.release_host_memory if self.offloader is not None else None
+            self.host_guard.on_training_batch(trainer, release, self.settings.host_guard.stop_checkpoint)
+        if self.recorder is None:
+            return
+        if self._offload is not None and self._offload.stats is not None:
+            self.recorder.add_traffic(self._offload.stats)
+        self.recorder.batch_end(trainer)
+
+    def _plan_from(self, trainer: Trainer, pl_module: Module, batch: Any) -> None:
+        # The dry run calls training_step on fake tensors; its self.log calls must not reach the
+        # Trainer's results.
+        pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
+        try:
+            chosen = plan(
+                pl_module, batch, self.settings.plan.device_budget_bytes, device=pl_module.device.type,
+                precision=str(trainer.precision), offload=self.offload_settings,
+                checkpoint_policy=self.settings.checkpoint.policy,
+            )  # fmt: skip
+        finally:
+            del pl_module.log, pl_module.log_dict
+        self.chosen_plan = chosen
+        summary = (
+            f"lightmem: plan for a {format_bytes(chosen.budget_bytes)} device budget: checkpoint "
+            f"{chosen.checkpoint or 'nothing'}, offload {list(chosen.offload.include) if chosen.offload else 'nothing'}; "
+            f"predicted peak {format_bytes(chosen.predicted_total_bytes)}"
+        )
+        if chosen.fits:
+            rank_zero_info(summary)
+        else:
+            rank_zero_warn(f"{summary}. It does not fit: {chosen.reason}")
+        if chosen.checkpoint:
+            self.apply_checkpointing(trainer, pl_module, tuple(chosen.checkpoint), every_n=1)
+        if chosen.offload is not None:
+            self._start_offload(pl_module, chosen.offload)
+        self._start_recording(trainer, pl_module)
+
+    # -- the end ------------------------------------------------------------------------------------
+
+    def oom_report(self, trainer: Trainer, pl_module: Module) -> str:
+        """What was on the device, the last metrics, and the flags that would help."""
+        return oom.report(
+            pl_module, trainer.optimizers, pl_module.device, offloader=self.offloader,
+            offload_min_bytes=self.offload_settings.min_bytes, checkpointed_blocks=self.checkpointed_blocks,
+            last_metrics=self.recorder.last_metrics if self.recorder is not None else {},
+        )  # fmt: skip
+
+    def on_exception(self, trainer: Trainer, pl_module: Module, exception: BaseException) -> None:
+        """Leave the hooks (the offloader words torch.func's error itself); on an OOM, print the
+        report and dump the snapshot. ``close`` follows."""
+        self.forward_done(exception)
+        if isinstance(exception, torch.cuda.OutOfMemoryError) or "out of memory" in str(exception).lower():
+            print(self.oom_report(trainer, pl_module))
+            path = self.settings.metrics.oom_snapshot
+            written = oom.dump_snapshot(path, trainer.global_rank, trainer.world_size) if path else None
+            if written is not None:
+                print(f"lightmem: memory snapshot written to {written} (open it at https://pytorch.org/memory_viz)")
+
+    def close(self) -> None:
+        """Leave the model and the process as they were before fit: no wrapper, patch or hooks.
+        Probes hold psutil processes (with locks): the recorder keeps only its figures."""
+        try:
+            self.forward_done()
+        finally:
+            if self._checkpoint is not None:
+                self._checkpoint.remove()
+                self._checkpoint = None
+            if self._patched_module is not None:
+                self._patched_module.__dict__.pop("configure_model", None)
+                self._patched_module = None
+            if self._offload is not None:
+                self._offload.close()
+                self._offload = None
+            if self.host_guard is not None:
+                self.host_guard.close()
+                self.host_guard = None
+            if self.recorder is not None:
+                self.recorder.close()
+            if self.settings.metrics.oom_snapshot:
+                oom.stop_memory_history()

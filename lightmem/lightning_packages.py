@@ -1,0 +1,54 @@
+"""The two Lightning packages: ``pytorch_lightning`` and ``lightning.pytorch`` (``import lightning as L``).
+
+They ship separate copies of the same classes, so an ``isinstance`` against one package misses
+the other's objects. Every check lightmem makes on a Lightning object goes through this module.
+It never imports a package the user does not have: a class is looked up only in packages already
+imported (an object of a package can only exist once that package is imported), and the callback's
+bases are the ``Callback`` classes of the packages that are installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+PACKAGES = ("pytorch_lightning", "lightning.pytorch")
+"""Import names of the Lightning packages, the dependency first."""
+
+
+def imported_classes(module: str, name: str) -> tuple[type, ...]:
+    """``name`` from ``<package>.<module>`` of each Lightning package already imported."""
+    found = []
+    for package in PACKAGES:
+        loaded = sys.modules.get(f"{package}.{module}" if module else package)
+        cls = getattr(loaded, name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+def is_lightning_module(obj: Any) -> bool:
+    """Whether ``obj`` is a ``LightningModule`` of either package."""
+    return isinstance(obj, imported_classes("", "LightningModule"))
+
+
+def is_tensorboard_logger(logger: Any) -> bool:
+    """Whether ``logger`` is the ``TensorBoardLogger`` of either package."""
+    return isinstance(logger, imported_classes("loggers", "TensorBoardLogger"))
+
+
+def callback_bases() -> tuple[type, ...]:
+    """The ``Callback`` class of every installed Lightning package, ``pytorch_lightning``'s first.
+
+    A Trainer of either package calls a callback's hooks by name, but ``LightningCLI`` accepts a
+    ``class_path`` only when it subclasses its own package's ``Callback``: ``LightMem`` derives
+    from both where both are installed (the two classes define the same methods).
+    """
+    bases = []
+    for package in PACKAGES:
+        try:
+            bases.append(importlib.import_module(f"{package}.callbacks").Callback)
+        except ImportError:  # lightning is optional; pytorch_lightning is a dependency
+            continue
+    return tuple(bases)
