@@ -17,7 +17,7 @@ from models import make_case
 
 from lightmem import offload_activations
 from lightmem.offload import hooks, inflight, pool
-from lightmem.testing.simulated import COMPUTE, SimulatedAsyncTransport
+from lightmem.testing.simulated import SimulatedAsyncTransport, is_compute
 from lightmem.offload.transport import SyncTransport
 
 NUMEL = 16384
@@ -173,7 +173,7 @@ def test_inflight_bound_holds_device_bytes_and_serves_in_flight_entries_without_
 
 
 def test_sabotage_no_inflight_bound_is_detected(monkeypatch):
-    monkeypatch.setattr(inflight.InflightCopies, "_bound", lambda self, compute, stats: None)
+    monkeypatch.setattr(inflight.InflightCopies, "_bound", lambda self, stats: None)
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
     transport.hold_copies_to_host()
     run_grads(_Chain(), _chain_loss, _offload_with(transport, max_inflight_bytes=3 * NBYTES))
@@ -242,7 +242,7 @@ def test_sabotage_offloading_while_capturing_is_detected():
     transport.close()
 
 
-# -- 5. reload buffers: allocated on the copy stream, recorded for the compute stream -----------
+# -- 5. reload buffers: allocated on the compute stream, copied once compute has reached them ----
 
 
 def _lagging_backward(transport):
@@ -262,42 +262,32 @@ def _lagging_backward(transport):
     return expected, actual, off
 
 
-def test_reloads_do_not_wait_for_compute_and_their_memory_waits_for_its_readers():
+def test_reload_copies_wait_for_compute_and_never_overwrite_memory_compute_still_reads():
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
     expected, actual, off = _lagging_backward(transport)
     assert_bitwise_equal(expected, actual)
     assert off.stats.reloaded_bytes == SAVES * NBYTES
-    assert transport.side_waits_on_lagging_compute == 0  # no reload waits for compute
-    assert transport.record_stream_calls == SAVES  # each reload recorded for the compute stream
+    assert transport.side_waits_on_lagging_compute == SAVES  # each copy waits for compute's point
+    assert transport.record_stream_calls == 0  # the memory is the compute stream's own
     assert transport.device_reuse_hazards == 0
+    assert transport.memory_stats()["reserved_bytes.all.peak"] == 2 * NBYTES  # the node's + one ahead
     transport.close()
 
 
-def test_sabotage_reload_buffer_not_recorded_for_compute_is_detected(monkeypatch):
-    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
-    allocate = transport.alloc_like
-    transport.alloc_like = lambda template, device, stream, consumer: allocate(template, device, stream, stream)
+class _CopyNotAfterCompute(SimulatedAsyncTransport):
+    """Reload copies do not wait for the compute stream's point at their allocation."""
+
+    def wait(self, stream, event):
+        if not is_compute(stream) and stream.name == "h2d" and is_compute(event.stream):
+            return
+        super().wait(stream, event)
+
+
+def test_sabotage_reload_copy_not_ordered_after_compute_is_detected():
+    transport = _CopyNotAfterCompute(seed=0, max_delay_s=0.0)
     _lagging_backward(transport)
-    assert transport.record_stream_calls == 0
-    assert transport.device_reuse_hazards > 0  # a freed reload block reused while compute lags
-    transport.close()
-
-
-def test_a_reload_ordered_after_compute_would_be_counted():
-    # The protocol before this change: the copy stream waited for all compute issued so far.
-    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
-    allocate = transport.alloc_like
-
-    def after_compute(template, device, stream, consumer):
-        tensor = allocate(template, device, stream, consumer)
-        transport.wait(stream, transport.record(COMPUTE))
-        return tensor
-
-    transport.alloc_like = after_compute
-    transport.lag_grace_s = 0.05  # each reload blocks until compute catches up: keep it short
-    expected, actual, _ = _lagging_backward(transport)
-    assert_bitwise_equal(expected, actual)
-    assert transport.side_waits_on_lagging_compute == SAVES
+    assert transport.side_waits_on_lagging_compute == 0
+    assert transport.device_reuse_hazards > 0  # a copy wrote memory that lagging compute still read
     transport.close()
 
 
@@ -327,8 +317,8 @@ def test_inflight_bound_on_real_models_at_the_default_min_bytes(kind, monkeypatc
     held = []
     add = inflight.InflightCopies.add
 
-    def add_and_measure(self, entry, compute, stats):
-        add(self, entry, compute, stats)
+    def add_and_measure(self, entry, stats):
+        add(self, entry, stats)
         held.append(self.bytes)
 
     monkeypatch.setattr(inflight.InflightCopies, "add", add_and_measure)
