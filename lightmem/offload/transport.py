@@ -29,7 +29,9 @@ class Transport(Protocol):
     """Copies have completed when they return: the offloader then skips streams and events."""
 
     def streams(self, device: torch.device) -> tuple[Any, Any, Any]:
-        """(compute, device_to_host, host_to_device) streams for ``device``; compute is current."""
+        """(compute, device_to_host, host_to_device) streams for ``device``; compute is the current
+        stream. Asked once per saved tensor that moves, when it is saved: the entry keeps them
+        (autograd runs an op's backward on its forward's stream)."""
 
     def record(self, stream: Any) -> Any:
         """An event that completes when the work queued on ``stream`` so far has completed."""
