@@ -468,10 +468,10 @@ class HostPool:
             if available_ram_bytes() - size < self.min_available_bytes:
                 self.floor_hits += 1
                 return None
-        slab = self._new_slab(slab_bytes, pin=False)  # page-locked at the next step boundary
+        slab = self._new_slab(slab_bytes)  # pageable: page-locked at the next step boundary
         return None if slab is None else slab.take(size)
 
-    def _new_slab(self, capacity: int, pin: bool) -> HostSlab | None:
+    def _new_slab(self, capacity: int, pin: bool = False) -> HostSlab | None:
         if self.alloc_failed:  # failed this step already: no new attempt (and no new error) per request
             return None
         try:
