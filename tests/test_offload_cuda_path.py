@@ -477,3 +477,38 @@ def test_backward_captured_over_offloaded_tensors_raises_a_clear_error():
     assert str(raised.value) == hooks.CAPTURED_RELOAD_MESSAGE
     assert transport.capture_violations == 0
     transport.close()
+
+
+class _PinnedSimulated(SimulatedAsyncTransport):
+    pin_memory = True
+
+
+def test_step_boundary_page_locks_the_first_steps_memory_also_after_unconsumed_reloads(monkeypatch):
+    # A backward through the loss only: its unpack reloads and prefetches the sines' entries,
+    # which nothing reads; the graph is then dropped. The pageable slabs of that first step are
+    # still replaced by one page-locked slab at a step boundary.
+    cudart = _FakeCudart()
+    _use_fake_runtime(monkeypatch, cudart)
+    pinned_before = pool.registration_stats().pinned_bytes
+    transport = _PinnedSimulated(seed=0, max_delay_s=0.002)
+    model = _Chain()
+    off = offload_activations(model, min_bytes=0, devices=("cpu",), transport=transport, prefetch="64MiB")
+    with off:
+        out = model.weight.clone()
+        for _ in range(SAVES):
+            out = out.sin()
+        loss = (out * out).sum()  # its backward reads out: the first unpack, which prefetches
+    transport.synchronize()  # every copy to host has run: backward reloads
+    torch.autograd.grad(loss, out)
+    del loss, out
+    assert off.stats.reloaded_bytes == (SAVES + 1) * NBYTES
+    assert cudart.registered == {}
+    # The first boundary reshapes the pool before the offloader lets go of the entries whose
+    # copies it now sees complete; the second replaces the pageable slabs.
+    for _ in range(2):
+        with off:
+            pass
+    assert len(cudart.registered) == 1 and off.host_bytes_in_use == 0
+    assert off.host_bytes_held == pool.registration_stats().pinned_bytes - pinned_before
+    off.release_host_memory()
+    transport.close()

@@ -515,6 +515,8 @@ class HostPool:
         """Step boundary: remember this step's peak; reshape the slabs to the window's bound."""
         with self._lock:
             self._drain()
+            if self._pending and self._pin and any(not slab.registered for slab in self._slabs):
+                self._wait_for_pending()
             self.alloc_failed = False
             self._window.append(max(self._step_peak_requested, self._step_demand_requested))
             self._window_bytes.append(max(self._step_peak_bytes, self._step_demand_bytes))
@@ -539,6 +541,18 @@ class HostPool:
                 if target and available_ram_bytes() - target >= self.min_available_bytes:
                     self._new_slab(target, pin=self._pin)
             self._overflow_bytes = 0
+
+    def _wait_for_pending(self) -> None:
+        """Under the lock, at a step boundary after a step that made pageable slabs: when every
+        block in use only waits for its last copy (reloads the GPU has not run yet), wait for
+        those copies, so the slabs can be replaced by one page-locked slab now. Deliberate and
+        bounded: once per step that grew the pool, never inside a hook."""
+        if self._in_use_bytes != sum(block.capacity for block in self._pending):
+            return  # a graph is still alive: its blocks stay where they are
+        for block in self._pending:
+            while not self._done(block.event):
+                time.sleep(_PENDING_POLL_S)
+        self._drain()
 
     def reset_peak(self) -> int:
         """Start a new peak of ``held_bytes`` from the current value, and return it."""
