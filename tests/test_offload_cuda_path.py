@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from types import SimpleNamespace
 import warnings
 
 import pytest
@@ -261,7 +262,8 @@ def test_registration_runs_in_the_context_of_the_saved_tensors_device(monkeypatc
     _use_fake_runtime(monkeypatch, cudart)
     monkeypatch.setattr(torch.cuda, "device", _FakeDevice)
     host_pool = pool.HostPool(_PinnedSync(), budget_bytes=2**30, min_available_bytes=0)
-    block = host_pool.acquire(2**20, torch.device("cuda", 1))  # a rank on cuda:1, no set_device
+    on_cuda_1 = SimpleNamespace(device=torch.device("cuda", 1))  # a rank on cuda:1, no set_device
+    block = host_pool.acquire(2**20, on_cuda_1)
     host_pool.release(block)
     host_pool.end_step()  # page-locks the step's memory as one slab
     assert list(cudart.registered.values()) == [1]

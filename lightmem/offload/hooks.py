@@ -383,7 +383,7 @@ class Offloader:
                 return _Offloaded(known, version, _layout(tensor, alias, known))
             return (_held(tensor), version, known)
         if verdict == MOVE:
-            block = self._pool.acquire(nbytes, storage.device)
+            block = self._pool.acquire(nbytes, storage)
             if block is not None:
                 entry = by_storage[key] = self._offload(storage, block, nbytes, alias, version)
                 return _Offloaded(entry, version, _layout(tensor, alias, entry))

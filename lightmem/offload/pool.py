@@ -402,7 +402,9 @@ class HostPool:
         """The most bytes of blocks in use at once since the last step boundary."""
         return self._step_peak_bytes
 
-    def acquire(self, nbytes: int, device: torch.device | None = None) -> HostBlock | None:
+    def acquire(self, nbytes: int, storage: torch.UntypedStorage | None = None) -> HostBlock | None:
+        """A block of at least ``nbytes`` for ``storage``'s bytes (its device is asked only when a
+        slab is made: page-locking runs in that device's context), or ``None`` (see the class)."""
         size = self._sizes.get(nbytes)
         if size is None:
             if len(self._sizes) >= _MAX_CACHED_BLOCKS:
@@ -427,7 +429,7 @@ class HostPool:
                         break
                 else:
                     self._no_room_below[size] = len(slabs)
-                    block = self._grow(size, requested, device)
+                    block = self._grow(size, requested, storage)
                     if block is None:
                         if requested > self._step_demand_requested:
                             self._step_demand_requested = requested
@@ -447,9 +449,9 @@ class HostPool:
                 self._step_peak_bytes = in_use
             return block
 
-    def _grow(self, size: int, requested: int, device: torch.device | None) -> HostBlock | None:
-        if device is not None:
-            self._device = device
+    def _grow(self, size: int, requested: int, storage: torch.UntypedStorage | None) -> HostBlock | None:
+        if storage is not None:
+            self._device = storage.device
         step_peak = max(self._step_peak_requested, requested)
         limit = max(self._limit_bytes, int(step_peak * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES)
         if self._held_bytes + size > limit:
