@@ -7,7 +7,9 @@ compute stream. Each protection has a sabotage test that removes it and must be 
 
 from __future__ import annotations
 
+import copy
 import gc
+from types import SimpleNamespace
 import warnings
 
 import pytest
@@ -17,7 +19,7 @@ from models import make_case
 
 from lightmem import offload_activations
 from lightmem.offload import hooks, inflight, pool
-from lightmem.testing.simulated import COMPUTE, SimulatedAsyncTransport
+from lightmem.testing.simulated import SimulatedAsyncTransport, is_compute
 from lightmem.offload.transport import SyncTransport
 
 NUMEL = 16384
@@ -51,59 +53,137 @@ def _offload_with(transport, **kwargs):
 # -- 1. pinned host memory: a failure never leaves CUDA in an error state, never raises -----------
 
 
-class _FakeCudart:
-    """cudaHostRegister / cudaGetLastError / cudaHostUnregister with CUDA's last-error rule."""
+TORCH_CUDART_BINDINGS = (
+    "cudaGetErrorString", "cudaProfilerStart", "cudaProfilerStop", "cudaHostRegister",
+    "cudaHostUnregister", "cudaStreamCreate", "cudaStreamDestroy", "cudaMemGetInfo",
+)  # fmt: skip
+"""What ``torch.cuda.cudart()`` binds (torch/csrc/cuda/shared/cudart.cpp): no cudaGetLastError."""
 
-    def __init__(self, register_code: int = 0, raises: bool = False) -> None:
+
+class _FakeCudart:
+    """torch's ``_cudart`` binding, exactly: CUDA's last-error rule behind it; a call to anything
+    torch does not bind is recorded in ``missing`` (and raises, as it would on a GPU)."""
+
+    def __init__(self, register_code: int = 0, raises: bool = False, unregister_code: int = 0) -> None:
         self.register_code = register_code
+        self.unregister_code = unregister_code
         self.raises = raises
         self.last_error = 0
-        self.registered: set[int] = set()
+        self.registered: dict[int, int | None] = {}  # pointer -> device current at registration
         self.unregistered: set[int] = set()
+        self.missing: list[str] = []
+        self.library = _FakeRuntimeLibrary(self)
 
-    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - CUDA's name
+    def __getattr__(self, name):
+        self.missing.append(name)
+        raise AttributeError(f"module 'torch._C._cudart' has no attribute '{name}'")
+
+    def cudaGetErrorString(self, code):  # noqa: N802 - CUDA's names
+        return f"error {code}"
+
+    def cudaProfilerStart(self):  # noqa: N802
+        return 0
+
+    def cudaProfilerStop(self):  # noqa: N802
+        return 0
+
+    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802
         if self.raises:
             raise RuntimeError("CUDA driver error: initialization error")
         if self.register_code:
             self.last_error = self.register_code  # a failed call leaves it set, as CUDA does
             return self.register_code
-        self.registered.add(ptr)
+        self.registered[ptr] = _FakeDevice.current
         return 0
-
-    def cudaGetLastError(self):  # noqa: N802
-        error, self.last_error = self.last_error, 0
-        return error
 
     def cudaHostUnregister(self, ptr):  # noqa: N802
+        if self.unregister_code:
+            self.last_error = self.unregister_code
+            return self.unregister_code
         self.unregistered.add(ptr)
         return 0
+
+    def cudaStreamCreate(self, stream):  # noqa: N802
+        return 0
+
+    def cudaStreamDestroy(self, stream):  # noqa: N802
+        return 0
+
+    def cudaMemGetInfo(self, device):  # noqa: N802
+        return 0, 0
+
+
+class _FakeRuntimeLibrary:
+    """The CUDA runtime library torch loaded, as ctypes sees it: cudaGetLastError resets the error."""
+
+    def __init__(self, cudart: _FakeCudart) -> None:
+        self._cudart = cudart
+
+    def cudaGetLastError(self):  # noqa: N802
+        error, self._cudart.last_error = self._cudart.last_error, 0
+        return error
+
+
+class _FakeDevice:
+    """``torch.cuda.device(index)``: which device is current while it is entered."""
+
+    current: int | None = None
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __enter__(self):
+        self.previous, _FakeDevice.current = _FakeDevice.current, self.index
+
+    def __exit__(self, *exc):
+        _FakeDevice.current = self.previous
+
+
+def test_the_fake_runtime_binds_exactly_what_torch_binds():
+    names = {name for name in vars(_FakeCudart) if name.startswith("cuda")}
+    assert names == set(TORCH_CUDART_BINDINGS)
 
 
 class _PinnedSync(SyncTransport):
     pin_memory = True
 
 
-def _pinned_run(monkeypatch, cudart, model_case="transformer", **kwargs):
+def _use_fake_runtime(monkeypatch, cudart):
     monkeypatch.setattr(pool, "_cudart", lambda: cudart)
+    monkeypatch.setattr(pool, "_runtime_library", lambda: cudart.library)
+    monkeypatch.setattr(pool, "_cuda_bindings_runtime", lambda: None)
+
+
+def _pinned_run(monkeypatch, cudart, model_case="transformer", steps=2, **kwargs):
+    """``steps`` steps with page-locked host memory; returns the context and the warnings."""
+    _use_fake_runtime(monkeypatch, cudart)
     model, loss_fn = make_case(model_case)
     expected, _ = run_grads(model, loss_fn)
+    model = copy.deepcopy(model)
+    off = offload_activations(model, devices=("cpu",), transport=_PinnedSync(), min_bytes=0, **kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        actual, off = run_grads(model, loss_fn, _offload_with(_PinnedSync(), **kwargs))
-    assert_bitwise_equal(expected, actual)
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1234)
+            with off:
+                loss = loss_fn(model)
+            loss.backward()
+            actual = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+            assert_bitwise_equal(expected, actual)
+    assert cudart.missing == []  # nothing torch does not bind was called
     return off, [w for w in caught if "could not be allocated or page-locked" in str(w.message)]
 
 
 def test_failed_registration_clears_cuda_error_and_keeps_tensors_on_the_device(monkeypatch):
     cudart = _FakeCudart(register_code=712)  # cudaErrorHostMemoryAlreadyRegistered
     off, warned = _pinned_run(monkeypatch, cudart)
-    stats = off.stats
+    stats = off.stats  # the second step: the boundary before it tried to page-lock its slab
     assert cudart.last_error == 0  # the next kernel launch would raise it otherwise
     assert stats.offloaded_tensors == 0 and stats.budget_kept_bytes == 0
     assert stats.host_alloc_failed_bytes > 0
     assert stats.host_alloc_failed_bytes + stats.kept_bytes == _eligible_bytes(make_case("transformer"))
     assert len(warned) == 1 and "CUDA error 712" in str(warned[0].message)
-    assert off._pool.alloc_failures == 1  # one attempt per step, not one per saved tensor
 
 
 def _eligible_bytes(case) -> int:
@@ -141,14 +221,55 @@ def test_host_allocation_failure_is_not_raised_from_pack_and_retried_next_step(m
     assert off.stats.offloaded_bytes == SAVES * NBYTES and off.stats.host_alloc_failed_bytes == 0
 
 
+def test_first_step_registers_nothing_and_the_step_boundary_registers_one_slab(monkeypatch):
+    cudart = _FakeCudart()
+    before = pool.registration_stats()
+    off, warned = _pinned_run(monkeypatch, cudart, steps=1)
+    assert off.stats.offloaded_tensors > 0 and not warned
+    assert cudart.registered == {}  # no cudaHostRegister inside a saved-tensor hook
+    with off:  # the step boundary
+        pass
+    assert len(cudart.registered) == 1
+    after = pool.registration_stats()
+    assert after.registrations - before.registrations == 1
+    assert after.pinned_bytes - before.pinned_bytes == off.host_bytes_held
+    off.release_host_memory()
+    assert pool.registration_stats().pinned_bytes == before.pinned_bytes
+
+
 def test_registered_slabs_are_unregistered_when_given_back(monkeypatch):
     cudart = _FakeCudart()
-    off, warned = _pinned_run(monkeypatch, cudart)
+    off, warned = _pinned_run(monkeypatch, cudart, steps=3)
     assert off.stats.offloaded_tensors > 0 and not warned
     assert cudart.registered and not cudart.unregistered
     gc.collect()
     off.release_host_memory()
-    assert cudart.unregistered == cudart.registered and cudart.last_error == 0
+    assert cudart.unregistered == set(cudart.registered) and cudart.last_error == 0
+
+
+def test_failed_unregistration_is_reported_and_its_error_cleared(monkeypatch):
+    cudart = _FakeCudart(unregister_code=1)  # cudaErrorInvalidValue
+    off, _ = _pinned_run(monkeypatch, cudart, steps=2)
+    gc.collect()
+    with pytest.warns(UserWarning, match=r"cudaHostUnregister of \d+ bytes failed \(CUDA error 1\)"):
+        off.release_host_memory()
+    assert cudart.last_error == 0
+    assert cudart.missing == []
+
+
+def test_registration_runs_in_the_context_of_the_saved_tensors_device(monkeypatch):
+    cudart = _FakeCudart()
+    _use_fake_runtime(monkeypatch, cudart)
+    monkeypatch.setattr(torch.cuda, "device", _FakeDevice)
+    host_pool = pool.HostPool(_PinnedSync(), budget_bytes=2**30, min_available_bytes=0)
+    on_cuda_1 = SimpleNamespace(device=torch.device("cuda", 1))  # a rank on cuda:1, no set_device
+    block = host_pool.acquire(2**20, on_cuda_1)
+    host_pool.release(block)
+    host_pool.end_step()  # page-locks the step's memory as one slab
+    assert list(cudart.registered.values()) == [1]
+    assert _FakeDevice.current is None
+    host_pool.clear()
+    assert cudart.unregistered == set(cudart.registered)
 
 
 # -- 2. the bytes in flight to host are bounded ------------------------------------------------
@@ -173,7 +294,7 @@ def test_inflight_bound_holds_device_bytes_and_serves_in_flight_entries_without_
 
 
 def test_sabotage_no_inflight_bound_is_detected(monkeypatch):
-    monkeypatch.setattr(inflight.InflightCopies, "_bound", lambda self, compute, stats: None)
+    monkeypatch.setattr(inflight.InflightCopies, "_bound", lambda self, stats: None)
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
     transport.hold_copies_to_host()
     run_grads(_Chain(), _chain_loss, _offload_with(transport, max_inflight_bytes=3 * NBYTES))
@@ -242,7 +363,7 @@ def test_sabotage_offloading_while_capturing_is_detected():
     transport.close()
 
 
-# -- 5. reload buffers: allocated on the copy stream, recorded for the compute stream -----------
+# -- 5. reload buffers: allocated on the compute stream, copied once compute has reached them ----
 
 
 def _lagging_backward(transport):
@@ -262,42 +383,32 @@ def _lagging_backward(transport):
     return expected, actual, off
 
 
-def test_reloads_do_not_wait_for_compute_and_their_memory_waits_for_its_readers():
+def test_reload_copies_wait_for_compute_and_never_overwrite_memory_compute_still_reads():
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
     expected, actual, off = _lagging_backward(transport)
     assert_bitwise_equal(expected, actual)
     assert off.stats.reloaded_bytes == SAVES * NBYTES
-    assert transport.side_waits_on_lagging_compute == 0  # no reload waits for compute
-    assert transport.record_stream_calls == SAVES  # each reload recorded for the compute stream
+    assert transport.side_waits_on_lagging_compute == SAVES  # each copy waits for compute's point
+    assert transport.record_stream_calls == 0  # the memory is the compute stream's own
     assert transport.device_reuse_hazards == 0
+    assert transport.memory_stats()["reserved_bytes.all.peak"] == 2 * NBYTES  # the node's + one ahead
     transport.close()
 
 
-def test_sabotage_reload_buffer_not_recorded_for_compute_is_detected(monkeypatch):
-    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
-    allocate = transport.alloc_like
-    transport.alloc_like = lambda template, device, stream, consumer: allocate(template, device, stream, stream)
+class _CopyNotAfterCompute(SimulatedAsyncTransport):
+    """Reload copies do not wait for the compute stream's point at their allocation."""
+
+    def wait(self, stream, event):
+        if not is_compute(stream) and stream.name == "h2d" and is_compute(event.stream):
+            return
+        super().wait(stream, event)
+
+
+def test_sabotage_reload_copy_not_ordered_after_compute_is_detected():
+    transport = _CopyNotAfterCompute(seed=0, max_delay_s=0.0)
     _lagging_backward(transport)
-    assert transport.record_stream_calls == 0
-    assert transport.device_reuse_hazards > 0  # a freed reload block reused while compute lags
-    transport.close()
-
-
-def test_a_reload_ordered_after_compute_would_be_counted():
-    # The protocol before this change: the copy stream waited for all compute issued so far.
-    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
-    allocate = transport.alloc_like
-
-    def after_compute(template, device, stream, consumer):
-        tensor = allocate(template, device, stream, consumer)
-        transport.wait(stream, transport.record(COMPUTE))
-        return tensor
-
-    transport.alloc_like = after_compute
-    transport.lag_grace_s = 0.05  # each reload blocks until compute catches up: keep it short
-    expected, actual, _ = _lagging_backward(transport)
-    assert_bitwise_equal(expected, actual)
-    assert transport.side_waits_on_lagging_compute == SAVES
+    assert transport.side_waits_on_lagging_compute == 0
+    assert transport.device_reuse_hazards > 0  # a copy wrote memory that lagging compute still read
     transport.close()
 
 
@@ -327,8 +438,8 @@ def test_inflight_bound_on_real_models_at_the_default_min_bytes(kind, monkeypatc
     held = []
     add = inflight.InflightCopies.add
 
-    def add_and_measure(self, entry, compute, stats):
-        add(self, entry, compute, stats)
+    def add_and_measure(self, entry, stats):
+        add(self, entry, stats)
         held.append(self.bytes)
 
     monkeypatch.setattr(inflight.InflightCopies, "add", add_and_measure)
@@ -367,4 +478,39 @@ def test_backward_captured_over_offloaded_tensors_raises_a_clear_error():
         transport.capturing_graph = False
     assert str(raised.value) == hooks.CAPTURED_RELOAD_MESSAGE
     assert transport.capture_violations == 0
+    transport.close()
+
+
+class _PinnedSimulated(SimulatedAsyncTransport):
+    pin_memory = True
+
+
+def test_step_boundary_page_locks_the_first_steps_memory_also_after_unconsumed_reloads(monkeypatch):
+    # A backward through the loss only: its unpack reloads and prefetches the sines' entries,
+    # which nothing reads; the graph is then dropped. The pageable slabs of that first step are
+    # still replaced by one page-locked slab at a step boundary.
+    cudart = _FakeCudart()
+    _use_fake_runtime(monkeypatch, cudart)
+    pinned_before = pool.registration_stats().pinned_bytes
+    transport = _PinnedSimulated(seed=0, max_delay_s=0.002)
+    model = _Chain()
+    off = offload_activations(model, min_bytes=0, devices=("cpu",), transport=transport, prefetch="64MiB")
+    with off:
+        out = model.weight.clone()
+        for _ in range(SAVES):
+            out = out.sin()
+        loss = (out * out).sum()  # its backward reads out: the first unpack, which prefetches
+    transport.synchronize()  # every copy to host has run: backward reloads
+    torch.autograd.grad(loss, out)
+    del loss, out
+    assert off.stats.reloaded_bytes == (SAVES + 1) * NBYTES
+    assert cudart.registered == {}
+    # The first boundary reshapes the pool before the offloader lets go of the entries whose
+    # copies it now sees complete; the second replaces the pageable slabs.
+    for _ in range(2):
+        with off:
+            pass
+    assert len(cudart.registered) == 1 and off.host_bytes_in_use == 0
+    assert off.host_bytes_held == pool.registration_stats().pinned_bytes - pinned_before
+    off.release_host_memory()
     transport.close()

@@ -8,6 +8,7 @@ protocol and shows that the suite notices.
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -17,7 +18,7 @@ from models import CASES, TinyGPT, make_case
 
 from lightmem import offload_activations
 from lightmem.offload import hooks
-from lightmem.testing.simulated import COMPUTE, SimulatedAsyncTransport
+from lightmem.testing.simulated import SimulatedAsyncTransport, is_compute
 
 
 def _offload_with(transport, **kwargs):
@@ -25,23 +26,45 @@ def _offload_with(transport, **kwargs):
     return lambda model: offload_activations(model, devices=("cpu",), transport=transport, **kwargs)
 
 
+def _step(model, loss_fn, context, before_backward=None):
+    """``run_grads`` with ``before_backward()`` called between the forward and the backward."""
+    model = copy.deepcopy(model)
+    off = context(model)
+    torch.manual_seed(1234)
+    with off:
+        loss = loss_fn(model)
+    if before_backward is not None:
+        before_backward()
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, off
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("case", CASES)
 def test_gradients_bitwise_equal_under_asynchronous_copies(case, seed, monkeypatch):
+    # Copies run on worker threads after random delays, but what each counter sees is fixed by
+    # the held copies to host: a copy runs only when the in-flight bound makes compute wait for
+    # it, so the newest entries (within the bound) are still in flight when backward begins and
+    # every older one is reloaded, the first on a miss and the rest ahead of need.
     serve_in_flight = seed < 2
     if not serve_in_flight:  # every entry is reloaded, also one whose copy to host still runs
         monkeypatch.setattr(hooks, "served_view", lambda *args: None)
     model, loss_fn = make_case(case)
     expected, _ = run_grads(model, loss_fn)
     transport = SimulatedAsyncTransport(seed=seed, max_delay_s=0.0005)
+    transport.hold_copies_to_host()
     prefetch = "64KiB" if seed % 2 else "16MiB"  # a narrow and a wide prefetch window
-    actual, off = run_grads(model, loss_fn, _offload_with(transport, prefetch=prefetch))
+    context = _offload_with(transport, prefetch=prefetch, max_inflight_bytes="64KiB")
+    actual, off = run_grads(model, loss_fn, context)
     assert_bitwise_equal(expected, actual)
-    assert transport.stale_reads == 0
-    if serve_in_flight:  # backward may overtake every copy to host on a fast model
-        assert off.stats.prefetch_hits + off.stats.inflight_served > 0
+    assert transport.stale_reads == 0 and transport.unordered_source_frees == 0
+    stats = off.stats
+    assert stats.prefetch_misses >= 1 and stats.prefetch_hits > 0
+    if serve_in_flight:
+        assert stats.inflight_served > 0
     else:
-        assert off.stats.prefetch_hits > 0 and off.stats.inflight_served == 0
+        assert stats.inflight_served == 0
+    transport.release_copies_to_host()
     transport.synchronize()
     gc.collect()
     assert off.live_entries == 0 and off.host_bytes_in_use == 0
@@ -63,25 +86,42 @@ def test_gradients_bitwise_equal_under_bf16_autocast_and_retained_graph():
     transport.close()
 
 
-def _sabotaged_run(transport, seeds=range(3)):
-    """True when some run gives gradients that differ from the reference (or garbage crashes it)."""
+def _sabotaged_run(transport, hold_to_host=False, hold_to_device=False):
+    """True when the step gives gradients that differ from the reference (or garbage crashes it).
+
+    ``hold_to_host``: copies to host run only when something waits for them (every entry is in
+    flight when backward begins); ``hold_to_device``: copies are done before backward and the
+    reloads run only when something waits for them. Either makes the missing wait bite every
+    time, not when a thread happens to be late.
+    """
     model, loss_fn = make_case("transformer")
     expected, _ = run_grads(model, loss_fn)
-    for _ in seeds:
-        try:
-            actual, _ = run_grads(model, loss_fn, _offload_with(transport))
-        except (IndexError, RuntimeError):  # NaN bytes read as token indices
-            return True
-        if any(not torch.equal(expected[name], actual[name]) for name in expected):
-            return True
-    return False
+    if hold_to_host:
+        transport.hold_copies_to_host()
+
+    def before_backward():
+        if hold_to_device:
+            transport.synchronize()
+            transport.hold_copies_to_device()
+
+    def release():  # before the pool is dropped: it waits for the copies into its blocks
+        transport.release_copies_to_host()
+        transport.release_copies_to_device()
+
+    try:
+        actual, _ = _step(model, loss_fn, _offload_with(transport), before_backward)
+    except (IndexError, RuntimeError):  # NaN bytes read as token indices
+        release()
+        return True
+    release()
+    return any(not torch.equal(expected[name], actual[name]) for name in expected)
 
 
 class _NoComputeWait(SimulatedAsyncTransport):
     """The compute stream reads reloaded storages without waiting for their copies."""
 
     def wait(self, stream, event):
-        if stream is COMPUTE:
+        if is_compute(stream):
             return
         super().wait(stream, event)
 
@@ -90,15 +130,15 @@ class _NoWaitForHostBytes(SimulatedAsyncTransport):
     """The host-to-device stream does not wait for the device-to-host copy to finish."""
 
     def wait(self, stream, event):
-        if stream is self._h2d:
+        if not is_compute(stream) and stream.name == "h2d" and not is_compute(event.stream):
             return
         super().wait(stream, event)
 
 
-
-
 def test_sabotage_compute_not_waiting_for_reload_is_detected():
-    assert _sabotaged_run(_NoComputeWait(seed=1, max_delay_s=0.002))
+    transport = _NoComputeWait(seed=1, max_delay_s=0.0)
+    assert _sabotaged_run(transport, hold_to_device=True)
+    transport.close()
 
 
 def test_sabotage_reload_not_waiting_for_offload_copy_is_detected(monkeypatch):
@@ -107,7 +147,9 @@ def test_sabotage_reload_not_waiting_for_offload_copy_is_detected(monkeypatch):
     # stream merely queued a wait for (the in-flight bound): the reload must wait for it itself.
     # Reloading in-flight entries instead of serving them makes that case visible on the CPU.
     monkeypatch.setattr(hooks, "served_view", lambda *args: None)
-    assert _sabotaged_run(_NoWaitForHostBytes(seed=1, max_delay_s=0.002))
+    transport = _NoWaitForHostBytes(seed=1, max_delay_s=0.0)
+    assert _sabotaged_run(transport, hold_to_host=True)
+    transport.close()
 
 
 def test_sabotage_source_released_before_its_copy_ran_is_detected(monkeypatch):
@@ -119,9 +161,10 @@ def test_sabotage_source_released_before_its_copy_ran_is_detected(monkeypatch):
             entry.release_source()
 
     monkeypatch.setattr(hooks.Offloader, "_settle", careless_settle)
-    transport = SimulatedAsyncTransport(seed=1, max_delay_s=0.002)
-    assert _sabotaged_run(transport)
-    assert transport.stale_reads > 0
+    transport = SimulatedAsyncTransport(seed=1, max_delay_s=0.0)
+    assert _sabotaged_run(transport, hold_to_host=True)
+    assert transport.stale_reads > 0 and transport.unordered_source_frees > 0
+    transport.close()
 
 
 def test_in_place_change_while_the_copy_is_queued_raises_instead_of_wrong_gradients():

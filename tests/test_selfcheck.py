@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightmem.selfcheck import NO_CUDA, largest_fitting, markdown_table, relative
+from lightmem import selfcheck
+from lightmem.selfcheck import NO_CUDA, largest_batch, relative, run_with_time_limit, spread
+from lightmem.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,34 +28,62 @@ def test_without_cuda_prints_one_line_writes_nothing_and_exits_0(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def _device(largest: int, tried: list[int]):
+    """A device on which a batch reserves 1 GiB + 100 MiB per sample and ``largest`` still fits."""
+    budget = 2**30 + largest * 100 * 2**20 + 2**20
+
+    def peak_bytes(batch):
+        tried.append(batch)
+        peak = 2**30 + batch * 100 * 2**20
+        return peak if peak <= budget else None  # past the device: out of memory
+
+    return peak_bytes, budget
+
+
 @pytest.mark.parametrize("largest", [1, 2, 3, 37, 64, 1000])
 def test_batch_search_finds_the_largest_that_fits_in_few_trials(largest):
     tried = []
-
-    def fits(batch):
-        tried.append(batch)
-        return batch <= largest
-
-    assert largest_fitting(fits, limit=4096) == largest
-    assert len(tried) <= 2 * largest.bit_length() + 1
+    peak_bytes, budget = _device(largest, tried)
+    assert largest_batch(peak_bytes, budget, limit=4096) == largest
+    assert len(tried) <= 4  # two batches give the line, one or two confirm it
     assert len(set(tried)) == len(tried)  # no size is tried twice
 
 
 def test_batch_search_when_nothing_fits_tries_only_one():
     tried = []
-    assert largest_fitting(lambda batch: tried.append(batch) or False) == 0
+    assert largest_batch(lambda batch: tried.append(batch), 2**30) == 0
     assert tried == [1]
 
 
 def test_batch_search_stops_at_the_limit():
     tried = []
-    assert largest_fitting(lambda batch: tried.append(batch) or True, limit=100) == 100
-    assert tried == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert largest_batch(lambda batch: tried.append(batch) or 2**20, 2**40, limit=100) == 100
+    assert max(tried) == 100
 
 
-def test_markdown_table():
-    table = markdown_table(["mode", "peak"], [("no hooks", "1.00 GiB"), ("offload", 3)])
-    assert table == "| mode | peak |\n| --- | --- |\n| no hooks | 1.00 GiB |\n| offload | 3 |"
+def test_report_tables_are_the_projects_markdown_tables():
+    assert selfcheck._table(["mode", "peak"], [("no hooks", "1.00 GiB"), ("offload", 3)]) == markdown_table(
+        [["no hooks", "1.00 GiB"], ["offload", "3"]], ["mode", "peak"]
+    )
+
+
+def test_a_section_that_hangs_is_reported_and_the_rest_goes_on():
+    release = threading.Event()
+
+    def stuck():
+        release.wait()
+        return "never"
+
+    text, finished = run_with_time_limit(stuck, 0.05)
+    release.set()
+    assert not finished
+    assert text == "## stuck\n\nDid not finish within 0 s (time limit); skipped.\n"
+    text, finished = run_with_time_limit(lambda: 1 / 0, 5)
+    assert finished and text == "## <lambda>\n\nFailed: `ZeroDivisionError: division by zero`\n"
+
+
+def test_spread_is_median_and_range_in_ms():
+    assert spread([0.0123, 0.0119, 0.0130]) == "12.3 ms (11.9-13.0)"
 
 
 def test_relative_is_a_signed_percentage():

@@ -75,7 +75,8 @@ def largest_fitting(
         return fits
 
     start = max(1, min(start, limit))
-    evaluate(start)
+    if not evaluate(start) and start == 1:
+        return 0, sorted(seen.items())  # nothing fits: a larger size would not either
     other = start * 2 if start * 2 <= limit else start // 2
     if other >= 1 and other != start:
         evaluate(other)

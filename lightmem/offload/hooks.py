@@ -13,19 +13,28 @@ forward, copy(entry)        d2h waits for compute; copy t's storage -> host bloc
                             completed, so its memory is not reused before the copy has read it
                             (the role record_stream plays elsewhere). A synchronous transport
                             (CPU) has no streams or events: the copy is done when it returns.
-forward, in flight          past max_inflight_bytes of copies not seen complete, compute waits
-                            for the oldest and its tensor is let go (inflight.py).
-backward, reload(entry)     allocate on h2d, recorded as used by compute (record_stream: the
-                            allocator keeps it from reuse until compute's uses have run); h2d
-                            waits for entry.host_event (the host bytes are complete), not for
-                            compute; copy on h2d; entry.reload_event = host_event = event on h2d.
+forward, in flight          past max_inflight_bytes of copies not seen complete, the oldest
+                            entry's own compute stream waits for it and its tensor is let go
+                            (inflight.py).
+backward, reload(entry)     allocate on compute (the stream that reads it; the caching allocator
+                            reuses a freed reload in stream order, so device memory holds what
+                            the host holds: the prefetch window and the running node's reads,
+                            however far the host runs ahead of the GPU); h2d waits for an event
+                            compute records now (its work so far, which ends with the readers
+                            of the reloads already consumed: the copy stream runs at most the
+                            window ahead of compute) and for entry.host_event (the host bytes
+                            are complete); copy on h2d; entry.reload_event = host_event = event
+                            on h2d. No host thread waits.
                             An entry whose copy to host is still in flight is served from the
                             device tensor it holds instead. A synchronous transport (CPU) makes
                             the reload in one call (``transport.load``: a clone).
 backward, unpack(handle)    compute waits for reload_event, then reads the reloaded tensor itself
                             (a save of the dense tensor) or a view of its storage.
 graph freed (entry dies)    host block returns to the pool after entry.host_event; an unused
-                            reload makes its allocation stream wait before the storage is freed.
+                            reload makes compute wait for its copy before the storage is freed.
+
+Streams are the entry's (``entry.streams``, taken when it is saved): autograd runs an op's
+backward on its forward's stream, and with several devices each entry is ordered on its own.
 
 Lifetimes follow the autograd graph: autograd holds one handle per save, handles hold their
 entry, and an entry returns its host block when the last handle is gone. No handle holds a
@@ -158,7 +167,6 @@ class _HostEntry:
     __slots__ = (
         "__weakref__",
         "alias",
-        "alloc_stream",
         "block",
         "dense",
         "device",
@@ -174,6 +182,7 @@ class _HostEntry:
         "reload_event",
         "restored",
         "session",
+        "streams",
         "sweep",
         "unpacks",
         "version",
@@ -214,7 +223,9 @@ class _HostEntry:
         self.host_event: Any = None
         self.restored: Tensor | None = None  # the reloaded storage, shaped as ``host``
         self.reload_event: Any = None
-        self.alloc_stream: Any = None
+        # (compute, to_host, to_device) of the device and stream that saved it: autograd runs an
+        # op's backward on its forward's stream. None with a synchronous transport.
+        self.streams: tuple[Any, Any, Any] | None = None
         self.prefetched = False
         self.handles = 0
         self.unpacks = 0  # live handles that took a view of the current reload
@@ -343,6 +354,7 @@ class Offloader:
         self._pending = InflightCopies(max_inflight_bytes, transport)  # copies to host still queued
         self._inflight = self._pending.entries  # the same deque, read on every pack and unpack
         self._capturing = transport.capturing
+        self._synchronous = transport.synchronous
         self._empty: dict[torch.device, Tensor] = {}  # storage for version holders, per device
         # Backward runs one autograd thread per device; handles die on any thread.
         self._lock = threading.RLock()
@@ -371,7 +383,7 @@ class Offloader:
                 return _Offloaded(known, version, _layout(tensor, alias, known))
             return (_held(tensor), version, known)
         if verdict == MOVE:
-            block = self._pool.acquire(nbytes)
+            block = self._pool.acquire(nbytes, storage)
             if block is not None:
                 entry = by_storage[key] = self._offload(storage, block, nbytes, alias, version)
                 return _Offloaded(entry, version, _layout(tensor, alias, entry))
@@ -391,6 +403,8 @@ class Offloader:
         self, storage: torch.UntypedStorage, block: HostBlock, nbytes: int, alias: Tensor, version: int
     ) -> _HostEntry:
         entry = _HostEntry(self, block, nbytes, alias, storage, version)
+        if not self._synchronous:
+            entry.streams = self._transport.streams(entry.device)
         # The copy waits until the op that saved the tensor has returned: an op may write an
         # argument after saving it (rrelu_with_noise's noise, schema ``Tensor(b!) noise``).
         self._deferred.append(entry)
@@ -429,14 +443,14 @@ class Offloader:
                 if entry.written_since_save():
                     entry.release_source()
                     continue
-                compute, to_host, _ = transport.streams(entry.device)
+                compute, to_host, _ = entry.streams
                 transport.wait(to_host, transport.record(compute))
                 transport.copy_to_host(entry.host, entry.in_flight_alias, to_host)
                 entry.host_event = transport.record(to_host)
                 if transport.done(entry.host_event):
                     entry.release_source()
                 else:
-                    self._pending.add(entry, compute, self.stats)
+                    self._pending.add(entry, self.stats)
         finally:
             if grad:
                 torch._C._set_grad_enabled(True)
@@ -509,8 +523,7 @@ class Offloader:
             entry.prefetched = False
             session.inflight_bytes -= entry.nbytes
         if entry.reload_event is not None:
-            transport = self._transport
-            transport.wait(transport.streams(entry.device)[0], entry.reload_event)
+            self._transport.wait(entry.streams[0], entry.reload_event)
             entry.reload_event = None
         layout = handle.layout
         view = restored if layout is None else saved_view(restored, layout, entry.device)
@@ -528,12 +541,18 @@ class Offloader:
         if transport.synchronous:
             restored = transport.load(entry.host, entry.device)
         else:
-            compute, _, to_device = transport.streams(entry.device)
-            restored = transport.alloc_like(entry.host, entry.device, to_device, compute)
+            compute, _, to_device = entry.streams
+            # On the compute stream, which reads it: the caching allocator reuses the memory of
+            # reloads freed after their reader in stream order, so the device holds what the host
+            # holds (the prefetch window and the running node's reads), however far the host
+            # runs ahead. The copy therefore starts only when compute has reached this point
+            # (the readers of the memory it may reuse have run): the copy stream runs ahead of
+            # compute by at most the window, and no host thread waits.
+            restored = transport.alloc_like(entry.host, entry.device, compute)
+            transport.wait(to_device, transport.record(compute))
             transport.wait(to_device, entry.host_event)
             transport.copy_to_device(restored, entry.host, to_device)
             entry.reload_event = entry.host_event = transport.record(to_device)
-            entry.alloc_stream = to_device
         entry.restored = restored
         entry.sweep = entry.session.sweep
         nbytes = entry.nbytes
@@ -572,7 +591,7 @@ class Offloader:
 
     def _drop_restored(self, entry: _HostEntry) -> None:
         if entry.reload_event is not None:  # never consumed: its copy may still be writing
-            self._transport.wait(entry.alloc_stream, entry.reload_event)
+            self._transport.wait(entry.streams[0], entry.reload_event)
         if entry.prefetched:
             entry.session.inflight_bytes -= entry.nbytes
         entry.restored = None

@@ -5,8 +5,9 @@ reused before the copy reads it). Seeing a copy complete is a poll (``transport.
 next pack or unpack, so when the copy stream drains slower than compute produces activations
 (slow PCIe: the regime where offload matters most) nothing would ever release device memory.
 
-``InflightCopies`` keeps those entries oldest first with their byte total. Past ``max_bytes`` the
-compute stream waits for the oldest copy's event and the entry lets go of its device tensor. On
+``InflightCopies`` keeps those entries oldest first with their byte total, over all devices. Past
+``max_bytes`` the compute stream of the oldest entry's device (the stream that saved it) waits for
+its copy's event and the entry lets go of its device tensor. On
 CUDA that wait is queued on the stream (``wait_event``), not a host synchronisation; freeing the
 tensor right after it is safe because the caching allocator hands its memory only to work queued
 on the compute stream later, which runs after the copy has read it.
@@ -39,21 +40,23 @@ class InflightCopies:
         self.entries: deque[Any] = deque()
         self.bytes = 0
 
-    def add(self, entry: Any, compute: Any, stats: OffloadStats) -> None:
+    def add(self, entry: Any, stats: OffloadStats) -> None:
         """Track ``entry`` (its copy is queued); past the bound, compute waits for the oldest."""
         self.entries.append(entry)
         self.bytes += entry.nbytes
         if self.bytes > self.max_bytes:
-            self._bound(compute, stats)
+            self._bound(stats)
 
-    def _bound(self, compute: Any, stats: OffloadStats) -> None:
+    def _bound(self, stats: OffloadStats) -> None:
         entries = self.entries
         transport = self.transport
         while entries and self.bytes > self.max_bytes:
             oldest = entries.popleft()
             self.bytes -= oldest.nbytes
             if not transport.done(oldest.host_event):
-                transport.wait(compute, oldest.host_event)
+                # The compute stream of the oldest entry's own device: only work ordered after
+                # the copy may reuse its memory, and another device's stream orders nothing there.
+                transport.wait(oldest.streams[0], oldest.host_event)
                 stats.inflight_waits += 1
             oldest.release_source()
 

@@ -169,6 +169,9 @@ def prefetch_admits(inflight_bytes: int, nbytes: int, window_bytes: int) -> bool
     """Whether a reload of ``nbytes`` may start ahead of need with ``inflight_bytes`` in flight.
 
     One reload is always admitted when none is in flight, so a storage larger than the window
-    still prefetches alone.
+    still prefetches alone. The window holds in the device's order of execution too, not only on
+    the host: reloads are allocated on the compute stream that reads them and copied only once
+    compute has reached that point (``hooks.py``), so the device holds at most the window plus
+    what the running backward node reads, however far the host runs ahead.
     """
     return inflight_bytes == 0 or inflight_bytes + nbytes <= window_bytes

@@ -17,10 +17,20 @@ during the current step or the ``TRIM_WINDOW_STEPS`` steps before it.
 
 The unit of memory is ``HostSlab`` (one allocation, given back whole by ``close``); blocks are
 views into it. On CUDA a slab is ordinary host memory page-locked with ``cudaHostRegister`` at its
-exact size (docs/offload-protocol.md says why not torch's pinned allocator). A slab that cannot
-be allocated or page-locked is never an error of the caller's: CUDA's last error is cleared, the
-request is refused (the tensor stays on the device, counted by the offloader), one warning says so,
-and the pool does not try again before the next step boundary.
+exact size (docs/offload-protocol.md says why not torch's pinned allocator), in the context of
+the device whose tensors it holds (a rank on ``cuda:k`` creates no context on GPU 0).
+
+Page-locking costs milliseconds per slab, so it never runs inside a saved-tensor hook: slabs made
+during a step (the first step, a step larger than any before) stay pageable, and copies into them
+are staged by the CUDA runtime (synchronous for that step only); at the next step boundary they are
+replaced by one slab, which is page-locked there, once. ``registration_stats()`` reports the
+page-locked bytes held in the process and the time registration took.
+
+A slab that cannot be allocated or page-locked is never an error of the caller's: CUDA's last
+error is cleared (``cudaGetLastError`` through ``cuda.bindings`` where installed, else through the
+CUDA runtime library torch loaded: torch's own ``_cudart`` does not bind it), the request is
+refused (the tensor stays on the device, counted by the offloader), one warning says so, and the
+pool does not try again before the next step boundary.
 
 Releases come from ``__del__`` finalizers that garbage collection may run on any thread, also
 inside ``acquire`` on the same thread. ``release`` therefore never blocks: it appends to a queue
@@ -32,11 +42,14 @@ written by a queued copy is never given back: a dropped pool waits for its pendi
 from __future__ import annotations
 
 import bisect
+import contextlib
+import ctypes
 import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,16 +80,18 @@ class HostSlab:
     """One host allocation of ``capacity`` bytes, carved into blocks; free ranges sorted by offset."""
 
     __slots__ = (
-        "blocks", "capacity", "free_offsets", "free_sizes", "on_free", "registered", "tensor", "used",
+        "blocks", "capacity", "device", "free_offsets", "free_sizes", "on_free", "registered", "tensor", "used",
     )  # fmt: skip
 
     def __init__(
-        self, capacity: int, pin: bool, poison: bool, on_free: Callable[[torch.Tensor], None] | None = None
-    ) -> None:
+        self, capacity: int, pin: bool, poison: bool, on_free: Callable[[torch.Tensor], None] | None = None,
+        device: torch.device | None = None,
+    ) -> None:  # fmt: skip
         self.capacity = capacity
+        self.device = device
         self.on_free = None
         self.registered = False
-        self.tensor = _pinned_empty(capacity) if pin else torch.empty(capacity, dtype=torch.uint8)
+        self.tensor = _pinned_empty(capacity, device) if pin else torch.empty(capacity, dtype=torch.uint8)
         self.registered = pin
         self.on_free = on_free
         if poison:
@@ -139,10 +154,7 @@ class HostSlab:
             on_free(self.tensor)
         if self.registered:
             self.registered = False
-            try:
-                _cudart().cudaHostUnregister(self.tensor.data_ptr())
-            except Exception:
-                pass
+            _unregister(self.tensor, self.device)
 
 
 class HostBlock:
@@ -191,31 +203,125 @@ class HostAllocationError(RuntimeError):
     """Host memory for a slab could not be allocated or page-locked (CUDA's error already cleared)."""
 
 
+@dataclass
+class RegistrationStats:
+    """Page-locking in this process: what ``registration_stats()`` returns."""
+
+    pinned_bytes: int = 0
+    """Host bytes page-locked by lightmem's pools now."""
+    registrations: int = 0
+    registration_s: float = 0.0
+    """Seconds spent in ``cudaHostRegister`` (all at step boundaries, never inside a hook)."""
+    failures: int = 0
+    """Registrations and unregistrations CUDA refused (each error was cleared)."""
+
+
+_REGISTRATION = RegistrationStats()
+
+
+def registration_stats() -> RegistrationStats:
+    """A copy of the process's page-locking counters (``python -m lightmem.selfcheck`` reports them)."""
+    return RegistrationStats(**vars(_REGISTRATION))
+
+
 def _cudart() -> Any:
-    """The CUDA runtime binding (one indirection, so tests drive its failures on a CPU)."""
+    """torch's CUDA runtime binding (one indirection, so tests drive its failures on a CPU). It
+    binds cudaHostRegister/Unregister but not cudaGetLastError: see ``_clear_cuda_error``."""
     return torch.cuda.cudart()
 
 
-def _pinned_empty(nbytes: int) -> torch.Tensor:
-    """Exact-size host memory page-locked with ``cudaHostRegister``.
+_runtime_cache: list[Any] = []
+
+
+def _runtime_library() -> Any:
+    """The CUDA runtime shared library torch loaded (ctypes), or ``None`` where none is loaded."""
+    if not _runtime_cache:
+        library = None
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libcudart" in line}
+            for path in sorted(paths):
+                library = ctypes.CDLL(path)
+                break
+        except OSError:
+            pass
+        _runtime_cache.append(library)
+    return _runtime_cache[0]
+
+
+def _cuda_bindings_runtime() -> Any:
+    """``cuda.bindings.runtime`` (NVIDIA's cuda-python) where installed, else ``None``."""
+    try:
+        from cuda.bindings import runtime
+    except Exception:
+        return None
+    return runtime
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's per-thread last error, which a failed runtime call leaves set: the next kernel
+    launch's check would raise it as an unrelated "CUDA error" far from here."""
+    runtime = _cuda_bindings_runtime()
+    if runtime is not None:
+        runtime.cudaGetLastError()
+        return
+    library = _runtime_library()
+    if library is not None:
+        library.cudaGetLastError()
+
+
+@contextlib.contextmanager
+def _device_context(device: torch.device | None) -> Iterator[None]:
+    """The CUDA context of ``device`` (registration runs in it; not the current device's)."""
+    if device is None or device.type != "cuda" or device.index is None:
+        yield
+        return
+    with torch.cuda.device(device.index):
+        yield
+
+
+def _pinned_empty(nbytes: int, device: torch.device | None = None) -> torch.Tensor:
+    """Exact-size host memory page-locked with ``cudaHostRegister`` in ``device``'s context.
 
     Raises ``HostAllocationError`` when registration fails, after clearing the error the failed
-    call left in CUDA's per-thread last error: torch's binding does not clear it, and the next
-    kernel launch's check would raise it as "CUDA error" far from here.
+    call left in CUDA's per-thread last error.
     """
     buffer = torch.empty(nbytes, dtype=torch.uint8)
+    start = time.perf_counter()
     try:
         cudart = _cudart()
-        code = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        with _device_context(device):
+            code = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
     except Exception as error:  # no CUDA runtime, or the binding raised
+        _REGISTRATION.failures += 1
         raise HostAllocationError(f"cudaHostRegister of {nbytes} bytes raised {error!r}") from None
+    finally:
+        _REGISTRATION.registration_s += time.perf_counter() - start
     if code != 0:
-        try:
-            cudart.cudaGetLastError()  # returns and resets the last error
-        except Exception:
-            pass
+        _REGISTRATION.failures += 1
+        _clear_cuda_error()
         raise HostAllocationError(f"cudaHostRegister of {nbytes} bytes returned CUDA error {code}")
+    _REGISTRATION.registrations += 1
+    _REGISTRATION.pinned_bytes += nbytes
     return buffer
+
+
+def _unregister(buffer: torch.Tensor, device: torch.device | None) -> None:
+    """``cudaHostUnregister`` with its return checked: a failure is cleared and warned about once
+    (the memory is then still page-locked, and freeing it is CUDA's business)."""
+    _REGISTRATION.pinned_bytes -= buffer.nbytes
+    try:
+        with _device_context(device):
+            code = int(_cudart().cudaHostUnregister(buffer.data_ptr()))
+    except Exception as error:
+        code, detail = -1, repr(error)
+    else:
+        detail = f"CUDA error {code}"
+    if code != 0:
+        _REGISTRATION.failures += 1
+        if code > 0:
+            _clear_cuda_error()
+        warnings.warn(f"lightmem: cudaHostUnregister of {buffer.nbytes} bytes failed ({detail})", stacklevel=2)
 
 
 class HostPool:
@@ -273,6 +379,7 @@ class HostPool:
         self._no_room_below: dict[int, int] = {}
         self._lock = threading.Lock()
         self._pin = transport.pin_memory
+        self._device: torch.device | None = None  # of the tensors last given a new slab
         self._poison = transport.poison_released
         self._done: Callable[[Any], bool] = transport.done
         # Test transports check that no queued copy touches memory that is reused or given back.
@@ -295,7 +402,9 @@ class HostPool:
         """The most bytes of blocks in use at once since the last step boundary."""
         return self._step_peak_bytes
 
-    def acquire(self, nbytes: int) -> HostBlock | None:
+    def acquire(self, nbytes: int, storage: torch.UntypedStorage | None = None) -> HostBlock | None:
+        """A block of at least ``nbytes`` for ``storage``'s bytes (its device is asked only when a
+        slab is made: page-locking runs in that device's context), or ``None`` (see the class)."""
         size = self._sizes.get(nbytes)
         if size is None:
             if len(self._sizes) >= _MAX_CACHED_BLOCKS:
@@ -320,7 +429,7 @@ class HostPool:
                         break
                 else:
                     self._no_room_below[size] = len(slabs)
-                    block = self._grow(size, requested)
+                    block = self._grow(size, requested, storage)
                     if block is None:
                         if requested > self._step_demand_requested:
                             self._step_demand_requested = requested
@@ -340,7 +449,9 @@ class HostPool:
                 self._step_peak_bytes = in_use
             return block
 
-    def _grow(self, size: int, requested: int) -> HostBlock | None:
+    def _grow(self, size: int, requested: int, storage: torch.UntypedStorage | None) -> HostBlock | None:
+        if storage is not None:
+            self._device = storage.device
         step_peak = max(self._step_peak_requested, requested)
         limit = max(self._limit_bytes, int(step_peak * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES)
         if self._held_bytes + size > limit:
@@ -359,14 +470,14 @@ class HostPool:
             if available_ram_bytes() - size < self.min_available_bytes:
                 self.floor_hits += 1
                 return None
-        slab = self._new_slab(slab_bytes)
+        slab = self._new_slab(slab_bytes)  # pageable: page-locked at the next step boundary
         return None if slab is None else slab.take(size)
 
-    def _new_slab(self, capacity: int) -> HostSlab | None:
+    def _new_slab(self, capacity: int, pin: bool = False) -> HostSlab | None:
         if self.alloc_failed:  # failed this step already: no new attempt (and no new error) per request
             return None
         try:
-            slab = HostSlab(capacity, self._pin, self._poison, self._on_free)
+            slab = HostSlab(capacity, pin, self._poison, self._on_free, self._device)
         except Exception as error:  # host OOM or a failed registration: never the caller's error
             self.alloc_failures += 1
             self.alloc_failed = True
@@ -406,6 +517,8 @@ class HostPool:
         """Step boundary: remember this step's peak; reshape the slabs to the window's bound."""
         with self._lock:
             self._drain()
+            if self._pending and self._pin and any(not slab.registered for slab in self._slabs):
+                self._wait_for_pending()
             self.alloc_failed = False
             self._window.append(max(self._step_peak_requested, self._step_demand_requested))
             self._window_bytes.append(max(self._step_peak_bytes, self._step_demand_bytes))
@@ -420,15 +533,28 @@ class HostPool:
                     self._free_empty_slabs(self._held_bytes - limit)
                 return
             slabs = self._slabs
-            if len(slabs) > 1 or self._held_bytes > limit:
+            pageable = self._pin and any(not slab.registered for slab in slabs)
+            if len(slabs) > 1 or self._held_bytes > limit or pageable:
                 # One slab that fits the window's peak as carved last time (main slab plus what
                 # spilled over), at most the bound.
                 main = slabs[0].capacity if slabs else 0
                 target = min(max(max(self._window_bytes), main + overflow_peak), limit, self.budget_bytes)
                 self._free_empty_slabs(self._held_bytes)
                 if target and available_ram_bytes() - target >= self.min_available_bytes:
-                    self._new_slab(target)
+                    self._new_slab(target, pin=self._pin)
             self._overflow_bytes = 0
+
+    def _wait_for_pending(self) -> None:
+        """Under the lock, at a step boundary after a step that made pageable slabs: when every
+        block in use only waits for its last copy (reloads the GPU has not run yet), wait for
+        those copies, so the slabs can be replaced by one page-locked slab now. Deliberate and
+        bounded: once per step that grew the pool, never inside a hook."""
+        if self._in_use_bytes != sum(block.capacity for block in self._pending):
+            return  # a graph is still alive: its blocks stay where they are
+        for block in self._pending:
+            while not self._done(block.event):
+                time.sleep(_PENDING_POLL_S)
+        self._drain()
 
     def reset_peak(self) -> int:
         """Start a new peak of ``held_bytes`` from the current value, and return it."""

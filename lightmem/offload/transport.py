@@ -29,7 +29,9 @@ class Transport(Protocol):
     """Copies have completed when they return: the offloader then skips streams and events."""
 
     def streams(self, device: torch.device) -> tuple[Any, Any, Any]:
-        """(compute, device_to_host, host_to_device) streams for ``device``; compute is current."""
+        """(compute, device_to_host, host_to_device) streams for ``device``; compute is the current
+        stream. Asked once per saved tensor that moves, when it is saved: the entry keeps them
+        (autograd runs an op's backward on its forward's stream)."""
 
     def record(self, stream: Any) -> Any:
         """An event that completes when the work queued on ``stream`` so far has completed."""
@@ -44,11 +46,11 @@ class Transport(Protocol):
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         """Queue ``dst <- src`` on ``stream``; the host ``src`` is protected by the pool's events."""
 
-    def alloc_like(self, template: torch.Tensor, device: torch.device, stream: Any, consumer: Any) -> torch.Tensor:
+    def alloc_like(self, template: torch.Tensor, device: torch.device, stream: Any) -> torch.Tensor:
         """An uninitialised tensor like the host ``template`` on ``device``, allocated on ``stream``
-        and recorded as used by ``consumer`` (``record_stream``): its memory is not reused before
-        ``consumer``'s work queued up to its free has run, so ``stream`` may write it without
-        waiting for ``consumer``."""
+        (the compute stream that reads it): the caching allocator reuses its memory for work
+        queued on ``stream`` after its free, so another stream writing it must first wait for an
+        event ``stream`` recorded after the allocation."""
 
     def load(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A new tensor on ``device`` holding the host ``src``'s bytes, copied before it returns.
@@ -89,7 +91,7 @@ class SyncTransport:
 
     copy_to_device = copy_to_host
 
-    def alloc_like(self, template: torch.Tensor, device: torch.device, stream: Any, consumer: Any) -> torch.Tensor:
+    def alloc_like(self, template: torch.Tensor, device: torch.device, stream: Any) -> torch.Tensor:
         return torch.empty_like(template) if device.type == "cpu" else torch.empty_like(template, device=device)
 
     def load(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -160,17 +162,12 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
 
     copy_to_device = copy_to_host
 
-    def alloc_like(
-        self, template: torch.Tensor, device: torch.device, stream: torch.cuda.Stream, consumer: torch.cuda.Stream
-    ) -> torch.Tensor:
-        # Allocated on the copy stream, so the copy need not wait for the compute stream (the
-        # memory's previous users); record_stream makes the allocator wait for compute's uses
-        # of it before it is reused (PyTorch's documented pattern for cross-stream tensors).
+    def alloc_like(self, template: torch.Tensor, device: torch.device, stream: torch.cuda.Stream) -> torch.Tensor:
+        # On the compute stream that reads it, without record_stream: a block recorded for another
+        # stream returns to the cache only when the GPU has passed its free, so while the host
+        # runs ahead every reload would take fresh memory (hooks.py orders the copy instead).
         with torch.cuda.stream(stream):
-            tensor = torch.empty_like(template, device=device)
-        if consumer != stream:
-            tensor.record_stream(consumer)
-        return tensor
+            return torch.empty_like(template, device=device)
 
     def done(self, event: torch.cuda.Event | None) -> bool:
         # Never seen complete while a graph is captured: querying an event is illegal there.

@@ -34,13 +34,12 @@ DELAY_EXPOSING = {
     ("to_host", "compute"): "compute_in_forward",  # the copy to host would read an unwritten activation
     ("to_device", "to_host"): "copy_to_host",  # the reload would read a host buffer not yet written
     ("compute", "to_device"): "copy_to_device",  # backward would read a reload buffer not yet written
+    # the reload copy would overwrite memory of an earlier reload that lagging compute still reads
+    ("to_device", "compute"): "compute_in_backward",
     # past max_inflight_bytes (7 x 64 MiB > 256 MiB), memory freed before its copy to host read it:
     ("compute", "to_host"): "copy_to_host",
 }
-# A reload buffer is allocated on the to_device stream and recorded for compute (record_stream), so
-# no wait protects it from compute kernels still reading its memory: "compute_in_backward" exposes
-# a missing record_stream instead (test_races_cuda.py).
-DELAYS = tuple(dict.fromkeys((*DELAY_EXPOSING.values(), "compute_in_backward")))
+DELAYS = tuple(dict.fromkeys(DELAY_EXPOSING.values()))
 
 
 class Mlp(nn.Module):
