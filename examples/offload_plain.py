@@ -9,6 +9,8 @@ statistics anywhere.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +27,7 @@ def main() -> None:
     head = nn.Linear(256, 10).to(device)
     optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=1e-3)
     offload = offload_activations(model, min_bytes="256KiB", devices=(device,), host_budget="2GiB")
-    for step in range(3):
+    for step in range(int(os.environ.get("LIGHTMEM_EXAMPLE_STEPS", "3"))):
         x = torch.randn(16, 128, 256, device=device)
         y = torch.randint(0, 10, (16,), device=device)
         with offload:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytorch_lightning as pl
@@ -71,6 +72,7 @@ class LitGPT(_LitGPTBody, pl.LightningModule):
     pass
 
 
+@functools.cache
 def lit_gpt_class(package: types.ModuleType) -> type:
-    """LitGPT on ``package.LightningModule`` (``pytorch_lightning`` or ``lightning.pytorch``)."""
+    """LitGPT on ``package.LightningModule`` (``pytorch_lightning`` or ``lightning.pytorch``), one class per package."""
     return LitGPT if package is pl else type("LitGPT", (_LitGPTBody, package.LightningModule), {})

@@ -34,6 +34,21 @@ def _fit(callback=None, module_kwargs=None, module_class=LitGPT, loader=token_lo
     return module, trainer
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """``_fit(None, ...)``, each distinct run trained once per module; tests only read the result."""
+    runs = {}
+
+    def get(module_kwargs=None, module_class=LitGPT, loader=token_loader, package=pl, **trainer_kwargs):
+        options = (tuple(sorted((module_kwargs or {}).items())), tuple(sorted(trainer_kwargs.items())))
+        key = (module_class, loader, package, options)
+        if key not in runs:
+            runs[key] = _fit(None, module_kwargs, module_class, loader, package, **trainer_kwargs)
+        return runs[key]
+
+    return get
+
+
 def _cpu_lightmem(**kwargs):
     kwargs.setdefault("offload_devices", ["cpu"])
     kwargs.setdefault("offload_min_bytes", 0)
@@ -60,17 +75,17 @@ def _assert_same_state(expected, actual):
     ],
     ids=["automatic", "accumulation", "bf16-mixed", "manual", "step-returns-none", "configure-model"],
 )
-def test_trained_weights_are_bitwise_equal_to_a_run_without_the_callback(module_kwargs, trainer_kwargs):
-    expected = _fit(None, module_kwargs, **trainer_kwargs)
+def test_trained_weights_are_bitwise_equal_to_a_run_without_the_callback(reference, module_kwargs, trainer_kwargs):
+    expected = reference(module_kwargs, **trainer_kwargs)
     callback = _cpu_lightmem()
     actual = _fit(callback, module_kwargs, **trainer_kwargs)
     _assert_same_state(expected, actual)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
-def test_either_lightning_package_trains_bitwise_equal_with_offload_and_checkpoint(lightning_package):
+def test_either_lightning_package_trains_bitwise_equal_with_offload_and_checkpoint(reference, lightning_package):
     module_class = lit_gpt_class(lightning_package)
-    expected = _fit(None, module_class=module_class, package=lightning_package)
+    expected = reference(module_class=module_class, package=lightning_package)
     callback = _cpu_lightmem()
     actual = _fit(callback, module_class=module_class, package=lightning_package)
     _assert_same_state(expected, actual)
@@ -80,8 +95,8 @@ def test_either_lightning_package_trains_bitwise_equal_with_offload_and_checkpoi
 
 @pytest.mark.parametrize("min_bytes", [0, "1MiB"], ids=["offload-min-0", "offload-default"])
 @pytest.mark.parametrize("every", [1, 2])
-def test_batchnorm_statistics_and_step_counters_are_exact_under_checkpoint_and_offload(every, min_bytes):
-    expected = _fit(None, module_class=LitResNet, loader=image_loader)
+def test_batchnorm_statistics_and_step_counters_are_exact_under_checkpoint_and_offload(reference, every, min_bytes):
+    expected = reference(module_class=LitResNet, loader=image_loader)
     callback = _cpu_lightmem(checkpoint=["ResBlock", "Head"], checkpoint_every=every, offload_min_bytes=min_bytes)
     actual = _fit(callback, module_class=LitResNet, loader=image_loader)
     _assert_same_state(expected, actual)
@@ -268,7 +283,7 @@ def test_checkpoint_target_matching_nothing_fails_when_fit_starts():
         _fit(_cpu_lightmem(checkpoint=["Blok"]))
 
 
-def test_plan_auto_checkpoints_what_the_budget_needs_and_keeps_weights_exact(lightning_package):
+def test_plan_auto_checkpoints_what_the_budget_needs_and_keeps_weights_exact(reference, lightning_package):
     module_class = lit_gpt_class(lightning_package)
     from lightmem import estimate_memory
 
@@ -276,7 +291,7 @@ def test_plan_auto_checkpoints_what_the_budget_needs_and_keeps_weights_exact(lig
     (tokens,) = next(iter(token_loader()))
     baseline = estimate_memory(module, (tokens,), device="cpu")
     budget = baseline.static_bytes + (baseline.peak_bytes - baseline.static_bytes) * 6 // 10
-    expected = _fit(None, module_class=module_class, package=lightning_package)
+    expected = reference(module_class=module_class, package=lightning_package)
     callback = LightMem(plan="auto", device_budget=budget, offload_devices=["cpu"])
     seen = {}
 
@@ -309,7 +324,7 @@ def test_bad_plan_flags(kwargs, message):
     assert str(error.value).startswith(message)
 
 
-def test_plan_auto_that_checkpoints_batchnorm_blocks_keeps_the_whole_state_exact():
+def test_plan_auto_that_checkpoints_batchnorm_blocks_keeps_the_whole_state_exact(reference):
     # Block 2 uses BatchNorm(momentum=None), which reads its step count as a Python number: the
     # estimator's dry run reads the real buffer value, and the recompute must not count twice.
     from lightmem import estimate_memory
@@ -317,7 +332,7 @@ def test_plan_auto_that_checkpoints_batchnorm_blocks_keeps_the_whole_state_exact
     (batch,) = [next(iter(image_loader()))]
     baseline = estimate_memory(LitResNet(), batch, device="cpu")
     budget = baseline.static_bytes + (baseline.peak_bytes - baseline.static_bytes) * 6 // 10
-    expected = _fit(None, {}, LitResNet, image_loader)
+    expected = reference(module_class=LitResNet, loader=image_loader)
     callback = LightMem(plan="auto", device_budget=budget, offload_devices=["cpu"])
     actual = _fit(callback, {}, LitResNet, image_loader)
     # The planner acts on the repeated layers (the residual blocks), not on the head.

@@ -244,11 +244,24 @@ def _fit(kind, callback=None, use_cache=None):
     return module, trainer.optimizers[0]
 
 
+@pytest.fixture(scope="module")
+def fit_references():
+    """The reference fit (``use_cache=False``, no lightmem) of each family, trained once; tests only read it."""
+    cache: dict[str, tuple] = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = _fit(kind, use_cache=False)
+        return cache[kind]
+
+    return get
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_default_config_trains_bitwise_equal_in_a_lightning_fit(kind, policy):
-    expected_module, expected_optimizer = _fit(kind, use_cache=False)
+def test_default_config_trains_bitwise_equal_in_a_lightning_fit(fit_references, kind, policy):
+    expected_module, expected_optimizer = fit_references(kind)
     callback = LightMem(
         checkpoint=[BLOCKS[kind]], checkpoint_policy=policy, offload_devices=["cpu"], offload_min_bytes=0, metrics=[]
     )
@@ -259,7 +272,7 @@ def test_default_config_trains_bitwise_equal_in_a_lightning_fit(kind, policy):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
-def test_plan_auto_checkpoints_a_default_config_llama_and_trains_bitwise_equal():
+def test_plan_auto_checkpoints_a_default_config_llama_and_trains_bitwise_equal(fit_references):
     from lightmem import estimate_memory
 
     def peak(**options):
@@ -271,7 +284,7 @@ def test_plan_auto_checkpoints_a_default_config_llama_and_trains_bitwise_equal()
     callback = LightMem(
         plan="auto", device_budget=budget, checkpoint_policy="save_matmuls", offload_devices=["cpu"], metrics=[]
     )
-    expected_module, expected_optimizer = _fit("llama", use_cache=False)
+    expected_module, expected_optimizer = fit_references("llama")
     module, optimizer = _fit("llama", callback)
     assert callback.chosen_plan.fits and callback.chosen_plan.checkpoint
     assert_state_equal(expected_module, module, expected_optimizer, optimizer)
