@@ -334,6 +334,56 @@ def offload_flag(owner: str, field: str) -> str:
     return f"{owner}({_OFFLOAD_FLAG_NAMES.get(owner, {}).get(field, field)}=...)"
 
 
+DEFAULT_GRAD_INFLIGHT = "64MiB"
+
+# How each entry point spells the optimizer-offload flags (field names are offload_optimizer's).
+_OPTIMIZER_FLAG_NAMES = {
+    "LightMem": {
+        "enabled": "offload_optimizer",
+        "devices": "offload_devices",
+        "max_grad_inflight_bytes": "offload_max_inflight_bytes",
+    },
+}
+
+
+@dataclass(frozen=True)
+class OptimizerOffloadSettings:
+    """The model-state offload flags, parsed once; ``LightMem(offload_optimizer=True)`` and
+    ``offload_optimizer(model, optimizer, ...)`` both build the offloader from this object, and its
+    ``flag()`` names a flag as the user's entry point (``owner``) spells it."""
+
+    devices: tuple[str, ...]
+    """Device types whose parameters get host-side gradients and optimizer steps."""
+    max_grad_inflight_bytes: int
+    """Most gradient bytes kept on the device while their copy to host runs."""
+    owner: str = "offload_optimizer"
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        devices: Iterable[str] | str = ("cuda",),
+        max_grad_inflight_bytes: int | str = DEFAULT_GRAD_INFLIGHT,
+        owner: str = "offload_optimizer",
+    ) -> OptimizerOffloadSettings:
+        def flag(field: str) -> str:
+            return optimizer_offload_flag(owner, field)
+
+        return cls(
+            devices=parse_devices(devices, flag=flag("devices")),
+            max_grad_inflight_bytes=parse_size(max_grad_inflight_bytes, flag=flag("max_grad_inflight_bytes")),
+            owner=owner,
+        )
+
+    def flag(self, field: str) -> str:
+        """How the user spelled the flag behind ``field``: ``LightMem(offload_optimizer=...)``."""
+        return optimizer_offload_flag(self.owner, field)
+
+
+def optimizer_offload_flag(owner: str, field: str) -> str:
+    return f"{owner}({_OPTIMIZER_FLAG_NAMES.get(owner, {}).get(field, field)}=...)"
+
+
 _warned: set[str] = set()
 
 
