@@ -27,6 +27,7 @@ from lightmem.config import (
     DEFAULT_MAX_INFLIGHT,
     DEFAULT_PREFETCH,
     OffloadSettings,
+    OptimizerOffloadSettings,
     format_bytes,
     parse_bool,
     parse_choices,
@@ -42,6 +43,7 @@ from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.metrics.names import GROUPS
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
+from lightmem.offload.optimizer import OptimizerOffloader, offload_trainer_optimizers
 from lightmem.offload.training import TrainingOffload
 
 
@@ -98,6 +100,9 @@ class LightMem(Callback):
             None: never stop, only warn. The rest of the limit is the margin for saving.
         host_stop_checkpoint: where that checkpoint goes (default
             ``<trainer.default_root_dir>/lightmem-host-stop.ckpt``).
+        offload_optimizer: keep parameters on the device and move gradients, optimizer state and
+            the optimizer step to host memory (see :func:`~lightmem.offload_optimizer`); uses
+            ``offload_devices`` and ``offload_max_inflight_bytes`` (gradient bytes awaiting their copy).
 
     Raises:
         ValueError: at construction, for a flag with a bad value; the message names the flag and
@@ -136,6 +141,7 @@ class LightMem(Callback):
         host_warn_at: float = 0.85,
         host_stop_at: float | None = 0.95,
         host_stop_checkpoint: str | None = None,
+        offload_optimizer: bool = False,
     ) -> None:
         super().__init__()
         self.offload = parse_bool(offload, flag=_flag("offload"))
@@ -170,6 +176,12 @@ class LightMem(Callback):
         if self.host_stop_at is not None and self.host_stop_at < self.host_warn_at:  # type: ignore[operator]
             raise ValueError(f"{_flag('host_stop_at')}: must be >= host_warn_at ({host_warn_at}); got {host_stop_at!r}")
         self.host_stop_checkpoint = parse_path(host_stop_checkpoint, flag=_flag("host_stop_checkpoint"))
+        self.offload_optimizer = parse_bool(offload_optimizer, flag=_flag("offload_optimizer"))
+        self.optimizer_offload_settings = OptimizerOffloadSettings.parse(
+            devices=offload_devices, max_grad_inflight_bytes=offload_max_inflight_bytes, owner="LightMem"
+        )
+        self._optimizer_offloaders: list[OptimizerOffloader] = []
+        self._optimizer_offload_off: str | None = None
         self.chosen_plan: Any = None
         """With plan='auto': the ``lightmem.estimate.Plan`` chosen from the first training batch."""
 
@@ -252,6 +264,10 @@ class LightMem(Callback):
         self._host_guard = HostGuard(self.host_limit_bytes, self.host_warn_at, self.host_stop_at, self._host_bytes_held)  # type: ignore[arg-type]
         if self.oom_snapshot:
             oom.record_memory_history()
+        if self.offload_optimizer:
+            self._optimizer_offloaders, self._optimizer_offload_off = offload_trainer_optimizers(
+                trainer, self.optimizer_offload_settings
+            )
         if self.plan == "auto":  # every fit plans for its own first batch, then starts recording
             self.chosen_plan, self._offload, self._recorder = None, None, None
             return
@@ -281,7 +297,7 @@ class LightMem(Callback):
         blocks = self._checkpointed_blocks()
         probes, metrics_off = build_probes(
             self.metrics, pl_module.device, checkpointed_blocks=blocks,
-            host_bytes_held=self._host_bytes_held if self._offloader is not None else None,
+            host_bytes_held=self._host_bytes_held if self._offloader is not None or self._optimizer_offloaders else None,
             host_bytes_peak_in_use=self._host_bytes_peak_in_use,
         )  # fmt: skip
         if "host" in self.metrics:
@@ -300,6 +316,10 @@ class LightMem(Callback):
             on.append(f"activation offload (tensors from {format_bytes(self._offloader.min_bytes)})")
         elif self.offload or self.chosen_plan is not None:
             off.append(f"activation offload ({self._offload_off_reason(self.offload_settings) or 'the plan offloads nothing'})")
+        if self._optimizer_offloaders:
+            on.append("optimizer offload (gradients, optimizer state and step on the host)")
+        elif self._optimizer_offload_off:
+            off.append(f"optimizer offload ({self._optimizer_offload_off})")
         if blocks:
             names = self._checkpoint_handle.modules  # type: ignore[union-attr]
             on.append(f"checkpointing {blocks} blocks ({', '.join(names[:3])}{', ...' if blocks > 3 else ''})")
@@ -319,7 +339,8 @@ class LightMem(Callback):
         return len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0
 
     def _host_bytes_held(self) -> int:
-        return self._offloader.host_bytes_held if self._offloader is not None else 0
+        held = self._offloader.host_bytes_held if self._offloader is not None else 0
+        return held + sum(offloader.host_bytes_held for offloader in self._optimizer_offloaders)
 
     # -- one training step -----------------------------------------------------------------------
 
@@ -466,6 +487,9 @@ class LightMem(Callback):
         if self._offload is not None:
             self._offload.close()
             self._offload = None
+        for offloader in self._optimizer_offloaders:
+            offloader.close()
+        self._optimizer_offloaders = []
         # Probes hold psutil processes (with locks): after fit the callback pickles and deep-copies.
         if self._host_guard is not None:
             self._host_guard.close()

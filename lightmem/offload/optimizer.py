@@ -201,6 +201,7 @@ class OptimizerOffloader:
             if owned:
                 self._handles.append(module.register_forward_pre_hook(self._waiter(owned)))
         self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_for_params()))
+        self._handles.append(model.register_load_state_dict_post_hook(lambda *args: self.refresh_host_params()))
         self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._handles.append(optimizer.register_step_post_hook(self._after_step))
         self._stats.host_param_bytes = sum(slot.master.nbytes for slot in self._slots.values())
@@ -237,6 +238,15 @@ class OptimizerOffloader:
         """Make the device parameters current: the compute stream waits for every queued copy."""
         for slot in self._slots.values():
             self._device_wait(slot)
+
+    def refresh_host_params(self) -> None:
+        """Copy the device parameters into the host copies the optimizer steps (done for you after
+        ``model.load_state_dict``; call it after writing the parameters any other way)."""
+        self._host_wait_params()
+        self.wait_for_params()
+        with torch.no_grad():
+            for slot in self._slots.values():
+                slot.master.copy_(slot.param.detach())
 
     # -- backward: gradients out --------------------------------------------------------------
 
@@ -501,3 +511,49 @@ def offload_optimizer(
     if settings is None:
         settings = OptimizerOffloadSettings.parse(devices=devices, max_grad_inflight_bytes=max_grad_inflight_bytes)
     return OptimizerOffloader(model, optimizer, settings=settings, transport=transport)
+
+
+_STRATEGY_REFUSALS = {
+    "FSDP": "FSDP shards the optimizer state itself and has its own CPU offload: use "
+    "FSDPStrategy(cpu_offload=True) (FSDP2: CPUOffloadPolicy) instead",
+    "DeepSpeed": "DeepSpeed has its own: use DeepSpeedStrategy(offload_optimizer=True)",
+    "DDP": "DDP's reducer averages gradients after the hooks that move them to the host, so each rank "
+    "would step on its own gradients; not supported yet (run on one device per process, or use "
+    "DeepSpeedStrategy(offload_optimizer=True))",
+}
+
+
+def offload_trainer_optimizers(
+    trainer: Any, settings: OptimizerOffloadSettings, transport: Transport | None = None
+) -> tuple[list[OptimizerOffloader], str | None]:
+    """Offload every optimizer of a Lightning ``trainer`` (after its strategy set them up).
+
+    Returns the offloaders, or none and the reason the option is off (parameters on a device type
+    ``settings.devices`` does not name, e.g. no CUDA). ``pytorch_lightning`` and
+    ``lightning.pytorch`` Trainers both work: nothing here checks their classes.
+
+    Raises:
+        ValueError: naming ``settings.flag("enabled")``, under a strategy other than a single device
+            (FSDP and DeepSpeed point to their own offload) or with a gradient scaler (16-mixed).
+    """
+    flag = settings.flag("enabled")
+    strategy = type(trainer.strategy).__name__
+    for marker, why in _STRATEGY_REFUSALS.items():
+        if marker.lower() in strategy.lower():
+            raise ValueError(f"{flag}: not available under {strategy}: {why}")
+    if strategy != "SingleDeviceStrategy":
+        raise ValueError(f"{flag}: works with one device per process (SingleDeviceStrategy); got {strategy}")
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            f"{flag}: a gradient scaler (precision='16-mixed') unscales and checks gradients per device "
+            "and cannot run on host gradients; use precision='bf16-mixed', 'bf16-true' or '32-true'"
+        )
+    model = trainer.lightning_module
+    device = trainer.strategy.root_device
+    if device.type not in settings.devices:
+        return [], f"the model is on {device}, not a device type in {settings.flag('devices')}"
+    offloaders = [
+        OptimizerOffloader(model, optimizer, settings=settings, transport=transport)
+        for optimizer in trainer.optimizers
+    ]
+    return offloaders, None
