@@ -43,7 +43,7 @@ from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.metrics.names import GROUPS
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
-from lightmem.offload.optimizer import OptimizerOffloader, offload_trainer_optimizers
+from lightmem.offload.optimizer import OptimizerOffloader, OptimizerOffloadStats, offload_trainer_optimizers
 from lightmem.offload.training import TrainingOffload
 
 
@@ -182,6 +182,8 @@ class LightMem(Callback):
         )
         self._optimizer_offloaders: list[OptimizerOffloader] = []
         self._optimizer_offload_off: str | None = None
+        self.optimizer_offload_stats: list[OptimizerOffloadStats] = []
+        """With offload_optimizer: per optimizer, host bytes and the last step's traffic (kept after fit)."""
         self.chosen_plan: Any = None
         """With plan='auto': the ``lightmem.estimate.Plan`` chosen from the first training batch."""
 
@@ -268,6 +270,7 @@ class LightMem(Callback):
             self._optimizer_offloaders, self._optimizer_offload_off = offload_trainer_optimizers(
                 trainer, self.optimizer_offload_settings
             )
+            self.optimizer_offload_stats = [offloader.stats for offloader in self._optimizer_offloaders]
         if self.plan == "auto":  # every fit plans for its own first batch, then starts recording
             self.chosen_plan, self._offload, self._recorder = None, None, None
             return

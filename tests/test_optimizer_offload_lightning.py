@@ -4,6 +4,8 @@ cross over both ways, and what cannot work is refused by name."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -12,6 +14,8 @@ from optimizer_models import LitTiny, regression_loader
 
 import lightmem.offload.optimizer as optimizer_offload
 from lightmem import LightMem
+from lightmem.config import OptimizerOffloadSettings
+from lightmem.offload.optimizer import offload_trainer_optimizers
 from lightmem.testing.simulated import SimulatedAsyncTransport
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
@@ -38,8 +42,9 @@ def _fit(offload: bool, module_kwargs=None, ckpt_path=None, **trainer_kwargs):
 def _assert_same_run(expected, actual):
     (module_a, trainer_a, rng_a), (module_b, trainer_b, rng_b) = expected, actual
     assert_state_equal(module_a, module_b, trainer_a.optimizers[0], trainer_b.optimizers[0])
-    assert_same([s.state_dict() for s in trainer_a.lr_scheduler_configs and [c.scheduler for c in trainer_a.lr_scheduler_configs]],
-                [s.state_dict() for s in trainer_b.lr_scheduler_configs and [c.scheduler for c in trainer_b.lr_scheduler_configs]], "schedulers")
+    schedulers_a = [config.scheduler.state_dict() for config in trainer_a.lr_scheduler_configs]
+    schedulers_b = [config.scheduler.state_dict() for config in trainer_b.lr_scheduler_configs]
+    assert_same(schedulers_a, schedulers_b, "LR schedulers")
     assert_same(rng_a, rng_b, "RNG state")
 
 
@@ -61,3 +66,111 @@ def test_fit_with_accumulation_clipping_and_scheduler_is_bitwise_equal_without_l
     expected = _fit(False, {"optimizer": optimizer}, **settings)
     actual = _fit(True, {"optimizer": optimizer}, **settings)
     _assert_same_run(expected, actual)
+
+
+@pytest.mark.parametrize(
+    ("module_kwargs", "trainer_kwargs"),
+    [
+        ({}, {"precision": "bf16-mixed"}),
+        ({}, {"precision": "bf16-true"}),
+        ({"manual": True}, {}),
+        ({}, {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    ],
+    ids=["bf16-mixed", "bf16-true", "manual-optimization", "clip-by-value"],
+)
+def test_precisions_manual_optimization_and_clipping_by_value_are_bitwise_equal(module_kwargs, trainer_kwargs):
+    expected = _fit(False, module_kwargs, **trainer_kwargs)
+    actual = _fit(True, module_kwargs, **trainer_kwargs)
+    _assert_same_run(expected, actual)
+
+
+def test_the_fit_really_ran_on_the_host_and_says_so(caplog):
+    callback = LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])
+    pl.seed_everything(0, verbose=False)
+    module = LitTiny()
+    with caplog.at_level("INFO"):
+        _trainer([callback], accumulate_grad_batches=2).fit(module, regression_loader())
+    (stats,) = callback.optimizer_offload_stats
+    assert (stats.steps, stats.grad_bytes_out, stats.param_bytes_in) == (4, 2 * 193 * 4, 193 * 4)
+    assert "lightmem: on: optimizer offload (gradients, optimizer state and step on the host)." in caplog.text
+    # After fit the optimizer steps the module's own parameters again.
+    optimizer = module.trainer.optimizers[0]
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in module.parameters()]
+
+
+def test_without_cuda_the_default_devices_leave_it_off_and_say_why(caplog):
+    callback = LightMem(offload=False, offload_optimizer=True, metrics=["host"])
+    with caplog.at_level("INFO"):
+        _fit_with(callback)
+    assert "optimizer offload (the model is on cpu, not a device type in LightMem(offload_devices=...))" in caplog.text
+    assert callback.optimizer_offload_stats == []
+
+
+def _fit_with(callback, ckpt_path=None, **trainer_kwargs):
+    pl.seed_everything(0, verbose=False)
+    module = LitTiny()
+    trainer = _trainer([callback] if callback else [], **trainer_kwargs)
+    trainer.fit(module, regression_loader(), ckpt_path=ckpt_path)
+    return module, trainer, torch.get_rng_state()
+
+
+@pytest.mark.parametrize(("first", "second"), [(True, False), (False, True)], ids=["offloaded-to-plain", "plain-to-offloaded"])
+def test_a_checkpoint_resumes_across_the_option_both_ways(tmp_path, first, second):
+    def lightmem(on):
+        return LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[]) if on else None
+
+    def half_then_resume(first_on, second_on, name):
+        _, trainer, _ = _fit_with(lightmem(first_on), max_steps=2)
+        path = str(tmp_path / name)
+        trainer.save_checkpoint(path)
+        return _fit_with(lightmem(second_on), ckpt_path=path, max_steps=4)
+
+    # Lightning does not restore the RNG, so the reference resumes too (without lightmem at all).
+    module_a, trainer_a, _ = half_then_resume(False, False, "plain.ckpt")
+    module_b, trainer_b, _ = half_then_resume(first, second, "crossed.ckpt")
+    assert_state_equal(module_a, module_b, trainer_a.optimizers[0], trainer_b.optimizers[0])
+
+
+def _trainer_like(strategy_class_name: str, scaler=None):
+    strategy_class = type(strategy_class_name, (), {})
+    return SimpleNamespace(strategy=strategy_class(), precision_plugin=SimpleNamespace(scaler=scaler))
+
+
+_SETTINGS = OptimizerOffloadSettings.parse(devices=("cpu",), owner="LightMem")
+
+
+def test_fsdp_is_pointed_to_its_own_cpu_offload():
+    with pytest.raises(ValueError) as error:
+        offload_trainer_optimizers(_trainer_like("FSDPStrategy"), _SETTINGS)
+    assert str(error.value) == (
+        "LightMem(offload_optimizer=...): not available under FSDPStrategy: FSDP shards the optimizer "
+        "state itself and has its own CPU offload: use FSDPStrategy(cpu_offload=True) (FSDP2: "
+        "CPUOffloadPolicy) instead"
+    )
+
+
+def test_ddp_is_refused_with_the_reason():
+    with pytest.raises(ValueError) as error:
+        offload_trainer_optimizers(_trainer_like("DDPStrategy"), _SETTINGS)
+    assert str(error.value) == (
+        "LightMem(offload_optimizer=...): not available under DDPStrategy: DDP's reducer averages "
+        "gradients after the hooks that move them to the host, so each rank would step on its own "
+        "gradients; not supported yet (run on one device per process, or use "
+        "DeepSpeedStrategy(offload_optimizer=True))"
+    )
+
+
+def test_a_gradient_scaler_is_refused():
+    with pytest.raises(ValueError) as error:
+        offload_trainer_optimizers(_trainer_like("SingleDeviceStrategy", scaler=object()), _SETTINGS)
+    assert str(error.value) == (
+        "LightMem(offload_optimizer=...): a gradient scaler (precision='16-mixed') unscales and checks "
+        "gradients per device and cannot run on host gradients; use precision='bf16-mixed', "
+        "'bf16-true' or '32-true'"
+    )
+
+
+def test_the_flag_takes_only_a_bool():
+    with pytest.raises(ValueError) as error:
+        LightMem(offload_optimizer="yes")
+    assert str(error.value) == "LightMem(offload_optimizer=...): expected True or False; got 'yes'"
