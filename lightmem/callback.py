@@ -263,7 +263,7 @@ class LightMem(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._host_guard = HostGuard(self.host_limit_bytes, self.host_warn_at, self.host_stop_at, self._host_bytes_held)  # type: ignore[arg-type]
+        self._host_guard = HostGuard(self.host_limit_bytes, self.host_warn_at, self.host_stop_at, self._all_host_bytes_held)  # type: ignore[arg-type]
         if self.oom_snapshot:
             oom.record_memory_history()
         if self.offload_optimizer:
@@ -300,8 +300,9 @@ class LightMem(Callback):
         blocks = self._checkpointed_blocks()
         probes, metrics_off = build_probes(
             self.metrics, pl_module.device, checkpointed_blocks=blocks,
-            host_bytes_held=self._host_bytes_held if self._offloader is not None or self._optimizer_offloaders else None,
+            host_bytes_held=self._host_bytes_held if self._offloader is not None else None,
             host_bytes_peak_in_use=self._host_bytes_peak_in_use,
+            optimizer_offload_stats=self._optimizer_offload_stats if self._optimizer_offloaders else None,
         )  # fmt: skip
         if "host" in self.metrics:
             probes.append(self._host_guard)
@@ -341,9 +342,15 @@ class LightMem(Callback):
     def _checkpointed_blocks(self) -> int:
         return len(self._checkpoint_handle) if self._checkpoint_handle is not None else 0
 
+    def _optimizer_offload_stats(self) -> list[OptimizerOffloadStats]:
+        return [offloader.stats for offloader in self._optimizer_offloaders]
+
     def _host_bytes_held(self) -> int:
-        held = self._offloader.host_bytes_held if self._offloader is not None else 0
-        return held + sum(offloader.host_bytes_held for offloader in self._optimizer_offloaders)
+        return self._offloader.host_bytes_held if self._offloader is not None else 0
+
+    def _all_host_bytes_held(self) -> int:
+        """What the host guard counts: activation offload's buffers and model-state offload's."""
+        return self._host_bytes_held() + sum(offloader.host_bytes_held for offloader in self._optimizer_offloaders)
 
     # -- one training step -----------------------------------------------------------------------
 

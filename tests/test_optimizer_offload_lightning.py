@@ -174,3 +174,31 @@ def test_the_flag_takes_only_a_bool():
     with pytest.raises(ValueError) as error:
         LightMem(offload_optimizer="yes")
     assert str(error.value) == "LightMem(offload_optimizer=...): expected True or False; got 'yes'"
+
+
+def test_metrics_and_summary_report_host_bytes_and_traffic_of_each_step(capsys):
+    from test_callback_metrics import MemoryLogger
+
+    from lightmem.metrics.names import METRICS
+    from lightmem.metrics.tensorboard import custom_scalars_layout
+
+    logger = MemoryLogger()
+    callback = LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    pl.seed_everything(0, verbose=False)
+    _trainer([callback], logger=logger, accumulate_grad_batches=2).fit(LitTiny(optimizer="adam"), regression_loader())
+    rows = [metrics for _, metrics in logger.metrics if any(k.startswith("lightmem/memory/") for k in metrics)]
+    assert len(rows) == 4
+    gib = float(1024**3)
+    optimizer_keys = {m.key for m in METRICS if "/optimizer/" in m.key}
+    for metrics in rows:
+        assert set(metrics) == optimizer_keys
+        assert metrics["lightmem/memory/optimizer/host_params_GiB"] == 193 * 4 / gib
+        assert metrics["lightmem/memory/optimizer/host_grads_GiB"] == 2 * 193 * 4 / gib  # + staging
+        assert metrics["lightmem/memory/optimizer/host_state_GiB"] == (2 * 193 * 4 + 6 * 4) / gib
+        assert metrics["lightmem/memory/optimizer/grads_out_GiB"] == 2 * 193 * 4 / gib
+        assert metrics["lightmem/memory/optimizer/params_in_GiB"] == 193 * 4 / gib
+    charts = custom_scalars_layout(rows[0])["lightmem memory"]
+    assert set(charts) == {"Optimizer offload host memory (GiB)", "Optimizer offload traffic (GiB)", "Optimizer offload waits (ms)"}
+    printed = capsys.readouterr().out
+    assert "optimizer offload: gradients to host per step" in printed
+    assert "optimizer offload: host bytes held (peak)" in printed
