@@ -117,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--offload-exclude", nargs="+", default=None, metavar="PATTERN", help="never offload in these modules"
     )
     estimate.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="simulate model-state offload: gradients, optimizer state and step on the host",
+    )
+    estimate.add_argument(
         "--plan", action="store_true", help="also plan the cheapest configuration that fits --budget"
     )
     estimate.add_argument(
@@ -194,6 +199,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         "device": args.device,
         "overhead_bytes": args.overhead,
         "zero_grad": args.zero_grad,
+        "offload_optimizer": args.offload_optimizer,
     }
     offload = _offload_arg(args)
     result = estimate_memory(
@@ -215,12 +221,12 @@ def run_estimate(args: argparse.Namespace) -> int:
     result.print(verbose=args.verbose)
     if found_plan is not None:
         print(f"Plan: {found_plan.describe()}")
-        if found_plan.fits and (found_plan.checkpoint or found_plan.offload):
+        if found_plan.fits and (found_plan.checkpoint or found_plan.offload or found_plan.offload_optimizer):
             print(f"LightMem(**{found_plan.lightmem_kwargs()})")
     if search is not None:
         line = f"Largest batch that fits {args.budget}: {search.baseline} without lightmem"
         if search.configured is not None:
-            line += f", {search.configured} with the given offload/checkpoint flags"
+            line += f", {search.configured} with the given offload/checkpoint/offload-optimizer flags"
         print(line)
     return 0
 

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg, parse_checkpoint_policy
-from lightmem.config import OffloadSettings, parse_size
+from lightmem.config import DEFAULT_GRAD_INFLIGHT, OffloadSettings, parse_bool, parse_size
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
 from lightmem.estimate.settings import (
@@ -44,6 +44,8 @@ class EstimateSettings:
     zero_grad: str = "after_forward"
     checkpoint_policy: CheckpointPolicyArg = "full"
     """What checkpointed blocks keep: applied to ``checkpoint=...`` and priced by the planner."""
+    offload_optimizer: bool = False
+    """Model-state offload asked for: gradients, optimizer state and step on the host."""
 
 
 def parse_settings(
@@ -58,6 +60,7 @@ def parse_settings(
     budget: int | str | None,
     zero_grad: str = "after_forward",
     checkpoint_policy: CheckpointPolicyArg = "full",
+    offload_optimizer: bool = False,
 ) -> EstimateSettings:
     """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``."""
     if not isinstance(model, nn.Module):
@@ -80,6 +83,7 @@ def parse_settings(
         budget_bytes=None if budget is None else parse_size(budget, flag=f"{fn_name}(budget=...)"),
         zero_grad=parse_zero_grad(zero_grad, flag=f"{fn_name}(zero_grad=...)"),
         checkpoint_policy=parse_checkpoint_policy(checkpoint_policy, flag=f"{fn_name}(checkpoint_policy=...)"),
+        offload_optimizer=parse_bool(offload_optimizer, flag=f"{fn_name}(offload_optimizer=...)"),
     )
 
 
@@ -92,9 +96,13 @@ def run_configuration(
     checkpoint: tuple[Any, ...] | None = None,
     batch_size: int | None = None,
     info: BatchInfo | None = None,
+    offload_optimizer: bool | None = None,
 ) -> StepTrace:
-    """One fake step of ``model`` with one lightmem configuration (the building block of the API)."""
+    """One fake step of ``model`` with one lightmem configuration (the building block of the API).
+    ``offload_optimizer`` defaults to the settings' choice."""
     info = info or inspect_batch(batch)
+    if offload_optimizer is None:
+        offload_optimizer = settings.offload_optimizer
     request = StepRequest(
         device=settings.device,
         precision=settings.precision,
@@ -106,6 +114,9 @@ def run_configuration(
         batch_size=batch_size,
         original_batch_size=info.batch_size,
         zero_grad=settings.zero_grad,
+        offload_optimizer_inflight_bytes=parse_size(DEFAULT_GRAD_INFLIGHT, flag="offload_optimizer")
+        if offload_optimizer
+        else None,
     )
     return run_step(model, batch, request)
 
@@ -122,7 +133,7 @@ def scenario_from(name: str, trace: StepTrace) -> StepMemory:
         activations_at_forward_end=trace.activations_at_forward_end,
         checkpointed=list(trace.checkpointed),
         offloaded_bytes=trace.offloaded_bytes,
-        host_bytes=trace.host_bytes,
+        host_bytes=trace.host_bytes + trace.optimizer_host_bytes,
         seconds=trace.seconds,
     )
 
@@ -154,17 +165,22 @@ def build_report(
 ) -> tuple[MemoryEstimate, StepTrace]:
     """Run the baseline and every requested configuration; the report (without advice) and the
     baseline's trace."""
-    configurations: list[tuple[str, OffloadSettings | None, tuple[Any, ...] | None]] = [
-        ("baseline", None, None)
+    # With offload_optimizer every configuration but the baseline has it too (named "+offload_optimizer").
+    model_state = settings.offload_optimizer
+    suffix = "+offload_optimizer" if model_state else ""
+    configurations: list[tuple[str, OffloadSettings | None, tuple[Any, ...] | None, bool]] = [
+        ("baseline", None, None, False)
     ]
+    if model_state:
+        configurations.append(("offload_optimizer", None, None, True))
     if checkpoint:
-        configurations.append(("checkpoint", None, checkpoint))
+        configurations.append(("checkpoint" + suffix, None, checkpoint, model_state))
     if offload is not None:
-        configurations.append(("offload", offload, None))
+        configurations.append(("offload" + suffix, offload, None, model_state))
     if checkpoint and offload is not None:
-        configurations.append(("checkpoint+offload", offload, checkpoint))
+        configurations.append(("checkpoint+offload" + suffix, offload, checkpoint, model_state))
     traces: dict[str, StepTrace] = {}
-    for name, offload_config, targets in configurations:
+    for name, offload_config, targets, offload_model_state in configurations:
         traces[name] = run_configuration(
             model,
             batch,
@@ -173,6 +189,7 @@ def build_report(
             checkpoint=targets,
             batch_size=batch_size,
             info=info,
+            offload_optimizer=offload_model_state,
         )
     scenarios = {name: scenario_from(name, trace) for name, trace in traces.items()}
     chosen = scenarios[configurations[-1][0]]
@@ -196,5 +213,6 @@ def build_report(
         scenarios=scenarios,
         not_modelled=list(NOT_MODELLED) + (list(CUDA_NOTES) if settings.device == "cuda" else []),
         inputs_bytes=baseline.peak.inputs_bytes,
+        offload_optimizer=model_state,
     )
     return estimate, baseline

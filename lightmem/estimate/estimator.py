@@ -32,6 +32,7 @@ def estimate_memory(
     overhead_bytes: int | str | None = None,
     zero_grad: str = "after_forward",
     checkpoint_policy: CheckpointPolicyArg = "full",
+    offload_optimizer: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating it.
 
@@ -69,6 +70,10 @@ def estimate_memory(
         zero_grad: "after_forward" (Lightning's order, the default: the previous step's
             gradients are alive during forward) or "before_forward" (a plain PyTorch loop that
             calls ``optimizer.zero_grad()`` before the forward).
+        offload_optimizer: simulate model-state offload (``LightMem(offload_optimizer=True)``):
+            each gradient leaves the device once final (at most 64 MiB waiting for its copy),
+            optimizer state and step are on the host. Adds an "offload_optimizer" scenario; the
+            other requested scenarios include it. Host bytes are in each scenario's ``host_bytes``.
 
     Returns:
         A :class:`MemoryEstimate` for the requested configuration, with "baseline" (no lightmem)
@@ -93,6 +98,7 @@ def estimate_memory(
     settings = parse_settings(
         "estimate_memory", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
+        offload_optimizer=offload_optimizer,
     )  # fmt: skip
     offload_config = parse_offload(offload, flag="estimate_memory(offload=...)")
     if offload_config is not None:

@@ -153,6 +153,7 @@ def plan(
     offload_min_bytes: int | str = DEFAULT_MIN_BYTES,
     max_rounds: int = 4,
     checkpoint_policy: CheckpointPolicyArg = "full",
+    offload_optimizer: bool = False,
 ) -> Plan:
     """Pick, per top-level block, keep / offload / checkpoint / both so the step fits ``budget``.
 
@@ -166,13 +167,17 @@ def plan(
         checkpoint_policy: what the blocks the plan checkpoints keep: ``"full"`` (their inputs),
             ``"save_matmuls"`` or a per-op callable, as in ``apply_checkpointing``; priced and
             verified with it, and returned in ``lightmem_kwargs()``.
+        offload_optimizer: plan with gradients and optimizer state on the host. Without it the
+            plan turns it on by itself when parameters + gradients + optimizer state exceed the
+            budget and the parameters alone do not (``lightmem_kwargs()`` then has it).
         Other arguments: as for :func:`estimate_memory`.
 
     On "cpu" only checkpointing is planned (offloading CPU memory to CPU memory saves nothing).
 
     Returns:
-        A :class:`Plan`; ``plan.fits`` is False with a ``reason`` when parameters, gradients and
-        optimizer state alone exceed the budget or no combination of actions gets under it.
+        A :class:`Plan`; ``plan.fits`` is False with a ``reason`` when the parameters (and, unless
+        they can go to the host, gradients and optimizer state) alone exceed the budget or no
+        combination of actions gets under it.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -181,6 +186,7 @@ def plan(
     settings = parse_settings(
         "plan", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
+        offload_optimizer=offload_optimizer,
     )  # fmt: skip
     min_bytes = parse_size(offload_min_bytes, flag="plan(offload_min_bytes=...)")
     link = parse_size(link_bytes_per_s, flag="plan(link_bytes_per_s=...)")
@@ -235,16 +241,34 @@ def search_plan(
         checkpoint_policy=settings.checkpoint_policy,
     )  # fmt: skip
     result.estimate_kinds = {name: block.kind for name, block in base.blocks.items()}
-    if base.static_exceeds_budget:
+    model_state = settings.offload_optimizer
+    if base.static_exceeds_budget and (model_state or not base.parameters_fit):
+        what = "the parameters" if model_state else "parameters + gradients + optimizer state"
         result.reason = (
-            f"parameters + gradients + optimizer state alone take {format_bytes(base.static_bytes)} "
+            f"{what} alone take {format_bytes(base.static_bytes)} "
             f"of the {format_bytes(available)} left after the {format_bytes(settings.overhead_bytes)} "
             "overhead allowance; no activation technique helps (see the advice)"
         )
         return result
+    if base.static_exceeds_budget or model_state:
+        # Gradients and optimizer state go to the host; activations are planned on top of that.
+        model_state = True
+        result.offload_optimizer = True
+        named = base.scenarios.get("offload_optimizer")
+        baseline_peak = (
+            named.peak_bytes
+            if named is not None
+            else run_configuration(model, batch, settings, info=info, offload_optimizer=True).peak.bytes
+        )
+        result.predicted_peak_bytes = baseline_peak
     if baseline_peak <= available:
         result.fits = True
-        result.reason = "the baseline step already fits"
+        result.reason = (
+            f"with offload_optimizer the peak is {format_bytes(baseline_peak)} + overhead "
+            f"{format_bytes(settings.overhead_bytes)}"
+            if model_state
+            else "the baseline step already fits"
+        )
         return result
 
     need = baseline_peak - available
@@ -259,8 +283,9 @@ def search_plan(
         checkpoint, offload = config_for(actions, min_bytes)
         offload_config = parse_offload(offload, flag="plan") if offload else None
         trace = run_configuration(
-            model, batch, settings, info=info, checkpoint=tuple(checkpoint) or None, offload=offload_config
-        )
+            model, batch, settings, info=info, checkpoint=tuple(checkpoint) or None, offload=offload_config,
+            offload_optimizer=model_state,
+        )  # fmt: skip
         result.checkpoint, result.offload, result.actions = checkpoint, offload_config, dict(actions)
         result.predicted_peak_bytes = trace.peak.bytes
         result.recompute_s = sum(

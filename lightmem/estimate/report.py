@@ -134,6 +134,8 @@ class MemoryEstimate:
     not_modelled: list[str] = field(default_factory=list)
     inputs_bytes: int = 0
     seconds: float = 0.0
+    offload_optimizer: bool = False
+    """Model-state offload was asked for: gradients and optimizer state are not the device's."""
 
     @property
     def total_bytes(self) -> int:
@@ -164,9 +166,20 @@ class MemoryEstimate:
 
     @property
     def static_bytes(self) -> int:
-        """Parameters + gradients + optimizer state: what no activation technique reduces."""
+        """Parameters + gradients + optimizer state: what no activation technique reduces (with
+        ``offload_optimizer``: the parameters alone)."""
         baseline = self.scenarios["baseline"].breakdown
+        if self.offload_optimizer:
+            return baseline["parameters"]
         return baseline["parameters"] + baseline["gradients"] + baseline["optimizer_state"]
+
+    @property
+    def parameters_fit(self) -> bool:
+        """The parameters alone leave room in the budget of a device that is not the host: there
+        model-state offload (``offload_optimizer``) can make the step fit."""
+        available = self.available_bytes
+        parameters = self.scenarios["baseline"].breakdown["parameters"]
+        return self.device != "cpu" and available is not None and parameters < available
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -183,6 +196,7 @@ class MemoryEstimate:
             "batch_size": self.batch_size,
             "parameter_count": self.parameter_count,
             "inputs_bytes": self.inputs_bytes,
+            "offload_optimizer": self.offload_optimizer,
             "blocks": {
                 name: {
                     "saved_bytes": block.saved_bytes,
@@ -221,7 +235,7 @@ class MemoryEstimate:
             f"{s.peak_phase}: {s.peak_op}" + (f" ({s.peak_block})" if s.peak_block else "") for s in scenarios
         )
         rows.append(["peak in", *where])
-        if any(s.offloaded_bytes for s in scenarios):
+        if any(s.offloaded_bytes or s.host_bytes for s in scenarios):
             rows.append(["host memory (offload)", *(format_bytes(s.host_bytes) for s in scenarios)])
 
         total_saved = sum(block.saved_bytes for block in self.blocks.values()) or 1
@@ -335,6 +349,8 @@ class Plan:
     """Class name per block, for the description."""
     checkpoint_policy: CheckpointPolicyArg = "full"
     """What the checkpointed blocks keep (``LightMem(checkpoint_policy=...)``)."""
+    offload_optimizer: bool = False
+    """Gradients, optimizer state and step on the host (``LightMem(offload_optimizer=True)``)."""
 
     @property
     def predicted_total_bytes(self) -> int:
@@ -344,6 +360,8 @@ class Plan:
         """Keyword arguments for ``LightMem(...)``: offload, checkpoint, and when offloading,
         offload_min_bytes and offload_include; checkpoint_policy when it is not the default."""
         policy = {} if self.checkpoint_policy == "full" else {"checkpoint_policy": self.checkpoint_policy}
+        if self.offload_optimizer:
+            policy["offload_optimizer"] = True
         if self.offload is None:
             return {"offload": False, "checkpoint": list(self.checkpoint), **policy}
         return {
@@ -365,6 +383,7 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
             "reason": self.reason,
+            "offload_optimizer": self.offload_optimizer,
             "recompute_s": self.recompute_s,
             "exposed_transfer_s": self.exposed_transfer_s,
             "lightmem_kwargs": {
@@ -376,10 +395,12 @@ class Plan:
     def describe(self) -> str:
         if not self.fits:
             return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
-        if not self.checkpoint and self.offload is None:
+        if not self.checkpoint and self.offload is None and not self.offload_optimizer:
             return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
         kinds = self.estimate_kinds
         parts = []
+        if self.offload_optimizer:
+            parts.append("offload_optimizer (gradients and optimizer state on the host)")
         if self.checkpoint:
             names = compact_names(sorted(self.checkpoint, key=natural_order), kinds)
             policy = "" if self.checkpoint_policy == "full" else f" (policy {_policy_name(self.checkpoint_policy)})"
