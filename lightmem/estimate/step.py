@@ -522,7 +522,7 @@ def _steady_step(
         host_bytes=hooks.peak_host_bytes,
         reloaded_bytes=hooks.reloaded_bytes,
         optimizers=[type(optimizer).__name__ for optimizer in optimizers],
-        optimizer_host_bytes=_host_model_state_bytes(tracer, params, graded, state_of, unused)
+        optimizer_host_bytes=_host_model_state_bytes(optimizers, params, graded, unused)
         if model_state_offload
         else 0,
     )
@@ -552,12 +552,19 @@ def _gradients_leave(
 
 
 def _host_model_state_bytes(
-    tracer: StorageTracer, params: list[nn.Parameter], graded: set[int], state_of: dict[int, int], unused: set[int]
+    optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter], graded: set[int], unused: set[int]
 ) -> int:
-    """Host bytes of model-state offload: a copy of each stepped parameter, its gradient, its state."""
-    stepped = [p for p in params if id(p) in graded]
-    copies = sum(p.nbytes for p in stepped)
-    state = sum(tracer.records[rid].nbytes for rid, owner in state_of.items() if owner not in unused)
+    """Host bytes of model-state offload (no allocator rounding on the host): a copy of each
+    stepped parameter, its gradient buffer, its optimizer state."""
+    copies = sum(p.nbytes for p in params if id(p) in graded)
+    state = sum(
+        value.nbytes
+        for optimizer in optimizers
+        for param, values in optimizer.state.items()
+        if id(param) not in unused
+        for value in values.values()
+        if isinstance(value, torch.Tensor)
+    )
     return 2 * copies + state
 
 
