@@ -397,7 +397,7 @@ class LightMem(Callback):
             chosen = plan(
                 pl_module, batch, self.device_budget_bytes, device=pl_module.device.type,
                 precision=str(trainer.precision), offload_min_bytes=self.offload_min_bytes,
-                checkpoint_policy=self.checkpoint_policy,
+                checkpoint_policy=self.checkpoint_policy, offload_optimizer=bool(self._optimizer_offloaders),
             )  # fmt: skip
         finally:
             del pl_module.log, pl_module.log_dict
