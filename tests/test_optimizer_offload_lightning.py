@@ -202,3 +202,22 @@ def test_metrics_and_summary_report_host_bytes_and_traffic_of_each_step(capsys):
     printed = capsys.readouterr().out
     assert "optimizer offload: gradients to host per step" in printed
     assert "optimizer offload: host bytes held (peak)" in printed
+
+
+def test_composes_with_activation_offload_and_checkpointing():
+    from lit_models import LitGPT, token_loader
+
+    def fit(callbacks):
+        pl.seed_everything(0, verbose=False)
+        module = LitGPT()
+        trainer = _trainer(callbacks, max_steps=3, accumulate_grad_batches=2, gradient_clip_val=1.0)
+        trainer.fit(module, token_loader(batches=6))
+        return module, trainer
+
+    expected_module, expected_trainer = fit([])
+    everything = LightMem(
+        offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"], offload_optimizer=True, metrics=[]
+    )
+    module, trainer = fit([everything])
+    assert_state_equal(expected_module, module, expected_trainer.optimizers[0], trainer.optimizers[0])
+    assert everything.optimizer_offload_stats[0].steps == 3
