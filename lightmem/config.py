@@ -381,6 +381,8 @@ class OptimizerOffloadSettings:
 
 
 def optimizer_offload_flag(owner: str, field: str) -> str:
+    if owner == "offload_optimizer" and field == "enabled":
+        return "offload_optimizer"  # the function itself is the option
     return f"{owner}({_OPTIMIZER_FLAG_NAMES.get(owner, {}).get(field, field)}=...)"
 
 

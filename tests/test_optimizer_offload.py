@@ -165,7 +165,7 @@ def test_parameters_on_several_devices_are_refused():
         offload_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), devices=("cpu",))
     assert str(error.value) == (
         "offload_optimizer: the optimizer's parameters are on several devices (cpu, meta); optimizer "
-        "offload handles one device per process (with DDP: one per rank)"
+        "offload handles one device per process"
     )
 
 
@@ -177,3 +177,10 @@ def test_parameters_on_a_device_type_not_named_are_refused():
         "offload_optimizer: the parameters are on cpu, not a device type in "
         "offload_optimizer(devices=...) ['cuda']; pass devices=('cpu',) to drive the path there"
     )
+
+
+def test_the_model_must_come_first():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError) as error:
+        offload_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, devices=("cpu",))
+    assert str(error.value) == "offload_optimizer: expected the model (an nn.Module) first; got SGD"

@@ -86,13 +86,9 @@ class _Slot:
     modules: list[nn.Module] = field(default_factory=list)
 
 
-def _flag(settings: OptimizerOffloadSettings, field_name: str) -> str:
-    return settings.flag(field_name)
-
-
 def _check_optimizer(optimizer: Any, settings: OptimizerOffloadSettings) -> None:
     """Refuse an optimizer whose step cannot run on host copies of the parameters."""
-    flag = _flag(settings, "enabled") if settings.owner != "offload_optimizer" else "offload_optimizer"
+    flag = settings.flag("enabled")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
             f"{flag}: expected a torch.optim.Optimizer (its step runs on host copies of the "
@@ -136,13 +132,13 @@ def _check_params(params: list[nn.Parameter], settings: OptimizerOffloadSettings
     if len(devices) > 1:
         raise ValueError(
             f"{flag}: the optimizer's parameters are on several devices ({', '.join(devices)}); "
-            "optimizer offload handles one device per process (with DDP: one per rank)"
+            "optimizer offload handles one device per process"
         )
     device = params[0].device
     if device.type not in settings.devices:
         raise ValueError(
             f"{flag}: the parameters are on {device}, not a device type in "
-            f"{_flag(settings, 'devices')} {list(settings.devices)}; pass devices=('{device.type}',) "
+            f"{settings.flag('devices')} {list(settings.devices)}; pass devices=('{device.type}',) "
             "to drive the path there"
         )
     return device
@@ -168,7 +164,7 @@ class OptimizerOffloader:
         settings: OptimizerOffloadSettings,
         transport: Transport | None = None,
     ) -> None:
-        flag = "offload_optimizer" if settings.owner == "offload_optimizer" else settings.flag("enabled")
+        flag = settings.flag("enabled")
         if not isinstance(model, nn.Module):
             raise ValueError(f"{flag}: expected the model (an nn.Module) first; got {type(model).__name__}")
         _check_optimizer(optimizer, settings)
