@@ -221,3 +221,18 @@ def test_composes_with_activation_offload_and_checkpointing():
     module, trainer = fit([everything])
     assert_state_equal(expected_module, module, expected_trainer.optimizers[0], trainer.optimizers[0])
     assert everything.optimizer_offload_stats[0].steps == 3
+
+
+def test_the_out_of_memory_advice_names_the_flag_when_model_state_fills_the_device():
+    from lightmem.oom import advice
+
+    lines = advice(
+        offload=True, offload_min_bytes=1, checkpointed_blocks=0, repeated_block=None,
+        breakdown={"parameters": 800, "gradients": 800, "optimizer_state": 1600, "allocated": 3300},
+    )  # fmt: skip
+    assert lines[0] == (
+        "Parameters, gradients and optimizer state take most of the device: activation offload or "
+        "checkpointing cannot fix that. Keep only the parameters on the device with "
+        "LightMem(offload_optimizer=True) (gradients, optimizer state and step on the host), or use "
+        "bf16 weights, an optimizer with less state, or sharding (FSDP / DeepSpeed ZeRO)."
+    )
