@@ -86,6 +86,12 @@ def _cost_s(block: BlockMemory, action: str, costs: Costs) -> float:
     return 0.0
 
 
+def model_state_transfer_s(base: MemoryEstimate, costs: Costs) -> float:
+    """Model-state offload's link time per step: each gradient out and each parameter back (the
+    parameters' bytes twice), priced as not hidden by compute: an upper bound on what it exposes."""
+    return 2 * base.scenarios["baseline"].breakdown["parameters"] / costs.link_bytes_per_s
+
+
 def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
     """The blocks a plan acts on: the repeated layers, or every block of a model without any."""
     repeated = {name: block for name, block in blocks.items() if block.repeated}
@@ -261,6 +267,7 @@ def search_plan(
             else run_configuration(model, batch, settings, info=info, offload_optimizer=True).peak.bytes
         )
         result.predicted_peak_bytes = baseline_peak
+        result.exposed_transfer_s = model_state_transfer_s(base, costs)
     if baseline_peak <= available:
         result.fits = True
         result.reason = (
@@ -293,7 +300,7 @@ def search_plan(
         )
         result.exposed_transfer_s = (
             sum(_cost_s(base.blocks[n], a, costs) for n, a in actions.items()) - result.recompute_s
-        )
+        ) + (model_state_transfer_s(base, costs) if model_state else 0.0)
         if trace.peak.bytes <= available:
             result.fits = True
             result.reason = f"verified peak {format_bytes(trace.peak.bytes)} + overhead {format_bytes(settings.overhead_bytes)}"
