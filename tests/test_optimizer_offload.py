@@ -184,3 +184,18 @@ def test_the_model_must_come_first():
     with pytest.raises(ValueError) as error:
         offload_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, devices=("cpu",))
     assert str(error.value) == "offload_optimizer: expected the model (an nn.Module) first; got SGD"
+
+
+def test_copies_that_lag_behind_compute_keep_gradients_on_the_device_until_backward_ends():
+    # The slow-link regime: no copy to host runs until something waits for it. Every gradient then
+    # stays on the device (all 193 fp32 values, under the 64 MiB bound) until the end of backward
+    # waits for the copies, and the training is still exact.
+    simulated = SimulatedAsyncTransport(seed=5, max_delay_s=0.0)
+    simulated.hold_copies_to_host()
+    model_a, opt_a, _, _ = _train("adam", steps=2)
+    model_b, opt_b, handle, _ = _train("adam", _cpu(simulated), steps=2)
+    assert handle.stats.peak_device_grad_bytes == 193 * 4
+    handle.close()
+    assert_state_equal(model_a, model_b, opt_a, opt_b)
+    assert (simulated.stale_reads, simulated.reuse_hazards) == (0, 0)
+    simulated.close()
