@@ -4,6 +4,11 @@ cross over both ways, and what cannot work is refused by name."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -149,15 +154,30 @@ def test_fsdp_is_pointed_to_its_own_cpu_offload():
     )
 
 
-def test_ddp_is_refused_with_the_reason():
+def test_ddp_with_gradients_as_bucket_views_is_refused():
+    trainer = _trainer_like("DDPStrategy")
+    trainer.strategy.model = SimpleNamespace(gradient_as_bucket_view=True)
     with pytest.raises(ValueError) as error:
-        offload_trainer_optimizers(_trainer_like("DDPStrategy"), _SETTINGS)
+        offload_trainer_optimizers(trainer, _SETTINGS)
     assert str(error.value) == (
-        "LightMem(offload_optimizer=...): not available under DDPStrategy: DDP's reducer averages "
-        "gradients after the hooks that move them to the host, so each rank would step on its own "
-        "gradients; not supported yet (run on one device per process, or use "
-        "DeepSpeedStrategy(offload_optimizer=True))"
+        "LightMem(offload_optimizer=...): DDP's gradient_as_bucket_view=True makes gradients views of "
+        "DDP's buckets, which must stay on the device; use DDPStrategy(gradient_as_bucket_view=False)"
     )
+
+
+def test_ddp_each_rank_steps_on_the_averaged_gradients_bitwise_like_ddp_without_lightmem(tmp_path):
+    # 2 CPU processes (gloo), one launch of tests/optimizer_ddp_script.py: AdamW, accumulation 2
+    # (no_sync micro-batches), clipping by norm, StepLR; the same fit without lightmem as reference.
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    env.pop("MASTER_PORT", None)
+    result = subprocess.run(
+        [sys.executable, str(tests / "optimizer_ddp_script.py"), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report == {"equal_per_rank": [True, True], "steps_per_rank": [3, 3], "ranks_agree": True}
 
 
 def test_a_gradient_scaler_is_refused():

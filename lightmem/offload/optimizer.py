@@ -163,6 +163,7 @@ class OptimizerOffloader:
         *,
         settings: OptimizerOffloadSettings,
         transport: Transport | None = None,
+        reducer: Any = None,
     ) -> None:
         flag = settings.flag("enabled")
         if not isinstance(model, nn.Module):
@@ -182,6 +183,7 @@ class OptimizerOffloader:
         self._closed = False
         self._step_grad_bytes = 0
         self._step_waited_s = 0.0
+        self._reducer = reducer
         self._slots: dict[int, _Slot] = {}
         for param in params:
             master = nn.Parameter(self._host_empty_like(param), requires_grad=param.requires_grad)
@@ -247,15 +249,42 @@ class OptimizerOffloader:
     # -- backward: gradients out --------------------------------------------------------------
 
     def _on_grad_final(self, param: torch.Tensor) -> None:
+        if self._closed:
+            return
+        if self._reducer is not None:
+            self._await_reduction()
+            return
         grad = param.grad
-        if grad is None or self._closed:
+        if grad is None:
             return
         param.grad = None
-        slot = self._slots[id(param)]
         if not self._callback_queued:
             # Runs once the whole backward is over, in the thread that called backward.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
+        self._send(self._slots[id(param)], grad)
+
+    def _await_reduction(self) -> None:
+        """Under DDP: a gradient is final only once the reducer has averaged it, at the end of
+        backward; under ``no_sync`` (accumulation) it stays on the device and DDP sums it there."""
+        if self._callback_queued or not self._reducer.require_backward_grad_sync:
+            return
+        self._callback_queued = True
+        # DDP queues its finalize (averaged gradients into param.grad) after the last bucket is
+        # ready, so after this callback: queue ours from here to run after DDP's.
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self._take_reduced))
+
+    def _take_reduced(self) -> None:
+        for slot in self._slots.values():
+            grad = slot.param.grad
+            if grad is not None:
+                slot.param.grad = None
+                self._send(slot, grad)
+        self._finish_backward()
+
+    def _send(self, slot: _Slot, grad: torch.Tensor) -> None:
+        """Queue ``grad``'s copy to the host: into the gradient buffer, or into staging to add."""
         if slot.landing is None:
             self._landing.append(slot)
         else:  # a second gradient for it in this backward (a hook fired twice): land the first
@@ -475,7 +504,8 @@ def offload_optimizer(
 
     Args:
         model: the module whose parameters ``optimizer`` steps (forward pre-hooks on its modules
-            wait for each parameter's copy back to the device).
+            wait for each parameter's copy back to the device). Pass the
+            ``DistributedDataParallel`` wrapper under DDP: gradients then leave once averaged.
         optimizer: a ``torch.optim.Optimizer`` over parameters on one device. Its class,
             hyperparameters and foreach/fused choice run on the host copies.
         devices: device types whose parameters are handled; ``("cpu",)`` drives the whole path on
@@ -506,16 +536,19 @@ def offload_optimizer(
     """
     if settings is None:
         settings = OptimizerOffloadSettings.parse(devices=devices, max_grad_inflight_bytes=max_grad_inflight_bytes)
-    return OptimizerOffloader(model, optimizer, settings=settings, transport=transport)
+    reducer = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+    if reducer is not None and reducer.gradient_as_bucket_view:
+        raise ValueError(
+            "offload_optimizer: DDP's gradient_as_bucket_view=True makes gradients views of DDP's "
+            "buckets, which must stay on the device; wrap the model with gradient_as_bucket_view=False"
+        )
+    return OptimizerOffloader(model, optimizer, settings=settings, transport=transport, reducer=reducer)
 
 
 _STRATEGY_REFUSALS = {
     "FSDP": "FSDP shards the optimizer state itself and has its own CPU offload: use "
     "FSDPStrategy(cpu_offload=True) (FSDP2: CPUOffloadPolicy) instead",
     "DeepSpeed": "DeepSpeed has its own: use DeepSpeedStrategy(offload_optimizer=True)",
-    "DDP": "DDP's reducer averages gradients after the hooks that move them to the host, so each rank "
-    "would step on its own gradients; not supported yet (run on one device per process, or use "
-    "DeepSpeedStrategy(offload_optimizer=True))",
 }
 
 
@@ -528,17 +561,31 @@ def offload_trainer_optimizers(
     ``settings.devices`` does not name, e.g. no CUDA). ``pytorch_lightning`` and
     ``lightning.pytorch`` Trainers both work: nothing here checks their classes.
 
+    Under DDP each rank offloads its own copy; gradients leave once DDP has averaged them (at the
+    end of each synchronised backward; under ``no_sync`` accumulation they stay on the device).
+
     Raises:
         ValueError: naming ``settings.flag("enabled")``, under a strategy other than a single device
-            (FSDP and DeepSpeed point to their own offload) or with a gradient scaler (16-mixed).
+            or DDP (FSDP and DeepSpeed point to their own offload), with DDP's
+            ``gradient_as_bucket_view=True``, or with a gradient scaler (16-mixed).
     """
     flag = settings.flag("enabled")
     strategy = type(trainer.strategy).__name__
     for marker, why in _STRATEGY_REFUSALS.items():
         if marker.lower() in strategy.lower():
             raise ValueError(f"{flag}: not available under {strategy}: {why}")
-    if strategy != "SingleDeviceStrategy":
-        raise ValueError(f"{flag}: works with one device per process (SingleDeviceStrategy); got {strategy}")
+    reducer = None
+    if strategy == "DDPStrategy":
+        reducer = trainer.strategy.model  # the DistributedDataParallel wrapper
+        if getattr(reducer, "gradient_as_bucket_view", False):
+            raise ValueError(
+                f"{flag}: DDP's gradient_as_bucket_view=True makes gradients views of DDP's buckets, "
+                "which must stay on the device; use DDPStrategy(gradient_as_bucket_view=False)"
+            )
+    elif strategy != "SingleDeviceStrategy":
+        raise ValueError(
+            f"{flag}: works with one device per process (SingleDeviceStrategy, DDPStrategy); got {strategy}"
+        )
     if getattr(trainer.precision_plugin, "scaler", None) is not None:
         raise ValueError(
             f"{flag}: a gradient scaler (precision='16-mixed') unscales and checks gradients per device "
@@ -549,7 +596,7 @@ def offload_trainer_optimizers(
     if device.type not in settings.devices:
         return [], f"the model is on {device}, not a device type in {settings.flag('devices')}"
     offloaders = [
-        OptimizerOffloader(model, optimizer, settings=settings, transport=transport)
+        OptimizerOffloader(model, optimizer, settings=settings, transport=transport, reducer=reducer)
         for optimizer in trainer.optimizers
     ]
     return offloaders, None
