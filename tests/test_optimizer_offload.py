@@ -199,3 +199,41 @@ def test_copies_that_lag_behind_compute_keep_gradients_on_the_device_until_backw
     assert_state_equal(model_a, model_b, opt_a, opt_b)
     assert (simulated.stale_reads, simulated.reuse_hazards) == (0, 0)
     simulated.close()
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed")
+
+
+@pytest.mark.parametrize("zero_grad_after_failure", [True, False])
+def test_a_backward_that_raises_leaves_the_same_gradients_as_on_the_device(zero_grad_after_failure):
+    # The last layer's gradient is accumulated before the failure: on the device it stays in
+    # param.grad (zero_grad clears it, or the next backward adds to it); offloaded, the same.
+    def run(offload):
+        torch.manual_seed(0)
+        first, last = nn.Linear(8, 8), nn.Linear(8, 1)
+        model = nn.Sequential(first, last)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = offload(model, optimizer) if offload else None
+        inputs = torch.randn(4, 8)
+        with pytest.raises(RuntimeError, match="backward failed"):
+            last(_FailingBackward.apply(first(inputs))).sum().backward()
+        if zero_grad_after_failure:
+            optimizer.zero_grad()
+        model(inputs).sum().backward()
+        # Clipping reads every gradient before the step: all must have landed with the backward.
+        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], 0.5)
+        optimizer.step()
+        if handle is not None:
+            handle.close()
+        return model, optimizer
+
+    model_a, opt_a = run(None)
+    model_b, opt_b = run(_cpu())
+    assert_state_equal(model_a, model_b, opt_a, opt_b)

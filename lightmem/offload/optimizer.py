@@ -72,6 +72,16 @@ class OptimizerOffloadStats:
         return self.host_param_bytes + self.host_grad_bytes + self.host_state_bytes
 
 
+class _InstanceAttribute:
+    """A handle whose ``remove()`` deletes an attribute set on one object (its class's comes back)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def remove(self) -> None:
+        self.owner.__dict__.pop(self.name, None)
+
+
 @dataclass
 class _Slot:
     """One offloaded parameter: the device tensor, its host copy and the copies in flight."""
@@ -179,7 +189,7 @@ class OptimizerOffloader:
         self._inflight: list[tuple[Any, torch.Tensor]] = []  # (copy event, device gradient kept alive)
         self._inflight_bytes = 0
         self._landing: list[_Slot] = []
-        self._callback_queued = False
+        self._callback_task: int | None = None
         self._closed = False
         self._step_grad_bytes = 0
         self._step_waited_s = 0.0
@@ -200,6 +210,18 @@ class OptimizerOffloader:
                 self._handles.append(module.register_forward_pre_hook(self._waiter(owned)))
         self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_for_params()))
         self._handles.append(model.register_load_state_dict_post_hook(lambda *args: self.refresh_host_params()))
+        # Gradients of a backward that raised never reach its end-of-backward callback: they land
+        # before the next zero_grad, which then clears them as it clears the device's.
+        users_zero_grad = optimizer.zero_grad
+
+        def zero_grad(*args: Any, **kwargs: Any) -> None:
+            if self._landing or self._inflight:
+                self._land_all()
+            self._callback_task = None
+            users_zero_grad(*args, **kwargs)
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+        self._handles.append(_InstanceAttribute(optimizer, "zero_grad"))
         self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._handles.append(optimizer.register_step_post_hook(self._after_step))
         self._stats.host_param_bytes = sum(slot.master.nbytes for slot in self._slots.values())
@@ -258,18 +280,20 @@ class OptimizerOffloader:
         if grad is None:
             return
         param.grad = None
-        if not self._callback_queued:
+        task = torch._C._current_graph_task_id()
+        if task != self._callback_task:  # the first final gradient of this backward
             # Runs once the whole backward is over, in the thread that called backward.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
+            self._callback_task = task
         self._send(self._slots[id(param)], grad)
 
     def _await_reduction(self) -> None:
         """Under DDP: a gradient is final only once the reducer has averaged it, at the end of
         backward; under ``no_sync`` (accumulation) it stays on the device and DDP sums it there."""
-        if self._callback_queued or not self._reducer.require_backward_grad_sync:
+        task = torch._C._current_graph_task_id()
+        if task == self._callback_task or not self._reducer.require_backward_grad_sync:
             return
-        self._callback_queued = True
+        self._callback_task = task
         # DDP queues its finalize (averaged gradients into param.grad) after the last bucket is
         # ready, so after this callback: queue ours from here to run after DDP's.
         engine = torch.autograd.Variable._execution_engine
@@ -336,7 +360,7 @@ class OptimizerOffloader:
         )
 
     def _finish_backward(self) -> None:
-        self._callback_queued = False
+        self._callback_task = None
         self._land_all()
 
     def _land_all(self) -> None:
@@ -361,8 +385,9 @@ class OptimizerOffloader:
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self._rehost_state()
-        if self._landing or self._inflight:  # a step from inside backward (not expected) lands first
+        if self._landing or self._inflight:  # a backward that raised never reached its callback
             self._land_all()
+        self._callback_task = None
         self._host_wait_params()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
