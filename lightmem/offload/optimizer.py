@@ -478,7 +478,11 @@ class OptimizerOffloader:
                 else value
                 for name, value in state.items()
             }
-        self.optimizer.state = new_state
+        # In place: wrappers that copied the optimizer's attributes (Lightning's LightningOptimizer)
+        # keep seeing the same state object.
+        state = self.optimizer.state
+        state.clear()
+        state.update(new_state)
 
     # -- leaving -------------------------------------------------------------------------------
 
