@@ -311,7 +311,7 @@ class OptimizerOffloader:
         """Queue ``grad``'s copy to the host: into the gradient buffer, or into staging to add."""
         if slot.landing is None:
             self._landing.append(slot)
-        else:  # a second gradient for it in this backward (a hook fired twice): land the first
+        else:  # one still pending from a backward that raised (or a hook that fired twice): land it first
             self._land_all()
             self._landing.append(slot)
         if slot.master.grad is None:
