@@ -352,6 +352,10 @@ class SimulatedAsyncTransport:
     def waited_s(self) -> float:
         return self._waited_s
 
+    def host_wait(self, event: _Event | None) -> None:
+        # The compute "stream" is the calling thread: its wait is a host wait.
+        self.wait(COMPUTE, event)
+
     def synchronize(self) -> None:
         """Block until both worker streams have drained (for tests)."""
         for stream in (self._d2h, self._h2d):
