@@ -133,7 +133,7 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         """Every flag, parsed: ``settings.offload``, ``.checkpoint``, ``.optimizer_offload``, ``.metrics``,
         ``.host_guard``, ``.plan``."""
         self.fit_session: FitSession | None = None
-        """The running fit's state (offloader, checkpoint handle, recorder, host guard); None outside ``fit``."""
+        """The running fit's state (offloaders, checkpoint handle, recorder, host guard); None outside ``fit``."""
         self._last_plan: Plan | None = None  # the last fit's, kept after it
         self._last_recorder: MetricsRecorder | None = None
         self._last_optimizer_offload_stats: list[OptimizerOffloadStats] = []
