@@ -107,3 +107,20 @@ def tiny_gpt(batch_size: int) -> tuple[nn.Module, torch.Tensor, object]:
     model = GPT(vocab=512, seq=256, width=128, depth=4, heads=4, fused=False)
     tokens = torch.randint(0, 512, (batch_size, 257))
     return model, tokens, next_token_loss
+
+
+def deep_convnet(batch_size: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], object]:
+    """The 206.5M-parameter conv net of ``examples/deep_convnet.py`` (a user's Keras model that fit
+    a 2 GB card but could not train) on the meta device, with 16x16 single-channel images."""
+
+    def conv(cin: int, cout: int) -> nn.Module:
+        return nn.Conv2d(cin, cout, 3, padding=1)
+
+    with torch.device("meta"):
+        layers: list[nn.Module] = [conv(1, 256), nn.MaxPool2d(2), conv(256, 512), nn.MaxPool2d(2), conv(512, 1024)]
+        layers += [conv(1024, 1024) for _ in range(21)]
+        layers += [nn.MaxPool2d(2), conv(1024, 256), conv(256, 32), nn.MaxPool2d(2), nn.Flatten()]
+        layers += [nn.Linear(32, 4), nn.Linear(4, 1)]
+        model = nn.Sequential(*layers)
+    batch = (torch.rand(batch_size, 1, 16, 16), torch.rand(batch_size, 1))
+    return model, batch, lambda net, b: F.mse_loss(net(b[0]), b[1])

@@ -4,6 +4,15 @@ from lightmem.callback import LightMem
 from lightmem.checkpoint import apply_checkpointing
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.offload import offload_activations
+from lightmem.offload.optimizer import offload_optimizer
 
-__all__ = ["LightMem", "apply_checkpointing", "estimate_memory", "max_batch_size", "offload_activations", "plan"]
+__all__ = [
+    "LightMem",
+    "apply_checkpointing",
+    "estimate_memory",
+    "max_batch_size",
+    "offload_activations",
+    "offload_optimizer",
+    "plan",
+]
 __version__ = "0.1.0"

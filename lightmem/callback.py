@@ -22,6 +22,7 @@ from lightmem.fit_session import FitSession
 from lightmem.lightning_packages import callback_bases
 from lightmem.metrics.names import GROUPS
 from lightmem.metrics.recorder import MetricsRecorder
+from lightmem.offload.optimizer import OptimizerOffloadStats
 
 # A Trainer and a LightningModule of either Lightning package: hooks only pass them on.
 Trainer = Any
@@ -78,6 +79,9 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
             None: never stop, only warn. The rest of the limit is the margin for saving.
         host_stop_checkpoint: where that checkpoint goes (default
             ``<trainer.default_root_dir>/lightmem-host-stop.ckpt``); needs ``host_stop_at``.
+        offload_optimizer: keep parameters on the device and move gradients, optimizer state and
+            the optimizer step to host memory (see :func:`~lightmem.offload_optimizer`); uses
+            ``offload_devices`` and ``offload_max_inflight_bytes`` (gradient bytes awaiting their copy).
 
     Works with either Lightning package: ``pytorch_lightning`` or ``lightning.pytorch``
     (``import lightning as L``; LightMem is a ``Callback`` of both).
@@ -121,20 +125,29 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         host_warn_at: float = 0.85,
         host_stop_at: float | None = 0.95,
         host_stop_checkpoint: str | None = None,
+        offload_optimizer: bool = False,
     ) -> None:
         flags = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         super().__init__()
         self.settings = LightMemSettings.parse(metric_groups=GROUPS, **flags)
-        """Every flag, parsed: ``settings.offload``, ``.checkpoint``, ``.metrics``, ``.host_guard``, ``.plan``."""
+        """Every flag, parsed: ``settings.offload``, ``.checkpoint``, ``.optimizer_offload``, ``.metrics``,
+        ``.host_guard``, ``.plan``."""
         self.fit_session: FitSession | None = None
-        """The running fit's state (offloader, checkpoint handle, recorder, host guard); None outside ``fit``."""
+        """The running fit's state (offloaders, checkpoint handle, recorder, host guard); None outside ``fit``."""
         self._last_plan: Plan | None = None  # the last fit's, kept after it
         self._last_recorder: MetricsRecorder | None = None
+        self._last_optimizer_offload_stats: list[OptimizerOffloadStats] = []
 
     @property
     def chosen_plan(self) -> Plan | None:
         """With plan='auto': the ``lightmem.estimate.Plan`` chosen from the first training batch."""
         return self.fit_session.chosen_plan if self.fit_session is not None else self._last_plan
+
+    @property
+    def optimizer_offload_stats(self) -> list[OptimizerOffloadStats]:
+        """With offload_optimizer: per optimizer, host bytes and the last step's traffic (kept after fit)."""
+        session = self.fit_session
+        return session.optimizer_offload_stats() if session is not None else self._last_optimizer_offload_stats
 
     @property
     def _recorder(self) -> MetricsRecorder | None:
@@ -247,6 +260,7 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         session, self.fit_session = self.fit_session, None
         if session is not None:
             self._last_plan, self._last_recorder = session.chosen_plan, session.recorder
+            self._last_optimizer_offload_stats = session.optimizer_offload_stats()
             session.close()
 
     @override

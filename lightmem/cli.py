@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightmem.checkpoint import select_blocks
-from lightmem.config import CLI, CheckpointSettings, OffloadSettings, parse_size
+from lightmem.config import CLI, CheckpointSettings, OffloadSettings, OptimizerOffloadSettings, parse_size
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.estimate.settings import parse_device, parse_optimizer, parse_overhead, parse_precision
 
@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--offload-exclude", nargs="+", default=None, metavar="PATTERN", help="never offload in these modules"
     )
     estimate.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="simulate model-state offload: gradients, optimizer state and step on the host",
+    )
+    estimate.add_argument(
         "--plan",
         action="store_true",
         help="also plan the cheapest configuration that fits --budget, under the --offload-* and "
@@ -158,6 +163,8 @@ class _Flags:
 
     offload: OffloadSettings | None
     checkpoint: CheckpointSettings
+    optimizer_offload: OptimizerOffloadSettings | None
+    """None: no ``--offload-optimizer``."""
 
 
 def _check_flags(args: argparse.Namespace) -> _Flags:
@@ -178,7 +185,8 @@ def _check_flags(args: argparse.Namespace) -> _Flags:
         given = {name: value for name, value in offload_flags.items() if value is not None}
         offload = OffloadSettings.for_estimate(spelling=CLI, **given)
     checkpoint = CheckpointSettings.parse(args.checkpoint, None, args.checkpoint_policy, spelling=CLI, planned=args.plan)
-    return _Flags(offload, checkpoint)
+    optimizer_offload = OptimizerOffloadSettings.parse(spelling=CLI) if args.offload_optimizer else None
+    return _Flags(offload, checkpoint, optimizer_offload)
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -194,6 +202,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         "device": args.device,
         "overhead_bytes": args.overhead,
         "zero_grad": args.zero_grad,
+        "offload_optimizer": flags.optimizer_offload or False,
     }
     policy = flags.checkpoint.policy
     result = estimate_memory(
@@ -217,12 +226,12 @@ def run_estimate(args: argparse.Namespace) -> int:
     result.print(verbose=args.verbose)
     if found_plan is not None:
         print(f"Plan: {found_plan.describe()}")
-        if found_plan.fits and (found_plan.checkpoint or found_plan.offload):
+        if found_plan.fits and (found_plan.checkpoint or found_plan.offload or found_plan.offload_optimizer):
             print(f"LightMem(**{found_plan.lightmem_kwargs()})")
     if search is not None:
         line = f"Largest batch that fits {args.budget}: {search.baseline} without lightmem"
         if search.configured is not None:
-            line += f", {search.configured} with the given offload/checkpoint flags"
+            line += f", {search.configured} with the given offload/checkpoint/offload-optimizer flags"
         print(line)
     return 0
 

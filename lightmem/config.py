@@ -3,10 +3,10 @@
 Every size in lightmem ("512KiB", "2GB", 1_048_576, 0.25 of RAM) is parsed here and nowhere else,
 and every bad value fails with a message that names the flag and what it accepts. Each flag is
 parsed once into one frozen settings object per concern (``OffloadSettings``,
-``CheckpointSettings``, ``MetricsSettings``, ``HostGuardSettings``, ``PlanSettings``; the callback's
-five in ``LightMemSettings``), which the callback, the functions, the estimator/planner and the CLI
-all read. A settings object carries its entry point's ``Spelling``, so an error names the flag as
-the user typed it.
+``CheckpointSettings``, ``OptimizerOffloadSettings``, ``MetricsSettings``, ``HostGuardSettings``,
+``PlanSettings``; the callback's six in ``LightMemSettings``), which the callback, the functions,
+the estimator/planner and the CLI all read. A settings object carries its entry point's
+``Spelling``, so an error names the flag as the user typed it.
 """
 
 from __future__ import annotations
@@ -234,7 +234,8 @@ class Spelling:
     matches no module, found at the first batch) names the flag the user typed, with no rewrite.
 
     Every settings object below carries one. ``names`` maps a settings field to the entry point's
-    own name for it (absent: the field's name); ``style`` is how a flag is written:
+    own name for it (absent: the field's name; ``""``: the entry point itself, a function whose
+    call is the switch); ``style`` is how a flag is written:
     ``"call"``: ``LightMem(offload_min_bytes=...)``, ``"key"``: ``estimate_memory(offload=...)['min_bytes']``,
     ``"cli"``: ``--offload-min-bytes``.
     """
@@ -250,6 +251,8 @@ class Spelling:
 
     def flag(self, field: str) -> str:
         name = dict(self.names).get(field, field)
+        if name == "":  # the entry point is itself the switch: offload_optimizer(model, optimizer)
+            return self.entry
         if self.style == "cli":
             return f"--{name}"
         if self.style == "key":
@@ -262,14 +265,18 @@ LIGHTMEM = Spelling("LightMem", (
     ("exclude", "offload_exclude"), ("prefetch", "prefetch_bytes"), ("max_inflight_bytes", "offload_max_inflight_bytes"),
     ("targets", "checkpoint"), ("every_n", "checkpoint_every"), ("policy", "checkpoint_policy"),
     ("groups", "metrics"), ("limit", "host_limit"), ("warn_at", "host_warn_at"), ("stop_at", "host_stop_at"),
-    ("stop_checkpoint", "host_stop_checkpoint"),
+    ("stop_checkpoint", "host_stop_checkpoint"), ("enabled", "offload_optimizer"),
+    ("max_grad_inflight_bytes", "offload_max_inflight_bytes"),
 ))  # fmt: skip
 """``LightMem``'s keyword arguments."""
 OFFLOAD_ACTIVATIONS = Spelling("offload_activations")
 APPLY_CHECKPOINTING = Spelling("apply_checkpointing")
+OFFLOAD_OPTIMIZER = Spelling("offload_optimizer", (("enabled", ""),))
+"""``offload_optimizer(model, optimizer, ...)``: the function is the switch."""
 CLI = Spelling("lightmem estimate", (
     ("min_bytes", "offload-min-bytes"), ("include", "offload-include"), ("exclude", "offload-exclude"),
     ("targets", "checkpoint"), ("policy", "checkpoint-policy"), ("plan", "plan"), ("budget", "budget"),
+    ("enabled", "offload-optimizer"),
 ), style="cli")  # fmt: skip
 """The ``lightmem estimate`` command's options."""
 
@@ -395,6 +402,56 @@ class OffloadSettings:
     def with_choice(self, *, min_bytes: int, include: tuple[str, ...] | None) -> OffloadSettings:
         """The same settings with a planner's threshold and modules."""
         return replace(self, min_bytes=min_bytes, include=include)
+
+
+# -- optimizer (model-state) offload ------------------------------------------------------------
+
+DEFAULT_GRAD_INFLIGHT = "64MiB"
+
+
+@dataclass(frozen=True)
+class OptimizerOffloadSettings:
+    """The model-state offload flags, parsed once: ``LightMem(offload_optimizer=True)``,
+    ``offload_optimizer(model, optimizer, ...)``, the estimator and planner
+    (``estimate_memory(offload_optimizer=...)``) and ``--offload-optimizer`` all read this object.
+    ``flag("enabled")`` names the switch as the user's entry point spells it."""
+
+    devices: tuple[str, ...]
+    """Device types whose parameters get host-side gradients and optimizer steps."""
+    max_grad_inflight_bytes: int
+    """Most gradient bytes kept on the device while their copy to host runs."""
+    spelling: Spelling = OFFLOAD_OPTIMIZER
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        devices: Iterable[str] | str = ("cuda",),
+        max_grad_inflight_bytes: int | str = DEFAULT_GRAD_INFLIGHT,
+        spelling: Spelling = OFFLOAD_OPTIMIZER,
+    ) -> OptimizerOffloadSettings:
+        flag = spelling.flag
+        return cls(
+            devices=parse_devices(devices, flag=flag("devices")),
+            max_grad_inflight_bytes=parse_size(max_grad_inflight_bytes, flag=flag("max_grad_inflight_bytes")),
+            spelling=spelling,
+        )
+
+    def flag(self, field: str) -> str:
+        """How the user spelled the flag behind ``field``: ``LightMem(offload_optimizer=...)``."""
+        return self.spelling.flag(field)
+
+
+def parse_optimizer_offload(
+    value: bool | OptimizerOffloadSettings, *, spelling: Spelling
+) -> OptimizerOffloadSettings | None:
+    """An ``offload_optimizer=`` argument of the estimator's functions: True (the defaults), False
+    (None: off) or settings already parsed (the callback's, for ``plan="auto"``)."""
+    if isinstance(value, OptimizerOffloadSettings):
+        return value
+    if not parse_bool(value, flag=spelling.flag("enabled")):
+        return None
+    return OptimizerOffloadSettings.parse(spelling=spelling)
 
 
 # -- checkpoint ---------------------------------------------------------------------------------
@@ -587,6 +644,8 @@ class LightMemSettings:
     metrics: MetricsSettings
     host_guard: HostGuardSettings
     plan: PlanSettings
+    optimizer_offload: OptimizerOffloadSettings | None = None
+    """None: ``offload_optimizer=False``."""
 
     @classmethod
     def parse(cls, *, metric_groups: tuple[str, ...], **flags: Any) -> LightMemSettings:
@@ -594,6 +653,11 @@ class LightMemSettings:
         probe groups ``metrics`` accepts."""
         flag = LIGHTMEM.flag
         plan = PlanSettings.parse(plan=flags["plan"], device_budget=flags["device_budget"])
+        optimizer_offload = OptimizerOffloadSettings.parse(
+            devices=flags["offload_devices"], max_grad_inflight_bytes=flags["offload_max_inflight_bytes"],
+            spelling=LIGHTMEM,
+        )
+        offload_optimizer = parse_bool(flags["offload_optimizer"], flag=flag("enabled"))
         if plan.auto and (flags["checkpoint"] is not None or flags["offload_include"] is not None):
             raise ValueError(f"{flag('plan')}: 'auto' chooses checkpoint and offload_include itself; leave them unset")
         return cls(
@@ -617,6 +681,7 @@ class LightMemSettings:
                 stop_checkpoint=flags["host_stop_checkpoint"],
             ),
             plan=plan,
+            optimizer_offload=optimizer_offload if offload_optimizer else None,
         )  # fmt: skip
 
 

@@ -3,7 +3,8 @@
 The callback creates one in ``setup`` and drops it in ``teardown`` (or ``on_exception``), so no
 per-fit field outlives its fit or has to be reset. The session drives the parts that do the work:
 checkpointing applied after ``configure_model``, the offloader around each training forward, the
-plan of ``plan="auto"`` at the first batch, the metrics recorder, the host guard and the OOM report.
+optimizer offloaders (``offload_optimizer``), the plan of ``plan="auto"`` at the first batch, the
+metrics recorder, the host guard and the OOM report.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lightmem.estimate import Plan, plan
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
+from lightmem.offload.optimizer import OptimizerOffloader, OptimizerOffloadStats, offload_trainer_optimizers
 from lightmem.offload.training import TrainingOffload
 
 # A Trainer and a LightningModule of either Lightning package: only their attributes are read.
@@ -35,7 +37,8 @@ def offload_off_reason(settings: OffloadSettings) -> str | None:
 
 
 class FitSession:
-    """The state of one fit: checkpoint handle, offloader, plan, recorder, host guard.
+    """The state of one fit: checkpoint handle, offloader, optimizer offloaders, plan, recorder,
+    host guard.
 
     Args:
         settings: the callback's parsed flags.
@@ -53,6 +56,8 @@ class FitSession:
         self._offload: TrainingOffload | None = None
         self._checkpoint: CheckpointHandle | None = None
         self._patched_module: Module | None = None
+        self._optimizer_offloaders: list[OptimizerOffloader] = []
+        self._optimizer_offload_off: str | None = None  # why offload_optimizer is off on this machine
 
     @property
     def offloader(self) -> ActivationOffloader | None:
@@ -61,6 +66,10 @@ class FitSession:
     @property
     def checkpointed_blocks(self) -> int:
         return len(self._checkpoint) if self._checkpoint is not None else 0
+
+    def optimizer_offload_stats(self) -> list[OptimizerOffloadStats]:
+        """Per offloaded optimizer: host bytes held and the last step's traffic."""
+        return [offloader.stats for offloader in self._optimizer_offloaders]
 
     # -- checkpointing, before the strategy wraps the model --------------------------------------
 
@@ -102,11 +111,16 @@ class FitSession:
     # -- start --------------------------------------------------------------------------------------
 
     def start(self, trainer: Trainer, pl_module: Module) -> None:
-        """At ``on_fit_start``: the host guard, the OOM history, and (without a plan) offload and metrics."""
+        """At ``on_fit_start``: the host guard, the OOM history, optimizer offload (the strategy has
+        set the optimizers up), and (without a plan) activation offload and metrics."""
         guard = self.settings.host_guard
-        self.host_guard = HostGuard(guard.limit_bytes, guard.warn_at, guard.stop_at, self._host_bytes_held)
+        self.host_guard = HostGuard(guard.limit_bytes, guard.warn_at, guard.stop_at, self._all_host_bytes_held)
         if self.settings.metrics.oom_snapshot:
             oom.record_memory_history()
+        if self.settings.optimizer_offload is not None:
+            self._optimizer_offloaders, self._optimizer_offload_off = offload_trainer_optimizers(
+                trainer, self.settings.optimizer_offload
+            )
         if self.settings.plan.auto:  # planned from the first training batch, then recording starts
             return
         if self.settings.offload_on:
@@ -133,6 +147,7 @@ class FitSession:
             metrics.groups, pl_module.device, checkpointed_blocks=blocks,
             host_bytes_held=self._host_bytes_held if self.offloader is not None else None,
             host_bytes_peak_in_use=self._host_bytes_peak_in_use,
+            optimizer_offload_stats=self.optimizer_offload_stats if self._optimizer_offloaders else None,
         )  # fmt: skip
         if "host" in metrics.groups:
             probes.append(self.host_guard)
@@ -151,6 +166,10 @@ class FitSession:
         elif self.settings.offload_on or self.chosen_plan is not None:
             reason = offload_off_reason(self.offload_settings) or "the plan offloads nothing"
             off.append(f"activation offload ({reason})")
+        if self._optimizer_offloaders:
+            on.append("optimizer offload (gradients, optimizer state and step on the host)")
+        elif self._optimizer_offload_off:
+            off.append(f"optimizer offload ({self._optimizer_offload_off})")
         blocks = self.checkpointed_blocks
         if blocks:
             names = self._checkpoint.modules  # type: ignore[union-attr]
@@ -169,6 +188,10 @@ class FitSession:
 
     def _host_bytes_held(self) -> int:
         return self.offloader.host_bytes_held if self.offloader is not None else 0
+
+    def _all_host_bytes_held(self) -> int:
+        """What the host guard counts: activation offload's buffers and model-state offload's."""
+        return self._host_bytes_held() + sum(offloader.host_bytes_held for offloader in self._optimizer_offloaders)
 
     # -- one training batch -------------------------------------------------------------------------
 
@@ -203,6 +226,7 @@ class FitSession:
                 pl_module, batch, self.settings.plan.device_budget_bytes, device=pl_module.device.type,
                 precision=str(trainer.precision), offload=self.offload_settings,
                 checkpoint_policy=self.settings.checkpoint.policy,
+                offload_optimizer=self.settings.optimizer_offload if self._optimizer_offloaders else False,
             )  # fmt: skip
         finally:
             del pl_module.log, pl_module.log_dict
@@ -258,6 +282,9 @@ class FitSession:
             if self._offload is not None:
                 self._offload.close()
                 self._offload = None
+            for offloader in self._optimizer_offloaders:
+                offloader.close()
+            self._optimizer_offloaders = []
             if self.host_guard is not None:
                 self.host_guard.close()
                 self.host_guard = None

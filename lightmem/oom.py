@@ -107,8 +107,9 @@ def advice(
     if allocated and fixed > 0.8 * allocated:
         lines.append(
             "Parameters, gradients and optimizer state take most of the device: activation offload or "
-            "checkpointing cannot fix that. Use bf16 weights, an optimizer with less state, or sharding "
-            "(FSDP / DeepSpeed ZeRO)."
+            "checkpointing cannot fix that. Keep only the parameters on the device with "
+            "LightMem(offload_optimizer=True) (gradients, optimizer state and step on the host), or use "
+            "bf16 weights, an optimizer with less state, or sharding (FSDP / DeepSpeed ZeRO)."
         )
     if checkpointed_blocks == 0 and repeated_block is not None:
         lines.append(f"Checkpoint the repeated blocks: LightMem(checkpoint=[{repeated_block!r}]).")

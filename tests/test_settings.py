@@ -14,7 +14,7 @@ from models import TinyGPT, gpt_loss
 
 from lightmem import LightMem, apply_checkpointing, estimate_memory, offload_activations, plan
 from lightmem.cli import main
-from lightmem.config import OFFLOAD_ACTIVATIONS, OffloadSettings
+from lightmem.config import LIGHTMEM, OFFLOAD_ACTIVATIONS, OffloadSettings, OptimizerOffloadSettings
 from lightmem.estimate.settings import parse_offload
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -196,6 +196,7 @@ def test_cli_plan_json_reports_the_settings_it_searched_under_equal_to_the_flags
         "host_budget": None,
     }  # fmt: skip
     assert searched["offload_considered"] is True
+    assert searched["offload_optimizer"] is False
 
 
 @pytest.mark.parametrize(
@@ -227,3 +228,36 @@ def test_cli_plan_json_reports_the_settings_it_searched_under_equal_to_the_flags
 def test_cli_flag_errors_name_the_flags_as_typed(capsys, flags, message):
     status, _, err = _estimate(capsys, "--device", "cpu", *flags)
     assert (status, err) == (2, message)
+
+
+# -- optimizer offload: one settings object for the callback, the function and the estimator ----
+
+
+def test_the_callback_parses_offload_optimizer_into_settings_that_name_its_flags():
+    assert LightMem().settings.optimizer_offload is None
+    settings = LightMem(offload_optimizer=True, offload_devices=["cpu"], offload_max_inflight_bytes="1MiB").settings
+    assert settings.optimizer_offload == OptimizerOffloadSettings.parse(
+        devices=("cpu",), max_grad_inflight_bytes=2**20, spelling=LIGHTMEM
+    )
+    assert [settings.optimizer_offload.flag(field) for field in ("enabled", "devices", "max_grad_inflight_bytes")] == [
+        "LightMem(offload_optimizer=...)", "LightMem(offload_devices=...)", "LightMem(offload_max_inflight_bytes=...)",
+    ]  # fmt: skip
+
+
+def test_the_function_is_its_own_switch_in_messages():
+    settings = OptimizerOffloadSettings.parse(devices="cpu")
+    assert (settings.flag("enabled"), settings.flag("devices")) == ("offload_optimizer", "offload_optimizer(devices=...)")
+    message = _error(OptimizerOffloadSettings.parse, max_grad_inflight_bytes="lots")
+    assert message.startswith("offload_optimizer(max_grad_inflight_bytes=...): expected a byte count")
+
+
+def test_the_estimator_waits_on_the_gradients_the_given_settings_allow():
+    def gradients_on_device(offload_optimizer):
+        estimate = estimate_memory(
+            TinyGPT(), _tokens(), gpt_loss, device="cuda", overhead_bytes=0, offload_optimizer=offload_optimizer
+        )
+        return estimate.scenarios["offload_optimizer"].breakdown["gradients"]
+
+    default = gradients_on_device(True)
+    assert default == gradients_on_device(OptimizerOffloadSettings.parse())
+    assert gradients_on_device(OptimizerOffloadSettings.parse(max_grad_inflight_bytes=0)) < default

@@ -3,7 +3,9 @@
 Rules (identifiers as they appear in ``Advice.rule``):
 
 - ``static-exceeds-budget``: parameters + gradients + optimizer state (+ overhead) exceed the
-  budget by themselves, so no activation technique can help; name the options that can.
+  budget by themselves, so no activation technique can help; name the options that can, first
+  ``LightMem(offload_optimizer=True)`` when the parameters alone leave room (with that option on:
+  the parameters alone exceed it).
 - ``dense-zero-input``: a floating-point batch tensor is mostly zeros (read from the real values):
   one-hot features belong in an embedding, other sparse inputs in a sparse layout.
 - ``quadratic-attention``: tensors saved for backward have two trailing dims equal to the sequence
@@ -56,6 +58,18 @@ def static_exceeds_budget(estimate: MemoryEstimate) -> list[Advice]:
     assert estimate.budget_bytes is not None and estimate.available_bytes is not None
     parts = estimate.scenarios["baseline"].breakdown
     static = estimate.static_bytes
+    if estimate.offload_optimizer:
+        return [
+            Advice(
+                "static-exceeds-budget",
+                f"the parameters alone take {format_bytes(static)} (gradients and optimizer state are on the "
+                f"host with offload_optimizer), over the {format_bytes(estimate.available_bytes)} the "
+                f"{format_bytes(estimate.budget_bytes)} budget leaves after the "
+                f"{format_bytes(estimate.overhead_bytes)} overhead allowance. Options: bf16 weights "
+                "(precision='bf16-true'); sharding across GPUs (FSDP with CPU offload, DeepSpeed ZeRO-3 "
+                "offload); or a smaller model.",
+            )
+        ]
     if estimate.overhead_bytes:
         over = (
             f"alone take {format_bytes(static)}; with the {format_bytes(estimate.overhead_bytes)} overhead "
@@ -75,7 +89,14 @@ def static_exceeds_budget(estimate: MemoryEstimate) -> list[Advice]:
             f"gradients ({format_bytes(parts['gradients'])}){workspaces} "
             f"and optimizer state ({format_bytes(parts['optimizer_state'])}) {over}: no activation technique "
             "(offload, checkpointing, a smaller batch) can help. "
-            "Options: bf16 weights (precision='bf16-true' halves parameters, gradients and state); an 8-bit "
+            + (
+                f"Options: LightMem(offload_optimizer=True) (lightmem.offload_optimizer in plain PyTorch) keeps "
+                f"only the parameters ({format_bytes(parts['parameters'])}) on the device and moves gradients, "
+                "optimizer state and the optimizer step to host memory; "
+                if estimate.parameters_fit
+                else "Options: "
+            )
+            + "bf16 weights (precision='bf16-true' halves parameters, gradients and state); an 8-bit "
             "optimizer (bitsandbytes AdamW8bit) or a stateless one (SGD without momentum; Adafactor keeps "
             "factored state); sharding across GPUs (FSDP, DeepSpeed ZeRO); optimizer state offload to CPU "
             "(DeepSpeed ZeRO-Offload); or a smaller model.",
@@ -166,6 +187,8 @@ def reach_budget(estimate: MemoryEstimate, plan: Plan | None) -> list[Advice]:
         return []
     if estimate.baseline_fits or estimate.static_exceeds_budget:
         return []
+    if estimate.offload_optimizer and estimate.fits:  # the configuration asked for fits
+        return []
     need = estimate.scenarios["baseline"].peak_bytes - (estimate.available_bytes or 0)
     budget = format_bytes(estimate.budget_bytes)
     if not plan.fits:
@@ -179,6 +202,8 @@ def reach_budget(estimate: MemoryEstimate, plan: Plan | None) -> list[Advice]:
         ]
     kinds = _kinds(estimate)
     parts = []
+    if plan.offload_optimizer:
+        parts.append("offload_optimizer=True (gradients and optimizer state on the host)")
     if plan.checkpoint:
         parts.append(f"checkpoint {compact_names(sorted(plan.checkpoint, key=natural_order), kinds)}")
     if plan.offload is not None:

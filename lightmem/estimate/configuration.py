@@ -14,7 +14,14 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import OffloadSettings, parse_checkpoint_policy, parse_size
+from lightmem.config import (
+    OffloadSettings,
+    OptimizerOffloadSettings,
+    Spelling,
+    parse_checkpoint_policy,
+    parse_optimizer_offload,
+    parse_size,
+)
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
 from lightmem.estimate.settings import (
@@ -48,6 +55,12 @@ class EstimateSettings:
     """What checkpointed blocks keep: applied to ``checkpoint=...`` and priced by the planner."""
     gpu: str = "default"
     """The GPU of a CUDA estimate (its cuBLAS workspace size)."""
+    optimizer_offload: OptimizerOffloadSettings | None = None
+    """Model-state offload asked for (gradients, optimizer state and step on the host); None: not."""
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.optimizer_offload is not None
 
 
 def parse_settings(
@@ -63,6 +76,7 @@ def parse_settings(
     zero_grad: str = "after_forward",
     checkpoint_policy: CheckpointPolicyArg = "full",
     gpu: str = "default",
+    offload_optimizer: bool | OptimizerOffloadSettings = False,
 ) -> EstimateSettings:
     """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``."""
     if not isinstance(model, nn.Module):
@@ -86,6 +100,9 @@ def parse_settings(
         zero_grad=parse_zero_grad(zero_grad, flag=f"{fn_name}(zero_grad=...)"),
         checkpoint_policy=parse_checkpoint_policy(checkpoint_policy, flag=f"{fn_name}(checkpoint_policy=...)"),
         gpu=parse_gpu(gpu, flag=f"{fn_name}(gpu=...)"),
+        optimizer_offload=parse_optimizer_offload(
+            offload_optimizer, spelling=Spelling(fn_name, (("enabled", "offload_optimizer"),))
+        ),
     )
 
 
@@ -98,9 +115,15 @@ def run_configuration(
     checkpoint: tuple[Any, ...] | None = None,
     batch_size: int | None = None,
     info: BatchInfo | None = None,
+    offload_optimizer: bool | None = None,
 ) -> StepTrace:
-    """One fake step of ``model`` with one lightmem configuration (the building block of the API)."""
+    """One fake step of ``model`` with one lightmem configuration (the building block of the API).
+    ``offload_optimizer`` defaults to the settings' choice."""
     info = info or inspect_batch(batch)
+    if offload_optimizer is None:
+        offload_optimizer = settings.offload_optimizer
+    # The planner may turn model-state offload on by itself: then under the engine's defaults.
+    model_state = settings.optimizer_offload or OptimizerOffloadSettings.parse()
     request = StepRequest(
         device=settings.device,
         precision=settings.precision,
@@ -113,6 +136,7 @@ def run_configuration(
         original_batch_size=info.batch_size,
         zero_grad=settings.zero_grad,
         gpu=settings.gpu,
+        offload_optimizer_inflight_bytes=model_state.max_grad_inflight_bytes if offload_optimizer else None,
     )
     return run_step(model, batch, request)
 
@@ -129,7 +153,7 @@ def scenario_from(name: str, trace: StepTrace) -> StepMemory:
         activations_at_forward_end=trace.activations_at_forward_end,
         checkpointed=list(trace.checkpointed),
         offloaded_bytes=trace.offloaded_bytes,
-        host_bytes=trace.host_bytes,
+        host_bytes=trace.host_bytes + trace.optimizer_host_bytes,
         seconds=trace.seconds,
     )
 
@@ -161,17 +185,22 @@ def build_report(
 ) -> tuple[MemoryEstimate, StepTrace]:
     """Run the baseline and every requested configuration; the report (without advice) and the
     baseline's trace."""
-    configurations: list[tuple[str, OffloadSettings | None, tuple[Any, ...] | None]] = [
-        ("baseline", None, None)
+    # With offload_optimizer every configuration but the baseline has it too (named "+offload_optimizer").
+    model_state = settings.offload_optimizer
+    suffix = "+offload_optimizer" if model_state else ""
+    configurations: list[tuple[str, OffloadSettings | None, tuple[Any, ...] | None, bool]] = [
+        ("baseline", None, None, False)
     ]
+    if model_state:
+        configurations.append(("offload_optimizer", None, None, True))
     if checkpoint:
-        configurations.append(("checkpoint", None, checkpoint))
+        configurations.append(("checkpoint" + suffix, None, checkpoint, model_state))
     if offload is not None:
-        configurations.append(("offload", offload, None))
+        configurations.append(("offload" + suffix, offload, None, model_state))
     if checkpoint and offload is not None:
-        configurations.append(("checkpoint+offload", offload, checkpoint))
+        configurations.append(("checkpoint+offload" + suffix, offload, checkpoint, model_state))
     traces: dict[str, StepTrace] = {}
-    for name, offload_config, targets in configurations:
+    for name, offload_config, targets, offload_model_state in configurations:
         traces[name] = run_configuration(
             model,
             batch,
@@ -180,6 +209,7 @@ def build_report(
             checkpoint=targets,
             batch_size=batch_size,
             info=info,
+            offload_optimizer=offload_model_state,
         )
     scenarios = {name: scenario_from(name, trace) for name, trace in traces.items()}
     chosen = scenarios[configurations[-1][0]]
@@ -203,5 +233,6 @@ def build_report(
         scenarios=scenarios,
         not_modelled=list(NOT_MODELLED) + (list(CUDA_NOTES) if settings.device == "cuda" else []),
         inputs_bytes=baseline.peak.inputs_bytes,
+        offload_optimizer=model_state,
     )
     return estimate, baseline

@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import OffloadSettings
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.configuration import EstimateSettings, LossFn, build_report, parse_settings
@@ -33,6 +33,7 @@ def estimate_memory(
     zero_grad: str = "after_forward",
     checkpoint_policy: CheckpointPolicyArg = "full",
     gpu: str = "default",
+    offload_optimizer: bool | OptimizerOffloadSettings = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating it.
 
@@ -77,6 +78,11 @@ def estimate_memory(
         zero_grad: "after_forward" (Lightning's order, the default: the previous step's
             gradients are alive during forward) or "before_forward" (a plain PyTorch loop that
             calls ``optimizer.zero_grad()`` before the forward).
+        offload_optimizer: simulate model-state offload (``LightMem(offload_optimizer=True)``):
+            each gradient leaves the device once final (at most 64 MiB waiting for its copy),
+            optimizer state and step are on the host. Adds an "offload_optimizer" scenario; the
+            other requested scenarios include it. Host bytes are in each scenario's ``host_bytes``.
+            ``OptimizerOffloadSettings`` (already parsed) set the gradient bytes waiting instead.
 
     Returns:
         A :class:`MemoryEstimate` for the requested configuration, with "baseline" (no lightmem)
@@ -103,7 +109,7 @@ def estimate_memory(
     settings = parse_settings(
         "estimate_memory", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
-        gpu=gpu,
+        gpu=gpu, offload_optimizer=offload_optimizer,
     )  # fmt: skip
     offload_config = parse_offload(offload, flag="estimate_memory(offload=...)")
     if offload_config is not None:

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import DEFAULT_MIN_BYTES, OffloadSettings, format_bytes, parse_size
+from lightmem.config import DEFAULT_MIN_BYTES, OffloadSettings, OptimizerOffloadSettings, format_bytes, parse_size
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.configuration import EstimateSettings, build_report, parse_settings, run_configuration
@@ -84,6 +84,12 @@ def _cost_s(block: BlockMemory, action: str, costs: Costs) -> float:
     if action == BOTH:
         return recompute_s(block, costs) + _offload_s(_kept_input(block, costs), forward_s, costs)
     return 0.0
+
+
+def model_state_transfer_s(base: MemoryEstimate, costs: Costs) -> float:
+    """Model-state offload's link time per step: each gradient out and each parameter back (the
+    parameters' bytes twice), priced as not hidden by compute: an upper bound on what it exposes."""
+    return 2 * base.scenarios["baseline"].breakdown["parameters"] / costs.link_bytes_per_s
 
 
 def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
@@ -153,6 +159,7 @@ def plan(
     offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
     max_rounds: int = 4,
     checkpoint_policy: CheckpointPolicyArg = "full",
+    offload_optimizer: bool | OptimizerOffloadSettings = False,
 ) -> Plan:
     """Pick, per top-level block, keep / offload / checkpoint / both so the step fits ``budget``.
 
@@ -171,13 +178,17 @@ def plan(
         checkpoint_policy: what the blocks the plan checkpoints keep: ``"full"`` (their inputs),
             ``"save_matmuls"`` or a per-op callable, as in ``apply_checkpointing``; priced and
             verified with it, and returned in ``lightmem_kwargs()``.
+        offload_optimizer: plan with gradients and optimizer state on the host. Without it the
+            plan turns it on by itself when parameters + gradients + optimizer state exceed the
+            budget and the parameters alone do not (``lightmem_kwargs()`` then has it).
         Other arguments: as for :func:`estimate_memory`.
 
     On "cpu" only checkpointing is planned (offloading CPU memory to CPU memory saves nothing).
 
     Returns:
-        A :class:`Plan`; ``plan.fits`` is False with a ``reason`` when parameters, gradients and
-        optimizer state alone exceed the budget or no combination of actions gets under it.
+        A :class:`Plan`; ``plan.fits`` is False with a ``reason`` when the parameters (and, unless
+        they can go to the host, gradients and optimizer state) alone exceed the budget or no
+        combination of actions gets under it.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -186,6 +197,7 @@ def plan(
     settings = parse_settings(
         "plan", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
+        offload_optimizer=offload_optimizer,
     )  # fmt: skip
     offload_settings = parse_offload(True if offload is None else offload, flag="plan(offload=...)")
     if offload_settings is not None and offload_settings.include is not None:
@@ -252,16 +264,35 @@ def search_plan(
         checkpoint_policy=settings.checkpoint_policy, settings=_searched_under(settings, costs, offload),
     )  # fmt: skip
     result.estimate_kinds = {name: block.kind for name, block in base.blocks.items()}
-    if base.static_exceeds_budget:
+    model_state = settings.offload_optimizer
+    if base.static_exceeds_budget and (model_state or not base.parameters_fit):
+        what = "the parameters" if model_state else "parameters + gradients + optimizer state"
         result.reason = (
-            f"parameters + gradients + optimizer state alone take {format_bytes(base.static_bytes)} "
+            f"{what} alone take {format_bytes(base.static_bytes)} "
             f"of the {format_bytes(available)} left after the {format_bytes(settings.overhead_bytes)} "
             "overhead allowance; no activation technique helps (see the advice)"
         )
         return result
+    if base.static_exceeds_budget or model_state:
+        # Gradients and optimizer state go to the host; activations are planned on top of that.
+        model_state = True
+        result.offload_optimizer = True
+        named = base.scenarios.get("offload_optimizer")
+        baseline_peak = (
+            named.peak_bytes
+            if named is not None
+            else run_configuration(model, batch, settings, info=info, offload_optimizer=True).peak.bytes
+        )
+        result.predicted_peak_bytes = baseline_peak
+        result.exposed_transfer_s = model_state_transfer_s(base, costs)
     if baseline_peak <= available:
         result.fits = True
-        result.reason = "the baseline step already fits"
+        result.reason = (
+            f"with offload_optimizer the peak is {format_bytes(baseline_peak)} + overhead "
+            f"{format_bytes(settings.overhead_bytes)}"
+            if model_state
+            else "the baseline step already fits"
+        )
         return result
 
     need = baseline_peak - available
@@ -280,8 +311,9 @@ def search_plan(
             else None
         )
         trace = run_configuration(
-            model, batch, settings, info=info, checkpoint=tuple(checkpoint) or None, offload=offload_config
-        )
+            model, batch, settings, info=info, checkpoint=tuple(checkpoint) or None, offload=offload_config,
+            offload_optimizer=model_state,
+        )  # fmt: skip
         result.checkpoint, result.offload, result.actions = checkpoint, offload_config, dict(actions)
         result.predicted_peak_bytes = trace.peak.bytes
         result.recompute_s = sum(
@@ -289,7 +321,7 @@ def search_plan(
         )
         result.exposed_transfer_s = (
             sum(_cost_s(base.blocks[n], a, costs) for n, a in actions.items()) - result.recompute_s
-        )
+        ) + (model_state_transfer_s(base, costs) if model_state else 0.0)
         if trace.peak.bytes <= available:
             result.fits = True
             result.reason = f"verified peak {format_bytes(trace.peak.bytes)} + overhead {format_bytes(settings.overhead_bytes)}"
@@ -322,6 +354,7 @@ def _searched_under(settings: EstimateSettings, costs: Costs, offload: OffloadSe
         "checkpoint_policy": policy_name(settings.checkpoint_policy),
         "offload": offload.to_dict() if offload is not None else None,
         "offload_considered": costs.allow_offload,
+        "offload_optimizer": settings.offload_optimizer,
         "flops_per_s": costs.flops_per_s,
         "link_bytes_per_s": costs.link_bytes_per_s,
     }

@@ -139,6 +139,8 @@ class MemoryEstimate:
     not_modelled: list[str] = field(default_factory=list)
     inputs_bytes: int = 0
     seconds: float = 0.0
+    offload_optimizer: bool = False
+    """Model-state offload was asked for: gradients and optimizer state are not the device's."""
 
     @property
     def total_bytes(self) -> int:
@@ -170,11 +172,23 @@ class MemoryEstimate:
     @property
     def static_bytes(self) -> int:
         """Parameters + gradients + optimizer state + cuBLAS workspaces: what no activation
-        technique reduces."""
+        technique reduces (with ``offload_optimizer``: the parameters and workspaces alone)."""
         baseline = self.scenarios["baseline"].breakdown
+        if self.offload_optimizer:
+            return baseline["parameters"] + baseline["workspaces"]
         return (
             baseline["parameters"] + baseline["gradients"] + baseline["optimizer_state"] + baseline["workspaces"]
         )
+
+    @property
+    def parameters_fit(self) -> bool:
+        """The parameters alone (with the cuBLAS workspaces, which stay on the device too) leave
+        room in the budget of a device that is not the host: there model-state offload
+        (``offload_optimizer``) can make the step fit."""
+        available = self.available_bytes
+        baseline = self.scenarios["baseline"].breakdown
+        on_device = baseline["parameters"] + baseline["workspaces"]
+        return self.device != "cpu" and available is not None and on_device < available
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -191,6 +205,7 @@ class MemoryEstimate:
             "batch_size": self.batch_size,
             "parameter_count": self.parameter_count,
             "inputs_bytes": self.inputs_bytes,
+            "offload_optimizer": self.offload_optimizer,
             "blocks": {
                 name: {
                     "saved_bytes": block.saved_bytes,
@@ -230,7 +245,7 @@ class MemoryEstimate:
             f"{s.peak_phase}: {s.peak_op}" + (f" ({s.peak_block})" if s.peak_block else "") for s in scenarios
         )
         rows.append(["peak in", *where])
-        if any(s.offloaded_bytes for s in scenarios):
+        if any(s.offloaded_bytes or s.host_bytes for s in scenarios):
             rows.append(["host memory (offload)", *(format_bytes(s.host_bytes) for s in scenarios)])
 
         total_saved = sum(block.saved_bytes for block in self.blocks.values()) or 1
@@ -344,9 +359,12 @@ class Plan:
     """Class name per block, for the description."""
     checkpoint_policy: CheckpointPolicyArg = "full"
     """What the checkpointed blocks keep (``LightMem(checkpoint_policy=...)``)."""
+    offload_optimizer: bool = False
+    """Gradients, optimizer state and step on the host (``LightMem(offload_optimizer=True)``)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """What the search ran under, as parsed: device, precision, optimizer, overhead, budget,
-    checkpoint policy, offload settings, whether offload was considered (not on "cpu"), prices."""
+    checkpoint policy, offload settings, whether offload was considered (not on "cpu"), whether
+    model-state offload was asked for, prices."""
 
     @property
     def predicted_total_bytes(self) -> int:
@@ -355,7 +373,8 @@ class Plan:
     def lightmem_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``LightMem(...)``: offload; when offloading, offload_min_bytes,
         offload_include (and offload_exclude when the search ran under one); checkpoint when it
-        checkpoints, with checkpoint_policy when it is not the default."""
+        checkpoints, with checkpoint_policy when it is not the default; offload_optimizer when
+        the plan moves model state to the host."""
         kwargs: dict[str, Any] = {"offload": self.offload is not None}
         if self.offload is not None:
             kwargs["offload_min_bytes"] = self.offload.min_bytes
@@ -366,6 +385,8 @@ class Plan:
             kwargs["checkpoint"] = list(self.checkpoint)
             if self.checkpoint_policy != "full":
                 kwargs["checkpoint_policy"] = self.checkpoint_policy
+        if self.offload_optimizer:
+            kwargs["offload_optimizer"] = True
         return kwargs
 
     def to_dict(self) -> dict[str, Any]:
@@ -379,6 +400,7 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
             "reason": self.reason,
+            "offload_optimizer": self.offload_optimizer,
             "recompute_s": self.recompute_s,
             "exposed_transfer_s": self.exposed_transfer_s,
             "settings": self.settings,
@@ -391,10 +413,12 @@ class Plan:
     def describe(self) -> str:
         if not self.fits:
             return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
-        if not self.checkpoint and self.offload is None:
+        if not self.checkpoint and self.offload is None and not self.offload_optimizer:
             return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
         kinds = self.estimate_kinds
         parts = []
+        if self.offload_optimizer:
+            parts.append("offload_optimizer (gradients and optimizer state on the host)")
         if self.checkpoint:
             names = compact_names(sorted(self.checkpoint, key=natural_order), kinds)
             policy = "" if self.checkpoint_policy == "full" else f" (policy {policy_name(self.checkpoint_policy)})"

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import OffloadSettings
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings
 from lightmem.estimate.batch import inspect_batch
 from lightmem.estimate.configuration import parse_settings, run_configuration
 from lightmem.estimate.settings import parse_checkpoint, parse_offload
@@ -145,6 +145,7 @@ def max_batch_size(
     zero_grad: str = "after_forward",
     limit: int = DEFAULT_LIMIT,
     checkpoint_policy: CheckpointPolicyArg = "full",
+    offload_optimizer: bool | OptimizerOffloadSettings = False,
 ) -> BatchSearch:
     """The largest batch size whose step fits ``budget``, without lightmem and with a configuration.
 
@@ -154,7 +155,8 @@ def max_batch_size(
 
     Args:
         budget: device memory for the step including the overhead allowance ("24GiB", bytes).
-        offload, checkpoint: the lightmem configuration for ``configured`` (None: baseline only).
+        offload, checkpoint, offload_optimizer: the lightmem configuration for ``configured``
+            (none of them: baseline only).
         limit: the largest batch size considered.
         checkpoint_policy: what the ``checkpoint`` blocks keep, as for :func:`estimate_memory`.
         Other arguments: as for :func:`estimate_memory`.
@@ -166,6 +168,7 @@ def max_batch_size(
     settings = parse_settings(
         "max_batch_size", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
+        offload_optimizer=offload_optimizer,
     )  # fmt: skip
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"max_batch_size(limit=...): expected a positive int; got {limit!r}")
@@ -180,20 +183,21 @@ def max_batch_size(
     assert budget_bytes is not None
 
     def search(
-        offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None
+        offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None, model_state: bool = False
     ) -> tuple[int, list[tuple[int, int]]]:
         def total(size: int) -> int:
             trace = run_configuration(
-                model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info
-            )
+                model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info,
+                offload_optimizer=model_state,
+            )  # fmt: skip
             return trace.peak.bytes + settings.overhead_bytes
 
         return largest_fitting(total, budget_bytes, info.batch_size or 1, limit)
 
     baseline, baseline_evals = search(None, None)
     result = BatchSearch(baseline, None, budget_bytes, settings.overhead_bytes, {"baseline": baseline_evals})
-    if offload_config is not None or targets:
-        configured, evals = search(offload_config, targets)
+    if offload_config is not None or targets or settings.offload_optimizer:
+        configured, evals = search(offload_config, targets, settings.offload_optimizer)
         result.configured = configured
         result.evaluations["configured"] = evals
     result.seconds = time.perf_counter() - started

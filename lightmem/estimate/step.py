@@ -77,6 +77,9 @@ class StepRequest:
     """When gradients are set to None: "after_forward" (Lightning) or "before_forward" (a plain loop)."""
     gpu: str = "default"
     """The GPU a CUDA step runs on (``settings.parse_gpu``): sets the cuBLAS workspace size."""
+    offload_optimizer_inflight_bytes: int | None = None
+    """With model-state offload (``offload_optimizer``): the gradient bytes that may wait on the
+    device for their copy to host; None: off (gradients and optimizer state stay on the device)."""
 
 
 @dataclass
@@ -102,6 +105,8 @@ class StepTrace:
     host_bytes: int = 0
     reloaded_bytes: int = 0
     optimizers: list[str] = field(default_factory=list)
+    optimizer_host_bytes: int = 0
+    """With model-state offload: host copies of the parameters, gradients and optimizer state."""
     seconds: float = 0.0
     block_kinds: dict[str, str] = field(default_factory=dict)
     """Class name of each block."""
@@ -439,9 +444,17 @@ def _steady_step(
     for optimizer in optimizers:
         _create_state(optimizer)
     state_of = _mark_state(tracer, optimizers, request.device)
-    grad_hooks = [
-        p.register_post_accumulate_grad_hook(lambda p: tracer.mark_gradient(p.grad)) for p in trainable
-    ]
+    model_state_offload = request.offload_optimizer_inflight_bytes is not None
+    if model_state_offload:
+        grad_hooks, graded = _gradients_leave(tracer, trainable, request.offload_optimizer_inflight_bytes)
+        # The previous step's gradients and the optimizer state live on the host.
+        tracer.excluded.update(previous_grads.values())
+        tracer.excluded.update(state_of)
+    else:
+        graded = set()
+        grad_hooks = [
+            p.register_post_accumulate_grad_hook(lambda p: tracer.mark_gradient(p.grad)) for p in trainable
+        ]
 
     block_names = {id(module): name for name, module in blocks.modules.items()}
     tracker = _BlockTracker(tracer, block_names, failure)
@@ -483,14 +496,15 @@ def _steady_step(
         # engine is called directly: Tensor.backward would pass through (and switch off) the mode.
         _run_backward(loss)
     tracer.set_phase("optimizer")
-    for optimizer in optimizers:
-        optimizer.step()
+    if not model_state_offload:  # with it the step runs on the host; parameters return in place
+        for optimizer in optimizers:
+            optimizer.step()
     tracer.window.end = tracer.now()
     for hook in grad_hooks:
         hook.remove()
 
     # Parameters without a gradient in this step would have had neither gradient nor state.
-    unused = {id(p) for p in trainable if p.grad is None}
+    unused = {id(p) for p in trainable if p.grad is None and id(p) not in graded}
     for owner in unused:
         tracer.excluded.add(previous_grads[owner])
     for rid, owner in state_of.items():
@@ -520,7 +534,50 @@ def _steady_step(
         host_bytes=hooks.peak_host_bytes,
         reloaded_bytes=hooks.reloaded_bytes,
         optimizers=[type(optimizer).__name__ for optimizer in optimizers],
+        optimizer_host_bytes=_host_model_state_bytes(optimizers, params, graded, unused)
+        if model_state_offload
+        else 0,
     )
+
+
+def _gradients_leave(
+    tracer: StorageTracer, trainable: list[nn.Parameter], inflight_bytes: int
+) -> tuple[list[Any], set[int]]:
+    """Model-state offload's backward: each final gradient waits on the device for its copy to
+    host, at most ``inflight_bytes`` of them (the engine's bound, with copies assumed slow: the
+    oldest is released only when the bound is passed), then leaves the device."""
+    waiting: list[torch.Tensor] = []
+    graded: set[int] = set()
+
+    def leave(param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        tracer.mark_gradient(grad)
+        graded.add(id(param))
+        param.grad = None
+        waiting.append(grad)
+        while waiting and sum(g.nbytes for g in waiting) > inflight_bytes:
+            waiting.pop(0)
+
+    return [p.register_post_accumulate_grad_hook(leave) for p in trainable], graded
+
+
+def _host_model_state_bytes(
+    optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter], graded: set[int], unused: set[int]
+) -> int:
+    """Host bytes of model-state offload (no allocator rounding on the host): a copy of each
+    stepped parameter, its gradient buffer, its optimizer state."""
+    copies = sum(p.nbytes for p in params if id(p) in graded)
+    state = sum(
+        value.nbytes
+        for optimizer in optimizers
+        for param, values in optimizer.state.items()
+        if id(param) not in unused
+        for value in values.values()
+        if isinstance(value, torch.Tensor)
+    )
+    return 2 * copies + state
 
 
 def _run_backward(loss: torch.Tensor) -> None:

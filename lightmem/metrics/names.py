@@ -61,6 +61,13 @@ METRICS: tuple[Metric, ...] = (
     _m("offload/prefetch_misses", "lightmem", "count", "reloads issued only when backward asked", "Offload prefetch (count)"),
     _m("offload/wait_ms", "lightmem", "ms", "time the compute stream waited for copies", "Offload waits (ms)"),
     _m("offload/inflight_waits", "lightmem", "count", "times compute waited for the oldest copy to host because max_inflight_bytes was reached", "Offload in-flight waits (count)"),
+    # Model-state offload (offload_optimizer): host bytes held now and the last optimizer step's traffic.
+    _m("optimizer/host_state_GiB", "lightmem", "GiB", "optimizer state (moments, momentum, step counters) held on the host", "Optimizer offload host memory (GiB)"),
+    _m("optimizer/host_grads_GiB", "lightmem", "GiB", "host gradient buffers (accumulators and accumulation staging)", "Optimizer offload host memory (GiB)"),
+    _m("optimizer/host_params_GiB", "lightmem", "GiB", "host copies of the parameters the optimizer steps", "Optimizer offload host memory (GiB)"),
+    _m("optimizer/grads_out_GiB", "lightmem", "GiB", "gradient bytes copied to host for the last optimizer step (all its micro-batches)", "Optimizer offload traffic (GiB)"),
+    _m("optimizer/params_in_GiB", "lightmem", "GiB", "updated parameter bytes copied back to the device after the last optimizer step", "Optimizer offload traffic (GiB)"),
+    _m("optimizer/wait_ms", "lightmem", "ms", "time training waited for gradient and parameter copies in the last optimizer step", "Optimizer offload waits (ms)"),
     _m("checkpoint/blocks", "lightmem", "count", "blocks recomputed in backward (selective checkpointing)", "Checkpointed blocks (count)", reduce_max=False),
 )
 

@@ -156,6 +156,36 @@ class HostProbe:
         return None
 
 
+class OptimizerOffloadProbe:
+    """Model-state offload: host bytes held now and the last optimizer step's traffic and waits,
+    summed over the optimizers offloaded. ``stats`` returns their ``OptimizerOffloadStats``."""
+
+    group = "lightmem"
+    FIELDS = ("host_state_bytes", "host_grad_bytes", "host_param_bytes", "grad_bytes_out", "param_bytes_in", "waited_s")
+
+    def __init__(self, stats: Callable[[], list[Any]]) -> None:
+        self._stats = stats
+
+    def figures(self) -> dict[str, float]:
+        """The raw sums (bytes and seconds), by field name."""
+        rows = self._stats()
+        return {name: sum(getattr(row, name) for row in rows) for name in self.FIELDS}
+
+    def collect(self) -> dict[str, float]:
+        figures = self.figures()
+        return {
+            key("optimizer/host_state_GiB"): figures["host_state_bytes"] / GiB,
+            key("optimizer/host_grads_GiB"): figures["host_grad_bytes"] / GiB,
+            key("optimizer/host_params_GiB"): figures["host_param_bytes"] / GiB,
+            key("optimizer/grads_out_GiB"): figures["grad_bytes_out"] / GiB,
+            key("optimizer/params_in_GiB"): figures["param_bytes_in"] / GiB,
+            key("optimizer/wait_ms"): figures["waited_s"] * 1e3,
+        }
+
+    def end_step(self) -> None:
+        return None
+
+
 class LightmemProbe:
     """lightmem's own traffic for the step, summed over its micro-batches, and checkpointed blocks.
 

@@ -19,6 +19,7 @@ from lightmem.metrics.probes import (
     HostProbe,
     LightmemProbe,
     NvmlProbe,
+    OptimizerOffloadProbe,
     ProbeUnavailable,
     TorchAllocatorProbe,
 )
@@ -77,11 +78,13 @@ def build_probes(
     host_bytes_held: Callable[[], int] | None,
     host_bytes_peak_in_use: Callable[[], int] = lambda: 0,
     checkpointed_blocks: int,
+    optimizer_offload_stats: Callable[[], list[Any]] | None = None,
 ) -> tuple[list[Any], dict[str, str]]:
     """The probes of ``groups`` that can run here, and for the others why not.
 
     ``host_bytes_held`` is None when offload is off (no host buffers to report); the ``lightmem``
-    group reports offload traffic only with offload on and the block count only with blocks.
+    group reports offload traffic only with offload on and the block count only with blocks, and
+    model-state offload figures only when ``optimizer_offload_stats`` is given.
     """
     probes: list[Any] = []
     off: dict[str, str] = {}
@@ -96,6 +99,8 @@ def build_probes(
             elif group == "lightmem" and (host_bytes_held is not None or checkpointed_blocks):
                 blocks = (lambda: checkpointed_blocks) if checkpointed_blocks else None
                 probes.append(LightmemProbe(blocks, offload=host_bytes_held is not None))
+            if group == "lightmem" and optimizer_offload_stats is not None:
+                probes.append(OptimizerOffloadProbe(optimizer_offload_stats))
         except ProbeUnavailable as error:
             off[group] = str(error)
     return probes, off
@@ -135,6 +140,9 @@ class MetricsRecorder:
             (probe for probe in self.probes if isinstance(probe, LightmemProbe) and probe.offload), None
         )
         self._offload = self.traffic is not None
+        self.optimizer_offload = next((probe for probe in self.probes if isinstance(probe, OptimizerOffloadProbe)), None)
+        self._optimizer_totals: dict[str, float] = {}
+        self._optimizer_steps = 0
         self.log_every_n_steps = log_every_n_steps
         self.tensorboard_panels = tensorboard_panels
         self.checkpointed_blocks = checkpointed_blocks
@@ -175,6 +183,13 @@ class MetricsRecorder:
         if self.traffic is not None:
             self._offloaded_bytes += self.traffic.totals.offloaded_bytes
             self._wait_s += self.traffic.totals.wait_s
+        if self.optimizer_offload is not None:
+            figures = self.optimizer_offload.figures()
+            self._optimizer_steps += 1
+            for name in ("grad_bytes_out", "param_bytes_in", "waited_s"):
+                self._optimizer_totals[name] = self._optimizer_totals.get(name, 0.0) + figures[name]
+            held = figures["host_state_bytes"] + figures["host_grad_bytes"] + figures["host_param_bytes"]
+            self._optimizer_totals["peak_host_bytes"] = max(self._optimizer_totals.get("peak_host_bytes", 0.0), held)
         every = self.log_every_n_steps or trainer.log_every_n_steps
         logged = (trainer.global_step - 1) % every == 0
         values: dict[str, float] = {}
@@ -220,6 +235,14 @@ class MetricsRecorder:
             )
             wait_ms = self._wait_s / steps * 1e3
             figures.append(SummaryFigure("compute waited per step", "wait_per_step_ms", wait_ms, "ms"))
+        if self._optimizer_steps:
+            totals, count = self._optimizer_totals, self._optimizer_steps
+            figures += [
+                SummaryFigure("optimizer offload: host bytes held (peak)", "optimizer/host_peak_GiB", totals["peak_host_bytes"] / GiB, "GiB"),
+                SummaryFigure("optimizer offload: gradients to host per step", "optimizer/grads_out_per_step_GiB", totals["grad_bytes_out"] / count / GiB, "GiB"),
+                SummaryFigure("optimizer offload: parameters to device per step", "optimizer/params_in_per_step_GiB", totals["param_bytes_in"] / count / GiB, "GiB"),
+                SummaryFigure("optimizer offload: waited per step", "optimizer/wait_per_step_ms", totals["waited_s"] / count * 1e3, "ms"),
+            ]
         if self.checkpointed_blocks:
             blocks = float(self.checkpointed_blocks)
             figures.append(SummaryFigure("blocks checkpointed", "checkpointed_blocks", blocks, "count"))

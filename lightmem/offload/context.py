@@ -22,7 +22,7 @@ from lightmem.offload.hooks import Offloader
 from lightmem.offload.pool import HostPool
 from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
-from lightmem.offload.transport import CudaTransport, SyncTransport, Transport
+from lightmem.offload.transport import Transport, default_transport
 
 _TORCH_FUNC_REFUSES_HOOKS = "don't yet support saved tensor hooks"  # torch.func's own error
 TORCH_FUNC_MESSAGE = (
@@ -133,7 +133,7 @@ class ActivationOffloader:
                 exclude_flag=flag("exclude"),
             )
         if transport is None:
-            transport = _default_transport(self.devices)
+            transport = default_transport(self.devices)
         self.transport = transport
         self._pool = HostPool(
             transport,
@@ -290,18 +290,6 @@ class ActivationOffloader:
     def release_host_memory(self) -> None:
         """Give cached host buffers back to the OS (buffers still in use are kept)."""
         self._pool.clear()
-
-
-def _default_transport(devices: tuple[str, ...]) -> Transport:
-    if "cuda" in devices:
-        if torch.cuda.is_available():
-            return CudaTransport()
-        if devices == ("cuda",):
-            warn_once(
-                "lightmem: CUDA is not available, so offload_activations(devices=('cuda',)) has "
-                "nothing to offload; saved tensors stay where they are"
-            )
-    return SyncTransport()
 
 
 offload_activations = ActivationOffloader

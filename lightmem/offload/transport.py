@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+from lightmem.config import warn_once
+
 
 class Transport(Protocol):
     pin_memory: bool
@@ -62,6 +64,10 @@ class Transport(Protocol):
     def waited_s(self) -> float:
         """Total seconds the compute stream has waited for copies so far."""
 
+    def host_wait(self, event: Any) -> None:
+        """Block the calling thread until ``event`` has completed (before host code reads or
+        writes a host buffer a queued copy touches)."""
+
 
 class SyncTransport:
     """Synchronous copies on the calling thread: the path for CPU tensors (and any device)."""
@@ -106,6 +112,9 @@ class SyncTransport:
 
     def waited_s(self) -> float:
         return self._waited_s
+
+    def host_wait(self, event: Any) -> None:
+        return None
 
 
 class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA machine
@@ -173,6 +182,12 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
         # Never seen complete while a graph is captured: querying an event is illegal there.
         return event is None or (not torch.cuda.is_current_stream_capturing() and event.query())
 
+    def host_wait(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            start = _perf_counter()
+            event.synchronize()
+            self._waited_s += _perf_counter() - start
+
     def waited_s(self) -> float:
         if torch.cuda.is_current_stream_capturing():
             return self._waited_s
@@ -184,3 +199,16 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
                 pending.append((start, end))
         self._timed = pending
         return self._waited_s
+
+
+def default_transport(devices: tuple[str, ...]) -> Transport:
+    """CUDA side streams where ``devices`` names CUDA and it is available; synchronous copies otherwise."""
+    if "cuda" in devices:
+        if torch.cuda.is_available():
+            return CudaTransport()
+        if devices == ("cuda",):
+            warn_once(
+                "lightmem: CUDA is not available, so offload_activations(devices=('cuda',)) has "
+                "nothing to offload; saved tensors stay where they are"
+            )
+    return SyncTransport()

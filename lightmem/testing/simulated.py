@@ -531,6 +531,10 @@ class SimulatedAsyncTransport:
     def waited_s(self) -> float:
         return self._waited_s
 
+    def host_wait(self, event: _Event | None) -> None:
+        # The compute "stream" is the calling thread: its wait is a host wait.
+        self.wait(COMPUTE, event)
+
     def synchronize(self) -> None:
         """Block until every stream of every device has drained (``torch.cuda.synchronize``)."""
         for device in self._devices:

@@ -1,0 +1,631 @@
+"""Model-state offload: gradients and optimizer state on the host, parameters on the device.
+
+``offload_optimizer(model, optimizer)`` keeps the model's parameters where they are and moves
+everything else a training step holds for them to host memory:
+
+1. **Gradients stream out during backward.** A post-accumulate-grad hook per parameter queues the
+   copy of its final gradient to a host buffer on the device-to-host stream and releases the device
+   gradient (``param.grad = None``) once the copy has run; at most ``max_grad_inflight_bytes`` of
+   gradients wait on the device for their copy.
+2. **The user's optimizer steps on the host.** The optimizer object itself is kept: its
+   ``param_groups`` (the same dicts LR schedulers and Lightning see) are pointed at host copies of
+   the parameters (same dtype, so the arithmetic is the one the device would do, bit for bit on
+   CPU), its ``state`` moves with them, and its own class, hyperparameters and foreach/fused
+   choice run the step. Clipping (``clip_grad_norm_`` over ``optimizer.param_groups``), zeroing and
+   ``state_dict`` all see host tensors, so a checkpoint is in the optimizer's standard form.
+3. **Parameters come back before they are used.** After each step the updated host copies are
+   queued to the device on the host-to-device stream; a forward pre-hook on each module that owns
+   parameters makes the compute stream wait for exactly its parameters' copies.
+
+Gradient accumulation adds on the host in the gradient's dtype (``grad += new``, as autograd does
+on the device). ``close()`` (or leaving the ``with`` block) puts everything back: the optimizer's
+groups and state on the device parameters, pending host gradients in ``param.grad``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from time import perf_counter
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings
+from lightmem.offload.transport import Transport, default_transport
+
+_HOST = torch.device("cpu")
+
+# Optimizers whose step re-evaluates the closure at parameter values the step itself moved to:
+# with parameters updated on the host, the device forward would not see those values.
+_RE_EVALUATING = ("LBFGS",)
+
+
+@dataclass
+class OptimizerOffloadStats:
+    """What model-state offload held and moved. Byte counts of host memory are current values;
+    ``grad_bytes_out``, ``param_bytes_in`` and ``waited_s`` cover the last optimizer step (and the
+    backward passes accumulated into it); ``steps`` and the ``total_`` figures the whole run."""
+
+    host_param_bytes: int = 0
+    """Host copies of the parameters the optimizer steps."""
+    host_grad_bytes: int = 0
+    """Host gradient buffers (accumulators and accumulation staging)."""
+    host_state_bytes: int = 0
+    """Optimizer state (momentum, Adam moments, step counters) on the host."""
+    grad_bytes_out: int = 0
+    param_bytes_in: int = 0
+    waited_s: float = 0.0
+    """Time the training thread or compute stream waited for gradient and parameter copies."""
+    peak_device_grad_bytes: int = 0
+    """The most gradient bytes held on the device waiting for their copy to host (whole run)."""
+    steps: int = 0
+    total_grad_bytes_out: int = 0
+    total_param_bytes_in: int = 0
+
+    @property
+    def host_bytes(self) -> int:
+        """All host bytes model-state offload holds."""
+        return self.host_param_bytes + self.host_grad_bytes + self.host_state_bytes
+
+
+class _InstanceAttribute:
+    """A handle whose ``remove()`` deletes an attribute set on one object (its class's comes back)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def remove(self) -> None:
+        self.owner.__dict__.pop(self.name, None)
+
+
+@dataclass
+class _Slot:
+    """One offloaded parameter: the device tensor, its host copy and the copies in flight."""
+
+    param: nn.Parameter
+    master: nn.Parameter
+    grad_buffer: torch.Tensor | None = None
+    staging: torch.Tensor | None = None
+    landing: str | None = None  # "direct" (into grad_buffer) or "staged" (to add) while a copy runs
+    to_device: Any = None  # event of the last copy of ``master`` to the device
+    device_waited: bool = True  # the compute stream has waited for ``to_device``
+    modules: list[nn.Module] = field(default_factory=list)
+
+
+def _check_optimizer(optimizer: Any, settings: OptimizerOffloadSettings) -> None:
+    """Refuse an optimizer whose step cannot run on host copies of the parameters."""
+    flag = settings.flag("enabled")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"{flag}: expected a torch.optim.Optimizer (its step runs on host copies of the "
+            f"parameters); got {type(optimizer).__name__}"
+        )
+    name = type(optimizer).__name__
+    if name in _RE_EVALUATING:
+        raise ValueError(
+            f"{flag}: {name} re-evaluates the closure at parameter values it moved to inside one "
+            "step, which the device forward would not see with the step on the host; use a "
+            "first-order optimizer (SGD, Adam, AdamW, ...) or turn the option off"
+        )
+    for index, group in enumerate(optimizer.param_groups):
+        if group.get("capturable"):
+            raise ValueError(
+                f"{flag}: {name}(capturable=True) (param group {index}) steps only on "
+                "CUDA/XPU tensors and cannot run on the host; construct it with capturable=False"
+            )
+    if any(group.get("fused") for group in optimizer.param_groups):
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        if "cpu" not in _get_fused_kernels_supported_devices():
+            raise ValueError(
+                f"{flag}: {name}(fused=True) has no CPU kernel in this PyTorch; construct it with "
+                "fused=False (foreach=True is the fast CPU choice)"
+            )
+
+
+def _optimized_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def _check_params(params: list[nn.Parameter], settings: OptimizerOffloadSettings, flag: str) -> torch.device:
+    devices = sorted({str(param.device) for param in params})
+    if not devices:
+        raise ValueError(f"{flag}: the optimizer has no parameters")
+    if len(devices) > 1:
+        raise ValueError(
+            f"{flag}: the optimizer's parameters are on several devices ({', '.join(devices)}); "
+            "optimizer offload handles one device per process"
+        )
+    device = params[0].device
+    if device.type not in settings.devices:
+        raise ValueError(
+            f"{flag}: the parameters are on {device}, not a device type in "
+            f"{settings.flag('devices')} {list(settings.devices)}; pass devices=('{device.type}',) "
+            "to drive the path there"
+        )
+    return device
+
+
+class OptimizerOffloader:
+    """Gradients and optimizer state of ``optimizer`` on the host; see the module docstring.
+
+    Built by :func:`offload_optimizer`. The user's optimizer object keeps working as before:
+    ``optimizer.step()``, ``zero_grad()``, LR schedulers, ``clip_grad_norm_`` over its
+    ``param_groups`` params, ``state_dict()`` / ``load_state_dict()``.
+
+    What changes for the user: ``param.grad`` of the model's parameters is ``None`` after backward
+    (the gradient is on the host, in ``p.grad`` for ``p`` in ``optimizer.param_groups``); read the
+    parameters' gradients there.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        settings: OptimizerOffloadSettings,
+        transport: Transport | None = None,
+        reducer: Any = None,
+    ) -> None:
+        flag = settings.flag("enabled")
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"{flag}: expected the model (an nn.Module) first; got {type(model).__name__}")
+        _check_optimizer(optimizer, settings)
+        params = _optimized_params(optimizer)
+        self.device = _check_params(params, settings, flag)
+        self.model = model
+        self.optimizer = optimizer
+        self.settings = settings
+        self.transport = transport if transport is not None else default_transport(settings.devices)
+        self._stats = OptimizerOffloadStats()
+        self._inflight: list[tuple[Any, torch.Tensor]] = []  # (copy event, device gradient kept alive)
+        self._inflight_bytes = 0
+        self._landing: list[_Slot] = []
+        self._callback_task: int | None = None
+        self._closed = False
+        self._step_grad_bytes = 0
+        self._step_waited_s = 0.0
+        self._reducer = reducer
+        self._slots: dict[int, _Slot] = {}
+        for param in params:
+            master = nn.Parameter(self._host_empty_like(param), requires_grad=param.requires_grad)
+            with torch.no_grad():
+                master.copy_(param.detach())
+            self._slots[id(param)] = _Slot(param, master)
+        self._swap_optimizer(to_host=True)
+        self._handles: list[Any] = []
+        for slot in self._slots.values():
+            self._handles.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_final))
+        for module in model.modules():
+            owned = [self._slots[id(p)] for p in module.parameters(recurse=False) if id(p) in self._slots]
+            if owned:
+                self._handles.append(module.register_forward_pre_hook(self._waiter(owned)))
+        self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_for_params()))
+        self._handles.append(model.register_load_state_dict_post_hook(lambda *args: self.refresh_host_params()))
+        # Gradients of a backward that raised never reach its end-of-backward callback: they land
+        # before the next zero_grad, which then clears them as it clears the device's.
+        users_zero_grad = optimizer.zero_grad
+
+        def zero_grad(*args: Any, **kwargs: Any) -> None:
+            if self._landing or self._inflight:
+                self._land_all()
+            self._callback_task = None
+            users_zero_grad(*args, **kwargs)
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+        self._handles.append(_InstanceAttribute(optimizer, "zero_grad"))
+        self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+        self._handles.append(optimizer.register_step_post_hook(self._after_step))
+        self._stats.host_param_bytes = sum(slot.master.nbytes for slot in self._slots.values())
+
+    # -- public state -------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> OptimizerOffloadStats:
+        """Host bytes held now, and the traffic of the last step (see ``OptimizerOffloadStats``)."""
+        self._stats.host_grad_bytes = sum(
+            (slot.grad_buffer.nbytes if slot.grad_buffer is not None else 0)
+            + (slot.staging.nbytes if slot.staging is not None else 0)
+            for slot in self._slots.values()
+        )
+        self._stats.host_state_bytes = sum(
+            value.nbytes
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+        return self._stats
+
+    @property
+    def host_bytes_held(self) -> int:
+        """Host bytes of parameter copies, gradients and optimizer state (for the host budget and guard)."""
+        return self.stats.host_bytes
+
+    @property
+    def host_params(self) -> list[nn.Parameter]:
+        """The host copies the optimizer steps, in the order of the optimizer's parameters."""
+        return [slot.master for slot in self._slots.values()]
+
+    def wait_for_params(self) -> None:
+        """Make the device parameters current: the compute stream waits for every queued copy."""
+        for slot in self._slots.values():
+            self._device_wait(slot)
+
+    def refresh_host_params(self) -> None:
+        """Copy the device parameters into the host copies the optimizer steps (done for you after
+        ``model.load_state_dict``; call it after writing the parameters any other way)."""
+        self._host_wait_params()
+        self.wait_for_params()
+        with torch.no_grad():
+            for slot in self._slots.values():
+                slot.master.copy_(slot.param.detach())
+
+    # -- backward: gradients out --------------------------------------------------------------
+
+    def _on_grad_final(self, param: torch.Tensor) -> None:
+        if self._closed:
+            return
+        if self._reducer is not None:
+            self._await_reduction()
+            return
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None
+        task = torch._C._current_graph_task_id()
+        if task != self._callback_task:  # the first final gradient of this backward
+            # Runs once the whole backward is over, in the thread that called backward.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_task = task
+        self._send(self._slots[id(param)], grad)
+
+    def _await_reduction(self) -> None:
+        """Under DDP: a gradient is final only once the reducer has averaged it, at the end of
+        backward; under ``no_sync`` (accumulation) it stays on the device and DDP sums it there."""
+        task = torch._C._current_graph_task_id()
+        if task == self._callback_task or not self._reducer.require_backward_grad_sync:
+            return
+        self._callback_task = task
+        # DDP queues its finalize (averaged gradients into param.grad) after the last bucket is
+        # ready, so after this callback: queue ours from here to run after DDP's.
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self._take_reduced))
+
+    def _take_reduced(self) -> None:
+        for slot in self._slots.values():
+            grad = slot.param.grad
+            if grad is not None:
+                slot.param.grad = None
+                self._send(slot, grad)
+        self._finish_backward()
+
+    def _send(self, slot: _Slot, grad: torch.Tensor) -> None:
+        """Queue ``grad``'s copy to the host: into the gradient buffer, or into staging to add."""
+        if slot.landing is None:
+            self._landing.append(slot)
+        else:  # one still pending from a backward that raised (or a hook that fired twice): land it first
+            self._land_all()
+            self._landing.append(slot)
+        if slot.master.grad is None:
+            slot.grad_buffer = self._buffer(slot.grad_buffer, grad)
+            target, slot.landing = slot.grad_buffer, "direct"
+        else:
+            slot.staging = self._buffer(slot.staging, grad)
+            target, slot.landing = slot.staging, "staged"
+        transport = self.transport
+        if transport.synchronous:
+            with torch.no_grad():
+                transport.copy_to_host(target, grad, None)
+            self._step_grad_bytes += grad.nbytes
+            return
+        compute, to_host, _ = transport.streams(grad.device)
+        transport.wait(to_host, transport.record(compute))
+        with torch.no_grad():
+            transport.copy_to_host(target, grad, to_host)
+        self._inflight.append((transport.record(to_host), grad))
+        self._inflight_bytes += grad.nbytes
+        self._step_grad_bytes += grad.nbytes
+        self._stats.peak_device_grad_bytes = max(self._stats.peak_device_grad_bytes, self._inflight_bytes)
+        self._retire(compute)
+
+    def _retire(self, compute: Any) -> None:
+        """Drop device gradients whose copy has run; past the bound, compute waits for the oldest."""
+        transport = self.transport
+        while self._inflight and (
+            transport.done(self._inflight[0][0]) or self._inflight_bytes > self.settings.max_grad_inflight_bytes
+        ):
+            event, grad = self._inflight.pop(0)
+            if not transport.done(event):
+                start = perf_counter()
+                transport.wait(compute, event)
+                self._step_waited_s += perf_counter() - start
+            self._inflight_bytes -= grad.nbytes
+
+    def _buffer(self, current: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        if current is not None and current.shape == like.shape and current.dtype == like.dtype:
+            return current
+        return self._host_empty_like(like)
+
+    def _host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(
+            tensor.shape, dtype=tensor.dtype, device=_HOST, pin_memory=self.transport.pin_memory
+        )
+
+    def _finish_backward(self) -> None:
+        self._callback_task = None
+        self._land_all()
+
+    def _land_all(self) -> None:
+        """Every gradient copy has run: accumulate on the host exactly as autograd would on the device."""
+        start = perf_counter()
+        for event, _ in self._inflight:
+            self.transport.host_wait(event)
+        self._inflight.clear()
+        self._inflight_bytes = 0
+        self._host_wait_params()  # the step about to follow rewrites the host copies
+        self._step_waited_s += perf_counter() - start
+        with torch.no_grad():
+            for slot in self._landing:
+                if slot.landing == "direct":
+                    slot.master.grad = slot.grad_buffer
+                elif slot.landing == "staged":
+                    slot.master.grad.add_(slot.staging)  # type: ignore[union-attr]
+                slot.landing = None
+        self._landing.clear()
+
+    # -- the step on the host -----------------------------------------------------------------
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._rehost_state()
+        if self._landing or self._inflight:  # a backward that raised never reached its callback
+            self._land_all()
+        self._callback_task = None
+        self._host_wait_params()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        transport = self.transport
+        stepped = [slot for slot in self._slots.values() if slot.master.grad is not None]
+        self._stats.steps += 1
+        self._stats.grad_bytes_out, self._step_grad_bytes = self._step_grad_bytes, 0
+        self._stats.total_grad_bytes_out += self._stats.grad_bytes_out
+        if transport.synchronous:
+            start = perf_counter()
+            with torch.no_grad():
+                for slot in stepped:
+                    transport.copy_to_device(slot.param.detach(), slot.master.detach(), None)
+            self._step_waited_s += perf_counter() - start
+        else:
+            compute, _, to_device = transport.streams(self.device)
+            # The device parameters are rewritten only after compute's last use of them (backward).
+            transport.wait(to_device, transport.record(compute))
+            with torch.no_grad():
+                for slot in stepped:
+                    transport.copy_to_device(slot.param.detach(), slot.master.detach(), to_device)
+                    slot.to_device = transport.record(to_device)
+                    slot.device_waited = False
+        moved = sum(slot.param.nbytes for slot in stepped)
+        self._stats.param_bytes_in = moved
+        self._stats.total_param_bytes_in += moved
+        # Waits for this step's parameter copies happen in the next forward: counted with the next step.
+        self._stats.waited_s, self._step_waited_s = self._step_waited_s, 0.0
+
+    def _waiter(self, owned: list[_Slot]) -> Any:
+        def wait_for_own_params(module: nn.Module, args: Any) -> None:
+            for slot in owned:
+                if not slot.device_waited:
+                    self._device_wait(slot)
+
+        return wait_for_own_params
+
+    def _device_wait(self, slot: _Slot) -> None:
+        if slot.device_waited:
+            return
+        start = perf_counter()
+        compute, _, _ = self.transport.streams(self.device)
+        self.transport.wait(compute, slot.to_device)
+        slot.device_waited = True
+        self._step_waited_s += perf_counter() - start
+
+    def _host_wait_params(self) -> None:
+        for slot in self._slots.values():
+            if slot.to_device is not None:
+                self.transport.host_wait(slot.to_device)
+                slot.to_device = None
+                slot.device_waited = True
+
+    # -- moving the optimizer between device and host -----------------------------------------
+
+    def _rehost_state(self) -> None:
+        """State loaded or moved to the device behind our back (Lightning moves optimizer state to
+        the root device after restoring a checkpoint) goes back to the host."""
+        for state in self.optimizer.state.values():
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device != _HOST:
+                    state[name] = value.to(_HOST)
+
+    def _swap_optimizer(self, *, to_host: bool) -> None:
+        """Point the optimizer's groups and state at the host copies (or back at the parameters)."""
+        by_id = {id(slot.param): slot for slot in self._slots.values()}
+        by_id.update({id(slot.master): slot for slot in self._slots.values()})
+
+        def swapped(tensor: torch.Tensor) -> torch.Tensor:
+            slot = by_id[id(tensor)]
+            return slot.master if to_host else slot.param
+
+        beside_param: dict[int, bool] = {}  # fused/capturable keep "step" beside the parameter
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                beside_param[id(param)] = bool(group.get("fused") or group.get("capturable"))
+            group["params"] = [swapped(param) for param in group["params"]]
+        new_state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+        for key, state in self.optimizer.state.items():
+            if id(key) not in by_id:
+                new_state[key] = state
+                continue
+            target = swapped(key)
+            device = _HOST if to_host else target.device
+            new_state[target] = {
+                name: value.to(device)
+                if isinstance(value, torch.Tensor) and (name != "step" or beside_param.get(id(key), False))
+                else value
+                for name, value in state.items()
+            }
+        # In place: wrappers that copied the optimizer's attributes (Lightning's LightningOptimizer)
+        # keep seeing the same state object.
+        state = self.optimizer.state
+        state.clear()
+        state.update(new_state)
+
+    # -- leaving -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Give the optimizer back its device parameters, state on their device, and any pending
+        host gradient in ``param.grad``; remove every hook."""
+        if self._closed:
+            return
+        if self._landing or self._inflight:
+            self._land_all()
+        self._host_wait_params()
+        self.wait_for_params()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        with torch.no_grad():
+            for slot in self._slots.values():
+                if slot.master.grad is not None:
+                    slot.param.grad = slot.master.grad.to(slot.param.device, copy=True)
+        self._swap_optimizer(to_host=False)
+        self._closed = True
+
+    def __enter__(self) -> OptimizerOffloader:
+        return self
+
+    def __exit__(
+        self, error_type: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def offload_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    devices: Iterable[str] = ("cuda",),
+    max_grad_inflight_bytes: int | str = DEFAULT_GRAD_INFLIGHT,
+    transport: Transport | None = None,
+    settings: OptimizerOffloadSettings | None = None,
+) -> OptimizerOffloader:
+    """Keep ``model``'s parameters on the device; put gradients and ``optimizer``'s state and step
+    on the host.
+
+    The training loop stays as it is (``loss.backward()``, ``optimizer.step()``,
+    ``optimizer.zero_grad()``, LR schedulers, clipping over ``optimizer.param_groups``); the result
+    on CPU is bitwise what the same loop gives without it. Call ``close()`` (or use ``with``) to
+    put the optimizer back on the device parameters.
+
+    Args:
+        model: the module whose parameters ``optimizer`` steps (forward pre-hooks on its modules
+            wait for each parameter's copy back to the device). Pass the
+            ``DistributedDataParallel`` wrapper under DDP: gradients then leave once averaged.
+        optimizer: a ``torch.optim.Optimizer`` over parameters on one device. Its class,
+            hyperparameters and foreach/fused choice run on the host copies.
+        devices: device types whose parameters are handled; ``("cpu",)`` drives the whole path on
+            a CPU-only machine (tests; it saves nothing there).
+        max_grad_inflight_bytes: most gradient bytes kept on the device while their copy to host
+            runs (default 64 MiB); past it the compute stream waits for the oldest copy.
+        transport: how copies run; by default CUDA side streams when CUDA is available, otherwise
+            synchronous copies.
+        settings: the flags above already parsed (``lightmem.config.OptimizerOffloadSettings``).
+
+    Raises:
+        ValueError: the optimizer cannot step on the host (not a ``torch.optim.Optimizer``, LBFGS,
+            ``capturable=True``), its parameters are on several devices or on a device type not in
+            ``devices``; the message names the flag.
+
+    Example::
+
+        >>> import torch
+        >>> from lightmem import offload_optimizer
+        >>> model = torch.nn.Linear(8, 1)
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        >>> with offload_optimizer(model, opt, devices=("cpu",)) as off:
+        ...     model(torch.randn(4, 8)).sum().backward()
+        ...     opt.step()
+        ...     opt.zero_grad()
+        >>> off.stats.steps, off.stats.param_bytes_in
+        (1, 36)
+    """
+    if settings is None:
+        settings = OptimizerOffloadSettings.parse(devices=devices, max_grad_inflight_bytes=max_grad_inflight_bytes)
+    reducer = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+    if reducer is not None and reducer.gradient_as_bucket_view:
+        raise ValueError(
+            f"{settings.flag('enabled')}: DDP's gradient_as_bucket_view=True makes gradients views of DDP's "
+            "buckets, which must stay on the device; wrap the model with gradient_as_bucket_view=False"
+        )
+    return OptimizerOffloader(model, optimizer, settings=settings, transport=transport, reducer=reducer)
+
+
+_STRATEGY_REFUSALS = {
+    "FSDP": "FSDP shards the optimizer state itself and has its own CPU offload: use "
+    "FSDPStrategy(cpu_offload=True) (FSDP2: CPUOffloadPolicy) instead",
+    "DeepSpeed": "DeepSpeed has its own: use DeepSpeedStrategy(offload_optimizer=True)",
+}
+
+
+def offload_trainer_optimizers(
+    trainer: Any, settings: OptimizerOffloadSettings, transport: Transport | None = None
+) -> tuple[list[OptimizerOffloader], str | None]:
+    """Offload every optimizer of a Lightning ``trainer`` (after its strategy set them up).
+
+    Returns the offloaders, or none and the reason the option is off (parameters on a device type
+    ``settings.devices`` does not name, e.g. no CUDA). ``pytorch_lightning`` and
+    ``lightning.pytorch`` Trainers both work: nothing here checks their classes.
+
+    Under DDP each rank offloads its own copy; gradients leave once DDP has averaged them (at the
+    end of each synchronised backward; under ``no_sync`` accumulation they stay on the device).
+
+    Raises:
+        ValueError: naming ``settings.flag("enabled")``, under a strategy other than a single device
+            or DDP (FSDP and DeepSpeed point to their own offload), with DDP's
+            ``gradient_as_bucket_view=True``, or with a gradient scaler (16-mixed).
+    """
+    flag = settings.flag("enabled")
+    strategy = type(trainer.strategy).__name__
+    for marker, why in _STRATEGY_REFUSALS.items():
+        if marker.lower() in strategy.lower():
+            raise ValueError(f"{flag}: not available under {strategy}: {why}")
+    reducer = None
+    if strategy == "DDPStrategy":
+        reducer = trainer.strategy.model  # the DistributedDataParallel wrapper
+        if getattr(reducer, "gradient_as_bucket_view", False):
+            raise ValueError(
+                f"{flag}: DDP's gradient_as_bucket_view=True makes gradients views of DDP's buckets, "
+                "which must stay on the device; use DDPStrategy(gradient_as_bucket_view=False)"
+            )
+    elif strategy != "SingleDeviceStrategy":
+        raise ValueError(
+            f"{flag}: works with one device per process (SingleDeviceStrategy, DDPStrategy); got {strategy}"
+        )
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            f"{flag}: a gradient scaler (precision='16-mixed') unscales and checks gradients per device "
+            "and cannot run on host gradients; use precision='bf16-mixed', 'bf16-true' or '32-true'"
+        )
+    model = trainer.lightning_module
+    device = trainer.strategy.root_device
+    if device.type not in settings.devices:
+        return [], f"the model is on {device}, not a device type in {settings.flag('devices')}"
+    offloaders = [
+        OptimizerOffloader(model, optimizer, settings=settings, transport=transport, reducer=reducer)
+        for optimizer in trainer.optimizers
+    ]
+    return offloaders, None

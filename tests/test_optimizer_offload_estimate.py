@@ -1,0 +1,91 @@
+"""The estimator, planner, batch search and CLI with offload_optimizer, on the seed-002 case: a
+206,538,153-parameter conv net (a user's Keras model, in PyTorch) at batch 1 and 16x16 on a 2 GB
+card with about 1.8 GB usable and a 400 MiB CUDA overhead allowance."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from examples.estimate_factories import deep_convnet
+from lightmem import estimate_memory, max_batch_size, plan
+from lightmem.cli import main
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+CARD = dict(device="cuda", budget="1.8GB", overhead_bytes="400MiB")
+PARAMETER_BYTES = 206_538_153 * 4
+PARAMETER_TENSORS = 56  # 26 convolutions and 2 linear layers, weight and bias each
+
+
+@pytest.fixture(scope="module")
+def seed_case():
+    model, batch, loss_fn = deep_convnet(1)
+    assert sum(p.numel() for p in model.parameters()) == 206_538_153
+    return model, batch, loss_fn
+
+
+@pytest.mark.parametrize(("optimizer", "state_bytes"), [("sgd", 0), ("adamw", 2 * PARAMETER_BYTES + PARAMETER_TENSORS * 4)])
+def test_seed_002_does_not_fit_without_the_option_and_fits_with_it(seed_case, optimizer, state_bytes):
+    model, batch, loss_fn = seed_case
+    without = estimate_memory(model, batch, loss_fn, optimizer=optimizer, **CARD)
+    with_it = estimate_memory(model, batch, loss_fn, optimizer=optimizer, offload_optimizer=True, **CARD)
+    assert (without.fits, with_it.fits) == (False, True)
+    assert list(with_it.scenarios) == ["baseline", "offload_optimizer"]
+    offloaded = with_it.scenarios["offload_optimizer"]
+    assert offloaded.breakdown["optimizer_state"] == 0
+    # Gradients wait on the device only within the 64 MiB in-flight bound (plus the one being made).
+    assert offloaded.breakdown["gradients"] <= 64 * 2**20 + 1024 * 1024 * 9 * 4
+    # On the host: a copy of every parameter, its gradient, the optimizer state (fp32 step counters).
+    assert offloaded.host_bytes == 2 * PARAMETER_BYTES + state_bytes
+
+
+def test_seed_002_advice_names_the_flag(seed_case):
+    model, batch, loss_fn = seed_case
+    estimate = estimate_memory(model, batch, loss_fn, optimizer="sgd", **CARD)
+    (message,) = [item.message for item in estimate.advice if item.rule == "static-exceeds-budget"]
+    assert "Options: LightMem(offload_optimizer=True) (lightmem.offload_optimizer in plain PyTorch) keeps only the parameters (787.88 MiB) on the device" in message
+
+
+def test_plan_turns_the_option_on_when_model_state_exceeds_the_budget(seed_case):
+    model, batch, loss_fn = seed_case
+    found = plan(model, batch, "1.8GB", loss_fn, optimizer="adamw", overhead_bytes="400MiB")
+    assert found.fits and found.offload_optimizer
+    assert found.lightmem_kwargs() == {"offload": False, "offload_optimizer": True}
+    # The link time: 826 MB of gradients out and of parameters back at the default 25 GB/s.
+    assert found.exposed_transfer_s == 2 * 826_154_496 / 25e9
+    # 1.26 GiB: the parameters, the gradients waiting for their copy, and the 16.25 MiB cuBLAS workspace.
+    assert found.describe() == (
+        "Fits 1.68 GiB at 1.26 GiB: offload_optimizer (gradients and optimizer state on the host) "
+        "(about 0.0 ms re-computation and 66.1 ms exposed transfer per step)"
+    )
+
+
+def test_max_batch_size_with_the_option(seed_case):
+    model, batch, loss_fn = seed_case
+    search = max_batch_size(model, batch, "1.8GB", loss_fn, optimizer="sgd", overhead_bytes="400MiB", offload_optimizer=True)
+    assert search.baseline == 0 and search.configured > 1
+
+
+def test_the_cli_flag(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    status = main([
+        "estimate", "examples.estimate_factories:deep_convnet", "--batch-size", "1", "--budget", "1.8GB",
+        "--overhead", "400MiB", "--optimizer", "sgd", "--offload-optimizer", "--plan", "--json",
+    ])  # fmt: skip
+    output = json.loads(capsys.readouterr().out)
+    assert status == 0
+    estimate = output["estimate"]
+    assert (estimate["offload_optimizer"], estimate["fits"], list(estimate["scenarios"])) == (
+        True, True, ["baseline", "offload_optimizer"]
+    )
+    assert output["plan"]["lightmem_kwargs"] == {"offload": False, "offload_optimizer": True}
+    assert output["plan"]["settings"]["offload_optimizer"] is True
+
+
+def test_the_option_takes_only_a_bool(seed_case):
+    model, batch, loss_fn = seed_case
+    with pytest.raises(ValueError) as error:
+        estimate_memory(model, batch, loss_fn, offload_optimizer="yes")
+    assert str(error.value) == "estimate_memory(offload_optimizer=...): expected True or False; got 'yes'"

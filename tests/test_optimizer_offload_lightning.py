@@ -1,0 +1,258 @@
+"""LightMem(offload_optimizer=True) in a real Trainer on CPU: the whole training state is bitwise
+what the same fit gives without lightmem (weights, buffers, optimizer state, RNG), checkpoints
+cross over both ways, and what cannot work is refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from exact import assert_same, assert_state_equal
+from optimizer_models import LitTiny, regression_loader
+
+import lightmem.offload.optimizer as optimizer_offload
+from lightmem import LightMem
+from lightmem.config import LIGHTMEM, OptimizerOffloadSettings
+from lightmem.offload.optimizer import offload_trainer_optimizers
+from lightmem.testing.simulated import SimulatedAsyncTransport
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
+
+
+def _trainer(callbacks=(), **kwargs):
+    defaults = dict(
+        accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    defaults.update(kwargs)
+    return pl.Trainer(callbacks=list(callbacks), **defaults)
+
+
+def _fit(offload: bool, module_kwargs=None, ckpt_path=None, **trainer_kwargs):
+    pl.seed_everything(0, verbose=False)
+    module = LitTiny(**(module_kwargs or {}))
+    callbacks = [LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])] if offload else []
+    trainer = _trainer(callbacks, **trainer_kwargs)
+    trainer.fit(module, regression_loader(), ckpt_path=ckpt_path)
+    return module, trainer, torch.get_rng_state()
+
+
+def _assert_same_run(expected, actual):
+    (module_a, trainer_a, rng_a), (module_b, trainer_b, rng_b) = expected, actual
+    assert_state_equal(module_a, module_b, trainer_a.optimizers[0], trainer_b.optimizers[0])
+    schedulers_a = [config.scheduler.state_dict() for config in trainer_a.lr_scheduler_configs]
+    schedulers_b = [config.scheduler.state_dict() for config in trainer_b.lr_scheduler_configs]
+    assert_same(schedulers_a, schedulers_b, "LR schedulers")
+    assert_same(rng_a, rng_b, "RNG state")
+
+
+@pytest.fixture(params=["sync", "simulated"])
+def transport(request, monkeypatch):
+    if request.param == "simulated":
+        simulated = SimulatedAsyncTransport(seed=1, max_delay_s=0.001)
+        monkeypatch.setattr(optimizer_offload, "default_transport", lambda devices: simulated)
+        yield simulated
+        assert (simulated.stale_reads, simulated.reuse_hazards) == (0, 0)
+        simulated.close()
+    else:
+        yield None
+
+
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam", "adamw-decay"])
+def test_fit_with_accumulation_clipping_and_scheduler_is_bitwise_equal_without_lightmem(optimizer, transport):
+    settings = dict(accumulate_grad_batches=2, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+    expected = _fit(False, {"optimizer": optimizer}, **settings)
+    actual = _fit(True, {"optimizer": optimizer}, **settings)
+    _assert_same_run(expected, actual)
+
+
+@pytest.mark.parametrize(
+    ("module_kwargs", "trainer_kwargs"),
+    [
+        ({}, {"precision": "bf16-mixed"}),
+        ({}, {"precision": "bf16-true"}),
+        ({"manual": True}, {}),
+        ({}, {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    ],
+    ids=["bf16-mixed", "bf16-true", "manual-optimization", "clip-by-value"],
+)
+def test_precisions_manual_optimization_and_clipping_by_value_are_bitwise_equal(module_kwargs, trainer_kwargs):
+    expected = _fit(False, module_kwargs, **trainer_kwargs)
+    actual = _fit(True, module_kwargs, **trainer_kwargs)
+    _assert_same_run(expected, actual)
+
+
+def test_the_fit_really_ran_on_the_host_and_says_so(caplog):
+    callback = LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])
+    pl.seed_everything(0, verbose=False)
+    module = LitTiny()
+    with caplog.at_level("INFO"):
+        _trainer([callback], accumulate_grad_batches=2).fit(module, regression_loader())
+    (stats,) = callback.optimizer_offload_stats
+    assert (stats.steps, stats.grad_bytes_out, stats.param_bytes_in) == (4, 2 * 193 * 4, 193 * 4)
+    assert "lightmem: on: optimizer offload (gradients, optimizer state and step on the host)." in caplog.text
+    # After fit the optimizer steps the module's own parameters again.
+    optimizer = module.trainer.optimizers[0]
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in module.parameters()]
+
+
+def test_without_cuda_the_default_devices_leave_it_off_and_say_why(caplog):
+    callback = LightMem(offload=False, offload_optimizer=True, metrics=["host"])
+    with caplog.at_level("INFO"):
+        _fit_with(callback)
+    assert "optimizer offload (the model is on cpu, not a device type in LightMem(offload_devices=...))" in caplog.text
+    assert callback.optimizer_offload_stats == []
+
+
+def _fit_with(callback, ckpt_path=None, **trainer_kwargs):
+    pl.seed_everything(0, verbose=False)
+    module = LitTiny()
+    trainer = _trainer([callback] if callback else [], **trainer_kwargs)
+    trainer.fit(module, regression_loader(), ckpt_path=ckpt_path)
+    return module, trainer, torch.get_rng_state()
+
+
+@pytest.mark.parametrize(("first", "second"), [(True, False), (False, True)], ids=["offloaded-to-plain", "plain-to-offloaded"])
+def test_a_checkpoint_resumes_across_the_option_both_ways(tmp_path, first, second):
+    def lightmem(on):
+        return LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[]) if on else None
+
+    def half_then_resume(first_on, second_on, name):
+        _, trainer, _ = _fit_with(lightmem(first_on), max_steps=2)
+        path = str(tmp_path / name)
+        trainer.save_checkpoint(path)
+        return _fit_with(lightmem(second_on), ckpt_path=path, max_steps=4)
+
+    # Lightning does not restore the RNG, so the reference resumes too (without lightmem at all).
+    module_a, trainer_a, _ = half_then_resume(False, False, "plain.ckpt")
+    module_b, trainer_b, _ = half_then_resume(first, second, "crossed.ckpt")
+    assert_state_equal(module_a, module_b, trainer_a.optimizers[0], trainer_b.optimizers[0])
+
+
+def _trainer_like(strategy_class_name: str, scaler=None):
+    strategy_class = type(strategy_class_name, (), {})
+    return SimpleNamespace(strategy=strategy_class(), precision_plugin=SimpleNamespace(scaler=scaler))
+
+
+_SETTINGS = OptimizerOffloadSettings.parse(devices=("cpu",), spelling=LIGHTMEM)
+
+
+def test_fsdp_is_pointed_to_its_own_cpu_offload():
+    with pytest.raises(ValueError) as error:
+        offload_trainer_optimizers(_trainer_like("FSDPStrategy"), _SETTINGS)
+    assert str(error.value) == (
+        "LightMem(offload_optimizer=...): not available under FSDPStrategy: FSDP shards the optimizer "
+        "state itself and has its own CPU offload: use FSDPStrategy(cpu_offload=True) (FSDP2: "
+        "CPUOffloadPolicy) instead"
+    )
+
+
+def test_ddp_with_gradients_as_bucket_views_is_refused():
+    trainer = _trainer_like("DDPStrategy")
+    trainer.strategy.model = SimpleNamespace(gradient_as_bucket_view=True)
+    with pytest.raises(ValueError) as error:
+        offload_trainer_optimizers(trainer, _SETTINGS)
+    assert str(error.value) == (
+        "LightMem(offload_optimizer=...): DDP's gradient_as_bucket_view=True makes gradients views of "
+        "DDP's buckets, which must stay on the device; use DDPStrategy(gradient_as_bucket_view=False)"
+    )
+
+
+def test_ddp_each_rank_steps_on_the_averaged_gradients_bitwise_like_ddp_without_lightmem(tmp_path):
+    # 2 CPU processes (gloo), one launch of tests/optimizer_ddp_script.py: AdamW, accumulation 2
+    # (no_sync micro-batches), clipping by norm, StepLR; the same fit without lightmem as reference.
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    env.pop("MASTER_PORT", None)
+    result = subprocess.run(
+        [sys.executable, str(tests / "optimizer_ddp_script.py"), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report == {"equal_per_rank": [True, True], "steps_per_rank": [3, 3], "ranks_agree": True}
+
+
+def test_a_gradient_scaler_is_refused():
+    with pytest.raises(ValueError) as error:
+        offload_trainer_optimizers(_trainer_like("SingleDeviceStrategy", scaler=object()), _SETTINGS)
+    assert str(error.value) == (
+        "LightMem(offload_optimizer=...): a gradient scaler (precision='16-mixed') unscales and checks "
+        "gradients per device and cannot run on host gradients; use precision='bf16-mixed', "
+        "'bf16-true' or '32-true'"
+    )
+
+
+def test_the_flag_takes_only_a_bool():
+    with pytest.raises(ValueError) as error:
+        LightMem(offload_optimizer="yes")
+    assert str(error.value) == "LightMem(offload_optimizer=...): expected True or False; got 'yes'"
+
+
+def test_metrics_and_summary_report_host_bytes_and_traffic_of_each_step(capsys):
+    from test_callback_metrics import MemoryLogger
+
+    from lightmem.metrics.names import METRICS
+    from lightmem.metrics.tensorboard import custom_scalars_layout
+
+    logger = MemoryLogger()
+    callback = LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    pl.seed_everything(0, verbose=False)
+    _trainer([callback], logger=logger, accumulate_grad_batches=2).fit(LitTiny(optimizer="adam"), regression_loader())
+    rows = [metrics for _, metrics in logger.metrics if any(k.startswith("lightmem/memory/") for k in metrics)]
+    assert len(rows) == 4
+    gib = float(1024**3)
+    optimizer_keys = {m.key for m in METRICS if "/optimizer/" in m.key}
+    for metrics in rows:
+        assert set(metrics) == optimizer_keys
+        assert metrics["lightmem/memory/optimizer/host_params_GiB"] == 193 * 4 / gib
+        assert metrics["lightmem/memory/optimizer/host_grads_GiB"] == 2 * 193 * 4 / gib  # + staging
+        assert metrics["lightmem/memory/optimizer/host_state_GiB"] == (2 * 193 * 4 + 6 * 4) / gib
+        assert metrics["lightmem/memory/optimizer/grads_out_GiB"] == 2 * 193 * 4 / gib
+        assert metrics["lightmem/memory/optimizer/params_in_GiB"] == 193 * 4 / gib
+    charts = custom_scalars_layout(rows[0])["lightmem memory"]
+    assert set(charts) == {"Optimizer offload host memory (GiB)", "Optimizer offload traffic (GiB)", "Optimizer offload waits (ms)"}
+    printed = capsys.readouterr().out
+    assert "optimizer offload: gradients to host per step" in printed
+    assert "optimizer offload: host bytes held (peak)" in printed
+
+
+def test_composes_with_activation_offload_and_checkpointing():
+    from lit_models import LitGPT, token_loader
+
+    def fit(callbacks):
+        pl.seed_everything(0, verbose=False)
+        module = LitGPT()
+        trainer = _trainer(callbacks, max_steps=3, accumulate_grad_batches=2, gradient_clip_val=1.0)
+        trainer.fit(module, token_loader(batches=6))
+        return module, trainer
+
+    expected_module, expected_trainer = fit([])
+    everything = LightMem(
+        offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"], offload_optimizer=True, metrics=[]
+    )
+    module, trainer = fit([everything])
+    assert_state_equal(expected_module, module, expected_trainer.optimizers[0], trainer.optimizers[0])
+    assert everything.optimizer_offload_stats[0].steps == 3
+
+
+def test_the_out_of_memory_advice_names_the_flag_when_model_state_fills_the_device():
+    from lightmem.oom import advice
+
+    lines = advice(
+        offload=True, offload_min_bytes=1, checkpointed_blocks=0, repeated_block=None,
+        breakdown={"parameters": 800, "gradients": 800, "optimizer_state": 1600, "allocated": 3300},
+    )  # fmt: skip
+    assert lines[0] == (
+        "Parameters, gradients and optimizer state take most of the device: activation offload or "
+        "checkpointing cannot fix that. Keep only the parameters on the device with "
+        "LightMem(offload_optimizer=True) (gradients, optimizer state and step on the host), or use "
+        "bf16 weights, an optimizer with less state, or sharding (FSDP / DeepSpeed ZeRO)."
+    )
