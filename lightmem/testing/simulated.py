@@ -532,8 +532,13 @@ class SimulatedAsyncTransport:
         return self._waited_s
 
     def host_wait(self, event: _Event | None) -> None:
-        # The compute "stream" is the calling thread: its wait is a host wait.
-        self.wait(COMPUTE, event)
+        """Block the calling thread until ``event`` has run (``torch.cuda.Event.synchronize``)."""
+        if event is None or event.flag.is_set():
+            return
+        start = time.perf_counter()
+        self._force(event)
+        event.flag.wait()
+        self._waited_s += time.perf_counter() - start
 
     def synchronize(self) -> None:
         """Block until every stream of every device has drained (``torch.cuda.synchronize``)."""
