@@ -385,34 +385,41 @@ class Offloader:
         if self._inflight:
             self._settle()
         verdict, alias, storage, nbytes, key = self._decide(tensor)
-        if verdict == LEAVE:
-            return (_held(tensor), tensor._version)
         version = tensor._version
-        by_storage = self._by_storage
-        known = by_storage.get(key)
-        if known is not None and same_save(known, alias, version):
-            if type(known) is _HostEntry:
-                stats.deduplicated_bytes += known.nbytes
-                return _Offloaded(known, version, _layout(tensor, alias, known))
-            return (_held(tensor), version, known)
-        if verdict == MOVE:
-            block = self._pool.acquire(nbytes, storage)
-            if block is not None:
-                entry = by_storage[key] = self._offload(storage, block, nbytes, alias, version)
-                if tensor is not alias or not entry.dense:
-                    entry.layout = _layout(tensor, alias, entry)
-                return entry  # the first save's handle
-            self._note_budget(nbytes)
+        if verdict == LEAVE:
+            kept = None
         else:
-            stats.kept_bytes += nbytes
-        kept = by_storage[key] = _KeptStorage(alias)
-        kept.owner = self
-        kept.nbytes = nbytes
-        kept.version = version
-        resident = self._resident_bytes = self._resident_bytes + nbytes
-        if resident > stats.peak_resident_bytes:
-            stats.peak_resident_bytes = resident
-        return (_held(tensor), version, kept)
+            by_storage = self._by_storage
+            kept = by_storage.get(key)
+            if kept is not None and same_save(kept, alias, version):
+                if type(kept) is _HostEntry:
+                    stats.deduplicated_bytes += kept.nbytes
+                    return _Offloaded(kept, version, _layout(tensor, alias, kept))
+            else:
+                if verdict == MOVE:
+                    block = self._pool.acquire(nbytes, storage)
+                    if block is not None:
+                        entry = by_storage[key] = self._offload(storage, block, nbytes, alias, version)
+                        if tensor is not alias or not entry.dense:
+                            entry.layout = _layout(tensor, alias, entry)
+                        return entry  # the first save's handle
+                    self._note_budget(nbytes)
+                else:
+                    stats.kept_bytes += nbytes
+                kept = by_storage[key] = _KeptStorage(alias)
+                kept.owner = self
+                kept.nbytes = nbytes
+                kept.version = version
+                resident = self._resident_bytes = self._resident_bytes + nbytes
+                if resident > stats.peak_resident_bytes:
+                    stats.peak_resident_bytes = resident
+        # What the handle may hold: ``_held(tensor)``, inlined on this path of every kept save.
+        grad_fn = tensor.grad_fn
+        if grad_fn is not None and (
+            grad_fn._sequence_nr() >= _sequence_nr() - 1 or isinstance(grad_fn, BackwardCFunction)
+        ):
+            tensor = tensor.detach()
+        return (tensor, version) if kept is None else (tensor, version, kept)
 
     def _offload(
         self, storage: torch.UntypedStorage, block: HostBlock, nbytes: int, alias: Tensor, version: int
@@ -449,9 +456,10 @@ class Offloader:
             torch._C._set_grad_enabled(False)
         try:
             if transport.synchronous:  # done when it returns: nothing to order, nothing to hold
-                for entry in deferred:
-                    if not entry.written_since_save():
-                        transport.copy_to_host(entry.host, entry.in_flight_alias, None)
+                copy_to_host = transport.copy_to_host
+                for entry in deferred:  # no local for the source: release_source counts its referents
+                    if not entry.dense or entry.in_flight_alias._version == entry.version:
+                        copy_to_host(entry.host, entry.in_flight_alias, None)  # not written_since_save
                     entry.release_source()
                 return
             for entry in deferred:
