@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware, print_table
 from _torchtune import torchtune_hooks, torchtune_offload_activations
-from offload import added_s, sin_chain_times_s
+from offload import added_s, gpt2_step_table, sin_chain_times_s
 
 import lightmem
 
@@ -64,6 +64,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base", required=True, help="the earlier commit (any git revision)")
     parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--gpt2", action="store_true",
+                        help="also the GPT-2 step table with the earlier commit's lightmem interleaved")
+    parser.add_argument("--step-rounds", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
     chain = 200
@@ -81,6 +84,17 @@ def main() -> None:
             variants[f"keeping (min_bytes=1MiB), {tag}"] = lambda off=keeping: off
 
         times = sin_chain_times_s(variants, x, chain, args.rounds, repeats=3)
+        if args.gpt2:
+
+            def earlier(model):
+                zero = base.offload_activations(model, min_bytes=0, devices=("cpu",))
+                default = base.offload_activations(model, devices=("cpu",))
+                return {
+                    f"lightmem min_bytes=0, {args.base}": lambda: zero,
+                    f"lightmem default (min_bytes=1MiB), {args.base}": lambda: default,
+                }
+
+            gpt2_step_table(args.step_rounds, repeats=1, extra=earlier)
     rows = []
     for name in variants:
         if name != "no hooks":
