@@ -40,6 +40,35 @@ def interleaved_median_s(
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def interleaved_times_s(
+    steps: dict[str, Callable[[], None]], rounds: int, repeats: int = 1, warmup: int = 1,
+    sync: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.thread_time,
+) -> dict[str, list[float]]:
+    """Each variant's step time per round, as the best of ``repeats`` back-to-back steps; every
+    round times each variant in turn, so drift hits all alike.
+
+    The default clock is the calling thread's CPU time (``time.thread_time``): with one intra-op
+    thread every op runs on that thread, and time spent waiting for a core that another process
+    holds (a shared machine) is not counted. Pass ``time.perf_counter`` where work runs elsewhere
+    (a GPU).
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            best = float("inf")
+            for _ in range(repeats):
+                start = clock()
+                step()
+                sync()
+                best = min(best, clock() - start)
+            times[name].append(best)
+    return times
+
+
 def median_time_s(step: Callable[[], None], steps: int, warmup: int = 2, sync: Callable[[], None] = lambda: None) -> float:
     for _ in range(warmup):
         step()

@@ -2,19 +2,26 @@
 
     python benchmarks/offload.py                 # CPU: lightmem with devices=("cpu",)
     python benchmarks/offload.py --device cuda   # GPU: pinned host memory, side streams
-    python benchmarks/offload.py --per-tensor-only   # only the per-saved-tensor table (issue 13)
+    python benchmarks/offload.py --per-tensor-only   # only the per-saved-tensor table
+    python benchmarks/offload.py --gpt2              # only the GPT-2 step table (transformers)
+    python benchmarks/offload.py --guard             # both; exit 1 if lightmem costs more than torchtune
     python benchmarks/offload.py --first-steps       # only the first steps (host pool growth)
 
 On CPU nothing is saved (host and "device" are the same memory); the figure that matters there is
 the per-saved-tensor overhead of the hooks, against yardsticks: pass-through hooks, the least a
 correct keeping hook does (version-checked hooks), hooks that copy each saved tensor out and back,
-and save_on_cpu (which copies nothing on a CPU: ``.cpu()`` of a CPU tensor returns it).
+and save_on_cpu (which copies nothing on a CPU: ``.cpu()`` of a CPU tensor returns it); and,
+when torchtune is installed (optional: ``pip install --no-deps torchtune``; see ``_torchtune.py``),
+torchtune's ``OffloadActivations``, the pure-Python offloader users would pick instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
+import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -23,7 +30,8 @@ import torch
 from torch.autograd.graph import save_on_cpu
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import GPT, gpt_loss, hardware, interleaved_median_s, print_table
+from _common import GPT, gpt_loss, hardware, interleaved_median_s, interleaved_times_s, print_table
+from _torchtune import torchtune_hooks, torchtune_offload_activations
 
 from lightmem import offload_activations
 from lightmem.config import format_bytes
@@ -54,18 +62,36 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds of the per-tensor table")
-    parser.add_argument("--repeats", type=int, default=5, help="steps per variant and round")
+    parser.add_argument("--rounds", type=int, default=100, help="interleaved rounds of the per-tensor table")
+    parser.add_argument("--repeats", type=int, default=3, help="steps per variant per round (per-tensor)")
+    parser.add_argument("--step-rounds", type=int, default=20, help="interleaved rounds, GPT-2 step table")
     parser.add_argument("--per-tensor-only", action="store_true", help="only the per-saved-tensor table")
+    parser.add_argument("--gpt2", action="store_true", help="only the GPT-2 step table")
+    parser.add_argument("--guard", action="store_true",
+                        help="per-tensor and GPT-2 tables, then exit 1 if lightmem adds more than torchtune")
+    parser.add_argument("--guard-ratio", type=float, default=1.0,
+                        help="largest lightmem/torchtune ratio --guard accepts for an offloaded tensor and "
+                             "the GPT-2 step (the goal: 1.0)")
+    parser.add_argument("--guard-keep-ratio", type=float, default=1.0,
+                        help="the same for a kept tensor (the goal: 1.0)")
     parser.add_argument("--first-steps", action="store_true", help="only the first-steps table (host pool growth)")
-    args = parser.parse_args()
+    args = parser.parse_args()  # fmt: skip
     device = torch.device(args.device)
     if args.first_steps:
         first_steps_table(device)
         return
-    per_saved_tensor_table(device, args.rounds, args.repeats)
+    if args.gpt2:
+        gpt2_step_table(args.step_rounds, repeats=1)
+        return
+    per_tensor = per_saved_tensor_table(device, args.rounds, args.repeats)
     if args.per_tensor_only:
         return
+    if args.guard:
+        step = gpt2_step_table(args.step_rounds, repeats=1)
+        missed = guard(per_tensor, step, args.guard_ratio, args.guard_keep_ratio)
+        sys.exit(1 if missed else 0)
+    if device.type == "cpu":
+        gpt2_step_table(args.step_rounds, repeats=1)
     torch.manual_seed(0)
     model = GPT(dim=args.dim, depth=args.depth, seq=args.seq).to(device)
     tokens = torch.randint(0, 8192, (args.batch, args.seq + 1), device=device)
@@ -194,53 +220,70 @@ def _checked_hooks(decide=None):
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def sin_chain_best_s(variants, x, chain: int, rounds: int, repeats: int, sync=lambda: None) -> dict[str, float]:
-    """Each variant's best step (``chain`` chained sin() from ``x``, forward + backward) under its
-    context, over ``rounds`` interleaved rounds of ``repeats`` steps: every round times each
-    variant in turn, so drift hits all alike."""
+def sin_chain_times_s(
+    variants, x, chain: int, rounds: int, repeats: int, sync=lambda: None, clock=time.thread_time
+) -> dict[str, list[float]]:
+    """Each variant's step (``chain`` chained sin() from ``x``, forward + backward) under its
+    context, per round as the best of ``repeats`` steps, over ``rounds`` interleaved rounds: every
+    round times each variant in turn, so drift hits all alike."""
 
-    def step(make_context) -> None:
-        with make_context():
-            y = x
-            for _ in range(chain):
-                y = y.sin()
-            loss = y.sum()
-        loss.backward()
-        x.grad = None
+    def make_step(make_context):
+        def step() -> None:
+            with make_context():
+                y = x
+                for _ in range(chain):
+                    y = y.sin()
+                loss = y.sum()
+            loss.backward()
+            x.grad = None
 
-    best = {name: float("inf") for name in variants}
-    for make_context in variants.values():  # warm-up
-        step(make_context)
-    for _ in range(rounds):
-        for name, make_context in variants.items():
-            for _ in range(repeats):
-                sync()
-                start = time.perf_counter()
-                step(make_context)
-                sync()
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best
+        return step
+
+    steps = {name: make_step(make_context) for name, make_context in variants.items()}
+    return interleaved_times_s(steps, rounds, repeats, sync=sync, clock=clock)
 
 
-def per_saved_tensor_table(device: torch.device, rounds: int, repeats: int) -> None:
+def sin_chain_best_s(
+    variants, x, chain: int, rounds: int, repeats: int, sync=lambda: None, clock=time.thread_time
+) -> dict[str, float]:
+    """Each variant's best step of ``sin_chain_times_s``."""
+    times = sin_chain_times_s(variants, x, chain, rounds, repeats, sync, clock)
+    return {name: min(values) for name, values in times.items()}
+
+
+def added_s(times: dict[str, list[float]], name: str, baseline: str = "no hooks") -> tuple[float, float]:
+    """``(min, median)`` seconds ``name`` adds over ``baseline``: the difference of the minimums,
+    and the median of the per-round differences (rounds are interleaved, so each pairs the two)."""
+    paired = sorted(a - b for a, b in zip(times[name], times[baseline]))
+    return min(times[name]) - min(times[baseline]), statistics.median(paired)
+
+
+TT_OFFLOADING = "torchtune offloading (min_offload_size=0)"
+TT_KEEPING = "torchtune keeping (min_offload_size=1MiB)"
+LM_OFFLOADING = "lightmem offloading (min_bytes=0)"
+LM_KEEPING = "lightmem keeping (min_bytes=1MiB)"
+
+
+def per_saved_tensor_table(device: torch.device, rounds: int, repeats: int) -> dict[str, tuple[float, float]]:
     """Hook overhead alone: 200 chained sin() on 32x32 float32 (4 KiB saved each), one thread.
 
-    Each round times every variant once (interleaved, so drift hits all alike) as the best of
-    ``repeats`` back-to-back steps; the table takes each variant's minimum over the rounds, the
-    figure least disturbed by other work on a shared machine.
+    Each round times every variant (interleaved, so drift hits all alike) as the best of
+    ``repeats`` back-to-back steps. Returns each variant's ``(min, median)`` microseconds added per
+    saved tensor over no hooks.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _per_saved_tensor_rows(device, rounds, repeats)
+        return _per_saved_tensor_rows(device, rounds, repeats)
     finally:
         torch.set_num_threads(threads)
 
 
-def _per_saved_tensor_rows(device: torch.device, rounds: int, repeats: int) -> None:
+def _per_saved_tensor_rows(device: torch.device, rounds: int, repeats: int) -> dict[str, tuple[float, float]]:
     chain = 200
     pin = device.type == "cuda"
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
     x = torch.randn(32, 32, device=device, requires_grad=True)
     offloading = offload_activations(min_bytes=0, devices=(device.type,))
     keeping = offload_activations(min_bytes="1MiB", devices=(device.type,))
@@ -252,34 +295,152 @@ def _per_saved_tensor_rows(device: torch.device, rounds: int, repeats: int) -> N
         DECIDING: lambda: _checked_hooks(decide),
         "save_on_cpu": lambda: save_on_cpu(pin_memory=pin),
         COPYING: _copying_hooks,
-        "lightmem offloading (min_bytes=0)": lambda: offloading,
-        "lightmem keeping (min_bytes=1MiB)": lambda: keeping,
+    }
+    if device.type == "cpu" and torchtune_offload_activations() is not None:
+        tt_offloading, tt_keeping = torchtune_hooks(0), torchtune_hooks(2**20)
+        variants[TT_OFFLOADING] = lambda: tt_offloading
+        variants[TT_KEEPING] = lambda: tt_keeping
+    variants[LM_OFFLOADING] = lambda: offloading
+    variants[LM_KEEPING] = lambda: keeping
+
+    times = sin_chain_times_s(variants, x, chain, rounds, repeats, sync, clock)
+    assert offloading.stats.offloaded_tensors == chain and keeping.stats.kept_bytes == chain * 4096
+    added = {
+        name: tuple(s / chain * 1e6 for s in added_s(times, name)) for name in variants if name != "no hooks"
     }
 
-    best = sin_chain_best_s(variants, x, chain, rounds, repeats, sync)
-    assert offloading.stats.offloaded_tensors == chain and keeping.stats.kept_bytes == chain * 4096
+    def ratio(name: str, yardstick: str, unit: str) -> str:
+        if yardstick not in added:
+            return ""
+        (low, mid), (yard_low, yard_mid) = added[name], added[yardstick]
+        return f"{low / yard_low:.2f}x / {mid / yard_mid:.2f}x {unit}"
 
-    def added_us(name: str) -> float:
-        return (best[name] - best["no hooks"]) / chain * 1e6
-
-    rows = []
-    for name in variants:
-        ratio = ""
-        if name.startswith("lightmem offloading"):
-            ratio = (
-                f"{added_us(name) / added_us('save_on_cpu'):.1f}x save_on_cpu, "
-                f"{added_us(name) / added_us(COPYING):.1f}x copying hooks"
-            )
-        elif name.startswith("lightmem keeping") or name in (CHECKED, DECIDING):
-            ratio = f"{added_us(name) / added_us('pass-through hooks'):.1f}x pass-through"
-        added = f"{added_us(name):+.2f}" if name != "no hooks" else "-"
-        rows.append([name, f"{best[name] * 1e3:.3f}", added, ratio])
+    yardsticks = {
+        LM_OFFLOADING: (TT_OFFLOADING, "torchtune offloading"),
+        LM_KEEPING: (TT_KEEPING, "torchtune keeping"),
+        TT_OFFLOADING: (COPYING, "copying hooks"),
+        COPYING: ("pass-through hooks", "pass-through"),
+        CHECKED: ("pass-through hooks", "pass-through"),
+        DECIDING: ("pass-through hooks", "pass-through"),
+    }
+    rows = [["no hooks", f"{min(times['no hooks']) * 1e3:.3f}", "-", ""]]
+    for name in added:
+        low, mid = added[name]
+        note = ratio(name, *yardsticks[name]) if name in yardsticks else ""
+        rows.append([name, f"{min(times[name]) * 1e3:.3f}", f"{low:+.2f} / {mid:+.2f}", note])
     print_table(
         f"Per-saved-tensor cost: {chain} chained sin() on 32x32 float32 (4 KiB saved each), forward + "
-        f"backward, min of {rounds} interleaved rounds x {repeats}; {hardware()}",
-        ["variant", "step ms", "us added per saved tensor", "ratio"],
+        f"backward, {rounds} interleaved rounds x best of {repeats}, "
+        f"{'thread CPU time' if clock is time.thread_time else 'wall time'}; {hardware()}",
+        ["variant", "step ms (min)", "us added per saved tensor (min / median)", "ratio (min / median)"],
         rows,
     )
+    return added
+
+
+def gpt2_step_table(rounds: int, repeats: int, extra=None) -> dict[str, tuple[float, float]] | None:
+    """Host time a training step gains from offload hooks on a transformers GPT-2 (4 layers,
+    n_embd 256, batch 4, seq 128, CPU, one thread), and the Python calls the hooks add (cProfile).
+
+    ``extra(model)``, when given, returns more variants (name -> context factory) to interleave
+    (``per_tensor_ab.py --gpt2``: an earlier commit's lightmem). Returns each hooked variant's
+    ``(min, median)`` milliseconds added per step, or ``None`` when transformers is not installed.
+    """
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        print("\n(transformers is not installed: no GPT-2 step table)")
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        vocab = 4096
+        config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=vocab, n_positions=128,
+                            bos_token_id=None, eos_token_id=None)  # fmt: skip
+        model = GPT2LMHeadModel(config).train()
+        tokens = torch.randint(0, vocab, (4, 128), generator=torch.Generator().manual_seed(1))
+        counter = _Counter()
+        with counter():
+            model(input_ids=tokens, labels=tokens).loss.backward()
+        model.zero_grad(set_to_none=True)
+        variants = {
+            "no hooks": nullcontext,
+            "lightmem min_bytes=0": lambda off=offload_activations(model, min_bytes=0, devices=("cpu",)): off,
+            "lightmem default (min_bytes=1MiB)": lambda off=offload_activations(model, devices=("cpu",)): off,
+        }
+        if torchtune_offload_activations() is not None:
+            variants["torchtune default (min_offload_size=1KiB)"] = lambda tt=torchtune_hooks(1024): tt
+            variants["torchtune min_offload_size=1MiB"] = lambda tt=torchtune_hooks(2**20): tt
+        if extra is not None:
+            variants.update(extra(model))
+
+        def make_step(make_context):
+            def step() -> None:
+                with make_context():
+                    loss = model(input_ids=tokens, labels=tokens).loss
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+
+            return step
+
+        steps = {name: make_step(f) for name, f in variants.items()}
+        times = interleaved_times_s(steps, rounds, repeats)
+        calls = {}
+        for name, step in steps.items():
+            profile = cProfile.Profile()
+            profile.runcall(step)
+            calls[name] = pstats.Stats(profile).total_calls
+        machine = hardware()
+    finally:
+        torch.set_num_threads(threads)
+    added = {name: tuple(s * 1e3 for s in added_s(times, name)) for name in variants if name != "no hooks"}
+    rows = [["no hooks", f"{min(times['no hooks']) * 1e3:.1f}", "-", f"{calls['no hooks']:,}", "-"]]
+    for name, (low, mid) in added.items():
+        extra = calls[name] - calls["no hooks"]
+        rows.append([name, f"{min(times[name]) * 1e3:.1f}", f"{low:+.1f} / {mid:+.1f}", f"{calls[name]:,}",
+                     f"+{extra:,} ({extra / counter.count:.1f} per saved tensor)"])  # fmt: skip
+    print_table(
+        f"Training step, transformers GPT-2 (4 layers, n_embd 256, vocab {vocab}) batch 4 seq 128, "
+        f"{counter.count} saved tensors per step, CPU, {rounds} interleaved rounds x best of {repeats}, "
+        f"thread CPU time; {machine}",
+        ["variant", "step ms (min)", "ms added per step (min / median)", "Python calls per step (cProfile)",
+         "calls added"],
+        rows,
+    )  # fmt: skip
+    return added
+
+
+def guard(
+    per_tensor: dict[str, tuple[float, float]],
+    step: dict[str, tuple[float, float]] | None,
+    ratio: float,
+    keep_ratio: float,
+) -> list[str]:
+    """The issue-25 goals, on the minimums: lightmem's added cost at most ``ratio`` (a kept tensor:
+    ``keep_ratio``) times torchtune's. Returns the goals missed (empty when all hold)."""
+    pairs = [
+        ("offloaded tensor", per_tensor, LM_OFFLOADING, TT_OFFLOADING, "us", ratio),
+        ("kept tensor", per_tensor, LM_KEEPING, TT_KEEPING, "us", keep_ratio),
+    ]
+    if step is not None:
+        tt_default = "torchtune default (min_offload_size=1KiB)"
+        pairs.append(("GPT-2 step", step, "lightmem min_bytes=0", tt_default, "ms", ratio))
+    missed = []
+    for what, figures, ours, theirs, unit, ratio in pairs:
+        if theirs not in figures:
+            missed.append(f"{what}: torchtune is not installed (pip install --no-deps torchtune)")
+            continue
+        mine, peer = figures[ours][0], figures[theirs][0]
+        verdict = "ok" if mine <= ratio * peer else "MISSED"
+        line = (
+            f"{what}: lightmem {mine:+.2f} {unit} vs torchtune {peer:+.2f} {unit} "
+            f"({mine / peer:.2f}x, at most {ratio:.2f}x): {verdict}"
+        )
+        print(line)
+        if verdict != "ok":
+            missed.append(line)
+    return missed
 
 
 if __name__ == "__main__":

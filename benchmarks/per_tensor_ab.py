@@ -1,13 +1,15 @@
 """Per-saved-tensor cost of this checkout against an earlier commit, both loaded in one process.
 
-    python benchmarks/per_tensor_ab.py --base 557c1bd    # 40 interleaved rounds (default)
+    python benchmarks/per_tensor_ab.py --base 557c1bd    # 100 interleaved rounds (default)
 
 Timing two checkouts in separate processes one after the other mixes the change with the
 machine's drift between processes (about +-1 us per saved tensor on the 2-core VM). Here the
 earlier commit's ``lightmem`` is exported with ``git archive`` and renamed ``lightmem_base``
 (its own imports rewritten), so both offloaders run in one process and every round times each
 variant once: the workload of ``offload.py --per-tensor-only`` (200 chained ``sin()`` on 32x32
-float32, one thread), minimum of ``--rounds`` rounds of 5 steps.
+float32, one thread), each round the best of 3 steps on the thread's CPU clock; the table gives
+the minimum and the median over the rounds. When torchtune is installed its ``OffloadActivations``
+runs in the same rounds (``_torchtune.py``), the goal's yardstick.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware, print_table
-from offload import sin_chain_best_s
+from _torchtune import torchtune_hooks, torchtune_offload_activations
+from offload import added_s, gpt2_step_table, sin_chain_times_s
 
 import lightmem
 
@@ -60,7 +63,10 @@ def _import_base(rev: str, into: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base", required=True, help="the earlier commit (any git revision)")
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--gpt2", action="store_true",
+                        help="also the GPT-2 step table with the earlier commit's lightmem interleaved")
+    parser.add_argument("--step-rounds", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
     chain = 200
@@ -68,22 +74,36 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         base = _import_base(args.base, folder)
         variants = {"no hooks": nullcontext}
+        if torchtune_offload_activations() is not None:
+            variants["offloading, torchtune (min_offload_size=0)"] = lambda tt=torchtune_hooks(0): tt
+            variants["keeping, torchtune (min_offload_size=1MiB)"] = lambda tt=torchtune_hooks(2**20): tt
         for tag, module in ((args.base, base), ("this checkout", lightmem)):
             offloading = module.offload_activations(min_bytes=0, devices=("cpu",))
             keeping = module.offload_activations(min_bytes="1MiB", devices=("cpu",))
             variants[f"offloading (min_bytes=0), {tag}"] = lambda off=offloading: off
             variants[f"keeping (min_bytes=1MiB), {tag}"] = lambda off=keeping: off
 
-        best = sin_chain_best_s(variants, x, chain, args.rounds, repeats=5)
-    rows = [
-        [name, f"{best[name] * 1e3:.3f}", f"{(best[name] - best['no hooks']) / chain * 1e6:+.2f}"]
-        for name in variants
-        if name != "no hooks"
-    ]
+        times = sin_chain_times_s(variants, x, chain, args.rounds, repeats=3)
+        if args.gpt2:
+
+            def earlier(model):
+                zero = base.offload_activations(model, min_bytes=0, devices=("cpu",))
+                default = base.offload_activations(model, devices=("cpu",))
+                return {
+                    f"lightmem min_bytes=0, {args.base}": lambda: zero,
+                    f"lightmem default (min_bytes=1MiB), {args.base}": lambda: default,
+                }
+
+            gpt2_step_table(args.step_rounds, repeats=1, extra=earlier)
+    rows = []
+    for name in variants:
+        if name != "no hooks":
+            low, mid = (s / chain * 1e6 for s in added_s(times, name))
+            rows.append([name, f"{min(times[name]) * 1e3:.3f}", f"{low:+.2f} / {mid:+.2f}"])
     print_table(
-        f"Per-saved-tensor cost, {args.base} against this checkout in one process, min of "
-        f"{args.rounds} interleaved rounds x 5; {hardware()}",
-        ["lightmem variant", "step ms", "us added per saved tensor"],
+        f"Per-saved-tensor cost, {args.base} against this checkout in one process, "
+        f"{args.rounds} interleaved rounds x best of 3, thread CPU time; {hardware()}",
+        ["variant", "step ms (min)", "us added per saved tensor (min / median)"],
         rows,
     )
 

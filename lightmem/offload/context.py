@@ -177,12 +177,7 @@ class ActivationOffloader:
     def _push(self) -> None:
         protected: set[int] = set()
         if self.model is not None:
-            for tensor in (*self.model.parameters(), *self.model.buffers()):
-                if type(tensor) not in (torch.Tensor, nn.Parameter):
-                    continue  # e.g. FSDP2's sharded DTensors: no plain storage; never saved as such
-                storage = tensor.untyped_storage()
-                if storage.nbytes():  # a storage freed by resize_(0) has no pointer to protect
-                    protected.add(storage.data_ptr())
+            _add_state_storages(self.model, protected)
         self._pool.end_step()  # a step boundary: the pool trims to what recent steps used
         self._offloader.begin(protected)
         if self._scope is not None:
@@ -290,6 +285,25 @@ class ActivationOffloader:
     def release_host_memory(self) -> None:
         """Give cached host buffers back to the OS (buffers still in use are kept)."""
         self._pool.clear()
+
+
+def _add_state_storages(module: nn.Module, protected: set[int]) -> None:
+    """Add the storage pointers of every parameter and buffer of ``module`` and its submodules.
+
+    The same tensors as ``parameters()`` and ``buffers()``, walked without their generators,
+    names and identity memo (a set of pointers needs none): it runs at every enter, and on a
+    4-layer GPT-2 the generators made about 1,900 Python calls per step.
+    """
+    for tensors in (module._parameters.values(), module._buffers.values()):
+        for tensor in tensors:
+            # Not None, and no subclass (FSDP2's sharded DTensors: no plain storage, never saved).
+            if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
+                storage = tensor.untyped_storage()
+                if storage.nbytes():  # a storage freed by resize_(0) has no pointer to protect
+                    protected.add(storage.data_ptr())
+    for child in module._modules.values():
+        if child is not None:
+            _add_state_storages(child, protected)
 
 
 offload_activations = ActivationOffloader

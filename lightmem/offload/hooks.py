@@ -36,8 +36,9 @@ graph freed (entry dies)    host block returns to the pool after entry.host_even
 Streams are the entry's (``entry.streams``, taken when it is saved): autograd runs an op's
 backward on its forward's stream, and with several devices each entry is ordered on its own.
 
-Lifetimes follow the autograd graph: autograd holds one handle per save, handles hold their
-entry, and an entry returns its host block when the last handle is gone. No handle holds a
+Lifetimes follow the autograd graph: autograd holds one handle per save (the first save of a
+storage holds the entry itself, each later save an ``_Offloaded`` that refers to it), and an
+entry returns its host block when the last handle is gone. No handle holds a
 tensor whose grad_fn could reach the handle (``_held``): autograd passes a saved output with
 its own grad_fn to pack, and holding it would make a cycle (tensor -> grad_fn -> handle -> tensor)
 through C++ that Python's collector cannot break. In-place changes are caught through the saved
@@ -159,6 +160,14 @@ class _KeptStorage(weakref.ref):
 class _HostEntry:
     """One device storage copied to a host block, shared by every save of that storage.
 
+    It is also the handle autograd holds for the first save (``version``, ``layout``, ``seen``
+    are that save's): one object per offloaded storage, most storages being saved once. A later
+    save of the storage gets an ``_Offloaded`` that refers to the entry. The first save's end
+    is not seen on its own (the entry lives on while later saves do), so ``handles`` counts it
+    until the entry dies: a reload is then let go when the entry dies rather than when the last
+    live save has taken its view, which differs only for a storage saved by several nodes whose
+    first node was freed by one backward and whose later nodes are retained by the next.
+
     ``host`` is the block as a tensor shaped like ``alias`` when ``alias`` covers its storage
     densely (the common case: then the copy and the reload are one tensor copy each, and a save
     of ``alias`` itself gets the reloaded tensor back as it is), else as the storage's bytes.
@@ -176,12 +185,14 @@ class _HostEntry:
         "host_event",
         "in_flight_alias",
         "index",
+        "layout",
         "nbytes",
         "owner",
         "prefetched",
         "reload_event",
         "restored",
         "session",
+        "seen",
         "streams",
         "sweep",
         "unpacks",
@@ -227,7 +238,9 @@ class _HostEntry:
         # op's backward on its forward's stream. None with a synchronous transport.
         self.streams: tuple[Any, Any, Any] | None = None
         self.prefetched = False
-        self.handles = 0
+        self.layout: tuple[Any, ...] | None = None  # the first save's (set by Offloader.pack)
+        self.seen = -1  # the generation the first save last took a view of
+        self.handles = 1  # the first save, and one per live _Offloaded
         self.unpacks = 0  # live handles that took a view of the current reload
         self.generation = 0  # bumped each time the reloaded storage is let go
         self.sweep = 0  # the session sweep of the last reload
@@ -281,7 +294,7 @@ class _HostEntry:
 
 
 class _Offloaded:
-    """What autograd holds for a saved tensor whose storage went to host memory.
+    """What autograd holds for a later save of a storage already offloaded in this forward.
 
     ``layout`` is ``None`` for a save of the entry's dense alias itself (it gets the reloaded
     tensor); any other save keeps ``(dtype, size, stride, storage_offset)`` to view it.
@@ -372,32 +385,41 @@ class Offloader:
         if self._inflight:
             self._settle()
         verdict, alias, storage, nbytes, key = self._decide(tensor)
-        if verdict == LEAVE:
-            return (_held(tensor), tensor._version)
         version = tensor._version
-        by_storage = self._by_storage
-        known = by_storage.get(key)
-        if known is not None and same_save(known, alias, version):
-            if type(known) is _HostEntry:
-                stats.deduplicated_bytes += known.nbytes
-                return _Offloaded(known, version, _layout(tensor, alias, known))
-            return (_held(tensor), version, known)
-        if verdict == MOVE:
-            block = self._pool.acquire(nbytes, storage)
-            if block is not None:
-                entry = by_storage[key] = self._offload(storage, block, nbytes, alias, version)
-                return _Offloaded(entry, version, _layout(tensor, alias, entry))
-            self._note_budget(nbytes)
+        if verdict == LEAVE:
+            kept = None
         else:
-            stats.kept_bytes += nbytes
-        kept = by_storage[key] = _KeptStorage(alias)
-        kept.owner = self
-        kept.nbytes = nbytes
-        kept.version = version
-        resident = self._resident_bytes = self._resident_bytes + nbytes
-        if resident > stats.peak_resident_bytes:
-            stats.peak_resident_bytes = resident
-        return (_held(tensor), version, kept)
+            by_storage = self._by_storage
+            kept = by_storage.get(key)
+            if kept is not None and same_save(kept, alias, version):
+                if type(kept) is _HostEntry:
+                    stats.deduplicated_bytes += kept.nbytes
+                    return _Offloaded(kept, version, _layout(tensor, alias, kept))
+            else:
+                if verdict == MOVE:
+                    block = self._pool.acquire(nbytes, storage)
+                    if block is not None:
+                        entry = by_storage[key] = self._offload(storage, block, nbytes, alias, version)
+                        if tensor is not alias or not entry.dense:
+                            entry.layout = _layout(tensor, alias, entry)
+                        return entry  # the first save's handle
+                    self._note_budget(nbytes)
+                else:
+                    stats.kept_bytes += nbytes
+                kept = by_storage[key] = _KeptStorage(alias)
+                kept.owner = self
+                kept.nbytes = nbytes
+                kept.version = version
+                resident = self._resident_bytes = self._resident_bytes + nbytes
+                if resident > stats.peak_resident_bytes:
+                    stats.peak_resident_bytes = resident
+        # What the handle may hold: ``_held(tensor)``, inlined on this path of every kept save.
+        grad_fn = tensor.grad_fn
+        if grad_fn is not None and (
+            grad_fn._sequence_nr() >= _sequence_nr() - 1 or isinstance(grad_fn, BackwardCFunction)
+        ):
+            tensor = tensor.detach()
+        return (tensor, version) if kept is None else (tensor, version, kept)
 
     def _offload(
         self, storage: torch.UntypedStorage, block: HostBlock, nbytes: int, alias: Tensor, version: int
@@ -434,9 +456,10 @@ class Offloader:
             torch._C._set_grad_enabled(False)
         try:
             if transport.synchronous:  # done when it returns: nothing to order, nothing to hold
-                for entry in deferred:
-                    if not entry.written_since_save():
-                        transport.copy_to_host(entry.host, entry.in_flight_alias, None)
+                copy_to_host = transport.copy_to_host
+                for entry in deferred:  # no local for the source: release_source counts its referents
+                    if not entry.dense or entry.in_flight_alias._version == entry.version:
+                        copy_to_host(entry.host, entry.in_flight_alias, None)  # not written_since_save
                     entry.release_source()
                 return
             for entry in deferred:
@@ -480,7 +503,8 @@ class Offloader:
     # -- backward ------------------------------------------------------------------------------
 
     def unpack(self, handle: Any) -> Tensor:
-        if type(handle) is _Offloaded:
+        kind = type(handle)
+        if kind is _HostEntry or kind is _Offloaded:
             with self._lock:
                 return self._unpack_offloaded(handle)
         tensor = handle[0]
@@ -488,7 +512,7 @@ class Offloader:
             raise _modified_error(tensor.type(), tensor.size(), tensor._version, handle[1])
         return tensor
 
-    def _unpack_offloaded(self, handle: _Offloaded) -> Tensor:
+    def _unpack_offloaded(self, handle: _HostEntry | _Offloaded) -> Tensor:
         capturing = self._capturing
         if capturing is not None and capturing():
             raise RuntimeError(CAPTURED_RELOAD_MESSAGE)
@@ -496,7 +520,7 @@ class Offloader:
             self._copy_deferred()
         if self._inflight:
             self._settle()
-        entry = handle.entry
+        entry = handle if type(handle) is _HostEntry else handle.entry
         holder = entry.version_holder
         current = entry.version_final if holder is None else holder._version
         if current != handle.version:
