@@ -99,6 +99,7 @@ class SavedTensorHooks(Reloads):
         self._prefetch_bytes = offload.prefetch_bytes if offload is not None else 0
         self._lock = threading.RLock()
         self.stats = OffloadStats()  # the protocol's counters: reloads, prefetch hits and misses
+        self._resident_bytes = 0  # reloaded storages the protocol holds (the tracer counts memory)
         self.offloaded_bytes = 0
         self.host_bytes = 0
         self.peak_host_bytes = 0
@@ -165,6 +166,3 @@ class SavedTensorHooks(Reloads):
         record = self.tracer.mark_saved(restored, entry.block)
         record.recomputed = True  # a reload is an activation brought back, not a temporary
         return restored
-
-    def _unload(self, entry: _Entry) -> None:
-        """The protocol's free action: nothing to count (the tracer sees the fake storage go)."""

@@ -39,7 +39,7 @@ backward on its forward's stream, and with several devices each entry is ordered
 Lifetimes follow the autograd graph: autograd holds one handle per save, handles hold their
 entry, and an entry returns its host block when the last handle is gone. The reference counting
 and the prefetch walk are ``protocol.py``'s, which the estimator runs too; this module provides
-its reload and free actions (``Offloader._reload``, ``Offloader._unload``). No handle holds a
+its reload action (``Offloader._reload``) and what a free must wait for (``_HostEntry.__del__``). No handle holds a
 tensor whose grad_fn could reach the handle (``_held``): autograd passes a saved output with
 its own grad_fn to pack, and holding it would make a cycle (tensor -> grad_fn -> handle -> tensor)
 through C++ that Python's collector cannot break. In-place changes are caught through the saved
@@ -477,14 +477,7 @@ class Offloader(Reloads):
             transport.wait(to_device, entry.host_event)
             transport.copy_to_device(restored, entry.host, to_device)
             entry.reload_event = entry.host_event = transport.record(to_device)
-        resident = self._resident_bytes = self._resident_bytes + entry.nbytes
-        if resident > self.stats.peak_resident_bytes:
-            self.stats.peak_resident_bytes = resident
         return restored
-
-    def _unload(self, entry: _HostEntry) -> None:
-        """The free action of the protocol: the reloaded storage no longer counts as resident."""
-        self._resident_bytes -= entry.nbytes
 
     @property
     def scope(self) -> ModuleScope | None:

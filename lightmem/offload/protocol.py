@@ -5,19 +5,20 @@ on fake tensors), so a predicted reload happens where the engine's does.
 An ``Entry`` is one moved storage, shared by every save of it; autograd holds one ``Handle`` per
 save. A backward reads an entry through ``Reloads._take``: its storage is reloaded on a miss (the
 owner's ``_reload`` action), a prefetched reload is taken out of the window, and once every live
-save has its view the reloaded storage is let go (the owner's ``_unload`` action). A handle that
-dies before taking its view lets the storage go if it was the last one waiting. After each read,
-``Reloads._prefetch`` reloads the entries packed just before the cursor (reverse pack order)
-while ``policy.prefetch_admits``.
+save has its view the reloaded storage is let go. A handle that dies before taking its view lets
+the storage go if it was the last one waiting. After each read, ``Reloads._prefetch`` reloads the
+entries packed just before the cursor (reverse pack order) while ``policy.prefetch_admits``.
 
 A second backward pass over the same graph (``retain_graph``) is a new sweep: entries reloaded in
 this sweep are not prefetched again, and a miss on one starts the next sweep at that entry.
 
-The owner (a ``Reloads`` subclass) provides the two actions and a lock:
-
-``_reload(entry) -> storage``  bring the entry's storage back (sets nothing on the entry);
-``_unload(entry)``             the reloaded storage is let go (counts, never waits);
-``_lock``                      held by handles that die (backward threads) and by ``_take``'s caller.
+The owner (a ``Reloads`` subclass) passes in the reload action, ``_reload(entry) -> storage``
+(the engine's copy from host, the estimator's fake allocation; it sets nothing on the entry).
+Freeing is dropping the protocol's reference to the reloaded storage (its memory returns when the
+last view of it dies), and the protocol counts what is resident (``_resident_bytes``, with the
+peak in ``stats``); what else a free needs is the owner's and runs before ``_discard`` (the engine
+waits for an unconsumed reload's copy). Each step is written inline, never as a further call: the
+engine runs ``_take`` and ``_let_go`` once per saved tensor.
 """
 
 from __future__ import annotations
@@ -112,19 +113,17 @@ class Handle:
 
 
 class Reloads:
-    """The protocol's steps, run by an owner that provides ``_reload``, ``_unload``, ``_lock``,
-    ``_session`` (the current ``Session``), ``_prefetch_bytes`` (the window) and ``stats``
-    (``prefetch_hits``, ``prefetch_misses``, ``reloaded_bytes``)."""
+    """The protocol's steps, run by an owner that provides ``_reload`` (the reload action),
+    ``_lock``, ``_session`` (the current ``Session``), ``_prefetch_bytes`` (the window),
+    ``_resident_bytes`` (which it may count in too) and ``stats`` (an ``OffloadStats``)."""
 
     __slots__ = ()
 
     _prefetch_bytes: int
+    _resident_bytes: int
     stats: Any
 
     def _reload(self, entry: Any) -> Any:
-        raise NotImplementedError
-
-    def _unload(self, entry: Any) -> None:
         raise NotImplementedError
 
     def _take(self, handle: Handle) -> Any:
@@ -140,7 +139,13 @@ class Reloads:
                 session.cursor = entry.index
             elif entry.index < session.cursor:  # backward got ahead of prefetch
                 session.cursor = entry.index
-            restored = self._restore(entry)
+            restored = entry.restored = self._reload(entry)
+            entry.sweep = session.sweep
+            stats = self.stats
+            stats.reloaded_bytes += entry.nbytes
+            resident = self._resident_bytes = self._resident_bytes + entry.nbytes
+            if resident > stats.peak_resident_bytes:
+                stats.peak_resident_bytes = resident
         elif entry.prefetched:
             self.stats.prefetch_hits += 1
             entry.prefetched = False
@@ -150,12 +155,6 @@ class Reloads:
             entry.unpacks += 1
             if entry.unpacks >= entry.handles:  # every live save has its view: let the storage go
                 self._let_go(entry)
-        return restored
-
-    def _restore(self, entry: Entry) -> Any:
-        restored = entry.restored = self._reload(entry)
-        entry.sweep = entry.session.sweep
-        self.stats.reloaded_bytes += entry.nbytes
         return restored
 
     def _prefetch(self, session: Session) -> None:
@@ -173,22 +172,30 @@ class Reloads:
             ):
                 if not prefetch_admits(session.inflight_bytes, entry.nbytes, self._prefetch_bytes):
                     return
-                self._restore(entry)
+                entry.restored = self._reload(entry)  # counted as in _take, inline
+                entry.sweep = sweep
                 entry.prefetched = True
+                stats = self.stats
+                stats.reloaded_bytes += entry.nbytes
+                resident = self._resident_bytes = self._resident_bytes + entry.nbytes
+                if resident > stats.peak_resident_bytes:
+                    stats.peak_resident_bytes = resident
                 session.inflight_bytes += entry.nbytes
             session.cursor = index
             index -= 1
 
     def _let_go(self, entry: Entry) -> None:
-        """Every live save has its view (or is gone): the reloaded storage goes."""
-        self._discard(entry)
+        """Every live save has its view (or is gone): the reloaded storage goes. (A prefetched
+        reload is read before it can be let go: ``_take`` took it out of the window.)"""
+        entry.restored = None
         entry.unpacks = 0
         entry.generation += 1
+        self._resident_bytes -= entry.nbytes
 
     def _discard(self, entry: Entry) -> None:
-        """Drop ``entry``'s reloaded storage (also when the entry dies with it unread)."""
+        """Drop the reloaded storage of an entry that dies with it (prefetched, or not read by
+        every save)."""
         if entry.prefetched:
-            entry.prefetched = False
             entry.session.inflight_bytes -= entry.nbytes
         entry.restored = None
-        self._unload(entry)
+        self._resident_bytes -= entry.nbytes
