@@ -5,13 +5,15 @@ Without offload, ``pack`` only tells the tracer which storages autograd keeps fo
 (``lightmem.offload.policy``: eligibility, parameter and buffer storages and their autocast copies,
 ``min_bytes``, scope, dedupe, host budget), run here on fake tensors. A moved tensor is dropped
 from the graph at pack time and a fake tensor of the same layout is allocated again when backward
-needs it, so the reload is counted where it happens. Reloads ahead of need follow the policy's
-prefetch window in reverse pack order, as the engine's do.
+needs it, so the reload is counted where it happens. Which reload happens when (reference counting
+of saves, misses, the prefetch walk in reverse pack order within the window) is the engine's own
+protocol too (``lightmem.offload.protocol``); this module provides its reload action (a fake
+allocation the tracer counts).
 """
 
 from __future__ import annotations
 
-import sys
+import threading
 import weakref
 from typing import Any
 
@@ -21,16 +23,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lightmem.config import OffloadSettings
 from lightmem.estimate.tracer import StorageTracer
-from lightmem.offload.policy import (
-    LEAVE,
-    MOVE,
-    OffloadPolicy,
-    fits_host_budget,
-    host_bytes,
-    prefetch_admits,
-    same_save,
-)
+from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, fits_host_budget, host_bytes, same_save
+from lightmem.offload.protocol import Entry, Handle, Reloads, Session
 from lightmem.offload.scope import ModuleScope
+from lightmem.offload.stats import OffloadStats
 
 
 class _KeptRecord:
@@ -43,61 +39,26 @@ class _KeptRecord:
         self.version = version
 
 
-class _Entry:
-    """One offloaded storage, shared by every save of it."""
+class _Entry(Entry):
+    """One offloaded storage, shared by every save of it; ``block`` is the top-level block that
+    saved it (reloads count there). Its host block returns when the last save is gone."""
 
-    __slots__ = (
-        "__weakref__",
-        "alias",
-        "block",
-        "done",
-        "handles",
-        "index",
-        "nbytes",
-        "prefetched",
-        "restored",
-        "unpacks",
-        "version",
-    )
+    __slots__ = ("block",)
 
-    def __init__(self, nbytes: int, index: int, alias: Tensor, version: int, block: str | None) -> None:
-        self.alias = weakref.ref(alias)
-        self.nbytes = nbytes
-        self.index = index
-        self.version = version
-        self.restored: Tensor | None = None  # a uint8 fake tensor over the reloaded storage
-        self.handles = 0
-        self.unpacks = 0
-        self.prefetched = False
+    def __init__(
+        self, owner: SavedTensorHooks, nbytes: int, alias: Tensor, version: int, block: str | None
+    ) -> None:
+        Entry.__init__(self, owner, nbytes, alias, version)
         self.block = block
-        self.done = False  # every save has been unpacked in this backward
-
-
-class _Handle:
-    """What autograd holds for one save of an offloaded storage."""
-
-    __slots__ = ("dtype", "entry", "offset", "owner", "seen", "size", "stride")
-
-    def __init__(self, owner: SavedTensorHooks, entry: _Entry, tensor: Tensor) -> None:
-        self.owner = owner
-        self.entry = entry
-        self.dtype = tensor.dtype
-        self.size = tuple(tensor.shape)
-        self.stride = tensor.stride()
-        self.offset = tensor.storage_offset()
-        self.seen = False
-        entry.handles += 1
 
     def __del__(self) -> None:
-        entry = self.entry
-        entry.handles -= 1
-        if self.seen:
-            entry.unpacks -= 1
-        if entry.restored is not None and entry.unpacks >= entry.handles:
-            self.owner._let_go(entry)
+        owner = self.owner
+        if self.restored is not None:
+            owner._discard(self)
+        owner.host_bytes -= host_bytes(self.nbytes)
 
 
-class SavedTensorHooks:
+class SavedTensorHooks(Reloads):
     """Pack/unpack hooks for ``torch.autograd.graph.saved_tensors_hooks`` around the fake forward.
 
     Args:
@@ -133,14 +94,15 @@ class SavedTensorHooks:
                     model, offload.include, offload.exclude,
                     include_flag=offload.flag("include"), exclude_flag=offload.flag("exclude"),
                 )  # fmt: skip
-        self._entries: list[Any] = []  # weak references, in pack order
         self._by_storage: dict[int, _Entry | _KeptRecord] = {}
-        self._cursor = sys.maxsize
-        self._inflight_bytes = 0
+        self._session = Session()  # the protocol's entries, in pack order
+        self._prefetch_bytes = offload.prefetch_bytes if offload is not None else 0
+        self._lock = threading.RLock()
+        self.stats = OffloadStats()  # the protocol's counters: reloads, prefetch hits and misses
+        self._resident_bytes = 0  # reloaded storages the protocol holds (the tracer counts memory)
         self.offloaded_bytes = 0
         self.host_bytes = 0
         self.peak_host_bytes = 0
-        self.reloaded_bytes = 0
 
     def attach(self) -> None:
         if self.scope is not None:
@@ -171,68 +133,43 @@ class SavedTensorHooks:
                 self._by_storage[key] = _KeptRecord(alias, version)  # the engine keeps it on the device
                 self.tracer.mark_saved(tensor, block)
                 return tensor
-            host = host_bytes(nbytes)
-            entry = _Entry(nbytes, len(self._entries), alias, version, block)
-            self._entries.append(weakref.ref(entry, lambda _ref, host=host: self._host_release(host)))
-            self._by_storage[key] = entry
+            entry = self._by_storage[key] = _Entry(self, nbytes, alias, version, block)
             self.offloaded_bytes += nbytes
-            self.host_bytes += host
+            self.host_bytes += host_bytes(nbytes)
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+            entry.layout = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
+            return entry  # the first save's handle, as in the engine
         elif type(entry) is _KeptRecord:
             self.tracer.mark_saved(tensor, block)
             return tensor
-        return _Handle(self, entry, tensor)
+        layout = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
+        return Handle(entry, version, layout)
 
-    def _host_release(self, host: int) -> None:
-        self.host_bytes -= host
+    @property
+    def reloaded_bytes(self) -> int:
+        return self.stats.reloaded_bytes
 
     # -- backward --------------------------------------------------------------------------------
 
     def unpack(self, handle: Any) -> Tensor:
-        if type(handle) is not _Handle:
+        kind = type(handle)
+        if kind is _Entry:  # the first save of an entry holds the entry itself
+            entry = handle
+        elif kind is Handle:
+            entry = handle.entry
+        else:
             return handle
-        entry = handle.entry
-        if entry.restored is None:
-            self._cursor = min(self._cursor, entry.index)
-            self._reload(entry)
-        elif entry.prefetched:
-            entry.prefetched = False
-            self._inflight_bytes -= entry.nbytes
-        restored = entry.restored
-        view = restored.view(handle.dtype).as_strided(handle.size, handle.stride, handle.offset)
-        if not handle.seen:
-            handle.seen = True
-            entry.unpacks += 1
-            if entry.unpacks >= entry.handles:
-                entry.done = True
-                self._let_go(entry)
-        if self.offload is not None and self.offload.prefetch_bytes > 0:
-            self._prefetch()
+        restored = self._take(handle, entry)  # the engine's protocol: reload on a miss, count the view
+        dtype, size, stride, offset = handle.layout
+        view = restored.view(dtype).as_strided(size, stride, offset)
+        session = entry.session
+        if session.cursor > 0 and self._prefetch_bytes > 0:  # candidates lie below the cursor
+            self._prefetch(session)
         return view
 
-    def _reload(self, entry: _Entry) -> None:
+    def _reload(self, entry: _Entry) -> Tensor:
+        """The protocol's reload action: a fake storage the tracer counts as an activation."""
         restored = torch.empty(entry.nbytes, dtype=torch.uint8)
         record = self.tracer.mark_saved(restored, entry.block)
         record.recomputed = True  # a reload is an activation brought back, not a temporary
-        entry.restored = restored
-        self.reloaded_bytes += entry.nbytes
-
-    def _prefetch(self) -> None:
-        index = min(self._cursor, len(self._entries)) - 1
-        while index >= 0:
-            entry = self._entries[index]()
-            if entry is not None and entry.restored is None and not entry.done:
-                limit = self.offload.prefetch_bytes if self.offload is not None else 0
-                if not prefetch_admits(self._inflight_bytes, entry.nbytes, limit):
-                    return
-                self._reload(entry)
-                entry.prefetched = True
-                self._inflight_bytes += entry.nbytes
-            self._cursor = index
-            index -= 1
-
-    def _let_go(self, entry: _Entry) -> None:
-        if entry.prefetched:
-            entry.prefetched = False
-            self._inflight_bytes -= entry.nbytes
-        entry.restored = None
+        return restored

@@ -37,10 +37,12 @@ Streams are the entry's (``entry.streams``, taken when it is saved): autograd ru
 backward on its forward's stream, and with several devices each entry is ordered on its own.
 
 Lifetimes follow the autograd graph: autograd holds one handle per save (the first save of a
-storage holds the entry itself, each later save an ``_Offloaded`` that refers to it), and an
-entry returns its host block when the last handle is gone. No handle holds a
-tensor whose grad_fn could reach the handle (``_held``): autograd passes a saved output with
-its own grad_fn to pack, and holding it would make a cycle (tensor -> grad_fn -> handle -> tensor)
+storage holds the entry itself, each later save a ``protocol.Handle`` that refers to it), and an
+entry returns its host block when the last handle is gone. The reference counting and the prefetch
+walk are ``protocol.py``'s, which the estimator runs too; this module provides its reload action
+(``Offloader._reload``) and what a free must wait for (``_HostEntry.__del__``). No handle holds a
+tensor whose grad_fn could reach the handle (``_held``): autograd passes a saved output with its
+own grad_fn to pack, and holding it would make a cycle (tensor -> grad_fn -> handle -> tensor)
 through C++ that Python's collector cannot break. In-place changes are caught through the saved
 tensor's version counter, which an entry keeps alive without the storage (``_version_holder``)
 while anything could still write the storage (``_HostEntry.release_source``).
@@ -48,7 +50,6 @@ while anything could still write the storage (``_HostEntry.release_source``).
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from typing import Any
@@ -59,8 +60,9 @@ from torch.autograd.function import BackwardCFunction
 
 from lightmem.config import warn_once
 from lightmem.offload.inflight import InflightCopies, saved_view, served_view
-from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, prefetch_admits, same_save
+from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, same_save
 from lightmem.offload.pool import HostBlock, HostPool
+from lightmem.offload.protocol import Entry, Handle, Reloads, Session
 from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
 from lightmem.offload.transport import Transport
@@ -120,18 +122,6 @@ def _version_holder(tensor: Tensor, empty: Tensor) -> Tensor:
     return holder
 
 
-class _Session:
-    """The entries of one forward, in pack order, held weakly (for prefetch in reverse order)."""
-
-    __slots__ = ("__weakref__", "cursor", "inflight_bytes", "refs", "sweep")
-
-    def __init__(self) -> None:
-        self.refs: list[weakref.ref[_HostEntry]] = []
-        self.cursor = sys.maxsize  # prefetch candidates lie below it
-        self.sweep = 1  # one backward pass over the entries; a second pass (retain_graph) is sweep 2
-        self.inflight_bytes = 0
-
-
 class _KeptStorage(weakref.ref):
     """A saved storage left on the device; counts as resident while any save of it lives.
 
@@ -157,47 +147,18 @@ class _KeptStorage(weakref.ref):
 # check, so unpack does it. ``tensor`` never has a grad_fn (see the module doc).
 
 
-class _HostEntry:
+class _HostEntry(Entry):
     """One device storage copied to a host block, shared by every save of that storage.
-
-    It is also the handle autograd holds for the first save (``version``, ``layout``, ``seen``
-    are that save's): one object per offloaded storage, most storages being saved once. A later
-    save of the storage gets an ``_Offloaded`` that refers to the entry. The first save's end
-    is not seen on its own (the entry lives on while later saves do), so ``handles`` counts it
-    until the entry dies: a reload is then let go when the entry dies rather than when the last
-    live save has taken its view, which differs only for a storage saved by several nodes whose
-    first node was freed by one backward and whose later nodes are retained by the next.
 
     ``host`` is the block as a tensor shaped like ``alias`` when ``alias`` covers its storage
     densely (the common case: then the copy and the reload are one tensor copy each, and a save
-    of ``alias`` itself gets the reloaded tensor back as it is), else as the storage's bytes.
+    of ``alias`` itself gets the reloaded tensor back as it is), else as the storage's bytes;
+    ``restored``, the reloaded storage, is shaped as ``host``. Its reference counting (``handles``,
+    ``unpacks``, ``generation``) and prefetch state are the protocol's (``protocol.Entry``).
     """
 
     __slots__ = (
-        "__weakref__",
-        "alias",
-        "block",
-        "dense",
-        "device",
-        "generation",
-        "handles",
-        "host",
-        "host_event",
-        "in_flight_alias",
-        "index",
-        "layout",
-        "nbytes",
-        "owner",
-        "prefetched",
-        "reload_event",
-        "restored",
-        "session",
-        "seen",
-        "streams",
-        "sweep",
-        "unpacks",
-        "version",
-        "version_final",
+        "block", "dense", "device", "host", "host_event", "reload_event", "streams", "version_final",
         "version_holder",
     )  # fmt: skip
 
@@ -205,9 +166,8 @@ class _HostEntry:
         self, owner: Offloader, block: HostBlock, nbytes: int, alias: Tensor, storage: torch.UntypedStorage,
         version: int,
     ) -> None:  # fmt: skip
-        self.owner = owner
+        Entry.__init__(self, owner, nbytes, alias, version)
         self.block = block
-        self.nbytes = nbytes
         self.device = device = storage.device
         dtype = alias.dtype
         if (
@@ -226,28 +186,14 @@ class _HostEntry:
             source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
             self.version_holder = _version_holder(alias, owner._empty_on(device))
         self.version_final = version
-        self.alias = weakref.ref(alias)  # identity, for dedupe within one forward
-        self.version = version
         # Until the copy to host has run, the device tensor it reads is held so that its memory
         # is not reused before the copy reads it; see Offloader._copy_deferred and _settle.
         self.in_flight_alias: Tensor | None = source
         self.host_event: Any = None
-        self.restored: Tensor | None = None  # the reloaded storage, shaped as ``host``
         self.reload_event: Any = None
         # (compute, to_host, to_device) of the device and stream that saved it: autograd runs an
         # op's backward on its forward's stream. None with a synchronous transport.
         self.streams: tuple[Any, Any, Any] | None = None
-        self.prefetched = False
-        self.layout: tuple[Any, ...] | None = None  # the first save's (set by Offloader.pack)
-        self.seen = -1  # the generation the first save last took a view of
-        self.handles = 1  # the first save, and one per live _Offloaded
-        self.unpacks = 0  # live handles that took a view of the current reload
-        self.generation = 0  # bumped each time the reloaded storage is let go
-        self.sweep = 0  # the session sweep of the last reload
-        session = owner._session
-        self.session = session
-        self.index = len(session.refs)
-        session.refs.append(weakref.ref(self))
         owner._live_entries += 1
 
     def written_since_save(self) -> bool:
@@ -287,36 +233,18 @@ class _HostEntry:
         with owner._lock:
             try:
                 if self.restored is not None:
-                    owner._drop_restored(self)
+                    if self.reload_event is not None:  # never consumed: its copy may still be writing
+                        owner._transport.wait(self.streams[0], self.reload_event)
+                    owner._discard(self)
                 owner._pool.release(self.block, self.host_event)
             finally:
                 owner._live_entries -= 1
 
 
-class _Offloaded:
-    """What autograd holds for a later save of a storage already offloaded in this forward.
-
-    ``layout`` is ``None`` for a save of the entry's dense alias itself (it gets the reloaded
-    tensor); any other save keeps ``(dtype, size, stride, storage_offset)`` to view it.
-    """
-
-    __slots__ = ("entry", "layout", "seen", "version")
-
-    def __init__(self, entry: _HostEntry, version: int, layout: tuple[Any, ...] | None) -> None:
-        self.entry = entry
-        self.version = version
-        self.layout = layout
-        self.seen = -1  # the entry generation this handle last took a view of
-        entry.handles += 1
-
-    def __del__(self) -> None:
-        entry = self.entry
-        with entry.owner._lock:
-            entry.handles -= 1
-            if self.seen == entry.generation:
-                entry.unpacks -= 1
-            elif entry.restored is not None and entry.handles and entry.unpacks >= entry.handles:
-                entry.owner._let_go(entry)  # the save that had not taken its view is gone
+# What autograd holds for a saved tensor whose storage went to host memory is the entry itself
+# (its first save) or a ``Handle`` (protocol.py, a later save); either's ``layout`` is ``None`` for
+# a save of the entry's dense alias itself (it gets the reloaded tensor), else what ``saved_view``
+# needs to view the save in the entry's storage.
 
 
 def _layout(tensor: Tensor, alias: Tensor, entry: _HostEntry) -> tuple[Any, ...] | None:
@@ -336,7 +264,7 @@ def _modified_error(tensor_type: str, size: Any, version: int, expected: int) ->
     )
 
 
-class Offloader:
+class Offloader(Reloads):
     """Pack/unpack hooks and the state behind them; ``offload_activations`` is its public face."""
 
     def __init__(
@@ -357,7 +285,7 @@ class Offloader:
         self._pool = pool
         self._transport = transport
         self._budget_note = budget_note
-        self._session = _Session()
+        self._session = Session()
         self._by_storage: dict[int, _HostEntry | _KeptStorage] = {}
         self._resident_bytes = 0
         self._live_entries = 0
@@ -394,7 +322,7 @@ class Offloader:
             if kept is not None and same_save(kept, alias, version):
                 if type(kept) is _HostEntry:
                     stats.deduplicated_bytes += kept.nbytes
-                    return _Offloaded(kept, version, _layout(tensor, alias, kept))
+                    return Handle(kept, version, _layout(tensor, alias, kept))
             else:
                 if verdict == MOVE:
                     block = self._pool.acquire(nbytes, storage)
@@ -504,7 +432,7 @@ class Offloader:
 
     def unpack(self, handle: Any) -> Tensor:
         kind = type(handle)
-        if kind is _HostEntry or kind is _Offloaded:
+        if kind is _HostEntry or kind is Handle:
             with self._lock:
                 return self._unpack_offloaded(handle)
         tensor = handle[0]
@@ -512,7 +440,7 @@ class Offloader:
             raise _modified_error(tensor.type(), tensor.size(), tensor._version, handle[1])
         return tensor
 
-    def _unpack_offloaded(self, handle: _HostEntry | _Offloaded) -> Tensor:
+    def _unpack_offloaded(self, handle: _HostEntry | Handle) -> Tensor:
         capturing = self._capturing
         if capturing is not None and capturing():
             raise RuntimeError(CAPTURED_RELOAD_MESSAGE)
@@ -528,39 +456,24 @@ class Offloader:
             dtype, size = (entry.host.dtype, entry.host.size()) if layout is None else layout[:2]
             tensor_type = torch.empty(0, dtype=dtype, device=entry.device).type()
             raise _modified_error(tensor_type, size, current, handle.version)
-        session = entry.session
-        restored = entry.restored
-        if restored is None:
+        if entry.restored is None:
             view = served_view(entry, handle.layout)
             if view is not None:  # its copy to host still runs: the device tensor is still held
                 self.stats.inflight_served += 1
                 return view
-            self.stats.prefetch_misses += 1
-            if entry.sweep == session.sweep:  # reloaded before in this sweep: a new backward pass
-                session.sweep += 1
-                session.cursor = entry.index
-            elif entry.index < session.cursor:  # backward got ahead of prefetch
-                session.cursor = entry.index
-            restored = self._reload(entry)
-        elif entry.prefetched:
-            self.stats.prefetch_hits += 1
-            entry.prefetched = False
-            session.inflight_bytes -= entry.nbytes
+        restored = self._take(handle, entry)  # protocol.py: reload on a miss, count the view
         if entry.reload_event is not None:
             self._transport.wait(entry.streams[0], entry.reload_event)
             entry.reload_event = None
         layout = handle.layout
         view = restored if layout is None else saved_view(restored, layout, entry.device)
-        if handle.seen != entry.generation:
-            handle.seen = entry.generation
-            entry.unpacks += 1
-            if entry.unpacks >= entry.handles:  # every live save has its view: let the storage go
-                self._let_go(entry)
+        session = entry.session
         if session.cursor > 0 and self._prefetch_bytes > 0:  # candidates lie below the cursor
             self._prefetch(session)
         return view
 
     def _reload(self, entry: _HostEntry) -> Tensor:
+        """The reload action of the protocol: ``entry``'s storage, back on its device."""
         transport = self._transport
         if transport.synchronous:
             restored = transport.load(entry.host, entry.device)
@@ -577,49 +490,7 @@ class Offloader:
             transport.wait(to_device, entry.host_event)
             transport.copy_to_device(restored, entry.host, to_device)
             entry.reload_event = entry.host_event = transport.record(to_device)
-        entry.restored = restored
-        entry.sweep = entry.session.sweep
-        nbytes = entry.nbytes
-        self.stats.reloaded_bytes += nbytes
-        resident = self._resident_bytes = self._resident_bytes + nbytes
-        if resident > self.stats.peak_resident_bytes:
-            self.stats.peak_resident_bytes = resident
         return restored
-
-    def _prefetch(self, session: _Session) -> None:
-        """Reload the entries packed just before the cursor, within the prefetch window."""
-        refs = session.refs
-        index = min(session.cursor, len(refs)) - 1
-        sweep = session.sweep
-        while index >= 0:
-            entry = refs[index]()
-            if (
-                entry is not None
-                and entry.restored is None
-                and entry.sweep != sweep
-                and entry.in_flight_alias is None  # served from the device when reached
-            ):
-                if not prefetch_admits(session.inflight_bytes, entry.nbytes, self._prefetch_bytes):
-                    return
-                self._reload(entry)
-                entry.prefetched = True
-                session.inflight_bytes += entry.nbytes
-            session.cursor = index
-            index -= 1
-
-    def _let_go(self, entry: _HostEntry) -> None:
-        entry.restored = None
-        entry.unpacks = 0
-        entry.generation += 1
-        self._resident_bytes -= entry.nbytes
-
-    def _drop_restored(self, entry: _HostEntry) -> None:
-        if entry.reload_event is not None:  # never consumed: its copy may still be writing
-            self._transport.wait(entry.streams[0], entry.reload_event)
-        if entry.prefetched:
-            entry.session.inflight_bytes -= entry.nbytes
-        entry.restored = None
-        self._resident_bytes -= entry.nbytes
 
     @property
     def scope(self) -> ModuleScope | None:
@@ -640,7 +511,7 @@ class Offloader:
         )
         self._wait_base_s = self._transport.waited_s()
         self.policy.protected = protected_storages
-        self._session = _Session()
+        self._session = Session()
         self._by_storage = {}
 
     def end(self) -> None:

@@ -21,7 +21,8 @@ For one saved tensor, in this order:
 4. Otherwise moved (``MOVE``), if the host budget has room for its host block
    (``fits_host_budget``); past the budget it stays on the device.
 
-Backward reloads ahead of need in reverse pack order while ``prefetch_admits``.
+Backward reloads ahead of need in reverse pack order while ``prefetch_admits`` (the walk is
+``protocol.py``'s, also shared by the engine and the estimator).
 """
 
 from __future__ import annotations
