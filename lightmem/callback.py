@@ -373,7 +373,7 @@ class LightMem(Callback):
         self.chosen_plan = chosen
         summary = (
             f"lightmem: plan for a {format_bytes(chosen.budget_bytes)} device budget: checkpoint "
-            f"{chosen.checkpoint or 'nothing'}, offload {list(chosen.offload.include) if chosen.offload else 'nothing'}; "
+            f"{chosen.checkpoint or 'nothing'}, offload {_offload_scope(chosen.offload)}; "
             f"predicted peak {format_bytes(chosen.predicted_total_bytes)}"
         )
         if chosen.fits:
@@ -479,3 +479,9 @@ class LightMem(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {}
 
+
+def _offload_scope(offload: Any) -> str:
+    """A plan's offload scope in the log line: the blocks, 'everywhere' (no include) or 'nothing'."""
+    if offload is None:
+        return "nothing"
+    return "everywhere" if offload.include is None else str(list(offload.include))
