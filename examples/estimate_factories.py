@@ -140,8 +140,9 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    """The ImageNet ResNet layout (torchvision's): a 7x7 stem at full resolution, max pooling,
-    four stages of bottleneck blocks, global average pooling and one linear classifier."""
+    """The ImageNet ResNet layout (torchvision's module names): a 7x7 stem at full resolution, max
+    pooling, stages of bottleneck blocks (``layer1``...; ResNet-50's depths by default), global
+    average pooling and one linear classifier."""
 
     def __init__(self, depths: tuple[int, ...] = (3, 4, 6, 3), base_width: int = 64, classes: int = 1000) -> None:
         super().__init__()
@@ -158,13 +159,16 @@ class ResNet(nn.Module):
                 blocks.append(Bottleneck(inputs, width, stride=2 if block == 0 and index > 0 else 1))
                 inputs = width * Bottleneck.expansion
             stages.append(nn.Sequential(*blocks))
-        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.stages = len(stages)
+        for index, stage in enumerate(stages):
+            setattr(self, f"layer{index + 1}", stage)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(inputs, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        for index in range(self.stages):
+            x = getattr(self, f"layer{index + 1}")(x)
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 

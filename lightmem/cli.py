@@ -120,8 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--plan", action="store_true", help="also plan the cheapest configuration that fits --budget"
     )
     estimate.add_argument(
-        "--max-batch-size", action="store_true", help="also search the largest batch that fits --budget"
-    )
+        "--max-batch-size", action="store_true",
+        help="also search the largest batch that fits --budget (with --plan: also with the best plan)",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--link-bytes-per-s", default=None, metavar="SIZE",
+        help="host link speed per second, each way, that --plan prices transfers at (default 25GB)",
+    )  # fmt: skip
     estimate.add_argument("--json", action="store_true", help="print JSON instead of the table")
     estimate.add_argument(
         "--verbose", action="store_true", help="list everything the estimate does not model"
@@ -150,7 +155,12 @@ def _check_flags(args: argparse.Namespace) -> None:
     parse_precision(args.precision, flag="--precision")
     parse_optimizer(args.optimizer, flag="--optimizer")
     parse_overhead(args.overhead, device, flag="--overhead")
-    for value, flag in ((args.budget, "--budget"), (args.offload_min_bytes, "--offload-min-bytes")):
+    if args.link_bytes_per_s is not None and not args.plan:
+        raise ValueError("--link-bytes-per-s prices the plan's transfers: it needs --plan")
+    for value, flag in (
+        (args.budget, "--budget"), (args.offload_min_bytes, "--offload-min-bytes"),
+        (args.link_bytes_per_s, "--link-bytes-per-s"),
+    ):  # fmt: skip
         if value is not None:
             parse_size(value, flag=flag)
 
@@ -161,6 +171,7 @@ _CLI_NAMES = {
     "estimate_memory(offload=...)['exclude']": "--offload-exclude",
     "estimate_memory(checkpoint=...)": "--checkpoint",
     "max_batch_size(checkpoint=...)": "--checkpoint",
+    "plan(link_bytes_per_s=...)": "--link-bytes-per-s",
     "apply_checkpointing(targets=...)": "--checkpoint",
 }
 
@@ -201,13 +212,15 @@ def run_estimate(args: argparse.Namespace) -> int:
     )
     output: dict[str, Any] = {"estimate": result.to_dict()}
     found_plan = search = None
+    link = {} if args.link_bytes_per_s is None else {"link_bytes_per_s": args.link_bytes_per_s}
     if args.plan:
-        found_plan = plan(model, batch, args.budget, loss_fn, **common)
+        found_plan = plan(model, batch, args.budget, loss_fn, **common, **link)
         output["plan"] = found_plan.to_dict()
     if args.max_batch_size:
         search = max_batch_size(
-            model, batch, args.budget, loss_fn, offload=offload, checkpoint=args.checkpoint, **common
-        )
+            model, batch, args.budget, loss_fn, offload=offload, checkpoint=args.checkpoint, plan=args.plan,
+            **common, **link,
+        )  # fmt: skip
         output["max_batch_size"] = search.to_dict()
     if args.json:
         print(json.dumps(output, indent=2))
@@ -221,7 +234,11 @@ def run_estimate(args: argparse.Namespace) -> int:
         line = f"Largest batch that fits {args.budget}: {search.baseline} without lightmem"
         if search.configured is not None:
             line += f", {search.configured} with the given offload/checkpoint flags"
+        if search.planned is not None:
+            line += f", {search.planned} with the best plan"
         print(line)
+        if search.plan is not None and search.plan.fits:
+            print(f"Plan at batch {search.planned}: {search.plan.describe()}")
     return 0
 
 

@@ -282,6 +282,10 @@ class PlanSpace:
             self.verified[candidate] = found
         return found
 
+    def describe(self, candidate: Candidate) -> str:
+        """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
+        return _describe(candidate, {name: block.kind for name, block in self.base.blocks.items()}, self.costs.min_bytes)
+
     def extremes(self) -> list[Candidate]:
         """The configurations that save the most in each family, and offload alone: what
         completeness is promised for."""
@@ -292,10 +296,11 @@ class PlanSpace:
     def _fitting_range(self, family: Family, available: int, need: int) -> range | None:
         """The candidates of ``family`` taken to fit, found by bisection over verified steps.
 
-        Fitting is taken to be monotone along a family, either way: usually a longer prefix saves
-        more (the extreme fits: the first fit is bisected for), but checkpointing on top of
-        offload can raise the peak (a re-run materialises a block while its neighbours' reloads
-        are resident), so when only the first candidate fits, the last fit is bisected for.
+        Fitting is taken to be monotone along a family: a longer prefix saves more, so when the
+        extreme fits, the first fit is bisected for. Along "offload everywhere" it can go the
+        other way (checkpointing on top of offload raises the peak when a re-run materialises a
+        large block in backward), so when its extreme does not fit but offload alone does, the
+        last fit is searched for, galloping from the start.
         """
         fits = lambda index: self.verify(family.candidates[index]).peak_bytes <= available  # noqa: E731
         last = len(family.candidates) - 1
@@ -307,9 +312,12 @@ class PlanSpace:
                 low, high = (low, probe) if fits(probe) else (probe, high)
                 probe = -1
             return range(high, last + 1)
-        if last == 0 or not fits(0):
+        if last == 0 or family.name != "offload everywhere" or not fits(0):
             return None
-        low, high = 0, last  # low fits, high does not
+        low, high, step = 0, last, 1  # low fits, high does not; the last fit is usually near 0
+        while low + step < high and fits(low + step):
+            low, step = low + step, step * 2
+        high = min(high, low + step)
         while high - low > 1:
             probe = (low + high) // 2
             low, high = (probe, high) if fits(probe) else (low, probe)

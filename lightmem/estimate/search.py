@@ -17,9 +17,11 @@ from typing import Any
 
 from torch import nn
 
-from lightmem.config import OffloadSettings
+from lightmem.config import DEFAULT_MIN_BYTES, OffloadSettings
 from lightmem.estimate.batch import inspect_batch
 from lightmem.estimate.configuration import parse_settings, run_configuration
+from lightmem.estimate.planner import DEFAULT_LINK_BYTES_PER_S, plan_space
+from lightmem.estimate.report import Plan
 from lightmem.estimate.settings import parse_checkpoint, parse_offload
 
 DEFAULT_LIMIT = 1 << 20
@@ -29,8 +31,8 @@ DEFAULT_LIMIT = 1 << 20
 class BatchSearch:
     """Largest batch sizes that fit ``budget_bytes`` (peak + overhead), without and with lightmem.
 
-    ``baseline`` / ``configured`` are 0 when not even a batch of 1 fits, and ``limit`` when the
-    search stopped there. ``evaluations`` lists (batch size, total bytes) per configuration.
+    ``baseline`` / ``configured`` / ``planned`` are 0 when not even a batch of 1 fits, and ``limit``
+    when the search stopped there. ``evaluations`` lists (batch size, total bytes) per configuration.
     """
 
     baseline: int
@@ -39,11 +41,17 @@ class BatchSearch:
     overhead_bytes: int
     evaluations: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     seconds: float = 0.0
+    planned: int | None = None
+    """With ``plan=True``: the largest batch at which a configuration of the planner's space fits."""
+    plan: Plan | None = None
+    """With ``plan=True``: the best plan at ``planned`` (None when not even a batch of 1 fits)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "baseline": self.baseline,
             "configured": self.configured,
+            "planned": self.planned,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
             "budget_bytes": self.budget_bytes,
             "overhead_bytes": self.overhead_bytes,
             "evaluations": {name: [list(item) for item in items] for name, items in self.evaluations.items()},
@@ -142,6 +150,10 @@ def max_batch_size(
     overhead_bytes: int | str | None = None,
     zero_grad: str = "after_forward",
     limit: int = DEFAULT_LIMIT,
+    plan: bool = False,
+    flops_per_s: float | None = None,
+    link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
+    offload_min_bytes: int | str = DEFAULT_MIN_BYTES,
 ) -> BatchSearch:
     """The largest batch size whose step fits ``budget``, without lightmem and with a configuration.
 
@@ -153,6 +165,13 @@ def max_batch_size(
         budget: device memory for the step including the overhead allowance ("24GiB", bytes).
         offload, checkpoint: the lightmem configuration for ``configured`` (None: baseline only).
         limit: the largest batch size considered.
+        plan: also search the largest batch that fits with the best plan (``planned``, and the
+            plan at that size in ``plan``): the largest size at which one of the planner's
+            extreme configurations fits (every repeated layer checkpointed, with and without
+            offload, and offload alone), then :func:`lightmem.plan` at that size picks the
+            fastest configuration that fits there.
+        flops_per_s, link_bytes_per_s, offload_min_bytes: the planner's prices and offload
+            threshold, as for :func:`lightmem.plan` (read with ``plan=True`` only).
         Other arguments: as for :func:`estimate_memory`.
 
     Raises:
@@ -192,5 +211,22 @@ def max_batch_size(
         configured, evals = search(offload_config, targets)
         result.configured = configured
         result.evaluations["configured"] = evals
+    if plan:
+        common = {
+            "optimizer": optimizer, "precision": precision, "device": device, "overhead_bytes": overhead_bytes,
+            "zero_grad": zero_grad, "flops_per_s": flops_per_s, "link_bytes_per_s": link_bytes_per_s,
+            "offload_min_bytes": offload_min_bytes, "fn_name": "max_batch_size",
+        }  # fmt: skip
+        space = plan_space(model, batch, loss_fn, **common)  # type: ignore[arg-type]
+        result.planned = 0
+        for candidate in space.extremes():
+            name = f"plan: {space.describe(candidate)}"
+            found, result.evaluations[name] = search(
+                candidate.offload_settings(space.costs.min_bytes), tuple(candidate.checkpoint_names()) or None
+            )
+            result.planned = max(result.planned, found)
+        if result.planned:
+            at_size = plan_space(model, batch, loss_fn, batch_size=result.planned, **common)  # type: ignore[arg-type]
+            result.plan = at_size.plan(budget_bytes)
     result.seconds = time.perf_counter() - started
     return result
