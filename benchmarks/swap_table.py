@@ -10,9 +10,10 @@ lightmem's estimator the same question for each configuration: the largest batch
     python benchmarks/swap_table.py              # predictions (fake tensors: any machine, ~2 min)
     python benchmarks/swap_table.py --measure    # also measured on this machine's GPU
 
-``measured_rows`` is what ``python -m lightmem.selfcheck`` calls on a GPU: each configuration's
-largest batch found by real training steps (two per trial, out-of-memory as the verdict) with the
-caching allocator capped at the budget less the same overhead allowance.
+``selfcheck_section()`` is what ``python -m lightmem.selfcheck`` calls on a GPU: the same rows,
+each configuration's largest batch also found by real training steps (``measured_rows``: two per
+trial, out-of-memory as the verdict) with the caching allocator capped at the budget less the
+same overhead allowance.
 """
 
 from __future__ import annotations
@@ -49,27 +50,29 @@ class Row:
     """One configuration of the table: lightmem's flags for it."""
 
     name: str
-    offload: bool
-    checkpoint: bool
     what: str
+    offload: bool = False
+    checkpoint: tuple[str, ...] = ()
+    offload_include: tuple[str, ...] | None = None
 
     def flags(self) -> dict[str, Any]:
+        include = None if self.offload_include is None else list(self.offload_include)
         return {
-            "offload": {"min_bytes": MIN_BYTES} if self.offload else None,
-            "checkpoint": ["Bottleneck"] if self.checkpoint else None,
+            "offload": {"min_bytes": MIN_BYTES, "include": include} if self.offload else None,
+            "checkpoint": list(self.checkpoint) or None,
         }
 
 
 ROWS = (
-    Row("baseline", offload=False, checkpoint=False, what="no lightmem"),
-    Row("offload", offload=True, checkpoint=False, what=f"offload every saved tensor of at least {MIN_BYTES}"),
-    Row("checkpoint", offload=False, checkpoint=True, what="checkpoint every Bottleneck block"),
-    Row("checkpoint + offload", offload=True, checkpoint=True, what="both of the above"),
+    Row("baseline", "nothing"),
+    Row("offload", f"offload every saved tensor of at least {MIN_BYTES}", offload=True),
+    Row("checkpoint", "checkpoint every Bottleneck block", checkpoint=("Bottleneck",)),
+    Row("checkpoint + offload", "both of the above", offload=True, checkpoint=("Bottleneck",)),
 )
 
 
-def predicted_rows(budget: str = BUDGET, limit: int = 4096) -> list[tuple[str, int, str]]:
-    """(configuration, largest batch, what it is) per row, the plan's choice last."""
+def predicted_rows(budget: str = BUDGET, limit: int = 4096) -> list[tuple[Row, int]]:
+    """Each row's predicted largest batch, the plan's choice last."""
     model, batch, loss_fn = resnet50(32)
     common: dict[str, Any] = {
         "optimizer": "sgd", "device": "cuda", "overhead_bytes": OVERHEAD, "limit": limit,
@@ -77,10 +80,16 @@ def predicted_rows(budget: str = BUDGET, limit: int = 4096) -> list[tuple[str, i
     rows = []
     for row in ROWS:
         search = max_batch_size(model, batch, budget, loss_fn, **common, **row.flags())
-        rows.append((row.name, search.baseline if row.name == "baseline" else search.configured, row.what))
+        rows.append((row, search.baseline if row.name == "baseline" else search.configured or 0))
     planned = max_batch_size(model, batch, budget, loss_fn, plan=True, offload_min_bytes=MIN_BYTES, **common)
-    chosen = "; ".join(planned.plan.parts()) if planned.plan is not None else "nothing fits"
-    rows.append(("plan's choice", planned.planned or 0, chosen))
+    chosen = planned.plan
+    if chosen is not None and chosen.fits:
+        include = chosen.offload.include if chosen.offload is not None else None
+        row = Row("plan's choice", "; ".join(chosen.parts()) or "nothing", offload=chosen.offload is not None,
+                  checkpoint=tuple(chosen.checkpoint), offload_include=include)  # fmt: skip
+        rows.append((row, planned.planned or 0))
+    else:
+        rows.append((Row("plan's choice", "nothing fits"), 0))
     return rows
 
 
@@ -105,13 +114,15 @@ def _largest(fits: Callable[[int], bool], guess: int, limit: int) -> int:
 
 
 def measured_rows(
-    budget: str = BUDGET, guesses: dict[str, int] | None = None, limit: int = 4096
-) -> list[tuple[str, int, str]]:
-    """Each configuration's largest batch on this machine's GPU, by real steps (CUDA only).
+    rows: list[tuple[Row, int]], budget: str = BUDGET, limit: int = 4096
+) -> dict[str, tuple[int, str]]:
+    """Each row's largest batch on this machine's GPU, by real steps (CUDA only), by row name.
 
     The caching allocator is capped at ``budget`` less the 1 GiB overhead allowance (what the
-    estimate's peak must fit), so the figure compares with the prediction; ``guesses`` (the
-    predicted batches, by row name) start each search near its answer.
+    estimate's peak must fit), so the figure compares with the prediction; each search starts
+    at the row's predicted batch. Offload needs pinned host memory for the whole batch's feature
+    maps (about 80 MB per ResNet-50 image): ``offload_activations``' default host budget is half
+    the machine's RAM, and past it tensors stay on the GPU.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("measured_rows needs CUDA")
@@ -119,14 +130,16 @@ def measured_rows(
     total = torch.cuda.get_device_properties(device).total_memory
     cap = parse_size(budget, flag="budget") - parse_size(OVERHEAD, flag="overhead")
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
-    rows = []
+    found: dict[str, tuple[int, str]] = {}
     try:
-        for row in ROWS:
+        for row, guess in rows:
             torch.manual_seed(0)
             model = ResNet().to(device)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            handle = apply_checkpointing(model, ["Bottleneck"]) if row.checkpoint else None
-            offloader = offload_activations(model, min_bytes=MIN_BYTES) if row.offload else None
+            handle = apply_checkpointing(model, list(row.checkpoint)) if row.checkpoint else None
+            offloader = (
+                offload_activations(model, min_bytes=MIN_BYTES, include=row.offload_include) if row.offload else None
+            )
 
             def fits(size: int, model: torch.nn.Module = model, optimizer: Any = optimizer, offloader: Any = offloader) -> bool:
                 try:
@@ -148,8 +161,8 @@ def measured_rows(
                     torch.cuda.empty_cache()
 
             started = time.perf_counter()
-            found = _largest(fits, (guesses or {}).get(row.name, 128), limit)
-            rows.append((row.name, found, f"search took {time.perf_counter() - started:.0f} s"))
+            batch = _largest(fits, guess or 128, limit)
+            found[row.name] = (batch, f"search took {time.perf_counter() - started:.0f} s")
             if handle is not None:
                 handle.remove()
             del model, optimizer, offloader
@@ -157,22 +170,42 @@ def measured_rows(
             torch.cuda.empty_cache()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
-    return rows
+    return found
 
 
-def table(predicted: list[tuple[str, int, str]], measured: list[tuple[str, int, str]] | None = None) -> str:
-    measured_by_name = {name: batch for name, batch, _ in measured or []}
+def table(predicted: list[tuple[Row, int]], measured: dict[str, tuple[int, str]] | None = None) -> str:
     headers = ["configuration", "paper (TensorFlow, measured)", "lightmem (predicted)"]
     if measured is not None:
         headers.append(f"lightmem (measured, {torch.cuda.get_device_name()})")
-    headers.append("configuration lightmem used")
+    headers.append("what lightmem does")
     rows = []
-    for name, batch, what in predicted:
-        cells = [name, str(PAPER.get(name, "-")), str(batch)]
+    for row, batch in predicted:
+        cells = [row.name, str(PAPER.get(row.name, "-")), str(batch)]
         if measured is not None:
-            cells.append(str(measured_by_name.get(name, "-")))
-        rows.append([*cells, what])
+            cells.append(str(measured.get(row.name, ("-", ""))[0]))
+        rows.append([*cells, row.what])
     return format_table(rows, headers, title=f"ResNet-50, fp32, SGD, 224x224: largest batch on a {BUDGET} GPU")
+
+
+def selfcheck_section(budget: str = BUDGET) -> str:
+    """A markdown section for ``python -m lightmem.selfcheck`` on a GPU: the paper's figures,
+    lightmem's predictions and this GPU's measurements, row by row."""
+    predicted = predicted_rows(budget)
+    measured = measured_rows(predicted, budget)
+    lines = [
+        f"## ResNet-50 on a {budget} GPU: the swap-out/in paper's table",
+        "",
+        f"fp32, SGD, 224x224; predicted: estimator peak + {OVERHEAD} allowance <= {budget}; measured: "
+        f"two real steps per trial on {torch.cuda.get_device_name()}, caching allocator capped at "
+        f"{budget} less {OVERHEAD}, out of memory as the verdict.",
+        "",
+        "| configuration | paper (TensorFlow, measured) | lightmem predicted | lightmem measured | what lightmem does | search |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row, batch in predicted:
+        found, note = measured.get(row.name, ("-", ""))
+        lines.append(f"| {row.name} | {PAPER.get(row.name, '-')} | {batch} | {found} | {row.what} | {note} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,13 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", action="store_true", help="also measure on this machine's GPU")
     parser.add_argument("--budget", default=BUDGET, help="the card's memory (default 12GB)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     started = time.perf_counter()
     predicted = predicted_rows(args.budget)
     took = time.perf_counter() - started
-    measured = None
-    if args.measure:
-        measured = measured_rows(args.budget, {name: batch for name, batch, _ in predicted})
+    measured = measured_rows(predicted, args.budget) if args.measure else None
     print(table(predicted, measured))
     print(
         f"\nPredicted: lightmem's estimator (fake tensors, device='cuda'), peak + {OVERHEAD} overhead "

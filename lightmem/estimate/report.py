@@ -463,7 +463,9 @@ class Plan:
 
 
 def format_seconds(seconds: float) -> str:
-    """A predicted cost as people read it: '3.2 s', '41.0 ms', '12.5 us'."""
+    """A predicted cost as people read it: '3.20 s', '41.0 ms', '12.5 us', '0 s'."""
+    if seconds <= 0:
+        return "0 s"
     if seconds >= 1:
         return f"{seconds:.2f} s"
     if seconds >= 1e-3:
