@@ -377,6 +377,12 @@ class PlanSpace:
             if best is None or rank(chosen) < _rank(best[0], best[1].candidates[best[2]]):
                 best = (family.times[chosen], family, chosen)
         result.evaluations = len(self.verified) - before
+        if best is None and not refused:
+            result.reason = (
+                "the model has no blocks to checkpoint and saves no tensor of at least "
+                f"{format_bytes(costs.min_bytes)} to offload"
+            )
+            return result
         if best is None:
             result.alternatives = refused
             result.reason = "no configuration in the planner's space fits: " + "; ".join(
