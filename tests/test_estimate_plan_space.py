@@ -56,7 +56,7 @@ def hf_model(kind: str, layers: int) -> nn.Module:
     return transformers.BertForMaskedLM(config)
 
 
-def hf_case(kind: str, layers: int = 3):
+def hf_case(kind: str, layers: int = 2):
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     return hf_model(kind, layers), {"input_ids": ids, "labels": ids.clone()}, lambda model, batch: model(**batch).loss
 
@@ -171,9 +171,8 @@ def test_resnet50_at_batch_600_fits_12_gb_by_offloading_feature_maps():
 
 
 def test_max_batch_size_with_plan_is_the_largest_batch_a_configuration_of_the_space_fits():
-    model, batch, loss_fn = cnn_case()
-    base = estimate_memory(model, batch, loss_fn, device="cuda", overhead_bytes=0)
-    budget = base.peak_bytes * 3  # about three of these batches without lightmem
+    space, (model, batch, loss_fn) = _space("cnn")
+    budget = space.base.peak_bytes * 3  # about three of these batches without lightmem
     search = max_batch_size(
         model, batch, budget, loss_fn, device="cuda", overhead_bytes=0, plan=True, offload_min_bytes=MIN_BYTES
     )

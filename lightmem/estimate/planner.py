@@ -405,6 +405,7 @@ class PlanSpace:
         }
         result.offload_everywhere = candidate.everywhere
         result.predicted_peak_bytes = verified.peak_bytes
+        result.host_bytes = verified.host_bytes
         result.recompute_s, result.exposed_transfer_s = times.recompute_s, times.exposed_transfer_s
         result.family = family.name
         others = [

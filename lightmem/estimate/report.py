@@ -368,6 +368,8 @@ class Plan:
     alternatives: list[PlanOption] = field(default_factory=list)
     evaluations: int = 0
     """Fake steps the search ran (besides the baseline)."""
+    host_bytes: int = 0
+    """Peak host memory the plan's offload holds (pinned), as the estimator's step predicts."""
 
     @property
     def predicted_total_bytes(self) -> int:
@@ -408,6 +410,7 @@ class Plan:
             "link_bytes_per_s": self.link_bytes_per_s,
             "alternatives": [option.to_dict() for option in self.alternatives],
             "evaluations": self.evaluations,
+            "host_bytes": self.host_bytes,
             "lightmem_kwargs": {
                 name: _policy_name(value) if name == "checkpoint_policy" else value
                 for name, value in self.lightmem_kwargs().items()
@@ -447,6 +450,7 @@ class Plan:
         lines = [
             f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
             + "; ".join(self.parts())
+            + (f", holding {format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
             + f" (about {format_seconds(self.recompute_s)} re-computation and "
             f"{format_seconds(self.exposed_transfer_s)} exposed transfer per step at {prices}): {why}."
         ]

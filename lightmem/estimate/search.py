@@ -168,8 +168,9 @@ def max_batch_size(
         plan: also search the largest batch that fits with the best plan (``planned``, and the
             plan at that size in ``plan``): the largest size at which one of the planner's
             extreme configurations fits (every repeated layer checkpointed, with and without
-            offload, and offload alone), then :func:`lightmem.plan` at that size picks the
-            fastest configuration that fits there.
+            offload, and offload alone; the one with the smallest step at ``batch``'s size is
+            searched in full, each other one only when it also fits the next size), then
+            :func:`lightmem.plan` at that size picks the fastest configuration that fits there.
         flops_per_s, link_bytes_per_s, offload_min_bytes: the planner's prices and offload
             threshold, as for :func:`lightmem.plan` (read with ``plan=True`` only).
         Other arguments: as for :func:`estimate_memory`.
@@ -194,16 +195,25 @@ def max_batch_size(
     budget_bytes = settings.budget_bytes
     assert budget_bytes is not None
 
+    def totals(offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None) -> Callable[[int], int]:
+        """Peak + overhead of one configuration by batch size, each size estimated once."""
+        seen: dict[int, int] = {}
+
+        def total(size: int) -> int:
+            if size not in seen:
+                trace = run_configuration(
+                    model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info
+                )
+                seen[size] = trace.peak.bytes + settings.overhead_bytes
+            return seen[size]
+
+        total.seen = seen  # type: ignore[attr-defined]
+        return total
+
     def search(
         offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None
     ) -> tuple[int, list[tuple[int, int]]]:
-        def total(size: int) -> int:
-            trace = run_configuration(
-                model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info
-            )
-            return trace.peak.bytes + settings.overhead_bytes
-
-        return largest_fitting(total, budget_bytes, info.batch_size or 1, limit)
+        return largest_fitting(totals(offload_config, targets), budget_bytes, info.batch_size or 1, limit)
 
     baseline, baseline_evals = search(None, None)
     result = BatchSearch(baseline, None, budget_bytes, settings.overhead_bytes, {"baseline": baseline_evals})
@@ -218,13 +228,22 @@ def max_batch_size(
             "offload_min_bytes": offload_min_bytes, "fn_name": "max_batch_size",
         }  # fmt: skip
         space = plan_space(model, batch, loss_fn, **common)  # type: ignore[arg-type]
-        result.planned = 0
-        for candidate in space.extremes():
-            name = f"plan: {space.describe(candidate)}"
-            found, result.evaluations[name] = search(
+        extremes = {
+            space.describe(candidate): totals(
                 candidate.offload_settings(space.costs.min_bytes), tuple(candidate.checkpoint_names()) or None
             )
-            result.planned = max(result.planned, found)
+            for candidate in space.extremes()
+        }
+        # The extreme with the smallest step at the batch given is searched in full; each other
+        # one only when it fits the next size too (then from there).
+        start = info.batch_size or 1
+        first = min(extremes, key=lambda name: extremes[name](start))
+        result.planned = largest_fitting(extremes[first], budget_bytes, start, limit)[0]
+        for name, total in extremes.items():
+            if name != first and result.planned < limit and total(result.planned + 1) <= budget_bytes:
+                result.planned = largest_fitting(total, budget_bytes, result.planned + 1, limit)[0]
+        for name, total in extremes.items():
+            result.evaluations[f"plan: {name}"] = sorted(total.seen.items())  # type: ignore[attr-defined]
         if result.planned:
             at_size = plan_space(model, batch, loss_fn, batch_size=result.planned, **common)  # type: ignore[arg-type]
             result.plan = at_size.plan(budget_bytes)
