@@ -225,3 +225,27 @@ def test_cli_link_speed_needs_plan(capsys, monkeypatch):
     assert "--link-bytes-per-s prices the plan's transfers: it needs --plan" in capsys.readouterr().err
     assert main([*argv, "--plan", "--link-bytes-per-s", "0"]) == 2
     assert "--link-bytes-per-s: must be positive; got '0'" in capsys.readouterr().err
+
+
+def test_step_time_hides_a_transfer_behind_later_compute_and_charges_what_sticks_out():
+    from lightmem.estimate.report import BlockMemory
+    from lightmem.estimate.step_time import CHECKPOINT, OFFLOAD, Costs, step_time
+
+    costs = Costs(flops_per_s=1e12, link_bytes_per_s=1e9, min_bytes=1, allow_offload=True)
+
+    def blocks(moved: int) -> dict[str, BlockMemory]:
+        # Two blocks of 1 s of forward each; "a" saves one tensor of ``moved`` bytes.
+        return {
+            "a": BlockMemory("a", moved, 1e12, input_bytes=1, saved_sizes=[moved]),
+            "b": BlockMemory("b", 10, 1e12, input_bytes=10, saved_sizes=[10]),
+        }
+
+    # 1.5 s out while b's forward and backward run (1 s + 2 s), 1.5 s back before a's backward.
+    hidden = step_time(blocks(1_500_000_000), {"a": OFFLOAD}, costs)
+    assert (hidden.recompute_s, hidden.exposed_transfer_s, hidden.moved_bytes) == (0.0, 0.0, 1_500_000_000)
+    # 3 s out (done at 4 s), 3 s back (done at 7 s, a's backward was ready at 4 s): 3 s stick out.
+    late = step_time(blocks(3_000_000_000), {"a": OFFLOAD}, costs)
+    assert (late.recompute_s, late.exposed_transfer_s) == (0.0, 3.0)
+    # b's 1 s re-run in backward hides 1 s of it.
+    both = step_time(blocks(3_000_000_000), {"a": OFFLOAD, "b": CHECKPOINT}, costs)
+    assert (both.recompute_s, both.exposed_transfer_s, both.total_s) == (1.0, 2.0, 3.0)
