@@ -11,13 +11,15 @@ three nested sequences ("families"), each from one cheap step to its extreme:
   repeated layer), cheapest per byte first, ending with every layer both and every block offloaded;
 - ``offload everywhere``: every saved tensor offloaded, then repeated layers checkpointed too.
 
-Predictions (the bytes each action saves) only order a family. Whether a configuration fits is
-decided by the estimator's verified fake step, never by the prediction: a family's extreme is
-verified first, and when it fits, a bisection over verified steps finds the first configuration
-that fits. Among every configuration at or after it, and across families, the one with the least
-predicted step time (:mod:`lightmem.estimate.step_time`) is chosen and verified. So whenever a
-family's extreme fits (every repeated layer checkpointed, with or without offload, or offload
-alone) the plan fits, at a verified peak within the budget.
+Predictions (the bytes each action saves) only order a family and say where to start looking.
+Whether a configuration fits is decided by the estimator's verified fake step, never by the
+prediction: from the first configuration whose predicted savings cover the need, verified steps
+gallop down while it fits or up (to the family's extreme) until it does, then bisect, which finds
+the first configuration that fits. Among it and every configuration after it, and across
+families, the one with the least predicted step time (:mod:`lightmem.estimate.step_time`) is
+chosen, verified before it is taken. So whenever a family's extreme fits (every repeated layer
+checkpointed, with or without offload) or offload alone fits, the plan fits, at a verified peak
+within the budget.
 """
 
 from __future__ import annotations
@@ -183,6 +185,10 @@ class Family:
     times: list[StepTime]
     predicted_saved: list[int]
 
+    def guess(self, need: int) -> int:
+        """The first candidate predicted to save ``need`` bytes (the last when none is)."""
+        return next((i for i, saved in enumerate(self.predicted_saved) if saved >= need), len(self.candidates) - 1)
+
 
 @dataclass(frozen=True)
 class Verified:
@@ -293,35 +299,42 @@ class PlanSpace:
         found += [family.candidates[0] for family in self.families if family.name == "offload everywhere"]
         return list(dict.fromkeys(found))
 
-    def _fitting_range(self, family: Family, available: int, need: int) -> range | None:
-        """The candidates of ``family`` taken to fit, found by bisection over verified steps.
+    def _first_fit(self, family: Family, available: int, need: int) -> int | None:
+        """The first candidate of ``family`` that fits, searched with verified steps from the
+        first one whose predicted savings cover ``need``: galloping (1, 2, 4 ... steps) down
+        while it fits or up until it does, then bisecting. Fitting is taken to be monotone
+        along a family (a longer prefix saves more), so two or three steps usually settle it;
+        when nothing up to the extreme fits, None.
 
-        Fitting is taken to be monotone along a family: a longer prefix saves more, so when the
-        extreme fits, the first fit is bisected for. Along "offload everywhere" it can go the
-        other way (checkpointing on top of offload raises the peak when a re-run materialises a
-        large block in backward), so when its extreme does not fit but offload alone does, the
-        last fit is searched for, galloping from the start.
+        Along "offload everywhere" fitting can go the other way (checkpointing on top of
+        offload raises the peak when a re-run materialises a large block in backward): when
+        nothing after the start fits, the start itself (offload alone) is the answer if it fits.
         """
         fits = lambda index: self.verify(family.candidates[index]).peak_bytes <= available  # noqa: E731
         last = len(family.candidates) - 1
-        if fits(last):
-            low, high = -1, last  # low: taken not to fit (the baseline does not); high: fits
-            probe = next((i for i, saved in enumerate(family.predicted_saved) if saved >= need), 0)
-            while high - low > 1:
-                probe = probe if low < probe < high else (low + high) // 2
-                low, high = (low, probe) if fits(probe) else (probe, high)
-                probe = -1
-            return range(high, last + 1)
-        if last == 0 or family.name != "offload everywhere" or not fits(0):
-            return None
-        low, high, step = 0, last, 1  # low fits, high does not; the last fit is usually near 0
-        while low + step < high and fits(low + step):
-            low, step = low + step, step * 2
-        high = min(high, low + step)
+        guess = family.guess(need)
+        step = 1
+        if fits(guess):
+            low, high = -1, guess  # low: taken not to fit (the baseline does not); high: fits
+            while high - step > low:
+                if not fits(high - step):
+                    low = high - step
+                    break
+                high, step = high - step, step * 2
+        else:
+            low, high = guess, None
+            while low < last:
+                probe = min(low + step, last)
+                if fits(probe):
+                    high = probe
+                    break
+                low, step = probe, step * 2
+            if high is None:
+                return 0 if family.name == "offload everywhere" and fits(0) else None
         while high - low > 1:
             probe = (low + high) // 2
-            low, high = (probe, high) if fits(probe) else (low, probe)
-        return range(0, low + 1)
+            low, high = (low, probe) if fits(probe) else (probe, high)
+        return high
 
     def plan(self, budget_bytes: int) -> Plan:
         """The fastest verified configuration within ``budget_bytes`` (overhead allowance included)."""
@@ -352,27 +365,29 @@ class PlanSpace:
         fitted: dict[Candidate, tuple[StepTime, str]] = {}
         refused: list[PlanOption] = []
         for family in sorted(self.families, key=lambda f: min(t.total_s for t in f.times)):
-            cheapest = min(_rank(t, c) for t, c in zip(family.times, family.candidates))
+            # What it might offer: its candidates from the first predicted to fit (the start of
+            # offload everywhere always: the others may only fit with it).
+            start = 0 if family.name == "offload everywhere" else family.guess(need)
+            cheapest = min(_rank(family.times[i], family.candidates[i]) for i in range(start, len(family.candidates)))
             if best is not None and cheapest >= _rank(best[0], best[1].candidates[best[2]]):
-                continue  # even its cheapest configuration is slower than one that fits
-            fitting = self._fitting_range(family, available, need)
-            if fitting is None:
+                continue  # a configuration that fits is already at least as fast
+            first = self._first_fit(family, available, need)
+            if first is None:
                 refused.append(self._option(family, len(family.candidates) - 1, fits=False))
                 continue
 
             def rank(index: int, family: Family = family) -> tuple[float, int, int]:
                 return _rank(family.times[index], family.candidates[index])
 
-            first = fitting[0]  # verified: the bisection's boundary, or the family's first
+            # The first fit is verified. Cheaper candidates after it are verified nearest first,
+            # each one taken while it fits; the walk stops at the first that does not.
             fitted[family.candidates[first]] = (family.times[first], family.name)
             chosen = first
-            later = sorted(fitting, key=lambda i: (rank(i), i))
-            for index in later[:_TRIES_PAST_FIRST_FIT]:
-                if rank(index) >= rank(first):
+            for _ in range(_TRIES_PAST_FIRST_FIT):
+                cheaper = [i for i in range(chosen + 1, len(family.candidates)) if rank(i) < rank(chosen)]
+                if not cheaper or self.verify(family.candidates[cheaper[0]]).peak_bytes > available:
                     break
-                if self.verify(family.candidates[index]).peak_bytes <= available:
-                    chosen = index
-                    break
+                chosen = cheaper[0]
             fitted[family.candidates[chosen]] = (family.times[chosen], family.name)
             if best is None or rank(chosen) < _rank(best[0], best[1].candidates[best[2]]):
                 best = (family.times[chosen], family, chosen)
