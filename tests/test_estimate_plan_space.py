@@ -11,7 +11,6 @@ step runs once.
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest

@@ -192,10 +192,9 @@ class Family:
 
 @dataclass(frozen=True)
 class Verified:
-    """A candidate's fake step: its peak and what it moved to host."""
+    """A candidate's fake step: its peak, and the host memory its offload holds."""
 
     peak_bytes: int
-    offloaded_bytes: int
     host_bytes: int
 
 
@@ -284,7 +283,7 @@ class PlanSpace:
                 checkpoint=tuple(candidate.checkpoint_names()) or None,
                 offload=candidate.offload_settings(self.costs.min_bytes),
             )  # fmt: skip
-            found = Verified(trace.peak.bytes, trace.offloaded_bytes, trace.host_bytes)
+            found = Verified(trace.peak.bytes, trace.host_bytes)
             self.verified[candidate] = found
         return found
 
