@@ -36,7 +36,15 @@ from lightmem.config import DEFAULT_MIN_BYTES, OffloadSettings, PlanPrices, Spel
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.configuration import EstimateSettings, build_report, parse_settings, run_configuration
-from lightmem.estimate.report import BlockMemory, MemoryEstimate, Plan, PlanOption, compact_names, natural_order, policy_name
+from lightmem.estimate.report import (
+    BlockMemory,
+    MemoryEstimate,
+    Plan,
+    PlanOption,
+    compact_names,
+    natural_order,
+    policy_name,
+)
 from lightmem.estimate.settings import parse_offload
 from lightmem.estimate.step import ROOT_BLOCK, StepTrace
 from lightmem.estimate.step_time import (
