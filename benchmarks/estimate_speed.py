@@ -75,10 +75,13 @@ def main() -> None:
         f"| `max_batch_size`, 80 GiB | batch {search.baseline} ({nxt} {verdict}), "
         f"{len(evaluated)} sizes estimated | {search_s:.1f} s |"
     )
+    offloaded = "nothing" if chosen.offload is None else (
+        "everywhere" if chosen.offload.include is None else f"{len(chosen.offload.include)} blocks"
+    )
     print(
-        f"| `plan`, 40 GiB | fits: {chosen.fits}, {len(chosen.checkpoint)} checkpointed, "
-        f"{len(chosen.offload.include or ()) if chosen.offload else 0} offloaded, predicted "
-        f"{format_bytes(chosen.predicted_total_bytes)} | {plan_s:.1f} s |"
+        f"| `plan`, 40 GiB | fits: {chosen.fits}, {len(chosen.checkpoint)} checkpointed, offload "
+        f"{offloaded}, predicted {format_bytes(chosen.predicted_total_bytes)}, "
+        f"{chosen.evaluations} configurations verified | {plan_s:.1f} s |"
     )
 
 

@@ -124,3 +124,80 @@ def deep_convnet(batch_size: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.
         model = nn.Sequential(*layers)
     batch = (torch.rand(batch_size, 1, 16, 16), torch.rand(batch_size, 1))
     return model, batch, lambda net, b: F.mse_loss(net(b[0]), b[1])
+
+
+class Bottleneck(nn.Module):
+    """ResNet's bottleneck block: 1x1 reduce, 3x3, 1x1 expand, each with BatchNorm; a projected
+    shortcut when the shape changes."""
+
+    expansion = 4
+
+    def __init__(self, inputs: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        outputs = width * self.expansion
+        self.conv1 = nn.Conv2d(inputs, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, outputs, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(outputs)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or inputs != outputs:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inputs, outputs, 1, stride=stride, bias=False), nn.BatchNorm2d(outputs)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        shortcut = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + shortcut)
+
+
+class ResNet(nn.Module):
+    """The ImageNet ResNet layout (torchvision's module names): a 7x7 stem at full resolution, max
+    pooling, stages of bottleneck blocks (``layer1``...; ResNet-50's depths by default), global
+    average pooling and one linear classifier."""
+
+    def __init__(self, depths: tuple[int, ...] = (3, 4, 6, 3), base_width: int = 64, classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, base_width, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(base_width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        stages = []
+        inputs = base_width
+        for index, depth in enumerate(depths):
+            width = base_width * 2**index
+            blocks = []
+            for block in range(depth):
+                blocks.append(Bottleneck(inputs, width, stride=2 if block == 0 and index > 0 else 1))
+                inputs = width * Bottleneck.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.stages = len(stages)
+        for index, stage in enumerate(stages):
+            setattr(self, f"layer{index + 1}", stage)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(inputs, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        for index in range(self.stages):
+            x = getattr(self, f"layer{index + 1}")(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    images, labels = batch
+    return F.cross_entropy(model(images), labels)
+
+
+def resnet50(batch_size: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], object]:
+    """ResNet-50 (25.6M parameters) on ImageNet-sized images (3x224x224), weights and batch on the
+    meta device: the estimate needs neither values nor memory."""
+    with torch.device("meta"):
+        model = ResNet()
+        batch = (torch.empty(batch_size, 3, 224, 224), torch.zeros(batch_size, dtype=torch.long))
+    return model, batch, classification_loss

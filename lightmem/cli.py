@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightmem.checkpoint import select_blocks
-from lightmem.config import CLI, CheckpointSettings, OffloadSettings, OptimizerOffloadSettings, parse_size
+from lightmem.config import (
+    CLI,
+    CheckpointSettings,
+    OffloadSettings,
+    OptimizerOffloadSettings,
+    PlanPrices,
+    parse_size,
+    reject_without_partner,
+)
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.estimate.settings import parse_device, parse_optimizer, parse_overhead, parse_precision
 
@@ -137,8 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-policy flags (the plan chooses the modules itself)",
     )
     estimate.add_argument(
-        "--max-batch-size", action="store_true", help="also search the largest batch that fits --budget"
-    )
+        "--max-batch-size", action="store_true",
+        help="also search the largest batch that fits --budget (with --plan: also with the best plan)",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--link-bytes-per-s", default=None, metavar="SIZE",
+        help="host link speed per second, each way, that --plan prices transfers at (default 25GB)",
+    )  # fmt: skip
     estimate.add_argument("--json", action="store_true", help="print JSON instead of the table")
     estimate.add_argument(
         "--verbose", action="store_true", help="list everything the estimate does not model"
@@ -165,6 +178,8 @@ class _Flags:
     checkpoint: CheckpointSettings
     optimizer_offload: OptimizerOffloadSettings | None
     """None: no ``--offload-optimizer``."""
+    prices: PlanPrices | None
+    """``--link-bytes-per-s``, validated (only with ``--plan``)."""
 
 
 def _check_flags(args: argparse.Namespace) -> _Flags:
@@ -186,7 +201,12 @@ def _check_flags(args: argparse.Namespace) -> _Flags:
         offload = OffloadSettings.for_estimate(spelling=CLI, **given)
     checkpoint = CheckpointSettings.parse(args.checkpoint, None, args.checkpoint_policy, spelling=CLI, planned=args.plan)
     optimizer_offload = OptimizerOffloadSettings.parse(spelling=CLI) if args.offload_optimizer else None
-    return _Flags(offload, checkpoint, optimizer_offload)
+    prices = None
+    if args.link_bytes_per_s is not None:
+        if not args.plan:
+            reject_without_partner(CLI, "link_bytes_per_s", "--plan", "add --plan")
+        prices = PlanPrices.parse(flops_per_s=None, link_bytes_per_s=args.link_bytes_per_s, spelling=CLI)
+    return _Flags(offload, checkpoint, optimizer_offload, prices)
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -211,13 +231,16 @@ def run_estimate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     output: dict[str, Any] = {"estimate": result.to_dict()}
     found_plan = search = None
+    link = {} if args.link_bytes_per_s is None else {"link_bytes_per_s": args.link_bytes_per_s}
     if args.plan:
-        found_plan = plan(model, batch, args.budget, loss_fn, offload=flags.offload, checkpoint_policy=policy, **common)
+        found_plan = plan(
+            model, batch, args.budget, loss_fn, offload=flags.offload, checkpoint_policy=policy, **common, **link
+        )
         output["plan"] = found_plan.to_dict()
     if args.max_batch_size:
         search = max_batch_size(
             model, batch, args.budget, loss_fn, offload=flags.offload, checkpoint=targets, checkpoint_policy=policy,
-            **common,
+            plan=args.plan, **common, **link,
         )  # fmt: skip
         output["max_batch_size"] = search.to_dict()
     if args.json:
@@ -232,7 +255,11 @@ def run_estimate(args: argparse.Namespace) -> int:
         line = f"Largest batch that fits {args.budget}: {search.baseline} without lightmem"
         if search.configured is not None:
             line += f", {search.configured} with the given offload/checkpoint/offload-optimizer flags"
+        if search.planned is not None:
+            line += f", {search.planned} with the best plan"
         print(line)
+        if search.plan is not None and search.plan.fits:
+            print(f"Plan at batch {search.planned}: {search.plan.describe()}")
     return 0
 
 

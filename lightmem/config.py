@@ -277,6 +277,7 @@ CLI = Spelling("lightmem estimate", (
     ("min_bytes", "offload-min-bytes"), ("include", "offload-include"), ("exclude", "offload-exclude"),
     ("targets", "checkpoint"), ("policy", "checkpoint-policy"), ("plan", "plan"), ("budget", "budget"),
     ("enabled", "offload-optimizer"),
+    ("link_bytes_per_s", "link-bytes-per-s"),
 ), style="cli")  # fmt: skip
 """The ``lightmem estimate`` command's options."""
 
@@ -627,6 +628,28 @@ class PlanSettings:
         if plan is None and budget is not None:
             reject_without_partner(spelling, "device_budget", f"{spelling.entry}(plan='auto')", "set plan='auto'")
         return cls(auto=plan == "auto", device_budget_bytes=budget)
+
+
+@dataclass(frozen=True)
+class PlanPrices:
+    """What the planner prices a step at: forward throughput (None: the device's default) and the
+    host link speed per second, each way (``plan(link_bytes_per_s=...)``, ``--link-bytes-per-s``)."""
+
+    flops_per_s: float | None
+    link_bytes_per_s: int
+
+    @classmethod
+    def parse(
+        cls, *, flops_per_s: float | None, link_bytes_per_s: int | str, spelling: Spelling
+    ) -> PlanPrices:
+        """Validate both; ``ValueError`` names the flag as ``spelling`` spells it."""
+        flag = spelling.flag
+        link = parse_size(link_bytes_per_s, flag=flag("link_bytes_per_s"))
+        if link <= 0:
+            raise ValueError(f"{flag('link_bytes_per_s')}: must be positive; got {link_bytes_per_s!r}")
+        if flops_per_s is not None and (isinstance(flops_per_s, bool) or not float(flops_per_s) > 0):
+            raise ValueError(f"{flag('flops_per_s')}: must be positive; got {flops_per_s!r}")
+        return cls(flops_per_s=None if flops_per_s is None else float(flops_per_s), link_bytes_per_s=link)
 
 
 @dataclass(frozen=True)

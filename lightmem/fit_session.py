@@ -36,6 +36,13 @@ def offload_off_reason(settings: OffloadSettings) -> str | None:
     return None
 
 
+def offload_scope(offload: OffloadSettings | None) -> str:
+    """A plan's offload scope in the log line: its modules, 'everywhere' (no include) or 'nothing'."""
+    if offload is None:
+        return "nothing"
+    return "everywhere" if offload.include is None else str(list(offload.include))
+
+
 class FitSession:
     """The state of one fit: checkpoint handle, offloader, optimizer offloaders, plan, recorder,
     host guard.
@@ -233,7 +240,7 @@ class FitSession:
         self.chosen_plan = chosen
         summary = (
             f"lightmem: plan for a {format_bytes(chosen.budget_bytes)} device budget: checkpoint "
-            f"{chosen.checkpoint or 'nothing'}, offload {list(chosen.offload.include) if chosen.offload else 'nothing'}; "
+            f"{chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}; "
             f"predicted peak {format_bytes(chosen.predicted_total_bytes)}"
         )
         if chosen.fits:

@@ -13,7 +13,10 @@ and prints its path:
 - the largest batch of a GPT sized to the GPU, with and without lightmem (search on OOM), and
   several timed steps at that batch (a batch that fits only through the allocator's
   free-and-retry shows its cost there);
-- ``estimate_memory``'s predicted peak against the measured one.
+- ``estimate_memory``'s predicted peak against the measured one;
+- the swap-out/in paper's ResNet-50 table (``benchmarks/swap_table.py``): each configuration's
+  largest batch on a 12 GB budget as the paper measured it, as lightmem predicts it and as this
+  GPU gives it, and the plan's choice.
 
 Every section has a time limit (``--section-timeout-s``): one that hangs is reported as such and
 the report goes on. Run it from a lightmem checkout: the tests and the GPT live in ``tests/`` and
@@ -305,6 +308,16 @@ def estimate_vs_measured() -> str:
     return f"## Estimator against the device\n\nGPT {BENCH_GPT}, batch {BENCH_BATCH}, AdamW, fp32.\n\n{table}\n"
 
 
+def swap_table() -> str:
+    """``benchmarks/swap_table.py``'s section: the paper's ResNet-50 table, predicted and measured here."""
+    benchmarks = str(CHECKOUT / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import swap_table as table
+
+    return table.selfcheck_section()
+
+
 def gpu_tests(timeout_s: float = GPU_TESTS_TIMEOUT_S) -> str:
     tests = CHECKOUT / "tests" / "gpu"
     if not tests.is_dir():
@@ -352,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sections[-1].__name__ = "gpu_tests"
     timed = lambda: benchmark_steps(args.rounds)  # noqa: E731
     timed.__name__ = "benchmark_steps"
-    sections += [timed, largest_batches, estimate_vs_measured]
+    sections += [timed, largest_batches, estimate_vs_measured, swap_table]
     hung = False
     for section in sections:
         text, finished = run_with_time_limit(section, args.section_timeout_s + 60)

@@ -339,3 +339,46 @@ def test_plan_auto_that_checkpoints_batchnorm_blocks_keeps_the_whole_state_exact
     # Block 2 (momentum=None) is among the checkpointed ones.
     assert callback.chosen_plan.checkpoint == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
     _assert_same_state(expected, actual)
+
+
+def test_plan_auto_applies_a_plan_that_offloads_everywhere(monkeypatch, caplog):
+    # On a CPU device the planner never offloads; a plan as it comes from a GPU (offload without
+    # include: every saved tensor, in any module) must reach the offloader as such.
+    import logging
+
+    from lightmem import fit_session
+    from lightmem.estimate.report import Plan
+
+    def everywhere(model, batch, budget, **kwargs):
+        offload = kwargs["offload"].with_choice(min_bytes=0, include=None)
+        return Plan([], offload, 1, 0, budget, True, "as a GPU's plan would", offload_everywhere=True)
+
+    monkeypatch.setattr(fit_session, "plan", everywhere)
+    callback = LightMem(plan="auto", device_budget="1GiB", offload_devices=["cpu"], offload_min_bytes=0)
+    seen = {}
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            offloader = callback.fit_session.offloader
+            seen.setdefault("include", offloader.settings.include)
+            seen.setdefault("offloaded", offloader.stats.offloaded_bytes)
+
+    expected = _fit(None, max_steps=2)
+    pl.seed_everything(0, verbose=False)
+    module = LitGPT()
+    trainer = _trainer([callback, Spy()], max_steps=2)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, token_loader())
+    assert seen["include"] is None and seen["offloaded"] > 0
+    assert "checkpoint nothing, offload everywhere; predicted peak" in caplog.text
+    _assert_same_state(expected, (module, trainer))
+
+
+def test_offload_scope_in_the_plan_log_line():
+    from lightmem.config import OffloadSettings
+    from lightmem.fit_session import offload_scope
+
+    settings = OffloadSettings.parse()
+    assert offload_scope(None) == "nothing"
+    assert offload_scope(settings) == "everywhere"
+    assert offload_scope(settings.with_choice(min_bytes=0, include=("blocks.0",))) == "['blocks.0']"

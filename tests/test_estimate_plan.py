@@ -64,7 +64,8 @@ def test_plan_fits_when_the_budget_allows_and_its_flags_verify():
     expected_keys = (
         {"offload"}
         | ({"checkpoint"} if result.checkpoint else set())
-        | ({"offload_min_bytes", "offload_include"} if result.offload else set())
+        | ({"offload_min_bytes"} if result.offload else set())
+        | ({"offload_include"} if result.offload and result.offload.include else set())
     )
     assert set(kwargs) == expected_keys
     from lightmem import LightMem

@@ -200,17 +200,7 @@ def reach_budget(estimate: MemoryEstimate, plan: Plan | None) -> list[Advice]:
                 "largest that fits) or the model.",
             )
         ]
-    kinds = _kinds(estimate)
-    parts = []
-    if plan.offload_optimizer:
-        parts.append("offload_optimizer=True (gradients and optimizer state on the host)")
-    if plan.checkpoint:
-        parts.append(f"checkpoint {compact_names(sorted(plan.checkpoint, key=natural_order), kinds)}")
-    if plan.offload is not None:
-        parts.append(
-            f"offload {compact_names(sorted(plan.offload.include or (), key=natural_order), kinds)} "
-            f"(offload_include, min_bytes {format_bytes(plan.offload.min_bytes)})"
-        )
+    parts = plan.parts()  # the plan words its own configuration (offload everywhere included)
     return [
         Advice(
             "reach-budget",

@@ -1,17 +1,31 @@
-"""``plan``: the cheapest lightmem configuration that fits a memory budget.
+"""``plan``: the fastest lightmem configuration that fits a memory budget.
 
-Each top-level block is kept, offloaded, checkpointed, or both (checkpointed, with the inputs it
-keeps offloaded: the two compose). Checkpointing a block saves its saved activations less its
-input (which checkpoint keeps) and less the op outputs the checkpoint policy keeps
-(``"save_matmuls"``: matmul and attention outputs; none under ``"full"``), and costs one re-run
-of the ops the policy recomputes, priced by their forward FLOPs over ``flops_per_s`` (all of the
-block's FLOPs under ``"full"``; under ``"save_matmuls"`` only FLOPs outside matmuls and attention,
-which this model counts as nearly free: the memory-bound ops it re-runs are not priced). One
-policy holds for the whole plan (``LightMem`` takes one ``checkpoint_policy``). Offloading saves
-its saved storages of at least ``min_bytes`` and costs only the part of the transfer (bytes over ``link_bytes_per_s``, out during
-forward, back during backward) that the block's compute does not hide: free while it hides.
-Blocks are chosen greedily by cost per byte saved until the predicted excess is covered; the
-choice is then verified by the estimator, and the excess still found is added for another round.
+The space: checkpointing any set of the repeated layers, offloading the saved tensors of any set
+of blocks, and offloading every saved tensor of at least ``min_bytes`` anywhere in the model
+(the stem of a CNN, an LM's embedding output and head input included), alone or with any set
+of checkpointed layers. The space is too large to verify point by point, so it is walked as
+three nested sequences ("families"), each from one cheap step to its extreme:
+
+- ``checkpoint``: repeated layers checkpointed one by one, cheapest re-run per byte first;
+- ``per block``: per-block actions (offload any block, checkpoint or checkpoint + offload a
+  repeated layer), cheapest per byte first, ending with every layer both and every block offloaded;
+- ``offload everywhere``: every saved tensor offloaded, then repeated layers checkpointed too.
+
+Predictions (the bytes each action saves) only order a family and say where to start looking.
+Whether a configuration fits is decided by the estimator's verified fake step, never by the
+prediction: from the first configuration whose predicted savings cover the need, verified steps
+gallop down while it fits or up (to the family's extreme) until it does, then bisect, which finds
+the first configuration that fits. Among it and every configuration after it, and across
+families, the one with the least predicted step time (:mod:`lightmem.estimate.step_time`) is
+chosen, verified before it is taken. So whenever a family's extreme fits (every repeated layer
+checkpointed, with or without offload) or offload alone fits, the plan fits, at a verified peak
+within the budget.
+
+Model-state offload (``offload_optimizer``: gradients and optimizer state on the host) is decided
+once, before the walks: on when asked for, or when parameters + gradients + optimizer state leave
+no room but the parameters alone do. Then every verified step runs with it, the baseline that
+decides "already fits" is its step, and its link time (``model_state_transfer_s``) is added to
+every configuration's exposed transfer.
 """
 
 from __future__ import annotations
@@ -24,66 +38,54 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import DEFAULT_MIN_BYTES, OffloadSettings, OptimizerOffloadSettings, format_bytes, parse_size
+from lightmem.config import (
+    DEFAULT_MIN_BYTES,
+    OffloadSettings,
+    OptimizerOffloadSettings,
+    PlanPrices,
+    Spelling,
+    format_bytes,
+    parse_size,
+)
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.configuration import EstimateSettings, build_report, parse_settings, run_configuration
-from lightmem.estimate.report import BlockMemory, MemoryEstimate, Plan, natural_order, policy_name
+from lightmem.estimate.report import (
+    BlockMemory,
+    MemoryEstimate,
+    Plan,
+    PlanOption,
+    compact_names,
+    natural_order,
+    policy_name,
+)
 from lightmem.estimate.settings import parse_offload
-from lightmem.estimate.step import ROOT_BLOCK
+from lightmem.estimate.step import ROOT_BLOCK, StepTrace
+from lightmem.estimate.step_time import (
+    BOTH,
+    CHECKPOINT,
+    KEEP,
+    OFFLOAD,
+    Costs,
+    StepTime,
+    block_cost_s,
+    recompute_s,
+    saves_bytes,
+    step_time,
+)
+
+__all__ = [
+    "BOTH", "CHECKPOINT", "KEEP", "OFFLOAD", "Candidate", "Costs", "PlanSpace", "choose_actions",
+    "config_for", "default_costs", "plan", "plan_space", "recompute_s", "saves_bytes", "search_plan",
+]  # fmt: skip
 
 DEFAULT_LINK_BYTES_PER_S = "25GB"
-"""Host link bandwidth per second (PCIe 4.0 x16 sustains about this)."""
+"""Host link bandwidth per second, each way (PCIe 4.0 x16 sustains about this)."""
 DEFAULT_FLOPS_PER_S = {"cuda": 100e12, "cpu": 0.2e12}
 """Sustained forward throughput used to price re-computation; pass your device's own."""
-KEEP, OFFLOAD, CHECKPOINT, BOTH = "keep", "offload", "checkpoint", "checkpoint+offload"
 _RANK = {KEEP: 0, OFFLOAD: 1, CHECKPOINT: 2, BOTH: 3}  # a block only moves up this list
-
-
-@dataclass
-class Costs:
-    flops_per_s: float
-    link_bytes_per_s: float
-    min_bytes: int
-    allow_offload: bool
-
-
-def _offload_s(nbytes: int, forward_s: float, costs: Costs) -> float:
-    """Transfer time compute does not hide: out while forward runs on, back during backward (~2x)."""
-    transfer_s = nbytes / costs.link_bytes_per_s
-    return max(0.0, transfer_s - forward_s) + max(0.0, transfer_s - 2 * forward_s)
-
-
-def _kept_input(block: BlockMemory, costs: Costs) -> int:
-    return block.input_bytes if block.input_bytes >= costs.min_bytes else 0
-
-
-def saves_bytes(block: BlockMemory, action: str, costs: Costs) -> int:
-    """Predicted activation bytes ``action`` takes off the device for ``block``."""
-    if action == OFFLOAD:
-        return block.offloadable_bytes(costs.min_bytes)
-    if action == CHECKPOINT:
-        return max(0, block.saved_bytes - block.input_bytes - block.kept_bytes)
-    if action == BOTH:  # offload moves the input to host; the outputs a policy keeps stay on the device
-        return max(0, block.saved_bytes - block.input_bytes - block.kept_bytes) + _kept_input(block, costs)
-    return 0
-
-
-def recompute_s(block: BlockMemory, costs: Costs) -> float:
-    """Seconds a checkpointed block's re-run costs: the FLOPs its policy recomputes."""
-    flops = block.forward_flops if block.recompute_flops is None else block.recompute_flops
-    return flops / costs.flops_per_s
-
-
-def _cost_s(block: BlockMemory, action: str, costs: Costs) -> float:
-    forward_s = block.forward_flops / costs.flops_per_s
-    if action == CHECKPOINT:
-        return recompute_s(block, costs)
-    if action == OFFLOAD:
-        return _offload_s(saves_bytes(block, OFFLOAD, costs), forward_s, costs)
-    if action == BOTH:
-        return recompute_s(block, costs) + _offload_s(_kept_input(block, costs), forward_s, costs)
-    return 0.0
+_TRIES_PAST_FIRST_FIT = 3
+"""Cheaper candidates verified past a family's first fit before settling on that fit."""
 
 
 def model_state_transfer_s(base: MemoryEstimate, costs: Costs) -> float:
@@ -93,45 +95,64 @@ def model_state_transfer_s(base: MemoryEstimate, costs: Costs) -> float:
 
 
 def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
-    """The blocks a plan acts on: the repeated layers, or every block of a model without any."""
+    """The blocks a plan checkpoints: the repeated layers, or every block of a model without any."""
     repeated = {name: block for name, block in blocks.items() if block.repeated}
     if repeated:
         return repeated
     return {name: block for name, block in blocks.items() if name != ROOT_BLOCK}
 
 
-def choose_actions(
-    blocks: Mapping[str, BlockMemory], need_bytes: int, costs: Costs, start: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """Per-block actions, cheapest per byte first, until ``need_bytes`` of activations are saved.
+def greedy_steps(
+    blocks: Mapping[str, BlockMemory], costs: Costs, start: Mapping[str, str] | None = None
+) -> list[tuple[str, str]]:
+    """Every action upgrade, cheapest per byte saved first, until none saves more.
 
-    Free offloads (transfer hidden by compute) go first; a block may later move from offload to
-    checkpoint. Returns the actions (blocks left out are kept), possibly short of the need.
+    Repeated layers (``planned_blocks``) may be checkpointed, offloaded or both; with offload
+    allowed, any other block may be offloaded. Free offloads (transfer hidden by compute) come
+    first; a block may later move from offload to checkpoint.
     """
     actions = dict(start or {})
-    saved = sum(saves_bytes(blocks[name], action, costs) for name, action in actions.items())
-    order = [CHECKPOINT] if not costs.allow_offload else [OFFLOAD, CHECKPOINT, BOTH]
-    candidates = planned_blocks(blocks)
-    while saved < need_bytes:
-        best: tuple[float, int, str, str] | None = None
-        for name, block in candidates.items():
-            current = actions.get(name, KEEP)
-            for action in order:
+    checkpointable = planned_blocks(blocks)
+    allowed: dict[str, tuple[str, ...]] = {}
+    for name, block in blocks.items():
+        if name in checkpointable:
+            allowed[name] = (OFFLOAD, CHECKPOINT, BOTH) if costs.allow_offload else (CHECKPOINT,)
+        elif costs.allow_offload and name != ROOT_BLOCK:
+            allowed[name] = (OFFLOAD,)
+    steps: list[tuple[str, str]] = []
+    while True:
+        best: tuple[float, int, list[object], str, str] | None = None
+        for name, options in allowed.items():
+            block, current = blocks[name], actions.get(name, KEEP)
+            for action in options:
                 if _RANK[action] <= _RANK[current]:
                     continue
                 gain = saves_bytes(block, action, costs) - saves_bytes(block, current, costs)
                 if gain <= 0:
                     continue
-                extra = _cost_s(block, action, costs) - _cost_s(block, current, costs)
-                key = (max(extra, 0.0) / gain, -gain, natural_order(name), action)
+                extra = block_cost_s(block, action, costs) - block_cost_s(block, current, costs)
+                key = (max(extra, 0.0) / gain, -gain, natural_order(name), action, name)
                 if best is None or key < best:
                     best = key
         if best is None:
-            break
-        _, negative_gain, name_key, action = best
-        name = "".join(str(part) for part in name_key)
+            return steps
+        name, action = best[4], best[3]
         actions[name] = action
-        saved += -negative_gain
+        steps.append((name, action))
+
+
+def choose_actions(
+    blocks: Mapping[str, BlockMemory], need_bytes: int, costs: Costs, start: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The first greedy steps whose predicted saving covers ``need_bytes`` (blocks left out are
+    kept); possibly short of the need when every step is taken."""
+    actions = dict(start or {})
+    saved = sum(saves_bytes(blocks[name], action, costs) for name, action in actions.items())
+    for name, action in greedy_steps(blocks, costs, actions):
+        if saved >= need_bytes:
+            break
+        saved += saves_bytes(blocks[name], action, costs) - saves_bytes(blocks[name], actions.get(name, KEEP), costs)
+        actions[name] = action
     return actions
 
 
@@ -141,6 +162,360 @@ def config_for(actions: Mapping[str, str], min_bytes: int) -> tuple[list[str], d
     offloaded = [name for name, action in actions.items() if action in (OFFLOAD, BOTH)]
     offload = {"min_bytes": min_bytes, "include": offloaded} if offloaded else None
     return checkpoint, offload
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the planner's space: blocks checkpointed, blocks offloaded, or everything
+    offloaded (``everywhere``: no ``include``, every saved tensor of at least ``min_bytes``)."""
+
+    checkpoint: frozenset[str] = frozenset()
+    offload: frozenset[str] = frozenset()
+    everywhere: bool = False
+
+    @classmethod
+    def from_actions(cls, actions: Mapping[str, str], everywhere: bool = False) -> Candidate:
+        checkpoint = frozenset(name for name, action in actions.items() if action in (CHECKPOINT, BOTH))
+        offload = frozenset(name for name, action in actions.items() if action in (OFFLOAD, BOTH))
+        return cls(checkpoint, frozenset() if everywhere else offload, everywhere)
+
+    @property
+    def offloads(self) -> bool:
+        return self.everywhere or bool(self.offload)
+
+    def actions(self, blocks: Mapping[str, BlockMemory]) -> dict[str, str]:
+        """Per-block actions, for pricing: with ``everywhere``, every block offloads."""
+        found = {}
+        for name in blocks:
+            offloaded = self.everywhere or name in self.offload
+            if name in self.checkpoint:
+                found[name] = BOTH if offloaded else CHECKPOINT
+            elif offloaded:
+                found[name] = OFFLOAD
+        return found
+
+    def checkpoint_names(self) -> list[str]:
+        return sorted(self.checkpoint, key=natural_order)
+
+    def offload_settings(self, searched: OffloadSettings) -> OffloadSettings | None:
+        """``searched`` (the settings the plan runs under) with this candidate's modules:
+        ``include`` None offloads everywhere."""
+        if not self.offloads:
+            return None
+        include = None if self.everywhere else tuple(sorted(self.offload, key=natural_order))
+        return searched.with_choice(min_bytes=searched.min_bytes, include=include)
+
+
+@dataclass
+class Family:
+    """A nested sequence of candidates, each one adding to the one before, and their prices."""
+
+    name: str
+    candidates: list[Candidate]
+    times: list[StepTime]
+    predicted_saved: list[int]
+
+    def guess(self, need: int) -> int:
+        """The first candidate predicted to save ``need`` bytes (the last when none is)."""
+        return next((i for i, saved in enumerate(self.predicted_saved) if saved >= need), len(self.candidates) - 1)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A candidate's fake step: its peak, and the host memory its offload holds."""
+
+    peak_bytes: int
+    host_bytes: int
+
+
+def _family(name: str, candidates: list[Candidate], blocks: Mapping[str, BlockMemory], costs: Costs) -> Family:
+    times, saved = [], []
+    for candidate in candidates:
+        actions = candidate.actions(blocks)
+        times.append(step_time(blocks, actions, costs))
+        saved.append(sum(saves_bytes(blocks[n], a, costs) for n, a in actions.items()))
+    return Family(name, candidates, times, saved)
+
+
+def build_families(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Family]:
+    """The planner's three walks through the space (one on CPU: checkpoint only)."""
+    families = []
+    checkpoint_only = Costs(costs.flops_per_s, costs.link_bytes_per_s, costs.min_bytes, allow_offload=False)
+    actions: dict[str, str] = {}
+    candidates = []
+    for name, action in greedy_steps(blocks, checkpoint_only):
+        actions[name] = action
+        candidates.append(Candidate.from_actions(actions))
+    if candidates:
+        families.append(_family("checkpoint", candidates, blocks, costs))
+    if not costs.allow_offload:
+        return families
+    actions, candidates = {}, []
+    for name, action in greedy_steps(blocks, costs):
+        actions[name] = action
+        candidates.append(Candidate.from_actions(actions))
+    if candidates:
+        families.append(_family("per block", candidates, blocks, costs))
+    # Everything offloaded; then the layers whose re-run costs least against the transfer it
+    # spares (their saved tensors, less the input checkpoint keeps) are checkpointed first.
+    layers = planned_blocks(blocks)
+    order = sorted(
+        layers,
+        key=lambda name: (
+            block_cost_s(blocks[name], BOTH, costs) - block_cost_s(blocks[name], OFFLOAD, costs),
+            natural_order(name),
+        ),
+    )
+    candidates = [Candidate(everywhere=True)]
+    for index in range(len(order)):
+        candidates.append(Candidate(frozenset(order[: index + 1]), everywhere=True))
+    everywhere = _family("offload everywhere", candidates, blocks, costs)
+    if everywhere.times[0].moved_bytes:  # else nothing reaches the threshold: checkpointing's twin
+        families.append(everywhere)
+    return families
+
+
+def _rank(price: StepTime, candidate: Candidate) -> tuple[float, int, int]:
+    """Order of preference: least predicted time; on a tie, fewer bytes moved, fewer re-runs."""
+    return (price.total_s, price.moved_bytes, len(candidate.checkpoint))
+
+
+class PlanSpace:
+    """The planner's space for one model, batch and settings; ``plan(budget)`` searches it.
+
+    Verified steps are remembered by configuration, so asking for several budgets (or the same
+    budget twice) runs each configuration's fake step once.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        settings: EstimateSettings,
+        info: BatchInfo,
+        base: MemoryEstimate,
+        costs: Costs,
+        *,
+        offload: OffloadSettings | None = None,
+        batch_size: int | None = None,
+        baseline: StepTrace | None = None,
+    ) -> None:
+        self.model, self.batch, self.settings, self.info = model, batch, settings, info
+        self.base, self.costs, self.batch_size, self.baseline = base, costs, batch_size, baseline
+        self.searched_offload = offload
+        """The offload settings the search runs under (None: lightmem's defaults)."""
+        self.offload = offload if offload is not None else parse_offload(True, flag="plan(offload=...)")
+        assert self.offload is not None
+        self.families = build_families(base.blocks, costs)
+        self.verified: dict[tuple[Candidate, bool], Verified] = {}
+        """Verified steps by candidate and whether model state was offloaded."""
+
+    def verify(self, candidate: Candidate, model_state: bool = False) -> Verified:
+        """The candidate's fake step, with model-state offload when ``model_state`` (run once per
+        candidate and choice)."""
+        found = self.verified.get((candidate, model_state))
+        if found is None:
+            trace = run_configuration(
+                self.model, self.batch, self.settings, info=self.info, batch_size=self.batch_size,
+                checkpoint=tuple(candidate.checkpoint_names()) or None,
+                offload=candidate.offload_settings(self.offload), offload_optimizer=model_state,
+            )  # fmt: skip
+            found = Verified(trace.peak.bytes, trace.host_bytes)
+            self.verified[(candidate, model_state)] = found
+        return found
+
+    def model_state_peak(self) -> int:
+        """The baseline step's peak with model-state offload (no activation technique)."""
+        named = self.base.scenarios.get("offload_optimizer")
+        if named is not None:  # run with the report, at the space's batch size
+            return named.peak_bytes
+        return self.verify(Candidate(), model_state=True).peak_bytes
+
+    def describe(self, candidate: Candidate) -> str:
+        """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
+        return _describe(candidate, {name: block.kind for name, block in self.base.blocks.items()}, self.costs.min_bytes)
+
+    def extremes(self) -> list[Candidate]:
+        """The configurations that save the most in each family, and offload alone: what
+        completeness is promised for."""
+        found = [family.candidates[-1] for family in self.families]
+        found += [family.candidates[0] for family in self.families if family.name == "offload everywhere"]
+        return list(dict.fromkeys(found))
+
+    def _first_fit(self, family: Family, available: int, need: int, model_state: bool = False) -> int | None:
+        """The first candidate of ``family`` that fits, searched with verified steps from the
+        first one whose predicted savings cover ``need``: galloping (1, 2, 4 ... steps) down
+        while it fits or up until it does, then bisecting. Fitting is taken to be monotone
+        along a family (a longer prefix saves more), so two or three steps usually settle it;
+        when nothing up to the extreme fits, None.
+
+        Along "offload everywhere" fitting can go the other way (checkpointing on top of
+        offload raises the peak when a re-run materialises a large block in backward): when
+        nothing after the start fits, the start itself (offload alone) is the answer if it fits.
+        """
+        fits = lambda index: self.verify(family.candidates[index], model_state).peak_bytes <= available  # noqa: E731
+        last = len(family.candidates) - 1
+        guess = family.guess(need)
+        step = 1
+        if fits(guess):
+            low, high = -1, guess  # low: taken not to fit (the baseline does not); high: fits
+            while high - step > low:
+                if not fits(high - step):
+                    low = high - step
+                    break
+                high, step = high - step, step * 2
+        else:
+            low, high = guess, None
+            while low < last:
+                probe = min(low + step, last)
+                if fits(probe):
+                    high = probe
+                    break
+                low, step = probe, step * 2
+            if high is None:
+                return 0 if family.name == "offload everywhere" and fits(0) else None
+        while high - low > 1:
+            probe = (low + high) // 2
+            low, high = (low, probe) if fits(probe) else (probe, high)
+        return high
+
+    def plan(self, budget_bytes: int) -> Plan:
+        """The fastest verified configuration within ``budget_bytes`` (overhead allowance included)."""
+        settings, base, costs = self.settings, self.base, self.costs
+        available = budget_bytes - settings.overhead_bytes
+        baseline_peak = base.scenarios["baseline"].peak_bytes
+        result = Plan(
+            [], None, baseline_peak, settings.overhead_bytes, budget_bytes, False, "", estimate=base,
+            checkpoint_policy=settings.checkpoint_policy, flops_per_s=costs.flops_per_s,
+            link_bytes_per_s=costs.link_bytes_per_s, settings=_searched_under(settings, costs, self.searched_offload),
+        )  # fmt: skip
+        result.estimate_kinds = {name: block.kind for name, block in base.blocks.items()}
+        before = len(self.verified)
+        model_state = settings.offload_optimizer
+        if base.static_exceeds_budget and (model_state or not base.parameters_fit):
+            what = "the parameters" if model_state else "parameters + gradients + optimizer state"
+            result.reason = (
+                f"{what} alone take {format_bytes(base.static_bytes)} "
+                f"of the {format_bytes(available)} left after the {format_bytes(settings.overhead_bytes)} "
+                "overhead allowance; no activation technique helps (see the advice)"
+            )
+            return result
+        # Model-state offload is decided once, before the walks: every verified step below runs
+        # with it, and its link time is part of every configuration's exposed transfer.
+        model_state_s = 0.0
+        if base.static_exceeds_budget or model_state:
+            model_state = True
+            result.offload_optimizer = True
+            baseline_peak = self.model_state_peak()
+            model_state_s = model_state_transfer_s(base, costs)
+            result.predicted_peak_bytes = baseline_peak
+            result.exposed_transfer_s = model_state_s
+        if baseline_peak <= available:
+            result.fits = True
+            result.reason = (
+                f"with offload_optimizer the peak is {format_bytes(baseline_peak)} + overhead "
+                f"{format_bytes(settings.overhead_bytes)}"
+                if model_state
+                else "the baseline step already fits"
+            )
+            result.evaluations = len(self.verified) - before
+            return result
+
+        need = baseline_peak - available
+        best: tuple[StepTime, Family, int] | None = None
+        fitted: dict[Candidate, tuple[StepTime, str]] = {}
+        refused: list[PlanOption] = []
+        for family in sorted(self.families, key=lambda f: min(t.total_s for t in f.times)):
+            # What it might offer: its candidates from the first predicted to fit (the start of
+            # offload everywhere always: the others may only fit with it).
+            start = 0 if family.name == "offload everywhere" else family.guess(need)
+            cheapest = min(_rank(family.times[i], family.candidates[i]) for i in range(start, len(family.candidates)))
+            if best is not None and cheapest >= _rank(best[0], best[1].candidates[best[2]]):
+                continue  # a configuration that fits is already at least as fast
+            first = self._first_fit(family, available, need, model_state)
+            if first is None:
+                refused.append(self._option(family, len(family.candidates) - 1, fits=False, model_state=model_state))
+                continue
+
+            def rank(index: int, family: Family = family) -> tuple[float, int, int]:
+                return _rank(family.times[index], family.candidates[index])
+
+            # The first fit is verified. Cheaper candidates after it are verified nearest first,
+            # each one taken while it fits; the walk stops at the first that does not.
+            fitted[family.candidates[first]] = (family.times[first], family.name)
+            chosen = first
+            for _ in range(_TRIES_PAST_FIRST_FIT):
+                cheaper = [i for i in range(chosen + 1, len(family.candidates)) if rank(i) < rank(chosen)]
+                if not cheaper or self.verify(family.candidates[cheaper[0]], model_state).peak_bytes > available:
+                    break
+                chosen = cheaper[0]
+            fitted[family.candidates[chosen]] = (family.times[chosen], family.name)
+            if best is None or rank(chosen) < _rank(best[0], best[1].candidates[best[2]]):
+                best = (family.times[chosen], family, chosen)
+        result.evaluations = len(self.verified) - before
+        if best is None and not refused:
+            result.reason = (
+                "the model has no blocks to checkpoint and saves no tensor of at least "
+                f"{format_bytes(costs.min_bytes)} to offload"
+            )
+            return result
+        if best is None:
+            result.alternatives = refused
+            result.reason = "no configuration in the planner's space fits: " + "; ".join(
+                f"{option.description}: verified peak {format_bytes(option.predicted_total_bytes - settings.overhead_bytes)}"
+                for option in refused
+            ) + (
+                f", over the {format_bytes(available)} available after the overhead allowance; what "
+                "remains is parameters, gradients, optimizer state, temporaries and the tensors "
+                "below the offload threshold"
+            )
+            return result
+        times, family, index = best
+        candidate = family.candidates[index]
+        verified = self.verify(candidate, model_state)
+        result.fits = True
+        result.checkpoint = candidate.checkpoint_names()
+        result.offload = candidate.offload_settings(self.offload)
+        result.actions = candidate.actions(base.blocks) if not candidate.everywhere else {
+            name: action for name, action in candidate.actions(base.blocks).items() if name in candidate.checkpoint
+        }
+        result.offload_everywhere = candidate.everywhere
+        result.predicted_peak_bytes = verified.peak_bytes
+        result.host_bytes = verified.host_bytes
+        result.recompute_s, result.exposed_transfer_s = times.recompute_s, times.exposed_transfer_s + model_state_s
+        result.family = family.name
+        others = [
+            PlanOption(
+                _describe(other, result.estimate_kinds, costs.min_bytes), True,
+                self.verify(other, model_state).peak_bytes + settings.overhead_bytes, price.recompute_s,
+                price.exposed_transfer_s + model_state_s,
+            )
+            for other, (price, _) in fitted.items()
+            if other != candidate
+        ]  # fmt: skip
+        result.alternatives = sorted(others, key=lambda o: o.recompute_s + o.exposed_transfer_s) + refused
+        result.reason = (
+            f"verified peak {format_bytes(verified.peak_bytes)} + overhead {format_bytes(settings.overhead_bytes)}"
+        )
+        return result
+
+    def _option(self, family: Family, index: int, *, fits: bool, model_state: bool = False) -> PlanOption:
+        candidate, price = family.candidates[index], family.times[index]
+        peak = self.verify(candidate, model_state).peak_bytes
+        description = _describe(candidate, {n: b.kind for n, b in self.base.blocks.items()}, self.costs.min_bytes)
+        transfer_s = price.exposed_transfer_s + (model_state_transfer_s(self.base, self.costs) if model_state else 0.0)
+        return PlanOption(description, fits, peak + self.settings.overhead_bytes, price.recompute_s, transfer_s)
+
+
+def _describe(candidate: Candidate, kinds: Mapping[str, str], min_bytes: int) -> str:
+    parts = []
+    if candidate.checkpoint:
+        parts.append(f"checkpoint {compact_names(candidate.checkpoint_names(), kinds)}")
+    if candidate.everywhere:
+        parts.append(f"offload every saved tensor of at least {format_bytes(min_bytes)}")
+    elif candidate.offload:
+        parts.append(f"offload {compact_names(sorted(candidate.offload, key=natural_order), kinds)}")
+    return " + ".join(parts)
 
 
 def plan(
@@ -157,24 +532,28 @@ def plan(
     flops_per_s: float | None = None,
     link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
     offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
-    max_rounds: int = 4,
     checkpoint_policy: CheckpointPolicyArg = "full",
     offload_optimizer: bool | OptimizerOffloadSettings = False,
 ) -> Plan:
-    """Pick, per top-level block, keep / offload / checkpoint / both so the step fits ``budget``.
+    """The lightmem configuration with the least predicted step time whose verified peak fits ``budget``.
+
+    The space: checkpoint any set of repeated layers, offload the saved tensors of any blocks, or
+    offload every saved tensor of at least ``offload``'s ``min_bytes`` anywhere in the model, alone or
+    with checkpointing (see the module docstring for how it is searched). Whenever every repeated
+    layer checkpointed (with or without offload) or offload alone fits, the plan fits.
 
     Args:
         budget: device memory for the whole step, overhead allowance included ("24GiB", bytes).
         flops_per_s: sustained forward throughput used to price re-computation (default 100e12
             on CUDA, 0.2e12 on CPU).
-        link_bytes_per_s: host link bandwidth per second for offload ("25GB" by default).
+        link_bytes_per_s: host link bandwidth per second, each way, used to price the transfer
+            compute does not hide ("25GB" by default: PCIe 4.0 x16).
         offload: the offload settings the plan searches under, as for :func:`estimate_memory`
             (a dict such as ``{"min_bytes": "4MiB", "exclude": ["lm_head"]}``, or
             ``OffloadSettings``); None: lightmem's defaults; False: plan checkpointing only. The
             modules to offload are the plan's choice: ``include`` is refused. ``Plan.offload``
-            is these settings with the chosen threshold and modules, and ``Plan.settings`` says
-            what the search ran under.
-        max_rounds: verification rounds before giving up.
+            is these settings with the chosen modules (``include`` None: offload everywhere), and
+            ``Plan.settings`` says what the search ran under, prices included.
         checkpoint_policy: what the blocks the plan checkpoints keep: ``"full"`` (their inputs),
             ``"save_matmuls"`` or a per-op callable, as in ``apply_checkpointing``; priced and
             verified with it, and returned in ``lightmem_kwargs()``.
@@ -186,41 +565,86 @@ def plan(
     On "cpu" only checkpointing is planned (offloading CPU memory to CPU memory saves nothing).
 
     Returns:
-        A :class:`Plan`; ``plan.fits`` is False with a ``reason`` when the parameters (and, unless
-        they can go to the host, gradients and optimizer state) alone exceed the budget or no
-        combination of actions gets under it.
+        A :class:`Plan`; ``describe()`` says what was chosen, what else fitted and why.
+        ``plan.fits`` is False with a ``reason`` when the parameters (and, unless they can go to
+        the host, gradients and optimizer state) alone exceed the budget or no configuration in
+        the space gets under it.
 
     Raises:
         ValueError: a bad argument (named in the message).
     """
     started = time.perf_counter()
+    space = plan_space(
+        model, batch, loss_fn, budget=budget, optimizer=optimizer, precision=precision, device=device,
+        overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
+        link_bytes_per_s=link_bytes_per_s, offload=offload, checkpoint_policy=checkpoint_policy, fn_name="plan",
+        offload_optimizer=offload_optimizer,
+    )  # fmt: skip
+    assert space.settings.budget_bytes is not None
+    result = space.plan(space.settings.budget_bytes)
+    space.base.advice = advise(space.base, space.info, space.baseline, result)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def plan_space(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+    *,
+    budget: int | str | None = None,
+    optimizer: str | Callable[..., Any] | None = None,
+    precision: str | int = "32-true",
+    device: str = "cuda",
+    overhead_bytes: int | str | None = None,
+    zero_grad: str = "after_forward",
+    flops_per_s: float | None = None,
+    link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
+    offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
+    checkpoint_policy: CheckpointPolicyArg = "full",
+    batch_size: int | None = None,
+    fn_name: str = "plan_space",
+    offload_optimizer: bool | OptimizerOffloadSettings = False,
+) -> PlanSpace:
+    """The planner's space for ``model`` and ``batch`` (at ``batch_size`` when given), with its
+    baseline step run: ``space.plan(budget_bytes)`` answers for any budget, each configuration's
+    fake step run at most once across them. Arguments as for :func:`plan`."""
     settings = parse_settings(
-        "plan", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
+        fn_name, model, loss_fn, optimizer=optimizer, precision=precision, device=device,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
         offload_optimizer=offload_optimizer,
     )  # fmt: skip
-    offload_settings = parse_offload(True if offload is None else offload, flag="plan(offload=...)")
+    offload_settings = parse_offload(True if offload is None else offload, flag=f"{fn_name}(offload=...)")
     if offload_settings is not None and offload_settings.include is not None:
         raise ValueError(
             f"{offload_settings.flag('include')}: the plan chooses the modules to offload itself; leave it unset"
         )
-    link = parse_size(link_bytes_per_s, flag="plan(link_bytes_per_s=...)")
-    if link <= 0:
-        raise ValueError(f"plan(link_bytes_per_s=...): must be positive; got {link_bytes_per_s!r}")
-    if flops_per_s is not None and float(flops_per_s) <= 0:
-        raise ValueError(f"plan(flops_per_s=...): must be positive; got {flops_per_s!r}")
-    costs = default_costs(
-        settings.device, flops_per_s=flops_per_s, link_bytes_per_s=link,
+    costs = parse_costs(
+        fn_name, settings.device, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
         min_bytes=offload_settings.min_bytes if offload_settings is not None else DEFAULT_MIN_BYTES,
     )  # fmt: skip
     if offload_settings is None:
         costs.allow_offload = False
     info = inspect_batch(batch)
-    base, baseline = build_report(model, batch, settings, info, None, None)
-    result = search_plan(model, batch, settings, info, base, costs, offload=offload_settings, max_rounds=max_rounds)
-    base.advice = advise(base, info, baseline, result)
-    result.seconds = time.perf_counter() - started
-    return result
+    base, baseline = build_report(model, batch, settings, info, None, None, batch_size=batch_size)
+    return PlanSpace(
+        model, batch, settings, info, base, costs, offload=offload_settings, batch_size=batch_size, baseline=baseline
+    )
+
+
+def parse_costs(
+    fn_name: str,
+    device: str,
+    *,
+    flops_per_s: float | None,
+    link_bytes_per_s: int | str,
+    min_bytes: int,
+) -> Costs:
+    """Validate the prices (:meth:`PlanPrices.parse`); each ``ValueError`` names ``fn_name(argument=...)``."""
+    prices = PlanPrices.parse(flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s, spelling=Spelling(fn_name))
+    return default_costs(
+        device, flops_per_s=prices.flops_per_s, link_bytes_per_s=prices.link_bytes_per_s, min_bytes=min_bytes
+    )
 
 
 def default_costs(
@@ -247,100 +671,14 @@ def search_plan(
     costs: Costs,
     *,
     offload: OffloadSettings | None = None,
-    max_rounds: int = 4,
+    batch_size: int | None = None,
 ) -> Plan:
-    """Choose actions for the repeated layers of ``base`` and verify each choice with a fake step.
+    """Search the space of ``base``'s blocks for ``settings.budget_bytes``, verifying with fake steps.
 
     ``offload``: the settings a chosen offload is built from (None: lightmem's defaults)."""
-    base_offload = offload if offload is not None else parse_offload(True, flag="plan(offload=...)")
-    assert base_offload is not None
-    budget_bytes = settings.budget_bytes
-    assert budget_bytes is not None
-    min_bytes = costs.min_bytes
-    available = budget_bytes - settings.overhead_bytes
-    baseline_peak = base.scenarios["baseline"].peak_bytes
-    result = Plan(
-        [], None, baseline_peak, settings.overhead_bytes, budget_bytes, False, "", estimate=base,
-        checkpoint_policy=settings.checkpoint_policy, settings=_searched_under(settings, costs, offload),
-    )  # fmt: skip
-    result.estimate_kinds = {name: block.kind for name, block in base.blocks.items()}
-    model_state = settings.offload_optimizer
-    if base.static_exceeds_budget and (model_state or not base.parameters_fit):
-        what = "the parameters" if model_state else "parameters + gradients + optimizer state"
-        result.reason = (
-            f"{what} alone take {format_bytes(base.static_bytes)} "
-            f"of the {format_bytes(available)} left after the {format_bytes(settings.overhead_bytes)} "
-            "overhead allowance; no activation technique helps (see the advice)"
-        )
-        return result
-    if base.static_exceeds_budget or model_state:
-        # Gradients and optimizer state go to the host; activations are planned on top of that.
-        model_state = True
-        result.offload_optimizer = True
-        named = base.scenarios.get("offload_optimizer")
-        baseline_peak = (
-            named.peak_bytes
-            if named is not None
-            else run_configuration(model, batch, settings, info=info, offload_optimizer=True).peak.bytes
-        )
-        result.predicted_peak_bytes = baseline_peak
-        result.exposed_transfer_s = model_state_transfer_s(base, costs)
-    if baseline_peak <= available:
-        result.fits = True
-        result.reason = (
-            f"with offload_optimizer the peak is {format_bytes(baseline_peak)} + overhead "
-            f"{format_bytes(settings.overhead_bytes)}"
-            if model_state
-            else "the baseline step already fits"
-        )
-        return result
-
-    need = baseline_peak - available
-    actions: dict[str, str] = {}
-    exhausted = False
-    for _ in range(max_rounds):
-        chosen = choose_actions(base.blocks, need, costs, actions)
-        if chosen == actions:
-            exhausted = True
-            break
-        actions = chosen
-        checkpoint, chosen_offload = config_for(actions, min_bytes)
-        offload_config = (
-            base_offload.with_choice(min_bytes=chosen_offload["min_bytes"], include=tuple(chosen_offload["include"]))
-            if chosen_offload
-            else None
-        )
-        trace = run_configuration(
-            model, batch, settings, info=info, checkpoint=tuple(checkpoint) or None, offload=offload_config,
-            offload_optimizer=model_state,
-        )  # fmt: skip
-        result.checkpoint, result.offload, result.actions = checkpoint, offload_config, dict(actions)
-        result.predicted_peak_bytes = trace.peak.bytes
-        result.recompute_s = sum(
-            recompute_s(base.blocks[n], costs) for n, a in actions.items() if a in (CHECKPOINT, BOTH)
-        )
-        result.exposed_transfer_s = (
-            sum(_cost_s(base.blocks[n], a, costs) for n, a in actions.items()) - result.recompute_s
-        ) + (model_state_transfer_s(base, costs) if model_state else 0.0)
-        if trace.peak.bytes <= available:
-            result.fits = True
-            result.reason = f"verified peak {format_bytes(trace.peak.bytes)} + overhead {format_bytes(settings.overhead_bytes)}"
-            break
-        # The peak fell by less than predicted (reloads, re-runs, what stays outside blocks):
-        # ask for the shortfall on top of what was already asked.
-        need += trace.peak.bytes - available
-    if not result.fits:
-        what = (
-            "with every repeated layer checkpointed or offloaded"
-            if exhausted
-            else f"after {max_rounds} rounds"
-        )
-        result.reason = (
-            f"{what} the verified peak is {format_bytes(result.predicted_peak_bytes)}, over the "
-            f"{format_bytes(available)} available after the overhead allowance; what remains is parameters, "
-            "gradients, optimizer state, temporaries and tensors outside the blocks"
-        )
-    return result
+    assert settings.budget_bytes is not None
+    space = PlanSpace(model, batch, settings, info, base, costs, offload=offload, batch_size=batch_size)
+    return space.plan(settings.budget_bytes)
 
 
 def _searched_under(settings: EstimateSettings, costs: Costs, offload: OffloadSettings | None) -> dict[str, Any]:

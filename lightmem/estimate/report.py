@@ -335,12 +335,36 @@ class MemoryEstimate:
 
 
 @dataclass
+class PlanOption:
+    """A configuration the planner verified: ``fits`` or not, its predicted total (peak +
+    overhead) and its predicted cost per step."""
+
+    description: str
+    fits: bool
+    predicted_total_bytes: int
+    recompute_s: float
+    exposed_transfer_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "description": self.description,
+            "fits": self.fits,
+            "predicted_total_bytes": self.predicted_total_bytes,
+            "recompute_s": self.recompute_s,
+            "exposed_transfer_s": self.exposed_transfer_s,
+        }
+
+
+@dataclass
 class Plan:
     """A lightmem configuration for a budget, verified by the estimator.
 
-    ``checkpoint`` lists the blocks to checkpoint; ``offload`` the offload settings (threshold and
-    the blocks in ``include``) or None; ``fits`` says whether the verified peak plus overhead is
-    within the budget; ``reason`` says why not when it is not.
+    ``checkpoint`` lists the blocks to checkpoint; ``offload`` the offload settings (threshold, and
+    the blocks in ``include``, or ``include=None`` when every saved tensor is offloaded) or None;
+    ``fits`` says whether the verified peak plus overhead is within the budget; ``reason`` says why
+    not when it is not. ``recompute_s`` and ``exposed_transfer_s`` are the predicted cost per step
+    at ``flops_per_s`` and ``link_bytes_per_s``; ``alternatives`` the other configurations the
+    search verified (those that fitted, slower, and those that did not).
     """
 
     checkpoint: list[str]
@@ -364,7 +388,18 @@ class Plan:
     settings: dict[str, Any] = field(default_factory=dict)
     """What the search ran under, as parsed: device, precision, optimizer, overhead, budget,
     checkpoint policy, offload settings, whether offload was considered (not on "cpu"), whether
-    model-state offload was asked for, prices."""
+    model-state offload was asked for, and the prices (``flops_per_s``, ``link_bytes_per_s``)."""
+    flops_per_s: float = 0.0
+    link_bytes_per_s: float = 0.0
+    offload_everywhere: bool = False
+    """The plan offloads every saved tensor of at least ``offload.min_bytes``, in any module."""
+    family: str = ""
+    """Which of the planner's walks found it: "checkpoint", "per block" or "offload everywhere"."""
+    alternatives: list[PlanOption] = field(default_factory=list)
+    evaluations: int = 0
+    """Fake steps the search ran (besides the baseline)."""
+    host_bytes: int = 0
+    """Peak host memory the plan's offload holds (pinned), as the estimator's step predicts."""
 
     @property
     def predicted_total_bytes(self) -> int:
@@ -372,14 +407,16 @@ class Plan:
 
     def lightmem_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``LightMem(...)``: offload; when offloading, offload_min_bytes,
-        offload_include (and offload_exclude when the search ran under one); checkpoint when it
-        checkpoints, with checkpoint_policy when it is not the default; offload_optimizer when
-        the plan moves model state to the host."""
+        offload_include (omitted when the plan offloads everywhere) and offload_exclude (when the
+        search ran under one); checkpoint when it checkpoints, with checkpoint_policy when it is
+        not the default; offload_optimizer when the plan moves model state to the host. No list
+        is ever empty (``LightMem`` refuses empty lists)."""
         kwargs: dict[str, Any] = {"offload": self.offload is not None}
         if self.offload is not None:
             kwargs["offload_min_bytes"] = self.offload.min_bytes
-            kwargs["offload_include"] = list(self.offload.include or ())
-            if self.offload.exclude is not None:
+            if self.offload.include:
+                kwargs["offload_include"] = list(self.offload.include)
+            if self.offload.exclude:
                 kwargs["offload_exclude"] = list(self.offload.exclude)
         if self.checkpoint:
             kwargs["checkpoint"] = list(self.checkpoint)
@@ -394,6 +431,7 @@ class Plan:
             "checkpoint": list(self.checkpoint),
             "checkpoint_policy": policy_name(self.checkpoint_policy),
             "offload": self.offload.to_dict() if self.offload is not None else None,
+            "offload_everywhere": self.offload_everywhere,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_total_bytes": self.predicted_total_bytes,
             "overhead_bytes": self.overhead_bytes,
@@ -401,20 +439,25 @@ class Plan:
             "fits": self.fits,
             "reason": self.reason,
             "offload_optimizer": self.offload_optimizer,
+            "family": self.family,
             "recompute_s": self.recompute_s,
             "exposed_transfer_s": self.exposed_transfer_s,
             "settings": self.settings,
+            "flops_per_s": self.flops_per_s,
+            "link_bytes_per_s": self.link_bytes_per_s,
+            "alternatives": [option.to_dict() for option in self.alternatives],
+            "evaluations": self.evaluations,
+            "host_bytes": self.host_bytes,
             "lightmem_kwargs": {
                 name: policy_name(value) if name == "checkpoint_policy" else value
                 for name, value in self.lightmem_kwargs().items()
             },
         }
 
-    def describe(self) -> str:
-        if not self.fits:
-            return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
-        if not self.checkpoint and self.offload is None and not self.offload_optimizer:
-            return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
+    def parts(self) -> list[str]:
+        """What the plan does, one phrase per technique: "checkpoint transformer.h.0-3
+        (GPT2Block)", "offload conv1 (Conv2d) (min_bytes 1.00 MiB)", and first, when the plan moves
+        model state to the host, "offload_optimizer (gradients and optimizer state on the host)"."""
         kinds = self.estimate_kinds
         parts = []
         if self.offload_optimizer:
@@ -423,15 +466,55 @@ class Plan:
             names = compact_names(sorted(self.checkpoint, key=natural_order), kinds)
             policy = "" if self.checkpoint_policy == "full" else f" (policy {policy_name(self.checkpoint_policy)})"
             parts.append(f"checkpoint {names}{policy}")
-        if self.offload is not None:
+        if self.offload is not None and self.offload.include is None:
+            parts.append(f"offload every saved tensor of at least {format_bytes(self.offload.min_bytes)}")
+        elif self.offload is not None:
             names = compact_names(sorted(self.offload.include or (), key=natural_order), kinds)
             parts.append(f"offload {names} (min_bytes {format_bytes(self.offload.min_bytes)})")
-        return (
-            f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
-            + "; ".join(parts)
-            + f" (about {self.recompute_s * 1e3:.1f} ms re-computation and "
-            f"{self.exposed_transfer_s * 1e3:.1f} ms exposed transfer per step)"
+        return parts
+
+    def describe(self) -> str:
+        """What the plan chose, at what predicted cost, what else fitted, and why this one."""
+        if not self.fits:
+            return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
+        if not self.checkpoint and self.offload is None and not self.offload_optimizer:
+            return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
+        prices = f"host link {self.link_bytes_per_s / 1e9:g} GB/s, {self.flops_per_s / 1e12:g} TFLOP/s"
+        fitted = [option for option in self.alternatives if option.fits]
+        refused = [option for option in self.alternatives if not option.fits]
+        why = (
+            f"the least predicted step time of the {len(fitted) + 1} configurations verified to fit"
+            if fitted
+            else "the only configuration verified to fit"
         )
+        lines = [
+            f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
+            + "; ".join(self.parts())
+            + (f", holding {format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
+            + f" (about {format_seconds(self.recompute_s)} re-computation and "
+            f"{format_seconds(self.exposed_transfer_s)} exposed transfer per step at {prices}): {why}."
+        ]
+        lines.extend(
+            f"  also fits: {option.description}, {format_bytes(option.predicted_total_bytes)}, "
+            f"{format_seconds(option.recompute_s)} + {format_seconds(option.exposed_transfer_s)}"
+            for option in fitted
+        )
+        lines.extend(
+            f"  does not fit: {option.description}, {format_bytes(option.predicted_total_bytes)}"
+            for option in refused
+        )
+        return "\n".join(lines)
+
+
+def format_seconds(seconds: float) -> str:
+    """A predicted cost as people read it: '3.20 s', '41.0 ms', '12.5 us', '0 s'."""
+    if seconds <= 0:
+        return "0 s"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.1f} us"
 
 
 def policy_name(policy: CheckpointPolicyArg) -> str:

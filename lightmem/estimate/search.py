@@ -21,6 +21,8 @@ from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings
 from lightmem.estimate.batch import inspect_batch
 from lightmem.estimate.configuration import parse_settings, run_configuration
+from lightmem.estimate.planner import DEFAULT_LINK_BYTES_PER_S, plan_space
+from lightmem.estimate.report import Plan
 from lightmem.estimate.settings import parse_checkpoint, parse_offload
 
 DEFAULT_LIMIT = 1 << 20
@@ -30,8 +32,8 @@ DEFAULT_LIMIT = 1 << 20
 class BatchSearch:
     """Largest batch sizes that fit ``budget_bytes`` (peak + overhead), without and with lightmem.
 
-    ``baseline`` / ``configured`` are 0 when not even a batch of 1 fits, and ``limit`` when the
-    search stopped there. ``evaluations`` lists (batch size, total bytes) per configuration.
+    ``baseline`` / ``configured`` / ``planned`` are 0 when not even a batch of 1 fits, and ``limit``
+    when the search stopped there. ``evaluations`` lists (batch size, total bytes) per configuration.
     """
 
     baseline: int
@@ -40,11 +42,17 @@ class BatchSearch:
     overhead_bytes: int
     evaluations: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     seconds: float = 0.0
+    planned: int | None = None
+    """With ``plan=True``: the largest batch at which a configuration of the planner's space fits."""
+    plan: Plan | None = None
+    """With ``plan=True``: the best plan at ``planned`` (None when not even a batch of 1 fits)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "baseline": self.baseline,
             "configured": self.configured,
+            "planned": self.planned,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
             "budget_bytes": self.budget_bytes,
             "overhead_bytes": self.overhead_bytes,
             "evaluations": {name: [list(item) for item in items] for name, items in self.evaluations.items()},
@@ -146,6 +154,9 @@ def max_batch_size(
     limit: int = DEFAULT_LIMIT,
     checkpoint_policy: CheckpointPolicyArg = "full",
     offload_optimizer: bool | OptimizerOffloadSettings = False,
+    plan: bool = False,
+    flops_per_s: float | None = None,
+    link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
 ) -> BatchSearch:
     """The largest batch size whose step fits ``budget``, without lightmem and with a configuration.
 
@@ -158,7 +169,19 @@ def max_batch_size(
         offload, checkpoint, offload_optimizer: the lightmem configuration for ``configured``
             (none of them: baseline only).
         limit: the largest batch size considered.
-        checkpoint_policy: what the ``checkpoint`` blocks keep, as for :func:`estimate_memory`.
+        checkpoint_policy: what the ``checkpoint`` blocks keep, as for :func:`estimate_memory`
+            (and the blocks a plan checkpoints, with ``plan=True``).
+        plan: also search the largest batch that fits with the best plan (``planned``, and the
+            plan at that size in ``plan``): the largest size at which one of the planner's
+            extreme configurations fits (every repeated layer checkpointed, with and without
+            offload, and offload alone; the one with the smallest step at ``batch``'s size is
+            searched in full, each other one only when it also fits the next size), then
+            :func:`lightmem.plan` at that size picks the fastest configuration that fits there.
+            The plan searches under ``offload``'s settings less its ``include`` (the plan picks
+            the modules), or lightmem's defaults when ``offload`` is None.
+            With ``offload_optimizer`` the extremes and the plan run with model-state offload too.
+        flops_per_s, link_bytes_per_s: the planner's prices, as for :func:`lightmem.plan`
+            (read with ``plan=True`` only).
         Other arguments: as for :func:`estimate_memory`.
 
     Raises:
@@ -182,17 +205,28 @@ def max_batch_size(
     budget_bytes = settings.budget_bytes
     assert budget_bytes is not None
 
+    def totals(
+        offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None, model_state: bool = False
+    ) -> Callable[[int], int]:
+        """Peak + overhead of one configuration by batch size, each size estimated once."""
+        seen: dict[int, int] = {}
+
+        def total(size: int) -> int:
+            if size not in seen:
+                trace = run_configuration(
+                    model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info,
+                    offload_optimizer=model_state,
+                )  # fmt: skip
+                seen[size] = trace.peak.bytes + settings.overhead_bytes
+            return seen[size]
+
+        total.seen = seen  # type: ignore[attr-defined]
+        return total
+
     def search(
         offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None, model_state: bool = False
     ) -> tuple[int, list[tuple[int, int]]]:
-        def total(size: int) -> int:
-            trace = run_configuration(
-                model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info,
-                offload_optimizer=model_state,
-            )  # fmt: skip
-            return trace.peak.bytes + settings.overhead_bytes
-
-        return largest_fitting(total, budget_bytes, info.batch_size or 1, limit)
+        return largest_fitting(totals(offload_config, targets, model_state), budget_bytes, info.batch_size or 1, limit)
 
     baseline, baseline_evals = search(None, None)
     result = BatchSearch(baseline, None, budget_bytes, settings.overhead_bytes, {"baseline": baseline_evals})
@@ -200,5 +234,35 @@ def max_batch_size(
         configured, evals = search(offload_config, targets, settings.offload_optimizer)
         result.configured = configured
         result.evaluations["configured"] = evals
+    if plan:
+        common = {
+            "optimizer": optimizer, "precision": precision, "device": device, "overhead_bytes": overhead_bytes,
+            "zero_grad": zero_grad, "flops_per_s": flops_per_s, "link_bytes_per_s": link_bytes_per_s,
+            "checkpoint_policy": checkpoint_policy, "fn_name": "max_batch_size",
+            "offload_optimizer": settings.offload_optimizer,
+            "offload": offload_config.with_choice(min_bytes=offload_config.min_bytes, include=None)
+            if offload_config is not None else None,
+        }  # fmt: skip
+        space = plan_space(model, batch, loss_fn, **common)  # type: ignore[arg-type]
+        extremes = {
+            space.describe(candidate): totals(
+                candidate.offload_settings(space.offload), tuple(candidate.checkpoint_names()) or None,
+                settings.offload_optimizer,
+            )
+            for candidate in space.extremes()
+        }
+        # The extreme with the smallest step at the batch given is searched in full; each other
+        # one only when it fits the next size too (then from there).
+        start = info.batch_size or 1
+        first = min(extremes, key=lambda name: extremes[name](start))
+        result.planned = largest_fitting(extremes[first], budget_bytes, start, limit)[0]
+        for name, total in extremes.items():
+            if name != first and result.planned < limit and total(result.planned + 1) <= budget_bytes:
+                result.planned = largest_fitting(total, budget_bytes, result.planned + 1, limit)[0]
+        for name, total in extremes.items():
+            result.evaluations[f"plan: {name}"] = sorted(total.seen.items())  # type: ignore[attr-defined]
+        if result.planned:
+            at_size = plan_space(model, batch, loss_fn, batch_size=result.planned, **common)  # type: ignore[arg-type]
+            result.plan = at_size.plan(budget_bytes)
     result.seconds = time.perf_counter() - started
     return result

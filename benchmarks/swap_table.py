@@ -1,0 +1,238 @@
+"""The swap-out/in paper's ResNet-50 table beside lightmem's predictions (and, on a GPU, measurements).
+
+The paper lightmem grew from (Meng et al., "Training Deeper Models by GPU Memory Optimization on
+TensorFlow", NIPS 2017 ML Systems Workshop) trains ResNet-50 on a 12 GB GPU and raises the
+largest batch from 144 to 664 by swapping feature maps to host memory. This script asks
+lightmem's estimator the same question for each configuration: the largest batch of ResNet-50
+(fp32, SGD, 224x224 images, the layout torchvision uses) whose predicted step peak plus the
+1 GiB overhead allowance fits 12 GB, and what the planner picks at the largest batch it finds.
+
+    python benchmarks/swap_table.py              # predictions (fake tensors: any machine, ~2 min)
+    python benchmarks/swap_table.py --measure    # also measured on this machine's GPU
+
+``selfcheck_section()`` is what ``python -m lightmem.selfcheck`` calls on a GPU: the same rows,
+each configuration's largest batch also found by real training steps (``measured_rows``: two per
+trial, out-of-memory as the verdict) with the caching allocator capped at the budget less the
+same overhead allowance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(CHECKOUT))
+
+from examples.estimate_factories import ResNet, classification_loss, resnet50  # noqa: E402
+from lightmem import apply_checkpointing, max_batch_size, offload_activations  # noqa: E402
+from lightmem.config import format_bytes, parse_size  # noqa: E402
+from lightmem.tables import format_table  # noqa: E402
+
+BUDGET = "12GB"
+OVERHEAD = "1GiB"
+MIN_BYTES = "1MiB"
+PAPER = {"baseline": 144, "offload": 664}
+"""The paper's measured largest batches (TensorFlow, 12 GB GPU); it has no checkpointing rows."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration of the table: lightmem's flags for it."""
+
+    name: str
+    what: str
+    offload: bool = False
+    checkpoint: tuple[str, ...] = ()
+    offload_include: tuple[str, ...] | None = None
+
+    def flags(self) -> dict[str, Any]:
+        include = None if self.offload_include is None else list(self.offload_include)
+        return {
+            "offload": {"min_bytes": MIN_BYTES, "include": include} if self.offload else None,
+            "checkpoint": list(self.checkpoint) or None,
+        }
+
+
+ROWS = (
+    Row("baseline", "nothing"),
+    Row("offload", f"offload every saved tensor of at least {MIN_BYTES}", offload=True),
+    Row("checkpoint", "checkpoint every Bottleneck block", checkpoint=("Bottleneck",)),
+    Row("checkpoint + offload", "both of the above", offload=True, checkpoint=("Bottleneck",)),
+)
+
+
+def predicted_rows(budget: str = BUDGET, limit: int = 4096) -> list[tuple[Row, int]]:
+    """Each row's predicted largest batch, the plan's choice last."""
+    model, batch, loss_fn = resnet50(32)
+    common: dict[str, Any] = {
+        "optimizer": "sgd", "device": "cuda", "overhead_bytes": OVERHEAD, "limit": limit,
+    }  # fmt: skip
+    rows = []
+    for row in ROWS:
+        search = max_batch_size(model, batch, budget, loss_fn, **common, **row.flags())
+        rows.append((row, search.baseline if row.name == "baseline" else search.configured or 0))
+    planned = max_batch_size(model, batch, budget, loss_fn, plan=True, offload={"min_bytes": MIN_BYTES}, **common)
+    chosen = planned.plan
+    if chosen is not None and chosen.fits:
+        include = chosen.offload.include if chosen.offload is not None else None
+        row = Row("plan's choice", "; ".join(chosen.parts()) or "nothing", offload=chosen.offload is not None,
+                  checkpoint=tuple(chosen.checkpoint), offload_include=include)  # fmt: skip
+        rows.append((row, planned.planned or 0))
+    else:
+        rows.append((Row("plan's choice", "nothing fits"), 0))
+    return rows
+
+
+def _largest(fits: Callable[[int], bool], guess: int, limit: int) -> int:
+    """The largest batch in [1, limit] that ``fits``, searched from ``guess`` (galloping, then
+    bisecting): about 2 log2(error of the guess) trials."""
+    guess = max(1, min(guess, limit))
+    if fits(guess):
+        low, step = guess, 1
+        while low + step <= limit and fits(low + step):
+            low, step = low + step, step * 2
+        high = min(low + step, limit + 1)
+    else:
+        high, step = guess, 1
+        while high - step >= 1 and not fits(high - step):
+            high, step = high - step, step * 2
+        low = max(high - step, 0)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def measured_rows(
+    rows: list[tuple[Row, int]], budget: str = BUDGET, limit: int = 4096
+) -> dict[str, tuple[int, str]]:
+    """Each row's largest batch on this machine's GPU, by real steps (CUDA only), by row name.
+
+    The caching allocator is capped at ``budget`` less the 1 GiB overhead allowance (what the
+    estimate's peak must fit), so the figure compares with the prediction; each search starts
+    at the row's predicted batch. Offload needs pinned host memory for the whole batch's feature
+    maps (about 80 MB per ResNet-50 image): ``offload_activations``' default host budget is half
+    the machine's RAM, and past it tensors stay on the GPU.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("measured_rows needs CUDA")
+    device = torch.device("cuda")
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = parse_size(budget, flag="budget") - parse_size(OVERHEAD, flag="overhead")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    found: dict[str, tuple[int, str]] = {}
+    try:
+        for row, guess in rows:
+            torch.manual_seed(0)
+            model = ResNet().to(device)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            handle = apply_checkpointing(model, list(row.checkpoint)) if row.checkpoint else None
+            offloader = (
+                offload_activations(model, min_bytes=MIN_BYTES, include=row.offload_include) if row.offload else None
+            )
+
+            def fits(size: int, model: torch.nn.Module = model, optimizer: Any = optimizer, offloader: Any = offloader) -> bool:
+                try:
+                    for _ in range(2):  # the second step is the steady state
+                        images = torch.randn(size, 3, 224, 224, device=device)
+                        labels = torch.randint(0, 1000, (size,), device=device)
+                        with offloader if offloader is not None else contextlib.nullcontext():
+                            loss = classification_loss(model, (images, labels))
+                        loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                    torch.cuda.synchronize()
+                    return True
+                except torch.cuda.OutOfMemoryError:
+                    return False
+                finally:
+                    optimizer.zero_grad(set_to_none=True)
+                    gc.collect()
+                    torch.cuda.empty_cache()
+
+            started = time.perf_counter()
+            batch = _largest(fits, guess or 128, limit)
+            found[row.name] = (batch, f"search took {time.perf_counter() - started:.0f} s")
+            if handle is not None:
+                handle.remove()
+            del model, optimizer, offloader
+            gc.collect()
+            torch.cuda.empty_cache()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    return found
+
+
+def table(predicted: list[tuple[Row, int]], measured: dict[str, tuple[int, str]] | None = None) -> str:
+    headers = ["configuration", "paper (TensorFlow, measured)", "lightmem (predicted)"]
+    if measured is not None:
+        headers.append(f"lightmem (measured, {torch.cuda.get_device_name()})")
+    headers.append("what lightmem does")
+    rows = []
+    for row, batch in predicted:
+        cells = [row.name, str(PAPER.get(row.name, "-")), str(batch)]
+        if measured is not None:
+            cells.append(str(measured.get(row.name, ("-", ""))[0]))
+        rows.append([*cells, row.what])
+    return format_table(rows, headers, title=f"ResNet-50, fp32, SGD, 224x224: largest batch on a {BUDGET} GPU")
+
+
+def selfcheck_section(budget: str = BUDGET) -> str:
+    """A markdown section for ``python -m lightmem.selfcheck`` on a GPU: the paper's figures,
+    lightmem's predictions and this GPU's measurements, row by row."""
+    predicted = predicted_rows(budget)
+    measured = measured_rows(predicted, budget)
+    lines = [
+        f"## ResNet-50 on a {budget} GPU: the swap-out/in paper's table",
+        "",
+        f"fp32, SGD, 224x224; predicted: estimator peak + {OVERHEAD} allowance <= {budget}; measured: "
+        f"two real steps per trial on {torch.cuda.get_device_name()}, caching allocator capped at "
+        f"{budget} less {OVERHEAD}, out of memory as the verdict.",
+        "",
+        "| configuration | paper (TensorFlow, measured) | lightmem predicted | lightmem measured | what lightmem does | search |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row, batch in predicted:
+        found, note = measured.get(row.name, ("-", ""))
+        lines.append(f"| {row.name} | {PAPER.get(row.name, '-')} | {batch} | {found} | {row.what} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measure", action="store_true", help="also measure on this machine's GPU")
+    parser.add_argument("--budget", default=BUDGET, help="the card's memory (default 12GB)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    predicted = predicted_rows(args.budget)
+    took = time.perf_counter() - started
+    measured = measured_rows(predicted, args.budget) if args.measure else None
+    print(table(predicted, measured))
+    print(
+        f"\nPredicted: lightmem's estimator (fake tensors, device='cuda'), peak + {OVERHEAD} overhead "
+        f"allowance <= {args.budget} ({format_bytes(parse_size(args.budget, flag='budget'))}); offload "
+        f"min_bytes {MIN_BYTES}; checkpoint = every Bottleneck block; {took:.0f} s on {_hardware()}."
+    )
+    return 0
+
+
+def _hardware() -> str:
+    import platform
+
+    import psutil
+
+    return f"{psutil.cpu_count()} CPU threads ({platform.machine()}), torch {torch.__version__}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
