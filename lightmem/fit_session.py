@@ -231,7 +231,7 @@ class FitSession:
         try:
             chosen = plan(
                 pl_module, batch, self.settings.plan.device_budget_bytes, device=pl_module.device.type,
-                precision=str(trainer.precision), offload=self.offload_settings,
+                precision=str(trainer.precision), offload=self.offload_settings if self.settings.offload_on else False,
                 checkpoint_policy=self.settings.checkpoint.policy,
                 offload_optimizer=self.settings.optimizer_offload if self._optimizer_offloaders else False,
             )  # fmt: skip
@@ -243,7 +243,14 @@ class FitSession:
             f"{chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}; "
             f"predicted peak {format_bytes(chosen.predicted_total_bytes)}"
         )
-        if chosen.fits:
+        if chosen.offload_optimizer and not self._optimizer_offloaders:
+            # The planner counted gradients and optimizer state on the host; this fit keeps them on
+            # the device, so the plan's peak is not what this run will reach.
+            rank_zero_warn(
+                f"{summary}. The plan needs gradients and optimizer state on the host, which this fit "
+                "keeps on the device: set LightMem(offload_optimizer=True) for the plan to hold."
+            )
+        elif chosen.fits:
             rank_zero_info(summary)
         else:
             rank_zero_warn(f"{summary}. It does not fit: {chosen.reason}")

@@ -374,6 +374,43 @@ def test_plan_auto_applies_a_plan_that_offloads_everywhere(monkeypatch, caplog):
     _assert_same_state(expected, (module, trainer))
 
 
+def test_plan_auto_with_offload_off_plans_without_offload(monkeypatch):
+    from lightmem import fit_session
+    from lightmem.estimate.report import Plan
+
+    asked = {}
+
+    def record(model, batch, budget, **kwargs):
+        asked["offload"] = kwargs["offload"]
+        return Plan(["model.blocks.0"], None, 1, 0, budget, True, "checkpointing only")
+
+    monkeypatch.setattr(fit_session, "plan", record)
+    callback = LightMem(plan="auto", device_budget="1GiB", offload=False, offload_devices=["cpu"])
+    seen = {}
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen["offloader"] = callback.fit_session.offloader
+
+    _trainer([callback, Spy()], max_steps=1).fit(LitGPT(), token_loader())
+    assert asked["offload"] is False
+    assert seen == {"offloader": None}
+
+
+def test_plan_auto_warns_when_its_plan_needs_offload_optimizer_that_is_off(monkeypatch):
+    from lightmem import fit_session
+    from lightmem.estimate.report import Plan
+
+    def needs_model_state_offload(model, batch, budget, **kwargs):
+        return Plan([], None, 1, 0, budget, True, "with offload_optimizer", offload_optimizer=True)
+
+    monkeypatch.setattr(fit_session, "plan", needs_model_state_offload)
+    callback = LightMem(plan="auto", device_budget="1GiB", offload_devices=["cpu"])
+    with pytest.warns(UserWarning, match=r"The plan needs gradients and optimizer state on the host, which this fit "
+                      r"keeps on the device: set LightMem\(offload_optimizer=True\) for the plan to hold."):
+        _trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
+
+
 def test_offload_scope_in_the_plan_log_line():
     from lightmem.config import OffloadSettings
     from lightmem.fit_session import offload_scope
