@@ -23,7 +23,6 @@ import contextlib
 import gc
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ sys.path.insert(0, str(CHECKOUT))
 from examples.estimate_factories import ResNet, classification_loss, resnet50  # noqa: E402
 from lightmem import apply_checkpointing, max_batch_size, offload_activations  # noqa: E402
 from lightmem.config import format_bytes, parse_size  # noqa: E402
+from lightmem.estimate.search import largest_fitting  # noqa: E402
 from lightmem.tables import format_table  # noqa: E402
 
 BUDGET = "12GB"
@@ -93,26 +93,6 @@ def predicted_rows(budget: str = BUDGET, limit: int = 4096) -> list[tuple[Row, i
     return rows
 
 
-def _largest(fits: Callable[[int], bool], guess: int, limit: int) -> int:
-    """The largest batch in [1, limit] that ``fits``, searched from ``guess`` (galloping, then
-    bisecting): about 2 log2(error of the guess) trials."""
-    guess = max(1, min(guess, limit))
-    if fits(guess):
-        low, step = guess, 1
-        while low + step <= limit and fits(low + step):
-            low, step = low + step, step * 2
-        high = min(low + step, limit + 1)
-    else:
-        high, step = guess, 1
-        while high - step >= 1 and not fits(high - step):
-            high, step = high - step, step * 2
-        low = max(high - step, 0)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
-
-
 def measured_rows(
     rows: list[tuple[Row, int]], budget: str = BUDGET, limit: int = 4096
 ) -> dict[str, tuple[int, str]]:
@@ -161,7 +141,8 @@ def measured_rows(
                     torch.cuda.empty_cache()
 
             started = time.perf_counter()
-            batch = _largest(fits, guess or 128, limit)
+            # The estimator's search, with a real step's out of memory as the only verdict.
+            batch, _ = largest_fitting(lambda size: 0 if fits(size) else 1, 0, guess or 128, limit)
             found[row.name] = (batch, f"search took {time.perf_counter() - started:.0f} s")
             if handle is not None:
                 handle.remove()
