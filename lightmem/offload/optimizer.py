@@ -566,12 +566,17 @@ def offload_optimizer(
     if settings is None:
         settings = OptimizerOffloadSettings.parse(devices=devices, max_grad_inflight_bytes=max_grad_inflight_bytes)
     reducer = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-    if reducer is not None and reducer.gradient_as_bucket_view:
-        raise ValueError(
-            f"{settings.flag('enabled')}: DDP's gradient_as_bucket_view=True makes gradients views of DDP's "
-            "buckets, which must stay on the device; wrap the model with gradient_as_bucket_view=False"
-        )
+    _refuse_bucket_views(reducer, settings.flag("enabled"), "wrap the model with gradient_as_bucket_view=False")
     return OptimizerOffloader(model, optimizer, settings=settings, transport=transport, reducer=reducer)
+
+
+def _refuse_bucket_views(reducer: Any, flag: str, remedy: str) -> None:
+    """DDP with ``gradient_as_bucket_view=True``: its gradients are views of its buckets."""
+    if getattr(reducer, "gradient_as_bucket_view", False):
+        raise ValueError(
+            f"{flag}: DDP's gradient_as_bucket_view=True makes gradients views of DDP's buckets, "
+            f"which must stay on the device; {remedy}"
+        )
 
 
 _STRATEGY_REFUSALS = {
@@ -606,11 +611,7 @@ def offload_trainer_optimizers(
     reducer = None
     if strategy == "DDPStrategy":
         reducer = trainer.strategy.model  # the DistributedDataParallel wrapper
-        if getattr(reducer, "gradient_as_bucket_view", False):
-            raise ValueError(
-                f"{flag}: DDP's gradient_as_bucket_view=True makes gradients views of DDP's buckets, "
-                "which must stay on the device; use DDPStrategy(gradient_as_bucket_view=False)"
-            )
+        _refuse_bucket_views(reducer, flag, "use DDPStrategy(gradient_as_bucket_view=False)")
     elif strategy != "SingleDeviceStrategy":
         raise ValueError(
             f"{flag}: works with one device per process (SingleDeviceStrategy, DDPStrategy); got {strategy}"
