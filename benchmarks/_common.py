@@ -25,18 +25,8 @@ def hardware() -> str:
 def interleaved_median_s(
     steps: dict[str, Callable[[], None]], rounds: int, warmup: int = 2, sync: Callable[[], None] = lambda: None
 ) -> dict[str, float]:
-    """Median seconds per step of each variant, timed round-robin so drift hits all alike."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    sync()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            sync()
-            times[name].append(time.perf_counter() - start)
+    """Median wall seconds per step of each variant, timed round-robin so drift hits all alike."""
+    times = interleaved_times_s(steps, rounds, warmup=warmup, sync=sync, clock=time.perf_counter)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
