@@ -127,10 +127,12 @@ class _KeptStorage(weakref.ref):
 
     It is the weak reference to the saved tensor's alias (for ``same_save``) itself: one object
     per kept storage, made without a Python ``__init__`` (``Offloader.pack`` sets its fields and
-    counts its bytes), on the hot path of every save.
+    counts its bytes), on the hot path of every save. Each offloader has its own subclass whose
+    class attribute ``owner`` is the offloader (one store less per save).
     """
 
-    __slots__ = ("nbytes", "owner", "version")
+    __slots__ = ("nbytes", "version")
+    owner: Offloader
 
     @property
     def alias(self) -> _KeptStorage:
@@ -287,6 +289,7 @@ class Offloader(Reloads):
         self._budget_note = budget_note
         self._session = Session()
         self._by_storage: dict[int, _HostEntry | _KeptStorage] = {}
+        self._kept_storage = type("_KeptStorage", (_KeptStorage,), {"__slots__": (), "owner": self})
         self._resident_bytes = 0
         self._live_entries = 0
         self._wait_base_s = 0.0
@@ -334,8 +337,7 @@ class Offloader(Reloads):
                     self._note_budget(nbytes)
                 else:
                     stats.kept_bytes += nbytes
-                kept = by_storage[key] = _KeptStorage(alias)
-                kept.owner = self
+                kept = by_storage[key] = self._kept_storage(alias)
                 kept.nbytes = nbytes
                 kept.version = version
                 resident = self._resident_bytes = self._resident_bytes + nbytes

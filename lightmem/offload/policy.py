@@ -47,7 +47,6 @@ Decision = tuple[int, Any, Any, int, int]
 """``(verdict, alias, storage, nbytes, key)``; only ``verdict`` is meaningful for ``LEAVE``."""
 
 _LEFT_ALONE: Decision = (LEAVE, None, None, 0, 0)
-_STRIDED = torch.strided
 _TO_COPY_BACKWARD = type(torch.zeros(1, requires_grad=True).double().grad_fn)  # autocast's and .to()'s node
 
 
@@ -95,31 +94,33 @@ class OffloadPolicy:
         """
         # Checks run cheapest first: on a GPU this runs on the thread that launches kernels.
         plain = self.plain
-        if (
-            type(tensor) is not plain  # parameters and tensor subclasses stay where they are
-            or not (
-                (self._on_cuda and tensor.is_cuda)
-                or (self._on_cpu and tensor.is_cpu)
-                or (self._on_other and tensor.device.type in self.devices)
-            )
-            or tensor.layout is not _STRIDED  # sparse, mkldnn: no plain storage to move
-            or tensor.is_nested
+        if type(tensor) is not plain or not (  # parameters and tensor subclasses stay where they are
+            (self._on_cuda and tensor.is_cuda)
+            or (self._on_cpu and tensor.is_cpu)
+            or (self._on_other and tensor.device.type in self.devices)
         ):
+            return _LEFT_ALONE
+        try:
+            storage = tensor.untyped_storage()
+        except NotImplementedError:  # sparse, mkldnn: no plain storage to move (cheaper than .layout)
+            return _LEFT_ALONE
+        if tensor.is_nested:
             return _LEFT_ALONE
         alias = tensor._base
         if alias is None:
             alias = tensor
         elif type(alias) is not plain:  # a view of a parameter, known at enter or not (FSDP)
             return _LEFT_ALONE
-        storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0:  # nothing to move; or freed by resize_(0) (FSDP): never touch its pointer
             return _LEFT_ALONE
         key = self.key(storage)
         if key in self.protected:
             return _LEFT_ALONE
+        if nbytes < self.min_bytes:
+            return (KEEP, alias, storage, nbytes, key)
         scope = self.scope
-        if nbytes >= self.min_bytes and (scope is None or scope.allowed) and not tensor.is_complex():
+        if (scope is None or scope.allowed) and not tensor.is_complex():
             # Read last: a tensor's grad_fn is a new Python object on most reads (its node's wrapper).
             grad_fn = alias.grad_fn
             if type(grad_fn) is not _TO_COPY_BACKWARD or not self._is_parameter_copy(grad_fn):

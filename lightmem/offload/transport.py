@@ -128,7 +128,11 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
     pin_memory = True
     poison_released = False
     synchronous = False
-    capturing = staticmethod(torch.cuda.is_current_stream_capturing)
+    # Asked on every save: torch's C function itself, without the Python wrapper's frame
+    # (``torch.cuda.is_current_stream_capturing`` only forwards to it).
+    capturing = staticmethod(
+        getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+    )
 
     def __init__(self) -> None:
         self._side: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
