@@ -38,6 +38,7 @@ from _torchtune import torchtune_hooks, torchtune_offload_activations
 
 from lightmem import offload_activations
 from lightmem.config import format_bytes
+from lightmem.offload.hooks import _held
 from lightmem.offload.policy import OffloadPolicy
 
 
@@ -210,22 +211,27 @@ def _copying_hooks():
 
 
 CHECKED = "version-checked hooks (detach + version in pack, check in unpack)"
+CHECKED_HELD = "version-checked hooks, detach only where a cycle could form (lightmem's rule)"
 DECIDING = "version-checked hooks + lightmem's policy decision"
 
 
-def _checked_hooks(decide=None):
+def _checked_hooks(decide=None, hold=None):
     """The least a correct keeping hook does: hold a ``detach()`` (never the tensor itself, whose
     grad_fn may be the node that holds the handle: a reference cycle through C++) with the saved
     version, and check the version in unpack (hooks switch off autograd's own check).
 
     With ``decide``, pack also runs lightmem's offload policy on the tensor (its verdict is unused):
     the policy's cost in place, on fresh tensors, apart from the rest of lightmem's bookkeeping.
+    With ``hold`` (lightmem's ``_held``), pack holds ``hold(tensor)`` instead of a ``detach()``:
+    the tensor itself unless its grad_fn could reach the handle. That row is the floor of a keeping
+    hook with both guarantees lightmem keeps (in-place writes caught, no leak through a cycle).
     """
+    held = (lambda tensor: tensor.detach()) if hold is None else hold
 
     def pack(tensor):
         if decide is not None:
             decide(tensor)
-        return tensor.detach(), tensor._version
+        return held(tensor), tensor._version
 
     def unpack(packed):
         tensor, version = packed
@@ -308,6 +314,7 @@ def _per_saved_tensor_rows(device: torch.device, rounds: int, repeats: int) -> d
         "no hooks": nullcontext,
         "pass-through hooks": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
         CHECKED: _checked_hooks,
+        CHECKED_HELD: lambda: _checked_hooks(hold=_held),
         DECIDING: lambda: _checked_hooks(decide),
         "save_on_cpu": lambda: save_on_cpu(pin_memory=pin),
         COPYING: _copying_hooks,
@@ -337,6 +344,7 @@ def _per_saved_tensor_rows(device: torch.device, rounds: int, repeats: int) -> d
         TT_OFFLOADING: (COPYING, "copying hooks"),
         COPYING: ("pass-through hooks", "pass-through"),
         CHECKED: ("pass-through hooks", "pass-through"),
+        CHECKED_HELD: (TT_KEEPING, "torchtune keeping"),
         DECIDING: ("pass-through hooks", "pass-through"),
     }
     rows = [["no hooks", f"{min(times['no hooks']) * 1e3:.3f}", "-", ""]]

@@ -433,14 +433,13 @@ class Offloader(Reloads):
     # -- backward ------------------------------------------------------------------------------
 
     def unpack(self, handle: Any) -> Tensor:
-        kind = type(handle)
-        if kind is _HostEntry or kind is Handle:
-            with self._lock:
-                return self._unpack_offloaded(handle)
-        tensor = handle[0]
-        if tensor._version != handle[1]:
-            raise _modified_error(tensor.type(), tensor.size(), tensor._version, handle[1])
-        return tensor
+        if type(handle) is tuple:  # a save that stayed where it was: one type check on this path
+            tensor = handle[0]
+            if tensor._version != handle[1]:
+                raise _modified_error(tensor.type(), tensor.size(), tensor._version, handle[1])
+            return tensor
+        with self._lock:  # an entry or a Handle
+            return self._unpack_offloaded(handle)
 
     def _unpack_offloaded(self, handle: _HostEntry | Handle) -> Tensor:
         capturing = self._capturing
