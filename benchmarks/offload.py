@@ -5,7 +5,7 @@
     python benchmarks/offload.py --per-tensor-only   # only the per-saved-tensor table
     python benchmarks/offload.py --gpt2              # only the GPT-2 step tables (transformers):
                                                      # all variants in one process, then each in its own
-    python benchmarks/offload.py --guard             # both; exit 1 if lightmem costs more than torchtune
+    python benchmarks/offload.py --guard             # all three; exit 1 if lightmem costs more than torchtune
     python benchmarks/offload.py --first-steps       # only the first steps (host pool growth)
 
 On CPU nothing is saved (host and "device" are the same memory); the figure that matters there is
@@ -14,6 +14,7 @@ correct keeping hook does (version-checked hooks), hooks that copy each saved te
 and save_on_cpu (which copies nothing on a CPU: ``.cpu()`` of a CPU tensor returns it); and,
 when torchtune is installed (optional: ``pip install --no-deps torchtune``; see ``_torchtune.py``),
 torchtune's ``OffloadActivations``, the pure-Python offloader users would pick instead.
+``keep_cost.py`` breaks a kept save's cost into its parts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import cProfile
 import json
 import os
 import pstats
+import resource
 import statistics
 import subprocess
 import sys
@@ -457,18 +459,21 @@ def gpt2_step_table(rounds: int, repeats: int, extra=None) -> dict[str, tuple[fl
 
 def gpt2_child(name: str, steps: int, warmup: int) -> None:
     """One variant of the GPT-2 step in this process alone: prints its per-step thread CPU
-    seconds as JSON (``gpt2_process_table`` starts this as ``offload.py --gpt2-child NAME``)."""
+    seconds and minor page faults as JSON (``gpt2_process_table`` starts this as ``offload.py
+    --gpt2-child NAME``)."""
     torch.set_num_threads(1)
     model, tokens, variants = _gpt2_workload()
     step = _gpt2_step(model, tokens, variants[name])
     for _ in range(warmup):
         step()
-    times = []
+    times, faults = [], []
     for _ in range(steps):
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.thread_time()
         step()
         times.append(time.thread_time() - start)
-    print(json.dumps({"name": name, "times_s": times}))
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
+    print(json.dumps({"name": name, "times_s": times, "minor_faults": faults}))
 
 
 def gpt2_process_table(rounds: int, steps: int, warmup: int = 3) -> dict[str, tuple[float, float]] | None:
@@ -486,6 +491,7 @@ def gpt2_process_table(rounds: int, steps: int, warmup: int = 3) -> dict[str, tu
     names = list(workload[2])
     del workload
     medians: dict[str, list[float]] = {name: [] for name in names}
+    faults: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(rounds):
         order = names[round_index % len(names):] + names[:round_index % len(names)]
         for name in order:
@@ -496,15 +502,18 @@ def gpt2_process_table(rounds: int, steps: int, warmup: int = 3) -> dict[str, tu
             )  # fmt: skip
             result = json.loads(child.stdout.strip().splitlines()[-1])
             medians[name].append(statistics.median(result["times_s"]))
+            faults[name].append(statistics.median(result["minor_faults"]))
     added = {}
-    rows = [[GPT2_BASELINE, f"{statistics.median(medians[GPT2_BASELINE]) * 1e3:.1f}", "-"]]
+    rows = [[GPT2_BASELINE, f"{statistics.median(medians[GPT2_BASELINE]) * 1e3:.1f}", "-",
+             f"{statistics.median(faults[GPT2_BASELINE]):,.0f}"]]  # fmt: skip
     for name in names:
         if name == GPT2_BASELINE:
             continue
         paired = sorted((a - b) * 1e3 for a, b in zip(medians[name], medians[GPT2_BASELINE]))
         added[name] = (paired[0], statistics.median(paired))
         rows.append([name, f"{statistics.median(medians[name]) * 1e3:.1f}",
-                     f"{paired[0]:+.1f} / {statistics.median(paired):+.1f} / {paired[-1]:+.1f}"])  # fmt: skip
+                     f"{paired[0]:+.1f} / {statistics.median(paired):+.1f} / {paired[-1]:+.1f}",
+                     f"{statistics.median(faults[name]):,.0f}"])  # fmt: skip
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     machine = hardware()
@@ -512,7 +521,8 @@ def gpt2_process_table(rounds: int, steps: int, warmup: int = 3) -> dict[str, tu
     print_table(
         f"Training step, the same GPT-2, each variant in its own process: {rounds} rounds x one process "
         f"per variant, each the median of {steps} steps after {warmup}, thread CPU time; {machine}",
-        ["variant", "step ms (median of rounds)", "ms added per step, paired by round (min / median / max)"],
+        ["variant", "step ms (median of rounds)", "ms added per step, paired by round (min / median / max)",
+         "minor page faults per step"],
         rows,
     )  # fmt: skip
     return added

@@ -1,0 +1,136 @@
+"""Where a kept save's time goes: lightmem's pack hook with one part taken out at a time.
+
+    python benchmarks/keep_cost.py              # 100 interleaved rounds (default)
+
+A kept save (one under ``min_bytes``) costs lightmem about twice what torchtune's keeping hook
+costs. This table says which part of ``Offloader.pack`` the difference is made of: each row is
+the engine's own pack with one part removed by a text edit (each edit must match the source
+exactly once, so a changed engine fails loudly instead of timing something else), beside the
+yardsticks, all interleaved in one process on the workload of ``offload.py --per-tensor-only``
+(200 chained ``sin()`` on 32x32 float32, 4 KiB saved each, one thread, thread CPU time; each round
+the best of 3 steps). A row without a part is not a correct hook: it only measures that part.
+
+- the record: the kept-storage record (dedupe within a forward, the resident-bytes count and its
+  finalizer);
+- the cycle rule: reading the tensor's grad_fn to hold a ``detach()`` only where a reference
+  cycle through autograd's C++ could form;
+- the pre-checks: CUDA graph capture, deferred copies and copies still in flight;
+- the policy decision: what the floor row plus ``OffloadPolicy.decide`` (its verdict unused) adds
+  over the floor row (the decision is one call; removing it from pack would leave nothing to keep).
+
+The floor row is the least a keeping hook with lightmem's two guarantees does: the version check
+(an in-place write after the save is caught) and the cycle rule (a graph dropped without backward
+is freed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import textwrap
+import types
+from contextlib import nullcontext
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import hardware, print_table
+from _torchtune import torchtune_hooks, torchtune_offload_activations
+from offload import CHECKED_HELD, _checked_hooks, added_s, sin_chain_times_s
+
+import lightmem.offload.hooks as engine
+from lightmem import offload_activations
+from lightmem.offload.policy import OffloadPolicy
+
+FLOOR_DECIDING = "the same + lightmem's policy decision (verdict unused)"
+
+_RECORD = """\
+                kept = by_storage[key] = self._kept_storage(alias)
+                kept.nbytes = nbytes
+                kept.version = version
+                resident = self._resident_bytes = self._resident_bytes + nbytes
+                if resident > stats.peak_resident_bytes:
+                    stats.peak_resident_bytes = resident
+"""
+_CYCLE_RULE = """\
+        grad_fn = tensor.grad_fn
+        if grad_fn is not None and (
+            grad_fn._sequence_nr() >= _sequence_nr() - 1 or isinstance(grad_fn, BackwardCFunction)
+        ):
+            tensor = tensor.detach()
+"""
+_PRE_CHECKS = """\
+        capturing = self._capturing
+        if capturing is not None and capturing():  # no event may be queried, no side stream joined
+            return self._keep_captured(tensor)
+        if self._deferred and _sequence_nr() != self._deferred_after:
+            self._copy_deferred()  # a later op has begun: the ops that saved them have returned
+        if self._inflight:
+            self._settle()
+"""
+WITHOUT = {
+    "lightmem keeping without the record": (_RECORD, "                kept = None\n"),
+    "lightmem keeping without the cycle rule": (_CYCLE_RULE, ""),
+    "lightmem keeping without the pre-checks": (_PRE_CHECKS, ""),
+}
+
+
+def _pack_without(part: str, replacement: str):
+    """``Offloader.pack`` with ``part`` of its source replaced (it must occur exactly once)."""
+    source = inspect.getsource(engine.Offloader.pack)
+    if source.count(part) != 1:
+        raise SystemExit(f"keep_cost.py: the engine's pack no longer contains, once:\n{part}")
+    namespace: dict[str, object] = {}
+    exec(textwrap.dedent(source.replace(part, replacement)), vars(engine), namespace)
+    return namespace["pack"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=100)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    chain = 200
+    x = torch.randn(32, 32, requires_grad=True)
+    decide = OffloadPolicy(min_bytes=2**20, devices=("cpu",)).decide
+    variants = {
+        "no hooks": nullcontext,
+        CHECKED_HELD: lambda: _checked_hooks(hold=engine._held),
+        FLOOR_DECIDING: lambda: _checked_hooks(decide, hold=engine._held),
+    }
+    if torchtune_offload_activations() is not None:
+        variants["torchtune keeping (min_offload_size=1MiB)"] = lambda tt=torchtune_hooks(2**20): tt
+    keeping = offload_activations(min_bytes="1MiB", devices=("cpu",))
+    variants["lightmem keeping (min_bytes=1MiB)"] = lambda: keeping
+    for name, (part, replacement) in WITHOUT.items():
+        context = offload_activations(min_bytes="1MiB", devices=("cpu",))
+        # The context pushes the offloader's pack at each enter: an instance attribute replaces it.
+        context._offloader.pack = types.MethodType(_pack_without(part, replacement), context._offloader)
+        variants[name] = lambda context=context: context
+
+    times = sin_chain_times_s(variants, x, chain, args.rounds, repeats=3)
+    full = added_s(times, "lightmem keeping (min_bytes=1MiB)")
+    rows = []
+    for name in variants:
+        if name == "no hooks":
+            continue
+        low, mid = (s / chain * 1e6 for s in added_s(times, name))
+        part = ""
+        if name in WITHOUT:
+            part = f"{full[0] / chain * 1e6 - low:+.2f} / {full[1] / chain * 1e6 - mid:+.2f}"
+        elif name == FLOOR_DECIDING:
+            floor_low, floor_mid = (s / chain * 1e6 for s in added_s(times, CHECKED_HELD))
+            part = f"{low - floor_low:+.2f} / {mid - floor_mid:+.2f} (the decision)"
+        rows.append([name, f"{low:+.2f} / {mid:+.2f}", part])
+    print_table(
+        f"Kept save, 200 chained sin() on 32x32 float32, {args.rounds} interleaved rounds x best of 3, "
+        f"thread CPU time; {hardware()}",
+        ["variant", "us added per saved tensor (min / median)", "the part removed costs (min / median)"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
