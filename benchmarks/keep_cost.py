@@ -4,8 +4,8 @@
 
 A kept save (one under ``min_bytes``) costs lightmem about twice what torchtune's keeping hook
 costs. This table says which part of ``Offloader.pack`` the difference is made of: each row is
-the engine's own pack with one part removed by a text edit (each edit must match the source
-exactly once, so a changed engine fails loudly instead of timing something else), beside the
+the engine's own pack with one part removed by a text edit (a block between two anchor lines,
+each found exactly once, so a changed engine fails loudly instead of timing something else), beside the
 yardsticks, all interleaved in one process on the workload of ``offload.py --per-tensor-only``
 (200 chained ``sin()`` on 32x32 float32, 4 KiB saved each, one thread, thread CPU time; each round
 the best of 3 steps). A row without a part is not a correct hook: it only measures that part.
@@ -46,44 +46,28 @@ from lightmem.offload.policy import OffloadPolicy
 
 FLOOR_DECIDING = "the same + lightmem's policy decision (verdict unused)"
 
-_RECORD = """\
-                kept = by_storage[key] = self._kept_storage(alias)
-                kept.nbytes = nbytes
-                kept.version = version
-                resident = self._resident_bytes = self._resident_bytes + nbytes
-                if resident > stats.peak_resident_bytes:
-                    stats.peak_resident_bytes = resident
-"""
-_CYCLE_RULE = """\
-        grad_fn = tensor.grad_fn
-        if grad_fn is not None and (
-            grad_fn._sequence_nr() >= _sequence_nr() - 1 or isinstance(grad_fn, BackwardCFunction)
-        ):
-            tensor = tensor.detach()
-"""
-_PRE_CHECKS = """\
-        capturing = self._capturing
-        if capturing is not None and capturing():  # no event may be queried, no side stream joined
-            return self._keep_captured(tensor)
-        if self._deferred and _sequence_nr() != self._deferred_after:
-            self._copy_deferred()  # a later op has begun: the ops that saved them have returned
-        if self._inflight:
-            self._settle()
-"""
+# Each part is the block of pack's lines from the one containing the first anchor to the one
+# containing the last (each anchor must occur once), replaced by ``replacement``.
 WITHOUT = {
-    "lightmem keeping without the record": (_RECORD, "                kept = None\n"),
-    "lightmem keeping without the cycle rule": (_CYCLE_RULE, ""),
-    "lightmem keeping without the pre-checks": (_PRE_CHECKS, ""),
+    "lightmem keeping without the record": (
+        "kept = by_storage[key] = _KeptStorage(alias)", "stats.peak_resident_bytes = resident", "kept = None"
+    ),
+    "lightmem keeping without the cycle rule": ("grad_fn = tensor.grad_fn", "tensor = tensor.detach()", "pass"),
+    "lightmem keeping without the pre-checks": ("capturing = self._capturing", "self._settle()", "pass"),
 }
 
 
-def _pack_without(part: str, replacement: str):
-    """``Offloader.pack`` with ``part`` of its source replaced (it must occur exactly once)."""
-    source = inspect.getsource(engine.Offloader.pack)
-    if source.count(part) != 1:
-        raise SystemExit(f"keep_cost.py: the engine's pack no longer contains, once:\n{part}")
+def _pack_without(first: str, last: str, replacement: str):
+    """``Offloader.pack`` with the lines from ``first`` to ``last`` replaced by ``replacement``."""
+    lines = textwrap.dedent(inspect.getsource(engine.Offloader.pack)).splitlines()
+    starts = [i for i, line in enumerate(lines) if first in line]
+    ends = [i for i, line in enumerate(lines) if last in line]
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise SystemExit(f"keep_cost.py: the engine's pack no longer has one block from {first!r} to {last!r}")
+    indent = lines[starts[0]][: len(lines[starts[0]]) - len(lines[starts[0]].lstrip())]
+    source = "\n".join(lines[: starts[0]] + [indent + replacement] + lines[ends[0] + 1 :])
     namespace: dict[str, object] = {}
-    exec(textwrap.dedent(source.replace(part, replacement)), vars(engine), namespace)
+    exec(source, vars(engine), namespace)
     return namespace["pack"]
 
 
@@ -104,10 +88,10 @@ def main() -> None:
         variants["torchtune keeping (min_offload_size=1MiB)"] = lambda tt=torchtune_hooks(2**20): tt
     keeping = offload_activations(min_bytes="1MiB", devices=("cpu",))
     variants["lightmem keeping (min_bytes=1MiB)"] = lambda: keeping
-    for name, (part, replacement) in WITHOUT.items():
+    for name, (first, last, replacement) in WITHOUT.items():
         context = offload_activations(min_bytes="1MiB", devices=("cpu",))
         # The context pushes the offloader's pack at each enter: an instance attribute replaces it.
-        context._offloader.pack = types.MethodType(_pack_without(part, replacement), context._offloader)
+        context._offloader.pack = types.MethodType(_pack_without(first, last, replacement), context._offloader)
         variants[name] = lambda context=context: context
 
     times = sin_chain_times_s(variants, x, chain, args.rounds, repeats=3)

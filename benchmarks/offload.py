@@ -496,10 +496,12 @@ def gpt2_process_table(rounds: int, steps: int, warmup: int = 3) -> dict[str, tu
         order = names[round_index % len(names):] + names[:round_index % len(names)]
         for name in order:
             child = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--gpt2-child", name, "--steps", str(steps),
+                [sys.executable, os.path.abspath(__file__), "--gpt2-child", name, "--process-steps", str(steps),
                  "--warmup", str(warmup)],
-                check=True, capture_output=True, text=True,
+                capture_output=True, text=True,
             )  # fmt: skip
+            if child.returncode:
+                raise SystemExit(f"offload.py --gpt2-child {name!r} failed:\n{child.stderr}")
             result = json.loads(child.stdout.strip().splitlines()[-1])
             medians[name].append(statistics.median(result["times_s"]))
             faults[name].append(statistics.median(result["minor_faults"]))

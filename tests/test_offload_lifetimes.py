@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -260,3 +261,22 @@ def test_two_hundred_steps_do_not_grow_host_memory_or_live_tensors(min_bytes):
     assert _live_tensors() <= live_tensors  # no growth (other tests' leftovers may be freed meanwhile)
     assert off.host_bytes_held <= 1.10 * off.stats.offloaded_bytes
     _nothing_left(off)
+
+
+@THRESHOLDS
+def test_a_dropped_context_is_freed_at_once_without_the_cycle_collector(min_bytes):
+    """Nothing of an offloader refers back to it in a cycle: dropping the context frees it, and
+    with it the host pool's buffers, when the last reference goes, not at some later collection."""
+    x = torch.randn(256, 256, requires_grad=True)
+    off = offload_activations(min_bytes=min_bytes, devices=("cpu",))
+    with off:
+        loss = x.sin().sin().sum()
+    loss.backward()
+    # The stats object lives as long as the engine behind the context (which holds the pool).
+    dropped = weakref.ref(off), weakref.ref(off.stats)
+    gc.disable()
+    try:
+        del off, loss
+        assert [ref() for ref in dropped] == [None, None]
+    finally:
+        gc.enable()

@@ -127,12 +127,10 @@ class _KeptStorage(weakref.ref):
 
     It is the weak reference to the saved tensor's alias (for ``same_save``) itself: one object
     per kept storage, made without a Python ``__init__`` (``Offloader.pack`` sets its fields and
-    counts its bytes), on the hot path of every save. Each offloader has its own subclass whose
-    class attribute ``owner`` is the offloader (one store less per save).
+    counts its bytes), on the hot path of every save.
     """
 
-    __slots__ = ("nbytes", "version")
-    owner: Offloader
+    __slots__ = ("nbytes", "owner", "version")
 
     @property
     def alias(self) -> _KeptStorage:
@@ -289,7 +287,6 @@ class Offloader(Reloads):
         self._budget_note = budget_note
         self._session = Session()
         self._by_storage: dict[int, _HostEntry | _KeptStorage] = {}
-        self._kept_storage = type("_KeptStorage", (_KeptStorage,), {"__slots__": (), "owner": self})
         self._resident_bytes = 0
         self._live_entries = 0
         self._wait_base_s = 0.0
@@ -337,7 +334,8 @@ class Offloader(Reloads):
                     self._note_budget(nbytes)
                 else:
                     stats.kept_bytes += nbytes
-                kept = by_storage[key] = self._kept_storage(alias)
+                kept = by_storage[key] = _KeptStorage(alias)
+                kept.owner = self
                 kept.nbytes = nbytes
                 kept.version = version
                 resident = self._resident_bytes = self._resident_bytes + nbytes

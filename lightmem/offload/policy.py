@@ -8,10 +8,10 @@ identity of its Python object: fake storages have no data).
 
 For one saved tensor, in this order:
 
-1. Left alone (``LEAVE``): a device type not offloaded, a non-strided or nested layout, a tensor
-   subclass or a ``Parameter``, a view of one, a storage of size 0 (nothing to move, or freed by
-   ``resize_(0)`` as FSDP does), a parameter or buffer storage (by storage, so views and compiled
-   graphs are covered).
+1. Left alone (``LEAVE``): a device type not offloaded, a tensor subclass or a ``Parameter``, no
+   accessible storage (sparse, mkldnn) or a nested layout, a view of a parameter, a storage of size
+   0 (nothing to move, or freed by ``resize_(0)`` as FSDP does), a parameter or buffer storage (by
+   storage, so views and compiled graphs are covered).
 2. A storage already saved in this forward by the same tensor (or a view of it) at the same
    version is not decided again: the earlier decision holds (``same_save``).
 3. Kept on the device (``KEEP``): the storage it keeps alive is under ``min_bytes``, the module
@@ -37,7 +37,7 @@ from lightmem.offload.pool import size_class
 from lightmem.offload.scope import ModuleScope
 
 LEAVE = 0
-"""Not the offloader's to move: parameters, buffers, other devices and layouts, empty storages."""
+"""Not the offloader's to move: parameters, buffers, other devices, no plain storage, empty storages."""
 KEEP = 1
 """Stays on the device by policy: under ``min_bytes``, out of scope, complex, or a parameter copy."""
 MOVE = 2
