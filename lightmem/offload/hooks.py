@@ -386,8 +386,8 @@ class Offloader(Reloads):
             if transport.synchronous:  # done when it returns: nothing to order, nothing to hold
                 copy_to_host = transport.copy_to_host
                 for entry in deferred:  # no local for the source: release_source counts its referents
-                    if not entry.dense or entry.in_flight_alias._version == entry.version:
-                        copy_to_host(entry.host, entry.in_flight_alias, None)  # not written_since_save
+                    if not entry.written_since_save():
+                        copy_to_host(entry.host, entry.in_flight_alias, None)
                     entry.release_source()
                 return
             for entry in deferred:
