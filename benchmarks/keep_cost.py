@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware, print_table
 from _torchtune import torchtune_hooks, torchtune_offload_activations
-from offload import CHECKED_HELD, _checked_hooks, added_s, sin_chain_times_s
+from offload import CHECKED_HELD, _checked_hooks, added_us_per_tensor, sin_chain_times_s
 
 import lightmem.offload.hooks as engine
 from lightmem import offload_activations
@@ -95,17 +95,17 @@ def main() -> None:
         variants[name] = lambda context=context: context
 
     times = sin_chain_times_s(variants, x, chain, args.rounds, repeats=3)
-    full = added_s(times, "lightmem keeping (min_bytes=1MiB)")
+    full_low, full_mid = added_us_per_tensor(times, "lightmem keeping (min_bytes=1MiB)", chain)
     rows = []
     for name in variants:
         if name == "no hooks":
             continue
-        low, mid = (s / chain * 1e6 for s in added_s(times, name))
+        low, mid = added_us_per_tensor(times, name, chain)
         part = ""
         if name in WITHOUT:
-            part = f"{full[0] / chain * 1e6 - low:+.2f} / {full[1] / chain * 1e6 - mid:+.2f}"
+            part = f"{full_low - low:+.2f} / {full_mid - mid:+.2f}"
         elif name == FLOOR_DECIDING:
-            floor_low, floor_mid = (s / chain * 1e6 for s in added_s(times, CHECKED_HELD))
+            floor_low, floor_mid = added_us_per_tensor(times, CHECKED_HELD, chain)
             part = f"{low - floor_low:+.2f} / {mid - floor_mid:+.2f} (the decision)"
         rows.append([name, f"{low:+.2f} / {mid:+.2f}", part])
     print_table(

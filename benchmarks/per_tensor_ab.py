@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware, print_table
 from _torchtune import torchtune_hooks, torchtune_offload_activations
-from offload import added_s, gpt2_step_table, sin_chain_times_s
+from offload import added_us_per_tensor, gpt2_step_table, sin_chain_times_s
 
 import lightmem
 
@@ -98,7 +98,7 @@ def main() -> None:
     rows = []
     for name in variants:
         if name != "no hooks":
-            low, mid = (s / chain * 1e6 for s in added_s(times, name))
+            low, mid = added_us_per_tensor(times, name, chain)
             rows.append([name, f"{min(times[name]) * 1e3:.3f}", f"{low:+.2f} / {mid:+.2f}"])
     print_table(
         f"Per-saved-tensor cost, {args.base} against this checkout in one process, "
