@@ -11,6 +11,7 @@ import pytorch_lightning as pl
 import torch
 from exact import assert_state_equal
 from lit_models import LitGPT, token_loader
+from process_group import leave
 from pytorch_lightning.loggers import Logger
 
 from lightmem import LightMem
@@ -71,8 +72,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Lightning leaves the process group up; exiting with it (and gloo's threads) alive can abort
-    # the interpreter at shutdown ("terminate called without an active exception").
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave()

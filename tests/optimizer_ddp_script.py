@@ -12,6 +12,7 @@ import pytorch_lightning as pl
 import torch
 from exact import assert_state_equal
 from optimizer_models import LitTiny, regression_loader
+from process_group import leave
 
 from lightmem import LightMem
 
@@ -52,6 +53,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave()
