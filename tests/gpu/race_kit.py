@@ -15,6 +15,7 @@ kind of wait and must then produce a wrong result.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS across streams
@@ -71,6 +72,12 @@ def make_input(device: torch.device | str) -> torch.Tensor:
 
 def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
+
+
+def loss_under(model: nn.Module, x: torch.Tensor, offloader: Any | None) -> torch.Tensor:
+    """``loss_of`` with its saved tensors through ``offloader`` (None: plain autograd)."""
+    with offloader if offloader is not None else contextlib.nullcontext():
+        return loss_of(model, x)
 
 
 def stall(stream: torch.cuda.Stream) -> None:

@@ -24,11 +24,7 @@ def _peaks(model: nn.Module, x: torch.Tensor, off, stall_backward: bool) -> dict
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    if off is not None:
-        with off:
-            loss = kit.loss_of(model, x)
-    else:
-        loss = kit.loss_of(model, x)
+    loss = kit.loss_under(model, x, off)
     if stall_backward:  # the GPU runs ~0.1 s behind: the host queues the whole backward first
         kit.stall(torch.cuda.current_stream())
     loss.backward()

@@ -92,11 +92,7 @@ def test_offload_lowers_peak_device_memory_over_forward_and_backward():
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        if off is not None:
-            with off:
-                loss = kit.loss_of(model, x)
-        else:
-            loss = kit.loss_of(model, x)
+        loss = kit.loss_under(model, x, off)
         loss.backward()
         del loss
         torch.cuda.synchronize()
