@@ -397,6 +397,20 @@ def test_plan_auto_with_offload_off_plans_without_offload(monkeypatch):
     assert seen == {"offloader": None}
 
 
+def test_plan_auto_with_offload_off_runs_the_planner_itself():
+    # The test above stubs the planner; this one runs it (offload=False once raised FrozenInstanceError).
+    from lightmem import estimate_memory
+
+    (tokens,) = next(iter(token_loader()))
+    baseline = estimate_memory(LitGPT(), (tokens,), device="cpu")
+    budget = baseline.static_bytes + (baseline.peak_bytes - baseline.static_bytes) * 6 // 10
+    callback = LightMem(plan="auto", device_budget=budget, offload=False, offload_devices=["cpu"])
+    _trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
+    chosen = callback.chosen_plan
+    assert chosen.fits and chosen.checkpoint and chosen.offload is None
+    assert chosen.predicted_total_bytes <= budget
+
+
 def test_plan_auto_warns_when_its_plan_needs_offload_optimizer_that_is_off(monkeypatch):
     from lightmem import fit_session
     from lightmem.estimate.report import Plan

@@ -78,6 +78,20 @@ def test_plan_fits_when_the_budget_allows_and_its_flags_verify():
     assert check.total_bytes == result.predicted_total_bytes <= budget
 
 
+def test_plan_with_offload_off_checkpoints_only_and_verifies():
+    # LightMem(plan="auto", offload=False) asks for this plan on a GPU.
+    base = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cuda", overhead_bytes=0)
+    budget = base.static_bytes + (base.peak_bytes - base.static_bytes) * 6 // 10
+    result = plan(TinyGPT(), _tokens(16), budget, gpt_loss, device="cuda", overhead_bytes=0, offload=False)
+    assert result.fits and result.checkpoint and result.offload is None
+    assert set(result.lightmem_kwargs()) == {"offload", "checkpoint"}
+    assert result.lightmem_kwargs()["offload"] is False
+    check = estimate_memory(
+        TinyGPT(), _tokens(16), gpt_loss, device="cuda", overhead_bytes=0, checkpoint=result.checkpoint
+    )  # fmt: skip
+    assert check.total_bytes == result.predicted_total_bytes <= budget
+
+
 def test_plan_is_empty_when_the_baseline_fits():
     result = plan(TinyGPT(), _tokens(), "1GiB", gpt_loss, device="cpu")
     assert result.fits and result.checkpoint == [] and result.offload is None

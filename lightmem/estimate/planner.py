@@ -30,6 +30,7 @@ every configuration's exposed transfer.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -240,7 +241,7 @@ def _family(name: str, candidates: list[Candidate], blocks: Mapping[str, BlockMe
 def build_families(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Family]:
     """The planner's three walks through the space (one on CPU: checkpoint only)."""
     families = []
-    checkpoint_only = Costs(costs.flops_per_s, costs.link_bytes_per_s, costs.min_bytes, allow_offload=False)
+    checkpoint_only = dataclasses.replace(costs, allow_offload=False)
     actions: dict[str, str] = {}
     candidates = []
     for name, action in greedy_steps(blocks, checkpoint_only):
@@ -624,7 +625,7 @@ def plan_space(
         min_bytes=offload_settings.min_bytes if offload_settings is not None else DEFAULT_MIN_BYTES,
     )  # fmt: skip
     if offload_settings is None:
-        costs.allow_offload = False
+        costs = dataclasses.replace(costs, allow_offload=False)
     info = inspect_batch(batch)
     base, baseline = build_report(model, batch, settings, info, None, None, batch_size=batch_size)
     return PlanSpace(
