@@ -275,7 +275,7 @@ OFFLOAD_OPTIMIZER = Spelling("offload_optimizer", (("enabled", ""),))
 """``offload_optimizer(model, optimizer, ...)``: the function is the switch."""
 CLI = Spelling("lightmem estimate", (
     ("min_bytes", "offload-min-bytes"), ("include", "offload-include"), ("exclude", "offload-exclude"),
-    ("targets", "checkpoint"), ("policy", "checkpoint-policy"), ("plan", "plan"), ("budget", "budget"),
+    ("targets", "checkpoint"), ("policy", "checkpoint-policy"),
     ("enabled", "offload-optimizer"),
     ("link_bytes_per_s", "link-bytes-per-s"),
 ), style="cli")  # fmt: skip
@@ -592,7 +592,7 @@ class HostGuardSettings:
         warn = parse_fraction(warn_at, flag=flag("warn_at"))
         stop = parse_fraction(stop_at, flag=flag("stop_at"), allow_none=True)
         if stop is not None and stop < warn:  # type: ignore[operator]
-            raise ValueError(f"{flag('stop_at')}: must be >= {dict(spelling.names).get('warn_at', 'warn_at')} ({warn_at}); got {stop_at!r}")
+            raise ValueError(f"{flag('stop_at')}: must be >= {spelling.name('warn_at')} ({warn_at}); got {stop_at!r}")
         if stop is None and stop_checkpoint is not None:
             raise ValueError(
                 f"{flag('stop_checkpoint')}: has no effect while {spelling.name('stop_at')} is None (the guard "
@@ -676,21 +676,21 @@ class LightMemSettings:
         probe groups ``metrics`` accepts."""
         flag = LIGHTMEM.flag
         plan = PlanSettings.parse(plan=flags["plan"], device_budget=flags["device_budget"])
-        optimizer_offload = OptimizerOffloadSettings.parse(
-            devices=flags["offload_devices"], max_grad_inflight_bytes=flags["offload_max_inflight_bytes"],
-            spelling=LIGHTMEM,
-        )
-        offload_optimizer = parse_bool(flags["offload_optimizer"], flag=flag("enabled"))
         if plan.auto and (flags["checkpoint"] is not None or flags["offload_include"] is not None):
             raise ValueError(f"{flag('plan')}: 'auto' chooses checkpoint and offload_include itself; leave them unset")
+        offload = OffloadSettings.parse(
+            min_bytes=flags["offload_min_bytes"], devices=flags["offload_devices"],
+            include=flags["offload_include"], exclude=flags["offload_exclude"], host_budget=flags["host_budget"],
+            prefetch=flags["prefetch_bytes"], max_inflight_bytes=flags["offload_max_inflight_bytes"],
+            host_min_available=flags["host_min_available"], spelling=LIGHTMEM,
+        )  # fmt: skip
+        optimizer_offload = None
+        if parse_bool(flags["offload_optimizer"], flag=flag("enabled")):
+            # offload_devices and offload_max_inflight_bytes serve both offloads: parsed once, above
+            optimizer_offload = OptimizerOffloadSettings(offload.devices, offload.max_inflight_bytes, LIGHTMEM)
         return cls(
             offload_on=parse_bool(flags["offload"], flag=flag("offload")),
-            offload=OffloadSettings.parse(
-                min_bytes=flags["offload_min_bytes"], devices=flags["offload_devices"],
-                include=flags["offload_include"], exclude=flags["offload_exclude"], host_budget=flags["host_budget"],
-                prefetch=flags["prefetch_bytes"], max_inflight_bytes=flags["offload_max_inflight_bytes"],
-                host_min_available=flags["host_min_available"], spelling=LIGHTMEM,
-            ),
+            offload=offload,
             checkpoint=CheckpointSettings.parse(
                 flags["checkpoint"], flags["checkpoint_every"], flags["checkpoint_policy"], spelling=LIGHTMEM,
                 planned=plan.auto,
@@ -704,7 +704,7 @@ class LightMemSettings:
                 stop_checkpoint=flags["host_stop_checkpoint"],
             ),
             plan=plan,
-            optimizer_offload=optimizer_offload if offload_optimizer else None,
+            optimizer_offload=optimizer_offload,
         )  # fmt: skip
 
 
