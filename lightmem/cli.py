@@ -231,7 +231,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     output: dict[str, Any] = {"estimate": result.to_dict()}
     found_plan = search = None
-    link = {} if args.link_bytes_per_s is None else {"link_bytes_per_s": args.link_bytes_per_s}
+    link = {} if flags.prices is None else {"link_bytes_per_s": flags.prices.link_bytes_per_s}
     if args.plan:
         found_plan = plan(
             model, batch, args.budget, loss_fn, offload=flags.offload, checkpoint_policy=policy, **common, **link
