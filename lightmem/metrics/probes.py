@@ -161,7 +161,10 @@ class OptimizerOffloadProbe:
     summed over the optimizers offloaded. ``stats`` returns their ``OptimizerOffloadStats``."""
 
     group = "lightmem"
-    FIELDS = ("host_state_bytes", "host_grad_bytes", "host_param_bytes", "grad_bytes_out", "param_bytes_in", "waited_s")
+    FIELDS = (
+        "host_state_bytes", "host_grad_bytes", "host_param_bytes", "host_bytes", "grad_bytes_out", "param_bytes_in",
+        "waited_s",
+    )  # fmt: skip
 
     def __init__(self, stats: Callable[[], list[Any]]) -> None:
         self._stats = stats

@@ -142,7 +142,6 @@ class MetricsRecorder:
         self._offload = self.traffic is not None
         self.optimizer_offload = next((probe for probe in self.probes if isinstance(probe, OptimizerOffloadProbe)), None)
         self._optimizer_totals: dict[str, float] = {}
-        self._optimizer_steps = 0
         self.log_every_n_steps = log_every_n_steps
         self.tensorboard_panels = tensorboard_panels
         self.checkpointed_blocks = checkpointed_blocks
@@ -185,11 +184,10 @@ class MetricsRecorder:
             self._wait_s += self.traffic.totals.wait_s
         if self.optimizer_offload is not None:
             figures = self.optimizer_offload.figures()
-            self._optimizer_steps += 1
             for name in ("grad_bytes_out", "param_bytes_in", "waited_s"):
                 self._optimizer_totals[name] = self._optimizer_totals.get(name, 0.0) + figures[name]
-            held = figures["host_state_bytes"] + figures["host_grad_bytes"] + figures["host_param_bytes"]
-            self._optimizer_totals["peak_host_bytes"] = max(self._optimizer_totals.get("peak_host_bytes", 0.0), held)
+            peak = max(self._optimizer_totals.get("peak_host_bytes", 0.0), figures["host_bytes"])
+            self._optimizer_totals["peak_host_bytes"] = peak
         every = self.log_every_n_steps or trainer.log_every_n_steps
         logged = (trainer.global_step - 1) % every == 0
         values: dict[str, float] = {}
@@ -235,8 +233,8 @@ class MetricsRecorder:
             )
             wait_ms = self._wait_s / steps * 1e3
             figures.append(SummaryFigure("compute waited per step", "wait_per_step_ms", wait_ms, "ms"))
-        if self._optimizer_steps:
-            totals, count = self._optimizer_totals, self._optimizer_steps
+        if self.optimizer_offload is not None and self._steps:
+            totals, count = self._optimizer_totals, self._steps
             figures += [
                 SummaryFigure("optimizer offload: host bytes held (peak)", "optimizer/host_peak_GiB", totals["peak_host_bytes"] / GiB, "GiB"),
                 SummaryFigure("optimizer offload: gradients to host per step", "optimizer/grads_out_per_step_GiB", totals["grad_bytes_out"] / count / GiB, "GiB"),
