@@ -374,11 +374,7 @@ class SimulatedAsyncTransport:
             for side, position in event.needs.items():
                 if not is_compute(side) and side.device == stream.device:
                     stream.ordered_after[side] = max(stream.ordered_after.get(side, 0), position)
-            if not event.flag.is_set():
-                start = time.perf_counter()
-                self._force(event)
-                event.flag.wait()
-                self._waited_s += time.perf_counter() - start
+            self.host_wait(event)  # the compute stream is the training thread here
             return
         self._check_capture("a side stream waiting for an event (it would join the capture)")
         if is_compute(event.stream) and not event.flag.is_set():
