@@ -128,8 +128,8 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
     pin_memory = True
     poison_released = False
     synchronous = False
-    # Asked on every save: torch's C function itself, without the Python wrapper's frame
-    # (``torch.cuda.is_current_stream_capturing`` only forwards to it).
+    # Asked on every save and every done/wait: torch's C function itself, without the Python
+    # wrapper's frame (``torch.cuda.is_current_stream_capturing`` only forwards to it).
     capturing = staticmethod(
         getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
     )
@@ -157,7 +157,7 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
         # No query while a graph is captured (illegal there); the offloader moves nothing then.
         if (
             stream == torch.cuda.current_stream(stream.device)
-            and not torch.cuda.is_current_stream_capturing()
+            and not self.capturing()
             and not event.query()
         ):
             start = torch.cuda.Event(enable_timing=True)
@@ -184,7 +184,7 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
 
     def done(self, event: torch.cuda.Event | None) -> bool:
         # Never seen complete while a graph is captured: querying an event is illegal there.
-        return event is None or (not torch.cuda.is_current_stream_capturing() and event.query())
+        return event is None or (not self.capturing() and event.query())
 
     def host_wait(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
@@ -193,7 +193,7 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
             self._waited_s += _perf_counter() - start
 
     def waited_s(self) -> float:
-        if torch.cuda.is_current_stream_capturing():
+        if self.capturing():
             return self._waited_s
         pending = []
         for start, end in self._timed:
