@@ -448,15 +448,15 @@ class Offloader(Reloads):
         if self._inflight:
             self._settle()
         entry = handle if type(handle) is _HostEntry else handle.entry
+        layout = handle.layout
         holder = entry.version_holder
         current = entry.version_final if holder is None else holder._version
         if current != handle.version:
-            layout = handle.layout
             dtype, size = (entry.host.dtype, entry.host.size()) if layout is None else layout[:2]
             tensor_type = torch.empty(0, dtype=dtype, device=entry.device).type()
             raise _modified_error(tensor_type, size, current, handle.version)
         if entry.restored is None:
-            view = served_view(entry, handle.layout)
+            view = served_view(entry, layout)
             if view is not None:  # its copy to host still runs: the device tensor is still held
                 self.stats.inflight_served += 1
                 return view
@@ -464,7 +464,6 @@ class Offloader(Reloads):
         if entry.reload_event is not None:
             self._transport.wait(entry.streams[0], entry.reload_event)
             entry.reload_event = None
-        layout = handle.layout
         view = restored if layout is None else saved_view(restored, layout, entry.device)
         session = entry.session
         if session.cursor > 0 and self._prefetch_bytes > 0:  # candidates lie below the cursor
