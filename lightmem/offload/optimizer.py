@@ -24,9 +24,9 @@ groups and state on the device parameters, pending host gradients in ``param.gra
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter
 from types import TracebackType
 from typing import Any
@@ -93,7 +93,6 @@ class _Slot:
     landing: str | None = None  # "direct" (into grad_buffer) or "staged" (to add) while a copy runs
     to_device: Any = None  # event of the last copy of ``master`` to the device
     device_waited: bool = True  # the compute stream has waited for ``to_device``
-    modules: list[nn.Module] = field(default_factory=list)
 
 
 def _check_optimizer(optimizer: Any, settings: OptimizerOffloadSettings) -> None:
@@ -186,7 +185,7 @@ class OptimizerOffloader:
         self.settings = settings
         self.transport = transport if transport is not None else default_transport(settings.devices)
         self._stats = OptimizerOffloadStats()
-        self._inflight: list[tuple[Any, torch.Tensor]] = []  # (copy event, device gradient kept alive)
+        self._inflight: deque[tuple[Any, torch.Tensor]] = deque()  # (copy event, device gradient kept alive)
         self._inflight_bytes = 0
         self._landing: list[_Slot] = []
         self._callback_task: int | None = None
@@ -249,11 +248,6 @@ class OptimizerOffloader:
         """Host bytes of parameter copies, gradients and optimizer state (for the host budget and guard)."""
         return self.stats.host_bytes
 
-    @property
-    def host_params(self) -> list[nn.Parameter]:
-        """The host copies the optimizer steps, in the order of the optimizer's parameters."""
-        return [slot.master for slot in self._slots.values()]
-
     def wait_for_params(self) -> None:
         """Make the device parameters current: the compute stream waits for every queued copy."""
         for slot in self._slots.values():
@@ -262,8 +256,7 @@ class OptimizerOffloader:
     def refresh_host_params(self) -> None:
         """Copy the device parameters into the host copies the optimizer steps (done for you after
         ``model.load_state_dict``; call it after writing the parameters any other way)."""
-        self._host_wait_params()
-        self.wait_for_params()
+        self._host_wait_params()  # every copy to the device has run: nothing left for compute to wait on
         with torch.no_grad():
             for slot in self._slots.values():
                 slot.master.copy_(slot.param.detach())
@@ -309,22 +302,20 @@ class OptimizerOffloader:
 
     def _send(self, slot: _Slot, grad: torch.Tensor) -> None:
         """Queue ``grad``'s copy to the host: into the gradient buffer, or into staging to add."""
-        if slot.landing is None:
-            self._landing.append(slot)
-        else:  # one still pending from a backward that raised (or a hook that fired twice): land it first
+        if slot.landing is not None:  # one still pending from a backward that raised (or a hook that fired twice)
             self._land_all()
-            self._landing.append(slot)
+        self._landing.append(slot)
         if slot.master.grad is None:
             slot.grad_buffer = self._buffer(slot.grad_buffer, grad)
             target, slot.landing = slot.grad_buffer, "direct"
         else:
             slot.staging = self._buffer(slot.staging, grad)
             target, slot.landing = slot.staging, "staged"
+        self._step_grad_bytes += grad.nbytes
         transport = self.transport
         if transport.synchronous:
             with torch.no_grad():
                 transport.copy_to_host(target, grad, None)
-            self._step_grad_bytes += grad.nbytes
             return
         compute, to_host, _ = transport.streams(grad.device)
         transport.wait(to_host, transport.record(compute))
@@ -332,21 +323,21 @@ class OptimizerOffloader:
             transport.copy_to_host(target, grad, to_host)
         self._inflight.append((transport.record(to_host), grad))
         self._inflight_bytes += grad.nbytes
-        self._step_grad_bytes += grad.nbytes
         self._stats.peak_device_grad_bytes = max(self._stats.peak_device_grad_bytes, self._inflight_bytes)
         self._retire(compute)
 
     def _retire(self, compute: Any) -> None:
         """Drop device gradients whose copy has run; past the bound, compute waits for the oldest."""
-        transport = self.transport
-        while self._inflight and (
-            transport.done(self._inflight[0][0]) or self._inflight_bytes > self.settings.max_grad_inflight_bytes
-        ):
-            event, grad = self._inflight.pop(0)
+        transport, inflight = self.transport, self._inflight
+        while inflight:
+            event, grad = inflight[0]
             if not transport.done(event):
+                if self._inflight_bytes <= self.settings.max_grad_inflight_bytes:
+                    break
                 start = perf_counter()
                 transport.wait(compute, event)
                 self._step_waited_s += perf_counter() - start
+            inflight.popleft()
             self._inflight_bytes -= grad.nbytes
 
     def _buffer(self, current: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -494,7 +485,6 @@ class OptimizerOffloader:
         if self._landing or self._inflight:
             self._land_all()
         self._host_wait_params()
-        self.wait_for_params()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
