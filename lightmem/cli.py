@@ -178,8 +178,6 @@ class _Flags:
     checkpoint: CheckpointSettings
     optimizer_offload: OptimizerOffloadSettings | None
     """None: no ``--offload-optimizer``."""
-    prices: PlanPrices | None
-    """``--link-bytes-per-s``, validated (only with ``--plan``)."""
 
 
 def _check_flags(args: argparse.Namespace) -> _Flags:
@@ -201,12 +199,11 @@ def _check_flags(args: argparse.Namespace) -> _Flags:
         offload = OffloadSettings.for_estimate(spelling=CLI, **given)
     checkpoint = CheckpointSettings.parse(args.checkpoint, None, args.checkpoint_policy, spelling=CLI, planned=args.plan)
     optimizer_offload = OptimizerOffloadSettings.parse(spelling=CLI) if args.offload_optimizer else None
-    prices = None
-    if args.link_bytes_per_s is not None:
+    if args.link_bytes_per_s is not None:  # validated here under its own name; plan() takes the text
         if not args.plan:
             reject_without_partner(CLI, "link_bytes_per_s", "--plan", "add --plan")
-        prices = PlanPrices.parse(flops_per_s=None, link_bytes_per_s=args.link_bytes_per_s, spelling=CLI)
-    return _Flags(offload, checkpoint, optimizer_offload, prices)
+        PlanPrices.parse(flops_per_s=None, link_bytes_per_s=args.link_bytes_per_s, spelling=CLI)
+    return _Flags(offload, checkpoint, optimizer_offload)
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -231,7 +228,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     output: dict[str, Any] = {"estimate": result.to_dict()}
     found_plan = search = None
-    link = {} if flags.prices is None else {"link_bytes_per_s": flags.prices.link_bytes_per_s}
+    link = {} if args.link_bytes_per_s is None else {"link_bytes_per_s": args.link_bytes_per_s}
     if args.plan:
         found_plan = plan(
             model, batch, args.budget, loss_fn, offload=flags.offload, checkpoint_policy=policy, **common, **link
