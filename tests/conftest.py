@@ -13,8 +13,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
 
-def run_grads(model, loss_fn, context=None, autocast: bool = False, seed: int = 1234):
-    """One forward (inside ``context(model_copy)``) and backward on a deep copy of ``model``.
+def run_grads(model, loss_fn, context=None, autocast: bool = False, seed: int = 1234, before_backward=None):
+    """One forward (inside ``context(model_copy)``) and backward on a deep copy of ``model``;
+    ``before_backward()``, when given, runs between the two.
 
     Returns the gradients by parameter name and the context used.
     """
@@ -25,6 +26,8 @@ def run_grads(model, loss_fn, context=None, autocast: bool = False, seed: int = 
     with amp:
         with ctx:
             loss = loss_fn(model)
+    if before_backward is not None:
+        before_backward()
     loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, ctx
 

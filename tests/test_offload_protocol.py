@@ -8,7 +8,6 @@ protocol and shows that the suite notices.
 
 from __future__ import annotations
 
-import copy
 import gc
 
 import pytest
@@ -24,19 +23,6 @@ from lightmem.testing.simulated import SimulatedAsyncTransport, is_compute
 def _offload_with(transport, **kwargs):
     kwargs.setdefault("min_bytes", 0)
     return lambda model: offload_activations(model, devices=("cpu",), transport=transport, **kwargs)
-
-
-def _step(model, loss_fn, context, before_backward=None):
-    """``run_grads`` with ``before_backward()`` called between the forward and the backward."""
-    model = copy.deepcopy(model)
-    off = context(model)
-    torch.manual_seed(1234)
-    with off:
-        loss = loss_fn(model)
-    if before_backward is not None:
-        before_backward()
-    loss.backward()
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, off
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -109,7 +95,7 @@ def _sabotaged_run(transport, hold_to_host=False, hold_to_device=False):
         transport.release_copies_to_device()
 
     try:
-        actual, _ = _step(model, loss_fn, _offload_with(transport), before_backward)
+        actual, _ = run_grads(model, loss_fn, _offload_with(transport), before_backward=before_backward)
     except (IndexError, RuntimeError):  # NaN bytes read as token indices
         release()
         return True
