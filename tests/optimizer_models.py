@@ -27,11 +27,10 @@ def regression_loader(batches: int = 8, batch_size: int = 4, seed: int = 0) -> D
 
 
 class LitTiny(pl.LightningModule):
-    def __init__(self, optimizer: str = "adamw-decay", scheduler: bool = True, manual: bool = False) -> None:
+    def __init__(self, optimizer: str = "adamw-decay", manual: bool = False) -> None:
         super().__init__()
         self.net = tiny_net()
         self.optimizer_name = optimizer
-        self.scheduler = scheduler
         self.manual = manual
         self.automatic_optimization = not manual
 
@@ -49,6 +48,4 @@ class LitTiny(pl.LightningModule):
 
     def configure_optimizers(self):
         optimizer = OPTIMIZERS[self.optimizer_name](self.parameters())
-        if not self.scheduler:
-            return optimizer
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)}

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightmem import estimate_memory, max_batch_size, plan
+from lightmem.config import format_bytes
 from lightmem.estimate.planner import Candidate, PlanSpace, plan_space
 
 transformers = pytest.importorskip("transformers")
@@ -145,7 +146,7 @@ def test_describe_names_the_choice_its_price_and_what_else_was_verified():
     lowest = min(space.verify(candidate).peak_bytes for candidate in reference(space).values())
     chosen = space.plan(lowest)
     text = chosen.describe()
-    assert text.startswith(f"Fits {_fmt(lowest)} at {_fmt(chosen.predicted_total_bytes)}: ")
+    assert text.startswith(f"Fits {format_bytes(lowest)} at {format_bytes(chosen.predicted_total_bytes)}: ")
     assert "exposed transfer per step at host link 25 GB/s, 100 TFLOP/s" in text
     for option in chosen.alternatives:
         assert (" also fits: " if option.fits else " does not fit: ") + option.description in text
@@ -180,12 +181,6 @@ def test_each_familys_plan_gives_flags_lightmem_takes_and_says_what_it_was_searc
     assert chosen.settings["offload"]["min_bytes"] == 16 * 1024 and chosen.settings["offload_considered"] is True
 
 
-def _fmt(nbytes: int) -> str:
-    from lightmem.config import format_bytes
-
-    return format_bytes(nbytes)
-
-
 def test_resnet50_at_batch_600_fits_12_gb_by_offloading_feature_maps():
     # The swap-out/in paper's case (ResNet-50 on a 12 GB GPU): the old planner only offloaded
     # inside the bottleneck blocks and reported no fit at 18 GiB.
@@ -195,7 +190,7 @@ def test_resnet50_at_batch_600_fits_12_gb_by_offloading_feature_maps():
     assert chosen.offload is not None and chosen.offload.include is None and chosen.offload_everywhere
     assert "offload_include" not in chosen.lightmem_kwargs()  # LightMem's default: everywhere
     assert chosen.describe().startswith(
-        f"Fits 11.18 GiB at {_fmt(chosen.predicted_total_bytes)}: offload every saved tensor of at least 1.00 MiB"
+        f"Fits 11.18 GiB at {format_bytes(chosen.predicted_total_bytes)}: offload every saved tensor of at least 1.00 MiB"
     )
 
 

@@ -35,13 +35,21 @@ def _trainer(callbacks=(), **kwargs):
     return pl.Trainer(callbacks=list(callbacks), **defaults)
 
 
-def _fit(offload: bool, module_kwargs=None, ckpt_path=None, **trainer_kwargs):
+def _offloading():
+    """The callback these tests train with: model-state offload alone, on CPU."""
+    return LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])
+
+
+def _fit_with(callback, module_kwargs=None, ckpt_path=None, **trainer_kwargs):
     pl.seed_everything(0, verbose=False)
     module = LitTiny(**(module_kwargs or {}))
-    callbacks = [LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])] if offload else []
-    trainer = _trainer(callbacks, **trainer_kwargs)
+    trainer = _trainer([callback] if callback else [], **trainer_kwargs)
     trainer.fit(module, regression_loader(), ckpt_path=ckpt_path)
     return module, trainer, torch.get_rng_state()
+
+
+def _fit(offload: bool, module_kwargs=None, **trainer_kwargs):
+    return _fit_with(_offloading() if offload else None, module_kwargs, **trainer_kwargs)
 
 
 def _assert_same_run(expected, actual):
@@ -90,7 +98,7 @@ def test_precisions_manual_optimization_and_clipping_by_value_are_bitwise_equal(
 
 
 def test_the_fit_really_ran_on_the_host_and_says_so(caplog):
-    callback = LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])
+    callback = _offloading()
     pl.seed_everything(0, verbose=False)
     module = LitTiny()
     with caplog.at_level("INFO"):
@@ -111,18 +119,10 @@ def test_without_cuda_the_default_devices_leave_it_off_and_say_why(caplog):
     assert callback.optimizer_offload_stats == []
 
 
-def _fit_with(callback, ckpt_path=None, **trainer_kwargs):
-    pl.seed_everything(0, verbose=False)
-    module = LitTiny()
-    trainer = _trainer([callback] if callback else [], **trainer_kwargs)
-    trainer.fit(module, regression_loader(), ckpt_path=ckpt_path)
-    return module, trainer, torch.get_rng_state()
-
-
 @pytest.mark.parametrize(("first", "second"), [(True, False), (False, True)], ids=["offloaded-to-plain", "plain-to-offloaded"])
 def test_a_checkpoint_resumes_across_the_option_both_ways(tmp_path, first, second):
     def lightmem(on):
-        return LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[]) if on else None
+        return _offloading() if on else None
 
     def half_then_resume(first_on, second_on, name):
         _, trainer, _ = _fit_with(lightmem(first_on), max_steps=2)
