@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import psutil
 import torch
@@ -20,6 +21,17 @@ def hardware() -> str:
     if torch.cuda.is_available():
         line += f", GPU {torch.cuda.get_device_name()}"
     return line
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread inside, the caller's thread count back after (tables time one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def interleaved_median_s(

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware, print_table
 from _torchtune import torchtune_hooks, torchtune_offload_activations
-from offload import CHECKED_HELD, _checked_hooks, added_us_per_tensor, sin_chain_times_s
+from offload import CHECKED_HELD, LM_KEEPING, TT_KEEPING, _checked_hooks, added_us_per_tensor, sin_chain_times_s
 
 import lightmem.offload.hooks as engine
 from lightmem import offload_activations
@@ -85,9 +85,9 @@ def main() -> None:
         FLOOR_DECIDING: lambda: _checked_hooks(decide, hold=engine._held),
     }
     if torchtune_offload_activations() is not None:
-        variants["torchtune keeping (min_offload_size=1MiB)"] = lambda tt=torchtune_hooks(2**20): tt
+        variants[TT_KEEPING] = lambda tt=torchtune_hooks(2**20): tt
     keeping = offload_activations(min_bytes="1MiB", devices=("cpu",))
-    variants["lightmem keeping (min_bytes=1MiB)"] = lambda: keeping
+    variants[LM_KEEPING] = lambda: keeping
     for name, (first, last, replacement) in WITHOUT.items():
         context = offload_activations(min_bytes="1MiB", devices=("cpu",))
         # The context pushes the offloader's pack at each enter: an instance attribute replaces it.
@@ -95,7 +95,7 @@ def main() -> None:
         variants[name] = lambda context=context: context
 
     times = sin_chain_times_s(variants, x, chain, args.rounds, repeats=3)
-    full_low, full_mid = added_us_per_tensor(times, "lightmem keeping (min_bytes=1MiB)", chain)
+    full_low, full_mid = added_us_per_tensor(times, LM_KEEPING, chain)
     rows = []
     for name in variants:
         if name == "no hooks":

@@ -35,7 +35,7 @@ import torch
 from torch.autograd.graph import save_on_cpu
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import GPT, gpt_loss, hardware, interleaved_median_s, interleaved_times_s, print_table
+from _common import GPT, gpt_loss, hardware, interleaved_median_s, interleaved_times_s, one_thread, print_table
 from _torchtune import torchtune_hooks, torchtune_offload_activations
 
 from lightmem import offload_activations
@@ -267,14 +267,6 @@ def sin_chain_times_s(
     return interleaved_times_s(steps, rounds, repeats, sync=sync, clock=clock)
 
 
-def sin_chain_best_s(
-    variants, x, chain: int, rounds: int, repeats: int, sync=lambda: None, clock=time.thread_time
-) -> dict[str, float]:
-    """Each variant's best step of ``sin_chain_times_s``."""
-    times = sin_chain_times_s(variants, x, chain, rounds, repeats, sync, clock)
-    return {name: min(values) for name, values in times.items()}
-
-
 def added_s(times: dict[str, list[float]], name: str, baseline: str = "no hooks") -> tuple[float, float]:
     """``(min, median)`` seconds ``name`` adds over ``baseline``: the difference of the minimums,
     and the median of the per-round differences (rounds are interleaved, so each pairs the two)."""
@@ -301,12 +293,8 @@ def per_saved_tensor_table(device: torch.device, rounds: int, repeats: int) -> d
     ``repeats`` back-to-back steps. Returns each variant's ``(min, median)`` microseconds added per
     saved tensor over no hooks.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _per_saved_tensor_rows(device, rounds, repeats)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _per_saved_tensor_rows(device: torch.device, rounds: int, repeats: int) -> dict[str, tuple[float, float]]:
@@ -422,9 +410,7 @@ def gpt2_step_table(rounds: int, repeats: int, extra=None) -> dict[str, tuple[fl
     Variants in one process share its allocator and caches: one that holds a host pool changes
     what the next one's allocations cost; ``gpt2_process_table`` gives each its own process.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         workload = _gpt2_workload()
         if workload is None:
             print("\n(transformers is not installed: no GPT-2 step table)")
@@ -444,8 +430,6 @@ def gpt2_step_table(rounds: int, repeats: int, extra=None) -> dict[str, tuple[fl
             profile.runcall(step)
             calls[name] = pstats.Stats(profile).total_calls
         machine = hardware()
-    finally:
-        torch.set_num_threads(threads)
     added = {name: tuple(s * 1e3 for s in added_s(times, name)) for name in variants if name != GPT2_BASELINE}
     rows = [[GPT2_BASELINE, f"{min(times[GPT2_BASELINE]) * 1e3:.1f}", "-", f"{calls[GPT2_BASELINE]:,}", "-"]]
     for name, (low, mid) in added.items():
@@ -522,10 +506,8 @@ def gpt2_process_table(rounds: int, steps: int, warmup: int = 3) -> dict[str, tu
         rows.append([name, f"{statistics.median(medians[name]) * 1e3:.1f}",
                      f"{paired[0]:+.1f} / {statistics.median(paired):+.1f} / {paired[-1]:+.1f}",
                      f"{statistics.median(faults[name]):,.0f}"])  # fmt: skip
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    machine = hardware()
-    torch.set_num_threads(threads)
+    with one_thread():
+        machine = hardware()
     print_table(
         f"Training step, the same GPT-2, each variant in its own process: {rounds} rounds x one process "
         f"per variant, each the median of {steps} steps after {warmup}, thread CPU time; {machine}",
@@ -553,15 +535,15 @@ def guard(
     if step is not None:
         pairs.append(("GPT-2 step (own processes, medians)", step, GPT2_LIGHTMEM, GPT2_TORCHTUNE, "ms", ratio, 1))
     missed = []
-    for what, figures, ours, theirs, unit, ratio, which in pairs:
+    for what, figures, ours, theirs, unit, limit, which in pairs:
         if theirs not in figures:
             missed.append(f"{what}: torchtune is not installed (pip install --no-deps torchtune)")
             continue
         mine, peer = figures[ours][which], figures[theirs][which]
-        verdict = "ok" if mine <= ratio * peer else "MISSED"
+        verdict = "ok" if mine <= limit * peer else "MISSED"
         line = (
             f"{what}: lightmem {mine:+.2f} {unit} vs torchtune {peer:+.2f} {unit} "
-            f"({mine / peer:.2f}x, at most {ratio:.2f}x): {verdict}"
+            f"({mine / peer:.2f}x, at most {limit:.2f}x): {verdict}"
         )
         print(line)
         if verdict != "ok":

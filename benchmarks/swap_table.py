@@ -32,6 +32,7 @@ import torch
 CHECKOUT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(CHECKOUT))
 
+from _common import hardware  # noqa: E402
 from examples.estimate_factories import ResNet, classification_loss, resnet50  # noqa: E402
 from lightmem import apply_checkpointing, max_batch_size, offload_activations  # noqa: E402
 from lightmem.config import format_bytes, parse_size  # noqa: E402
@@ -202,17 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nPredicted: lightmem's estimator (fake tensors, device='cuda'), peak + {OVERHEAD} overhead "
         f"allowance <= {args.budget} ({format_bytes(parse_size(args.budget, flag='budget'))}); offload "
-        f"min_bytes {MIN_BYTES}; checkpoint = every Bottleneck block; {took:.0f} s on {_hardware()}."
+        f"min_bytes {MIN_BYTES}; checkpoint = every Bottleneck block; {took:.0f} s on {hardware()}."
     )
     return 0
-
-
-def _hardware() -> str:
-    import platform
-
-    import psutil
-
-    return f"{psutil.cpu_count()} CPU threads ({platform.machine()}), torch {torch.__version__}"
 
 
 if __name__ == "__main__":
