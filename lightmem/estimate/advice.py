@@ -144,7 +144,7 @@ def quadratic_attention(estimate: MemoryEstimate, info: BatchInfo, baseline: Ste
             shape = dims
     if quadratic < QUADRATIC_MIN_SHARE * total:
         return []
-    blocks = compact_names(sorted(by_block, key=natural_order), _kinds(estimate))
+    blocks = compact_names(sorted(by_block, key=natural_order), estimate.block_kinds)
     return [
         Advice(
             "quadratic-attention",
@@ -210,7 +210,3 @@ def reach_budget(estimate: MemoryEstimate, plan: Plan | None) -> list[Advice]:
             f"(verified by the estimator; lightmem.plan(...).lightmem_kwargs() gives the LightMem flags).",
         )
     ]
-
-
-def _kinds(estimate: MemoryEstimate) -> dict[str, str]:
-    return {name: block.kind for name, block in estimate.blocks.items()}

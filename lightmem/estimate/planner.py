@@ -216,6 +216,12 @@ class Family:
     times: list[StepTime]
     predicted_saved: list[int]
 
+    @property
+    def starts_with_offload_alone(self) -> bool:
+        """Its first candidate offloads everywhere and checkpoints nothing ("offload everywhere"):
+        a configuration of its own, along which fitting is not monotone (see ``_first_fit``)."""
+        return self.candidates[0].everywhere and not self.candidates[0].checkpoint
+
     def guess(self, need: int) -> int:
         """The first candidate predicted to save ``need`` bytes (the last when none is)."""
         return next((i for i, saved in enumerate(self.predicted_saved) if saved >= need), len(self.candidates) - 1)
@@ -334,13 +340,13 @@ class PlanSpace:
 
     def describe(self, candidate: Candidate) -> str:
         """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
-        return _describe(candidate, {name: block.kind for name, block in self.base.blocks.items()}, self.costs.min_bytes)
+        return _describe(candidate, self.base.block_kinds, self.costs.min_bytes)
 
     def extremes(self) -> list[Candidate]:
         """The configurations that save the most in each family, and offload alone: what
         completeness is promised for."""
         found = [family.candidates[-1] for family in self.families]
-        found += [family.candidates[0] for family in self.families if family.name == "offload everywhere"]
+        found += [family.candidates[0] for family in self.families if family.starts_with_offload_alone]
         return list(dict.fromkeys(found))
 
     def _first_fit(self, family: Family, available: int, need: int, model_state: bool = False) -> int | None:
@@ -374,7 +380,7 @@ class PlanSpace:
                     break
                 low, step = probe, step * 2
             if high is None:
-                return 0 if family.name == "offload everywhere" and fits(0) else None
+                return 0 if family.starts_with_offload_alone and fits(0) else None
         while high - low > 1:
             probe = (low + high) // 2
             low, high = (low, probe) if fits(probe) else (probe, high)
@@ -390,7 +396,7 @@ class PlanSpace:
             checkpoint_policy=settings.checkpoint_policy, flops_per_s=costs.flops_per_s,
             link_bytes_per_s=costs.link_bytes_per_s, settings=_searched_under(settings, costs, self.searched_offload),
         )  # fmt: skip
-        result.estimate_kinds = {name: block.kind for name, block in base.blocks.items()}
+        result.estimate_kinds = base.block_kinds
         before = len(self.verified)
         model_state = settings.offload_optimizer
         if base.static_exceeds_budget and (model_state or not base.parameters_fit):
@@ -429,7 +435,7 @@ class PlanSpace:
         for family in sorted(self.families, key=lambda f: min(t.total_s for t in f.times)):
             # What it might offer: its candidates from the first predicted to fit (the start of
             # offload everywhere always: the others may only fit with it).
-            start = 0 if family.name == "offload everywhere" else family.guess(need)
+            start = 0 if family.starts_with_offload_alone else family.guess(need)
             cheapest = min(_rank(family.times[i], family.candidates[i]) for i in range(start, len(family.candidates)))
             if best is not None and cheapest >= _rank(best[0], best[1].candidates[best[2]]):
                 continue  # a configuration that fits is already at least as fast
@@ -503,7 +509,7 @@ class PlanSpace:
     def _option(self, family: Family, index: int, *, fits: bool, model_state: bool = False) -> PlanOption:
         candidate, price = family.candidates[index], family.times[index]
         peak = self.verify(candidate, model_state).peak_bytes
-        description = _describe(candidate, {n: b.kind for n, b in self.base.blocks.items()}, self.costs.min_bytes)
+        description = _describe(candidate, self.base.block_kinds, self.costs.min_bytes)
         transfer_s = price.exposed_transfer_s + (model_state_transfer_s(self.base, self.costs) if model_state else 0.0)
         return PlanOption(description, fits, peak + self.settings.overhead_bytes, price.recompute_s, transfer_s)
 

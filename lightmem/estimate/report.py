@@ -190,6 +190,11 @@ class MemoryEstimate:
         on_device = baseline["parameters"] + baseline["workspaces"]
         return self.device != "cpu" and available is not None and on_device < available
 
+    @property
+    def block_kinds(self) -> dict[str, str]:
+        """Each repeated block's class name, by block name (how plans and advice name runs of blocks)."""
+        return {name: block.kind for name, block in self.blocks.items()}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "peak_bytes": self.peak_bytes,
