@@ -52,7 +52,7 @@ def loss_logits(
     if not tracer.log_softmax_inputs:
         return None
     shape, dim = max(tracer.log_softmax_inputs, key=lambda item: math.prod(item[0]))
-    if dim != len(shape) - 1 and not (len(shape) == 2 and dim == 1):
+    if dim != len(shape) - 1:
         return None
     classes = shape[dim]
     rows = math.prod(shape) // max(classes, 1)

@@ -29,6 +29,12 @@ from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
 
 
+
+def _layout(tensor: Tensor) -> tuple:
+    """What a save needs to be viewed again in its storage (the simulation keeps every save's)."""
+    return (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
+
+
 class _KeptRecord:
     """A storage the engine would keep on the device; later saves of it are not decided again."""
 
@@ -137,13 +143,12 @@ class SavedTensorHooks(Reloads):
             self.offloaded_bytes += nbytes
             self.host_bytes += host_bytes(nbytes)
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
-            entry.layout = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
+            entry.layout = _layout(tensor)
             return entry  # the first save's handle, as in the engine
         elif type(entry) is _KeptRecord:
             self.tracer.mark_saved(tensor, block)
             return tensor
-        layout = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
-        return Handle(entry, version, layout)
+        return Handle(entry, version, _layout(tensor))
 
     @property
     def reloaded_bytes(self) -> int:

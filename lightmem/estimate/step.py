@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-from collections import Counter
 import logging
 import sys
 import time
@@ -184,7 +183,7 @@ def find_blocks(model: nn.Module) -> Blocks:
         for name, child in module.named_children():
             qualified = f"{prefix}{name}"
             if isinstance(child, _CONTAINERS) and _repeats(child):
-                classes = Counter(type(layer) for layer in child.children() if _has_parameters(layer))
+                classes = collections.Counter(type(layer) for layer in child.children() if _has_parameters(layer))
                 for inner, layer in child.named_children():
                     add(f"{qualified}.{inner}", layer, classes[type(layer)] > 1)
             elif isinstance(child, _CONTAINERS) or _holds_repeats(child):
@@ -546,10 +545,12 @@ def _gradients_leave(
     """Model-state offload's backward: each final gradient waits on the device for its copy to
     host, at most ``inflight_bytes`` of them (the engine's bound, with copies assumed slow: the
     oldest is released only when the bound is passed), then leaves the device."""
-    waiting: list[torch.Tensor] = []
+    waiting: collections.deque[torch.Tensor] = collections.deque()
+    waiting_bytes = 0
     graded: set[int] = set()
 
     def leave(param: torch.Tensor) -> None:
+        nonlocal waiting_bytes
         grad = param.grad
         if grad is None:
             return
@@ -557,8 +558,9 @@ def _gradients_leave(
         graded.add(id(param))
         param.grad = None
         waiting.append(grad)
-        while waiting and sum(g.nbytes for g in waiting) > inflight_bytes:
-            waiting.pop(0)
+        waiting_bytes += grad.nbytes
+        while waiting and waiting_bytes > inflight_bytes:
+            waiting_bytes -= waiting.popleft().nbytes
 
     return [p.register_post_accumulate_grad_hook(leave) for p in trainable], graded
 
