@@ -365,7 +365,7 @@ def select_blocks(
     """The blocks ``apply_checkpointing`` would wrap: outermost matches, every n-th in module order."""
     parse_count(every_n, flag=every_n_flag)
     targets = parse_checkpoint_targets(targets, flag=targets_flag)
-    matched = select_modules(model, list(targets), flag=targets_flag)
+    matched = select_modules(model, targets, flag=targets_flag)
     outermost: dict[str, nn.Module] = {}
     for name, module in matched.items():  # pre-order: an ancestor is seen before its children
         if not any(kept == "" or name.startswith(f"{kept}.") for kept in outermost):
@@ -380,6 +380,8 @@ def apply_checkpointing(
     policy: CheckpointPolicyArg = "full",
     *,
     policy_flag: str = "apply_checkpointing(policy=...)",
+    targets_flag: str = "apply_checkpointing(targets=...)",
+    every_n_flag: str = "apply_checkpointing(every_n=...)",
 ) -> CheckpointHandle:
     """Checkpoint the blocks of ``model`` selected by ``targets``.
 
@@ -391,6 +393,8 @@ def apply_checkpointing(
             block and one of its descendants both match, only the outer block is wrapped.
         every_n: wrap every n-th matched block in module order (the 1st, the (n+1)-th, ...), to
             trade memory for recompute time.
+        policy_flag, targets_flag, every_n_flag: how error messages name those arguments
+            (``LightMem`` passes its own flag names).
 
     Returns:
         A :class:`CheckpointHandle` with ``.modules`` and ``.remove()``. Applying to a block that is
@@ -412,7 +416,7 @@ def apply_checkpointing(
         >>> handle.remove()
     """
     policy = parse_checkpoint_policy(policy, flag=policy_flag)
-    blocks = select_blocks(model, targets, every_n)
+    blocks = select_blocks(model, targets, every_n, targets_flag=targets_flag, every_n_flag=every_n_flag)
     for name, block in blocks.items():
         wrapper = block.__dict__.get("forward")
         if isinstance(wrapper, CheckpointedForward) and wrapper.policy is not policy and wrapper.policy != policy:

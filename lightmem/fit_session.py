@@ -15,7 +15,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightmem import oom
-from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing, select_blocks
+from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
 from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
 from lightmem.estimate import Plan, plan
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
@@ -107,13 +107,10 @@ class FitSession:
                 f"{reason}; checkpointing twice would recompute twice."
             )
             return
-        # Fails with the user's flag names before anything is wrapped.
-        select_blocks(
-            pl_module, targets, every_n, targets_flag=checkpoint.flag("targets"), every_n_flag=checkpoint.flag("every_n")
-        )
-        self._checkpoint = apply_checkpointing(
-            pl_module, targets, every_n, checkpoint.policy, policy_flag=checkpoint.flag("policy")
-        )
+        self._checkpoint = apply_checkpointing(  # a bad target fails under the user's flag name, before any wrap
+            pl_module, targets, every_n, checkpoint.policy, policy_flag=checkpoint.flag("policy"),
+            targets_flag=checkpoint.flag("targets"), every_n_flag=checkpoint.flag("every_n"),
+        )  # fmt: skip
 
     # -- start --------------------------------------------------------------------------------------
 
