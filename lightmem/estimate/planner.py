@@ -441,7 +441,8 @@ class PlanSpace:
                 continue  # a configuration that fits is already at least as fast
             first = self._first_fit(family, available, need, model_state)
             if first is None:
-                refused.append(self._option(family, len(family.candidates) - 1, fits=False, model_state=model_state))
+                last = len(family.candidates) - 1
+                refused.append(self._option(family.candidates[last], family.times[last], False, model_state, model_state_s))
                 continue
 
             def rank(index: int, family: Family = family) -> tuple[float, int, int]:
@@ -492,26 +493,27 @@ class PlanSpace:
         result.recompute_s, result.exposed_transfer_s = times.recompute_s, times.exposed_transfer_s + model_state_s
         result.family = family.name
         others = [
-            PlanOption(
-                _describe(other, result.estimate_kinds, costs.min_bytes), True,
-                self.verify(other, model_state).peak_bytes + settings.overhead_bytes, price.recompute_s,
-                price.exposed_transfer_s + model_state_s,
-            )
+            self._option(other, price, True, model_state, model_state_s)
             for other, (price, _) in fitted.items()
             if other != candidate
-        ]  # fmt: skip
+        ]
         result.alternatives = sorted(others, key=lambda o: o.recompute_s + o.exposed_transfer_s) + refused
         result.reason = (
             f"verified peak {format_bytes(verified.peak_bytes)} + overhead {format_bytes(settings.overhead_bytes)}"
         )
         return result
 
-    def _option(self, family: Family, index: int, *, fits: bool, model_state: bool = False) -> PlanOption:
-        candidate, price = family.candidates[index], family.times[index]
+    def _option(
+        self, candidate: Candidate, price: StepTime, fits: bool, model_state: bool, model_state_s: float
+    ) -> PlanOption:
+        """``candidate`` as an alternative the plan lists: verified peak with the overhead allowance,
+        and its price (``model_state_s``: the model-state transfer, with ``model_state``)."""
         peak = self.verify(candidate, model_state).peak_bytes
         description = _describe(candidate, self.base.block_kinds, self.costs.min_bytes)
-        transfer_s = price.exposed_transfer_s + (model_state_transfer_s(self.base, self.costs) if model_state else 0.0)
-        return PlanOption(description, fits, peak + self.settings.overhead_bytes, price.recompute_s, transfer_s)
+        return PlanOption(
+            description, fits, peak + self.settings.overhead_bytes, price.recompute_s,
+            price.exposed_transfer_s + model_state_s,
+        )  # fmt: skip
 
 
 def _describe(candidate: Candidate, kinds: Mapping[str, str], min_bytes: int) -> str:
