@@ -48,10 +48,10 @@ class CacheOffInTraining:
     """
 
     def __init__(self, module: nn.Module, parameters: list[inspect.Parameter]) -> None:
-        names = [parameter.name for parameter in parameters]
-        parameter = parameters[names.index("use_cache")]
+        index = [parameter.name for parameter in parameters].index("use_cache")
+        parameter = parameters[index]
         positional = parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        self.position = names.index("use_cache") if positional else None
+        self.position = index if positional else None
         self.default = parameter.default if parameter.default is not inspect.Parameter.empty else None
         self.model_name = type(module).__name__
 

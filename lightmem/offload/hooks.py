@@ -383,7 +383,7 @@ class Offloader(Reloads):
         if grad:
             torch._C._set_grad_enabled(False)
         try:
-            if transport.synchronous:  # done when it returns: nothing to order, nothing to hold
+            if self._synchronous:  # done when it returns: nothing to order, nothing to hold
                 copy_to_host = transport.copy_to_host
                 for entry in deferred:  # no local for the source: release_source counts its referents
                     if not entry.written_since_save():
@@ -473,7 +473,7 @@ class Offloader(Reloads):
     def _reload(self, entry: _HostEntry) -> Tensor:
         """The reload action of the protocol: ``entry``'s storage, back on its device."""
         transport = self._transport
-        if transport.synchronous:
+        if self._synchronous:
             restored = transport.load(entry.host, entry.device)
         else:
             compute, _, to_device = entry.streams
