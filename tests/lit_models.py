@@ -76,3 +76,14 @@ class LitGPT(_LitGPTBody, pl.LightningModule):
 def lit_gpt_class(package: types.ModuleType) -> type:
     """LitGPT on ``package.LightningModule`` (``pytorch_lightning`` or ``lightning.pytorch``), one class per package."""
     return LitGPT if package is pl else type("LitGPT", (_LitGPTBody, package.LightningModule), {})
+
+
+def cpu_trainer(callbacks=(), package=pl, **kwargs):
+    """A quiet one-CPU Trainer of ``package`` (``pytorch_lightning`` or ``lightning.pytorch``) for
+    4 steps; ``kwargs`` override any of its settings."""
+    defaults = dict(
+        accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    defaults.update(kwargs)
+    return package.Trainer(callbacks=list(callbacks), **defaults)

@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 from bn_models import LitResNet, image_loader
 from exact import assert_state_equal
-from lit_models import LitGPT, lit_gpt_class, token_loader
+from lit_models import LitGPT, cpu_trainer, lit_gpt_class, token_loader
 
 from lightmem import LightMem
 from lightmem.checkpoint import is_checkpointed
@@ -17,19 +17,10 @@ from lightmem.checkpoint import is_checkpointed
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
 
 
-def _trainer(callbacks=(), package=pl, **kwargs):
-    defaults = dict(
-        accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-    )  # fmt: skip
-    defaults.update(kwargs)
-    return package.Trainer(callbacks=list(callbacks), **defaults)
-
-
 def _fit(callback=None, module_kwargs=None, module_class=LitGPT, loader=token_loader, package=pl, **trainer_kwargs):
     pl.seed_everything(0, verbose=False)
     module = module_class(**(module_kwargs or {}))
-    trainer = _trainer([callback] if callback else [], package, **trainer_kwargs)
+    trainer = cpu_trainer([callback] if callback else [], package, **trainer_kwargs)
     trainer.fit(module, loader())
     return module, trainer
 
@@ -112,7 +103,7 @@ def test_offload_and_checkpointing_really_ran():
             seen["checkpointed"] = [is_checkpointed(b) for b in pl_module.model.blocks]
 
     module = LitGPT()
-    trainer = _trainer([callback, Spy()])
+    trainer = cpu_trainer([callback, Spy()])
     trainer.fit(module, token_loader())
     assert seen["checkpointed"] == [True, True, True]
     assert callback.last_metrics["lightmem/memory/offload/offloaded_GiB"] > 0
@@ -122,7 +113,7 @@ def test_offload_and_checkpointing_really_ran():
 
 def test_hooks_are_active_in_training_forward_only():
     module = LitGPT(manual=True)
-    trainer = _trainer([_cpu_lightmem()], limit_val_batches=2, val_check_interval=2)
+    trainer = cpu_trainer([_cpu_lightmem()], limit_val_batches=2, val_check_interval=2)
     trainer.fit(module, token_loader(), token_loader(batches=2))
     trainer.predict(module, token_loader(batches=2))
     train = module.hooks_seen["train"]
@@ -135,9 +126,9 @@ def test_hooks_are_active_in_training_forward_only():
 def test_fit_twice_validate_predict_and_checkpoint_round_trip(tmp_path):
     callback = _cpu_lightmem()
     module = LitGPT()
-    trainer = _trainer([callback], default_root_dir=tmp_path, enable_checkpointing=True, max_steps=2)
+    trainer = cpu_trainer([callback], default_root_dir=tmp_path, enable_checkpointing=True, max_steps=2)
     trainer.fit(module, token_loader())
-    trainer2 = _trainer([callback], max_steps=2)
+    trainer2 = cpu_trainer([callback], max_steps=2)
     trainer2.fit(module, token_loader())
     assert not any(is_checkpointed(b) for b in module.model.blocks)
     trainer2.validate(module, token_loader(batches=1), verbose=False)
@@ -160,11 +151,11 @@ def test_a_fit_session_lives_from_setup_to_teardown():
 
     assert callback.fit_session is None
     pl.seed_everything(0, verbose=False)
-    trainer = _trainer([callback, Spy()], max_steps=2)
+    trainer = cpu_trainer([callback, Spy()], max_steps=2)
     trainer.fit(LitGPT(), token_loader())
     first = sessions[0]
     assert sessions == [first, first] and first is not None and callback.fit_session is None
-    trainer = _trainer([callback, Spy()], max_steps=1)
+    trainer = cpu_trainer([callback, Spy()], max_steps=1)
     trainer.fit(LitGPT(), token_loader())
     assert sessions[2] is not first and callback.fit_session is None
     assert callback.summary()["blocks checkpointed"] == "3"
@@ -179,7 +170,7 @@ def test_exception_in_training_step_leaves_no_hooks_behind():
     module = Fails()
     callback = _cpu_lightmem()
     with pytest.raises(RuntimeError, match="boom"):
-        _trainer([callback]).fit(module, token_loader())
+        cpu_trainer([callback]).fit(module, token_loader())
     assert callback.fit_session is None
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert not any(is_checkpointed(b) for b in module.model.blocks)
@@ -196,7 +187,7 @@ def test_batch_skipped_by_on_train_batch_start_does_not_leave_hooks_active():
         def on_train_epoch_end(self):
             seen.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
 
-    _trainer([_cpu_lightmem()], max_epochs=1).fit(Skips(), token_loader())
+    cpu_trainer([_cpu_lightmem()], max_epochs=1).fit(Skips(), token_loader())
     assert seen == [False]
 
 
@@ -208,7 +199,7 @@ def test_out_of_memory_prints_a_report_and_re_raises(capsys):
             return super().training_step(batch, batch_idx)
 
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        _trainer([_cpu_lightmem(checkpoint=None, log_every_n_steps=1)]).fit(OutOfMemory(), token_loader())
+        cpu_trainer([_cpu_lightmem(checkpoint=None, log_every_n_steps=1)]).fit(OutOfMemory(), token_loader())
     report = capsys.readouterr().out
     assert "lightmem: out of memory during training. What was on the device:" in report
     assert "  parameters " in report and "  optimizer_state " in report
@@ -246,7 +237,7 @@ def test_existing_checkpoint_wrapper_is_not_checkpointed_twice():
             self.model.blocks[0] = checkpoint_wrapper(self.model.blocks[0])
 
     with pytest.warns(UserWarning, match="is already a checkpoint wrapper; checkpointing twice would recompute twice"):
-        _trainer([_cpu_lightmem(checkpoint=["Block"])], max_steps=1).fit(Wrapped(), token_loader())
+        cpu_trainer([_cpu_lightmem(checkpoint=["Block"])], max_steps=1).fit(Wrapped(), token_loader())
 
 
 def test_host_floor_pauses_offload_with_one_warning():
@@ -301,7 +292,7 @@ def test_plan_auto_checkpoints_what_the_budget_needs_and_keeps_weights_exact(ref
 
     pl.seed_everything(0, verbose=False)
     actual = module_class()
-    trainer = _trainer([callback, Spy()], lightning_package)
+    trainer = cpu_trainer([callback, Spy()], lightning_package)
     trainer.fit(actual, token_loader())
     chosen = callback.chosen_plan
     assert chosen.fits and chosen.predicted_total_bytes <= budget
@@ -366,7 +357,7 @@ def test_plan_auto_applies_a_plan_that_offloads_everywhere(monkeypatch, caplog):
     expected = _fit(None, max_steps=2)
     pl.seed_everything(0, verbose=False)
     module = LitGPT()
-    trainer = _trainer([callback, Spy()], max_steps=2)
+    trainer = cpu_trainer([callback, Spy()], max_steps=2)
     with caplog.at_level(logging.INFO):
         trainer.fit(module, token_loader())
     assert seen["include"] is None and seen["offloaded"] > 0
@@ -392,7 +383,7 @@ def test_plan_auto_with_offload_off_plans_without_offload(monkeypatch):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             seen["offloader"] = callback.fit_session.offloader
 
-    _trainer([callback, Spy()], max_steps=1).fit(LitGPT(), token_loader())
+    cpu_trainer([callback, Spy()], max_steps=1).fit(LitGPT(), token_loader())
     assert asked["offload"] is False
     assert seen == {"offloader": None}
 
@@ -405,7 +396,7 @@ def test_plan_auto_with_offload_off_runs_the_planner_itself():
     baseline = estimate_memory(LitGPT(), (tokens,), device="cpu")
     budget = baseline.static_bytes + (baseline.peak_bytes - baseline.static_bytes) * 6 // 10
     callback = LightMem(plan="auto", device_budget=budget, offload=False, offload_devices=["cpu"])
-    _trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
+    cpu_trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
     chosen = callback.chosen_plan
     assert chosen.fits and chosen.checkpoint and chosen.offload is None
     assert chosen.predicted_total_bytes <= budget
@@ -422,7 +413,7 @@ def test_plan_auto_warns_when_its_plan_needs_offload_optimizer_that_is_off(monke
     callback = LightMem(plan="auto", device_budget="1GiB", offload_devices=["cpu"])
     with pytest.warns(UserWarning, match=r"The plan needs gradients and optimizer state on the host, which this fit "
                       r"keeps on the device: set LightMem\(offload_optimizer=True\) for the plan to hold."):
-        _trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
+        cpu_trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
 
 
 def test_offload_scope_in_the_plan_log_line():

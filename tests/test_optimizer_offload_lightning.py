@@ -15,6 +15,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from exact import assert_same, assert_state_equal
+from lit_models import cpu_trainer
 from optimizer_models import LitTiny, regression_loader
 
 import lightmem.offload.optimizer as optimizer_offload
@@ -26,15 +27,6 @@ from lightmem.testing.simulated import SimulatedAsyncTransport
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
 
 
-def _trainer(callbacks=(), **kwargs):
-    defaults = dict(
-        accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-    )  # fmt: skip
-    defaults.update(kwargs)
-    return pl.Trainer(callbacks=list(callbacks), **defaults)
-
-
 def _offloading():
     """The callback these tests train with: model-state offload alone, on CPU."""
     return LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])
@@ -43,7 +35,7 @@ def _offloading():
 def _fit_with(callback, module_kwargs=None, ckpt_path=None, **trainer_kwargs):
     pl.seed_everything(0, verbose=False)
     module = LitTiny(**(module_kwargs or {}))
-    trainer = _trainer([callback] if callback else [], **trainer_kwargs)
+    trainer = cpu_trainer([callback] if callback else [], **trainer_kwargs)
     trainer.fit(module, regression_loader(), ckpt_path=ckpt_path)
     return module, trainer, torch.get_rng_state()
 
@@ -102,7 +94,7 @@ def test_the_fit_really_ran_on_the_host_and_says_so(caplog):
     pl.seed_everything(0, verbose=False)
     module = LitTiny()
     with caplog.at_level("INFO"):
-        _trainer([callback], accumulate_grad_batches=2).fit(module, regression_loader())
+        cpu_trainer([callback], accumulate_grad_batches=2).fit(module, regression_loader())
     (stats,) = callback.optimizer_offload_stats
     assert (stats.steps, stats.grad_bytes_out, stats.param_bytes_in) == (4, 2 * 193 * 4, 193 * 4)
     assert "lightmem: on: optimizer offload (gradients, optimizer state and step on the host)." in caplog.text
@@ -205,7 +197,7 @@ def test_metrics_and_summary_report_host_bytes_and_traffic_of_each_step(capsys):
     logger = MemoryLogger()
     callback = LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
     pl.seed_everything(0, verbose=False)
-    _trainer([callback], logger=logger, accumulate_grad_batches=2).fit(LitTiny(optimizer="adam"), regression_loader())
+    cpu_trainer([callback], logger=logger, accumulate_grad_batches=2).fit(LitTiny(optimizer="adam"), regression_loader())
     rows = [metrics for _, metrics in logger.metrics if any(k.startswith("lightmem/memory/") for k in metrics)]
     assert len(rows) == 4
     gib = float(1024**3)
@@ -230,7 +222,7 @@ def test_composes_with_activation_offload_and_checkpointing():
     def fit(callbacks):
         pl.seed_everything(0, verbose=False)
         module = LitGPT()
-        trainer = _trainer(callbacks, max_steps=3, accumulate_grad_batches=2, gradient_clip_val=1.0)
+        trainer = cpu_trainer(callbacks, max_steps=3, accumulate_grad_batches=2, gradient_clip_val=1.0)
         trainer.fit(module, token_loader(batches=6))
         return module, trainer
 
