@@ -13,7 +13,7 @@ import pytest
 import pytorch_lightning as pl
 from lit_models import LitGPT, lit_gpt_class, token_loader
 from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
-from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
+from pytorch_lightning.loggers import Logger, TensorBoardLogger
 
 from lightmem import LightMem
 from lightmem.metrics.names import METRICS

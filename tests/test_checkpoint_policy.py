@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import functools
 import pickle
-import warnings
 import weakref
 
 import pytest

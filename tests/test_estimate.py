@@ -7,7 +7,6 @@ import sys
 
 import psutil
 import pytest
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from models import ConvNet, TinyGPT, gpt_loss
