@@ -19,6 +19,7 @@ from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_
 from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
 from lightmem.estimate import Plan, plan
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
+from lightmem.lightning_packages import is_barebones
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
 from lightmem.offload.optimizer import OptimizerOffloader, OptimizerOffloadStats, offload_trainer_optimizers
@@ -146,6 +147,9 @@ class FitSession:
 
     def _start_recording(self, trainer: Trainer, pl_module: Module) -> None:
         metrics = self.settings.metrics
+        if is_barebones(trainer):  # Lightning's "no logging, no progress, no summaries" covers ours
+            rank_zero_info(self._what_is_on([], dict.fromkeys(metrics.groups, "Trainer(barebones=True)")))
+            return
         blocks = self.checkpointed_blocks
         probes, metrics_off = build_probes(
             metrics.groups, pl_module.device, checkpointed_blocks=blocks,
@@ -184,7 +188,8 @@ class FitSession:
             on.append(f"{', '.join(dict.fromkeys(metrics_on))} metrics")
         for reason in dict.fromkeys(metrics_off.values()):
             groups = [group for group, why in metrics_off.items() if why == reason]
-            off.append(f"{' and '.join(groups)} metrics ({reason})")
+            named = " and ".join(filter(None, [", ".join(groups[:-1]), groups[-1]]))
+            off.append(f"{named} metrics ({reason})")
         return f"lightmem: on: {'; '.join(on) or 'nothing'}." + (f" Off: {'; '.join(off)}." if off else "")
 
     def _host_bytes_peak_in_use(self) -> int:

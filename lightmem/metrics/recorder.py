@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from pytorch_lightning.utilities import rank_zero_info
 
 from lightmem.config import format_bytes
-from lightmem.lightning_packages import is_tensorboard_logger
+from lightmem.lightning_packages import is_tensorboard_logger, lightning_logs_this_step, logged_step
 from lightmem.metrics.names import BY_KEY, GiB, key
 from lightmem.metrics.probes import (
     HostProbe,
@@ -120,8 +121,9 @@ class MetricsRecorder:
 
     Args:
         probes: objects with ``group``, ``collect()`` and ``end_step()`` (``lightmem.metrics.probes``).
-        log_every_n_steps: log every n optimizer steps, starting with the first (None: the
-            Trainer's ``log_every_n_steps``).
+        log_every_n_steps: log every n optimizer steps, starting with the first (None: on the
+            steps Lightning logs its own metrics, which ``Trainer(log_every_n_steps=0)`` makes none).
+            Either way at Lightning's step values (``logged_step``).
         tensorboard_panels: with the first logged step, write a Custom Scalars layout of the
             metrics really logged to every TensorBoard logger.
         checkpointed_blocks: blocks recomputed in backward, for the summary (0: none).
@@ -188,14 +190,19 @@ class MetricsRecorder:
                 self._optimizer_totals[name] = self._optimizer_totals.get(name, 0.0) + figures[name]
             peak = max(self._optimizer_totals.get("peak_host_bytes", 0.0), figures["host_bytes"])
             self._optimizer_totals["peak_host_bytes"] = peak
-        every = self.log_every_n_steps or trainer.log_every_n_steps
-        logged = (trainer.global_step - 1) % every == 0
+        if self.log_every_n_steps is not None:
+            logged = (trainer.global_step - 1) % self.log_every_n_steps == 0
+        else:
+            logged = lightning_logs_this_step(trainer)
+        # The fit's first step is read even when not logged: short fits and log_every_n_steps=0
+        # still get its peaks in the summary and in last_metrics.
+        read = logged or self._steps == 1
         values: dict[str, float] = {}
         for probe in self.probes:
-            if logged:
+            if read:
                 values.update(probe.collect())
             probe.end_step()
-        if not logged:
+        if not read:
             return
         for _, name in _SUMMARY_PEAKS:
             if key(name) in values:
@@ -204,7 +211,7 @@ class MetricsRecorder:
         if trainer.world_size > 1:
             values = max_over_ranks(values, self._rank_max)
         self.last_metrics = values
-        if not trainer.is_global_zero:
+        if not logged or not trainer.is_global_zero:
             return
         if self.tensorboard_panels and not self._panels_written:
             self._panels_written = True
@@ -212,8 +219,9 @@ class MetricsRecorder:
             for logger in trainer.loggers:
                 if is_tensorboard_logger(logger):
                     logger.experiment.add_custom_scalars(layout)
+        step = logged_step(trainer)
         for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
+            logger.log_metrics(values, step=step)
 
     # -- end of fit ----------------------------------------------------------------------------------
 
@@ -247,19 +255,23 @@ class MetricsRecorder:
         return figures
 
     def publish_summary(self, trainer: pl.Trainer) -> None:
-        """Print the summary, write it to TensorBoard's Text tab and to every logger's metrics
-        (``lightmem/summary/...``: CSV columns, TensorBoard scalars). Rank zero only."""
+        """Report the summary as Lightning's own callbacks report (``rank_zero_info``, where the
+        Trainer shows progress: not with ``enable_progress_bar=False``), write it to TensorBoard's
+        Text tab and to every logger's metrics (``lightmem/summary/...``: CSV columns, TensorBoard
+        scalars) at Lightning's step. Rank zero only."""
         figures = self.summary()
         if not figures or not trainer.is_global_zero:
             return
         rows = [(figure.label, figure.readable()) for figure in figures]
-        print(format_table(rows, ("figure", "value"), title=SUMMARY_TITLE, align="lr"), flush=True)
+        if trainer.progress_bar_callback is not None:
+            rank_zero_info(format_table(rows, ("figure", "value"), title=SUMMARY_TITLE, align="lr"))
+        step = logged_step(trainer)
         for logger in trainer.loggers:
             if is_tensorboard_logger(logger):
                 text = markdown_table(rows, ("figure", "value"))
-                logger.experiment.add_text(SUMMARY_PREFIX, text, trainer.global_step)
+                logger.experiment.add_text(SUMMARY_PREFIX, text, step)
             values = {f"{SUMMARY_PREFIX}/{figure.name}": figure.value for figure in figures}
-            logger.log_metrics(values, step=trainer.global_step)
+            logger.log_metrics(values, step=step)
 
     def close(self) -> None:
         """Drop the probes (psutil processes hold locks): the recorder pickles with its figures."""
