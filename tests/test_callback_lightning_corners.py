@@ -51,7 +51,9 @@ def _csv_steps(logger, key_prefix):
     ],
     ids=["every-2", "every-1", "accumulation"],
 )
-def test_metrics_are_logged_at_lightnings_steps_on_the_steps_it_logs(tmp_path, lightning_package, trainer_kwargs, lightning_steps):
+def test_metrics_are_logged_at_lightnings_steps_on_the_steps_it_logs(
+    tmp_path, lightning_package, trainer_kwargs, lightning_steps
+):
     csv = lightning_package.loggers.CSVLogger(tmp_path, name="csv")
     max_steps = 2 if "accumulate_grad_batches" in trainer_kwargs else 5
     _fit(lightning_package, [_cpu_lightmem()], max_steps=max_steps, logger=csv, **trainer_kwargs)

@@ -21,6 +21,8 @@ from lightmem.metrics.probes import (
     LightmemProbe,
     NvmlProbe,
     OptimizerOffloadProbe,
+    PlanPeaks,
+    PlanProbe,
     ProbeUnavailable,
     TorchAllocatorProbe,
 )
@@ -62,13 +64,15 @@ class SummaryFigure:
     """As logged, under ``lightmem/summary/``: ``peak/host/rss_GiB``."""
     value: float
     unit: str
-    """``GiB``, ``ms`` or ``count``."""
+    """``GiB``, ``ms``, ``ratio`` or ``count``."""
 
     def readable(self) -> str:
         if self.unit == "GiB":
             return format_bytes(self.value * GiB)
         if self.unit == "ms":
             return f"{self.value:.2f} ms"
+        if self.unit == "ratio":
+            return f"{self.value:.2f}"
         return f"{self.value:.0f}"
 
 
@@ -80,12 +84,14 @@ def build_probes(
     host_bytes_peak_in_use: Callable[[], int] = lambda: 0,
     checkpointed_blocks: int,
     optimizer_offload_stats: Callable[[], list[Any]] | None = None,
+    plan_peaks: PlanPeaks | None = None,
 ) -> tuple[list[Any], dict[str, str]]:
     """The probes of ``groups`` that can run here, and for the others why not.
 
     ``host_bytes_held`` is None when offload is off (no host buffers to report); the ``lightmem``
-    group reports offload traffic only with offload on and the block count only with blocks, and
-    model-state offload figures only when ``optimizer_offload_stats`` is given.
+    group reports offload traffic only with offload on and the block count only with blocks,
+    model-state offload figures only when ``optimizer_offload_stats`` is given, and the predicted
+    and measured peak of ``plan="auto"`` only when ``plan_peaks`` is given.
     """
     probes: list[Any] = []
     off: dict[str, str] = {}
@@ -102,6 +108,8 @@ def build_probes(
                 probes.append(LightmemProbe(blocks, offload=host_bytes_held is not None))
             if group == "lightmem" and optimizer_offload_stats is not None:
                 probes.append(OptimizerOffloadProbe(optimizer_offload_stats))
+            if group == "lightmem" and plan_peaks is not None:
+                probes.append(PlanProbe(plan_peaks))
         except ProbeUnavailable as error:
             off[group] = str(error)
     return probes, off
@@ -137,27 +145,33 @@ class MetricsRecorder:
         tensorboard_panels: bool = True,
         checkpointed_blocks: int = 0,
     ) -> None:
-        self.probes = list(probes)
-        self.traffic = next(
-            (probe for probe in self.probes if isinstance(probe, LightmemProbe) and probe.offload), None
-        )
-        self._offload = self.traffic is not None
-        self.optimizer_offload = next((probe for probe in self.probes if isinstance(probe, OptimizerOffloadProbe)), None)
+        self._offload = False
+        self.use_probes(probes, checkpointed_blocks)
         self._optimizer_totals: dict[str, float] = {}
         self.log_every_n_steps = log_every_n_steps
         self.tensorboard_panels = tensorboard_panels
-        self.checkpointed_blocks = checkpointed_blocks
         self.last_metrics: dict[str, float] = {}
         """The metrics of the last logged step, as logged (with DDP: the max over ranks)."""
         self.last_local_metrics: dict[str, float] = {}
         """The same figures for this process alone."""
         self._rank_max = RankMax()
         self._last_step = -1
-        self._panels_written = False
+        self._panels_drawn: set[str] = set()
         self._peaks: dict[str, float] = {}
         self._offloaded_bytes = 0
         self._wait_s = 0.0
         self._steps = 0
+
+    def use_probes(self, probes: Sequence[Any], checkpointed_blocks: int) -> None:
+        """Read ``probes`` from now on (a new plan changed what is on); totals and peaks so far stay."""
+        self.probes = list(probes)
+        self.traffic = next(
+            (probe for probe in self.probes if isinstance(probe, LightmemProbe) and probe.offload), None
+        )
+        self._offload = self._offload or self.traffic is not None
+        self.optimizer_offload = next((probe for probe in self.probes if isinstance(probe, OptimizerOffloadProbe)), None)
+        self.plan = next((probe.peaks for probe in self.probes if isinstance(probe, PlanProbe)), None)
+        self.checkpointed_blocks = checkpointed_blocks
 
     # -- every batch -------------------------------------------------------------------------------
 
@@ -213,9 +227,9 @@ class MetricsRecorder:
         self.last_metrics = values
         if not logged or not trainer.is_global_zero:
             return
-        if self.tensorboard_panels and not self._panels_written:
-            self._panels_written = True
-            layout = custom_scalars_layout(values)
+        if self.tensorboard_panels and not set(values) <= self._panels_drawn:  # first, or a new plan's metrics
+            self._panels_drawn |= set(values)
+            layout = custom_scalars_layout(self._panels_drawn)
             for logger in trainer.loggers:
                 if is_tensorboard_logger(logger):
                     logger.experiment.add_custom_scalars(layout)
@@ -249,6 +263,9 @@ class MetricsRecorder:
                 SummaryFigure("optimizer offload: parameters to device per step", "optimizer/params_in_per_step_GiB", totals["param_bytes_in"] / count / GiB, "GiB"),
                 SummaryFigure("optimizer offload: waited per step", "optimizer/wait_per_step_ms", totals["waited_s"] / count * 1e3, "ms"),
             ]
+        if self.plan is not None and self.plan.worst_ratio is not None:
+            label = "plan: worst measured / predicted peak"
+            figures.append(SummaryFigure(label, "plan/worst_peak_ratio", self.plan.worst_ratio, "ratio"))
         if self.checkpointed_blocks:
             blocks = float(self.checkpointed_blocks)
             figures.append(SummaryFigure("blocks checkpointed", "checkpointed_blocks", blocks, "count"))
