@@ -3,8 +3,8 @@
 The callback creates one in ``setup`` and drops it in ``teardown`` (or ``on_exception``), so no
 per-fit field outlives its fit or has to be reset. The session drives the parts that do the work:
 checkpointing applied after ``configure_model``, the offloader around each training forward, the
-optimizer offloaders (``offload_optimizer``), the plan of ``plan="auto"`` at the first batch, the
-metrics recorder, the host guard and the OOM report.
+optimizer offloaders (``offload_optimizer``), the plans of ``plan="auto"`` (``AutoPlan``: at the
+first batch and any larger one), the metrics recorder, the host guard and the OOM report.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from lightmem.auto_plan import AutoPlan, format_shapes, plan_choice
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
 from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
 from lightmem.estimate import Plan, plan
-from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.estimate.batch import batch_shapes
+from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.lightning_packages import is_barebones, logged_step
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
@@ -162,7 +162,6 @@ class FitSession:
         if is_barebones(trainer):  # Lightning's "no logging, no progress, no summaries" covers ours
             rank_zero_info(self._what_is_on([], dict.fromkeys(metrics.groups, "Trainer(barebones=True)")))
             return
-        blocks = self.checkpointed_blocks
         probes, metrics_off = self._probes(pl_module)
         self.recorder = MetricsRecorder(
             probes, log_every_n_steps=metrics.log_every_n_steps, tensorboard_panels=metrics.tensorboard_panels,
