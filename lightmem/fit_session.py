@@ -162,7 +162,7 @@ class FitSession:
         if is_barebones(trainer):  # Lightning's "no logging, no progress, no summaries" covers ours
             rank_zero_info(self._what_is_on([], dict.fromkeys(metrics.groups, "Trainer(barebones=True)")))
             return
-        probes, metrics_off = self._probes(pl_module)
+        probes, metrics_off = self._probes(trainer, pl_module)
         self.recorder = MetricsRecorder(
             probes, log_every_n_steps=metrics.log_every_n_steps, tensorboard_panels=metrics.tensorboard_panels,
             checkpointed_blocks=self.checkpointed_blocks,
@@ -170,13 +170,20 @@ class FitSession:
         self.recorder.start(trainer)
         rank_zero_info(self._what_is_on([probe.group for probe in probes], metrics_off))
 
-    def _probes(self, pl_module: Module) -> tuple[list[Any], dict[str, str]]:
+    def _probes(self, trainer: Trainer, pl_module: Module) -> tuple[list[Any], dict[str, str]]:
         """The probes of what is on now, and why each group asked for is off."""
         groups = self.settings.metrics.groups
         auto_plan = self.auto_plan if self.auto_plan is not None and self.auto_plan.memory is not None else None
+        # Each rank plans for its own batches, so with several ranks one may offload while another
+        # does not: their offload figures are then all logged (zeros where nothing moves), for the
+        # max over ranks reduces the same figures on every rank.
+        offload_figures = self.offloader is not None or (
+            self.auto_plan is not None and trainer.world_size > 1 and self.settings.offload_on
+            and offload_off_reason(self.offload_settings) is None
+        )  # fmt: skip
         probes, metrics_off = build_probes(
             groups, pl_module.device, checkpointed_blocks=self.checkpointed_blocks,
-            host_bytes_held=self._host_bytes_held if self.offloader is not None else None,
+            host_bytes_held=self._host_bytes_held if offload_figures else None,
             host_bytes_peak_in_use=self._host_bytes_peak_in_use,
             optimizer_offload_stats=self.optimizer_offload_stats if self._optimizer_offloaders else None,
             plan_peaks=auto_plan,
@@ -298,7 +305,7 @@ class FitSession:
         if previous is None:
             self._start_recording(trainer, pl_module)
         elif self.recorder is not None:
-            self.recorder.use_probes(self._probes(pl_module)[0], self.checkpointed_blocks)
+            self.recorder.use_probes(self._probes(trainer, pl_module)[0], self.checkpointed_blocks)
 
     def _apply_plan(self, trainer: Trainer, pl_module: Module, previous: Plan | None, chosen: Plan) -> None:
         """Checkpoint as ``chosen`` says (nothing is checkpointed while planning) and offload as it
