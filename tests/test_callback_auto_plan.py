@@ -19,9 +19,11 @@ from torch.utils.data import DataLoader
 
 from lightmem import LightMem, plan
 from lightmem import fit_session as fit_session_module
+from lightmem.auto_plan import covers, format_shapes
 from lightmem.checkpoint import is_checkpointed
 from lightmem.cli import main
 from lightmem.device_memory import FRAGMENTATION_MARGIN, measure_device_budget
+from lightmem.estimate.batch import batch_shapes
 from lightmem.metrics.names import GiB
 from lightmem.testing.device import SimulatedDeviceMemory, simulated_device
 
@@ -85,6 +87,16 @@ def test_without_a_budget_or_a_cuda_device_it_fails_at_fit_start_saying_what_to_
         "LightMem(plan='auto', device_budget='20GiB')"
     )
     assert callback.fit_session is None
+
+
+def test_a_plan_covers_the_batches_no_larger_in_any_dimension_of_any_tensor():
+    planned = batch_shapes({"tokens": torch.zeros(4, 33), "labels": torch.zeros(4)})
+    assert planned == ((4, 33), (4,))  # in the batch's flattening order
+    assert covers(planned, batch_shapes({"tokens": torch.zeros(2, 33), "labels": torch.zeros(2)}))
+    assert not covers(planned, batch_shapes({"tokens": torch.zeros(2, 40), "labels": torch.zeros(2)}))
+    assert not covers(planned, batch_shapes({"tokens": torch.zeros(4, 33)}))  # other tensors
+    assert not covers(planned, batch_shapes({"tokens": torch.zeros(4, 33, 1), "labels": torch.zeros(4)}))
+    assert format_shapes(planned) == "[4, 33], [4]"
 
 
 SHAPES = [(4, 9), (4, 9), (4, 17), (4, 33), (4, 17), (8, 33), (4, 33)]
