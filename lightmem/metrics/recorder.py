@@ -146,6 +146,7 @@ class MetricsRecorder:
         checkpointed_blocks: int = 0,
     ) -> None:
         self._offload = False
+        self._plan_worst_ratio: float | None = None  # kept from plan_peaks when the recorder closes
         self.use_probes(probes, checkpointed_blocks)
         self._optimizer_totals: dict[str, float] = {}
         self.log_every_n_steps = log_every_n_steps
@@ -170,7 +171,7 @@ class MetricsRecorder:
         )
         self._offload = self._offload or self.traffic is not None
         self.optimizer_offload = next((probe for probe in self.probes if isinstance(probe, OptimizerOffloadProbe)), None)
-        self.plan = next((probe.peaks for probe in self.probes if isinstance(probe, PlanProbe)), None)
+        self.plan_peaks = next((probe.peaks for probe in self.probes if isinstance(probe, PlanProbe)), None)
         self.checkpointed_blocks = checkpointed_blocks
 
     # -- every batch -------------------------------------------------------------------------------
@@ -263,9 +264,9 @@ class MetricsRecorder:
                 SummaryFigure("optimizer offload: parameters to device per step", "optimizer/params_in_per_step_GiB", totals["param_bytes_in"] / count / GiB, "GiB"),
                 SummaryFigure("optimizer offload: waited per step", "optimizer/wait_per_step_ms", totals["waited_s"] / count * 1e3, "ms"),
             ]
-        if self.plan is not None and self.plan.worst_ratio is not None:
-            label = "plan: worst measured / predicted peak"
-            figures.append(SummaryFigure(label, "plan/worst_peak_ratio", self.plan.worst_ratio, "ratio"))
+        ratio = self.plan_peaks.worst_ratio if self.plan_peaks is not None else self._plan_worst_ratio
+        if ratio is not None:
+            figures.append(SummaryFigure("plan: worst measured / predicted peak", "plan/worst_peak_ratio", ratio, "ratio"))
         if self.checkpointed_blocks:
             blocks = float(self.checkpointed_blocks)
             figures.append(SummaryFigure("blocks checkpointed", "checkpointed_blocks", blocks, "count"))
@@ -291,5 +292,8 @@ class MetricsRecorder:
             logger.log_metrics(values, step=step)
 
     def close(self) -> None:
-        """Drop the probes (psutil processes hold locks): the recorder pickles with its figures."""
-        self.probes, self.traffic = [], None
+        """Drop the probes (psutil processes hold locks) and the plan state (its device): the
+        recorder pickles with its figures."""
+        if self.plan_peaks is not None:
+            self._plan_worst_ratio = self.plan_peaks.worst_ratio
+        self.probes, self.traffic, self.plan_peaks = [], None, None
