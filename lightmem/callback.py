@@ -67,9 +67,14 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
             dumped when training runs out of GPU memory; records allocation history (Python stacks)
             from the start. With several ranks each writes its own file (``oom.rank3.pickle``).
         plan: ``"auto"``: at the first training batch, ``lightmem.plan`` picks the blocks to
-            checkpoint and to offload so the step fits ``device_budget`` (a fake-tensor dry run of
-            the LightningModule, seconds), and LightMem applies that choice.
-        device_budget: device memory the step must fit in; needs ``plan="auto"``.
+            checkpoint and to offload so the step fits the device budget (a fake-tensor dry run of
+            the LightningModule, seconds), and LightMem applies that choice; a later batch larger
+            than the one planned for is planned for again before its forward. The predicted peak
+            is logged beside the measured one, and a measured peak above it by more than the
+            plan's overhead allowance is warned about once.
+        device_budget: device memory the step must fit in; needs ``plan="auto"``. Without it, the
+            budget is what the CUDA training device can give this process, measured at fit start
+            (its free memory plus what this process's allocator holds, less 5% for fragmentation).
         host_limit: the host memory limit the guard watches: ``"auto"`` (the tightest of the
             process's cgroup limit and total RAM), bytes, a size string, or a fraction of total RAM.
         host_warn_at: fraction of ``host_limit`` at which one warning says what holds host memory,
@@ -90,7 +95,8 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         ValueError: at construction, for a flag with a bad value (the message names the flag and
             what it accepts), an empty list that would switch a feature off (``checkpoint=[]``,
             ``offload_include=[]``), or a flag without the partner it needs (the message names
-            both). Module patterns that match nothing fail when training starts.
+            both). Module patterns that match nothing fail when training starts, and so does
+            ``plan="auto"`` without ``device_budget`` on a training device that is not CUDA.
 
     Example::
 
@@ -140,7 +146,8 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
 
     @property
     def chosen_plan(self) -> Plan | None:
-        """With plan='auto': the ``lightmem.estimate.Plan`` chosen from the first training batch."""
+        """With plan='auto': the ``lightmem.estimate.Plan`` applied now (made for the first training
+        batch, or the last one that needed a new plan); after fit, the fit's last."""
         return self.fit_session.chosen_plan if self.fit_session is not None else self._last_plan
 
     @property
@@ -214,7 +221,7 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.fit_session is not None:
-            self.fit_session.batch_end(trainer)
+            self.fit_session.batch_end(trainer, batch)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lightmem.checkpoint import select_blocks
 from lightmem.config import (
     CLI,
@@ -23,9 +25,11 @@ from lightmem.config import (
     OffloadSettings,
     OptimizerOffloadSettings,
     PlanPrices,
+    format_bytes,
     parse_size,
     reject_without_partner,
 )
+from lightmem.device_memory import DeviceBudget, measure_device_budget, training_device_memory
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.estimate.settings import parse_device, parse_optimizer, parse_overhead, parse_precision
 
@@ -89,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="package.module:function or file.py:function; function(batch_size) -> (model, batch[, loss_fn])",
     )
     estimate.add_argument("--batch-size", type=int, required=True, help="batch size passed to the factory")
-    estimate.add_argument("--budget", help="device memory to fit, e.g. 24GiB")
+    estimate.add_argument(
+        "--budget",
+        help="device memory to fit, e.g. 24GiB (--plan and --max-batch-size without it, on a machine with a "
+        "GPU: what that GPU can give this process now, less 5%% for fragmentation)",
+    )
     estimate.add_argument(
         "--optimizer",
         default=None,
@@ -184,8 +192,6 @@ def _check_flags(args: argparse.Namespace) -> _Flags:
     """Validate the values with the API's own parsers, under the names the user typed (``--budget``)."""
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected a positive integer; got {args.batch_size}")
-    if (args.plan or args.max_batch_size) and args.budget is None:
-        raise ValueError("--plan and --max-batch-size need --budget")
     device = parse_device(args.device, flag="--device")
     parse_precision(args.precision, flag="--precision")
     parse_optimizer(args.optimizer, flag="--optimizer")
@@ -206,8 +212,28 @@ def _check_flags(args: argparse.Namespace) -> _Flags:
     return _Flags(offload, checkpoint, optimizer_offload)
 
 
+def _measured_budget(args: argparse.Namespace) -> DeviceBudget | None:
+    """Without ``--budget``, ``--plan`` and ``--max-batch-size`` plan for what this machine's device
+    can give (the rule of ``LightMem(plan="auto")``); None when a budget was given or not needed.
+
+    Raises:
+        ValueError: no ``--budget`` and no CUDA device here to measure.
+    """
+    if args.budget is not None or not (args.plan or args.max_batch_size):
+        return None
+    memory = training_device_memory(torch.device(args.device))
+    if memory is None:
+        raise ValueError(
+            "--plan and --max-batch-size need --budget on a machine without a CUDA device (with one, "
+            "they plan for what it can give this process); e.g. --budget 24GiB"
+        )
+    return measure_device_budget(memory)
+
+
 def run_estimate(args: argparse.Namespace) -> int:
     flags = _check_flags(args)
+    measured = _measured_budget(args)
+    budget = args.budget if measured is None else measured.budget_bytes
     factory = load_factory(args.factory)
     model, batch, loss_fn = _call_factory(factory, args.batch_size)
     targets = flags.checkpoint.targets
@@ -224,32 +250,37 @@ def run_estimate(args: argparse.Namespace) -> int:
     policy = flags.checkpoint.policy
     result = estimate_memory(
         model, batch, loss_fn, offload=flags.offload, checkpoint=targets, checkpoint_policy=policy,
-        budget=args.budget, **common,
+        budget=budget, **common,
     )  # fmt: skip
     output: dict[str, Any] = {"estimate": result.to_dict()}
+    if measured is not None:
+        output["measured_budget"] = {"budget_bytes": measured.budget_bytes, "how": measured.describe()}
     found_plan = search = None
     link = {} if args.link_bytes_per_s is None else {"link_bytes_per_s": args.link_bytes_per_s}
     if args.plan:
         found_plan = plan(
-            model, batch, args.budget, loss_fn, offload=flags.offload, checkpoint_policy=policy, **common, **link
+            model, batch, budget, loss_fn, offload=flags.offload, checkpoint_policy=policy, **common, **link
         )
         output["plan"] = found_plan.to_dict()
     if args.max_batch_size:
         search = max_batch_size(
-            model, batch, args.budget, loss_fn, offload=flags.offload, checkpoint=targets, checkpoint_policy=policy,
+            model, batch, budget, loss_fn, offload=flags.offload, checkpoint=targets, checkpoint_policy=policy,
             plan=args.plan, **common, **link,
         )  # fmt: skip
         output["max_batch_size"] = search.to_dict()
     if args.json:
         print(json.dumps(output, indent=2))
         return 0
+    if measured is not None:
+        print(f"Budget (no --budget given: what this device can give this process): {measured.describe()}")
     result.print(verbose=args.verbose)
     if found_plan is not None:
         print(f"Plan: {found_plan.describe()}")
         if found_plan.fits and (found_plan.checkpoint or found_plan.offload or found_plan.offload_optimizer):
             print(f"LightMem(**{found_plan.lightmem_kwargs()})")
     if search is not None:
-        line = f"Largest batch that fits {args.budget}: {search.baseline} without lightmem"
+        fits = args.budget if measured is None else format_bytes(measured.budget_bytes)
+        line = f"Largest batch that fits {fits}: {search.baseline} without lightmem"
         if search.configured is not None:
             line += f", {search.configured} with the given offload/checkpoint/offload-optimizer flags"
         if search.planned is not None:

@@ -608,10 +608,12 @@ class HostGuardSettings:
 
 @dataclass(frozen=True)
 class PlanSettings:
-    """``plan="auto"``: the device budget the step must fit, planned from the first batch."""
+    """``plan="auto"``: plan from the training batches, for ``device_budget`` or (None) for what the
+    training device can give this process, measured at fit start (``lightmem.device_memory``)."""
 
     auto: bool
     device_budget_bytes: int | None
+    spelling: Spelling = LIGHTMEM
 
     @classmethod
     def parse(
@@ -621,13 +623,12 @@ class PlanSettings:
         if plan not in (None, "auto"):
             raise ValueError(f"{flag('plan')}: expected None or 'auto'; got {plan!r}")
         budget = None if device_budget is None else parse_size(device_budget, flag=flag("device_budget"))
-        if plan == "auto" and budget is None:
-            raise ValueError(
-                f"{flag('plan')}: 'auto' needs device_budget, e.g. {spelling.entry}(plan='auto', device_budget='20GiB')"
-            )
         if plan is None and budget is not None:
             reject_without_partner(spelling, "device_budget", f"{spelling.entry}(plan='auto')", "set plan='auto'")
-        return cls(auto=plan == "auto", device_budget_bytes=budget)
+        return cls(auto=plan == "auto", device_budget_bytes=budget, spelling=spelling)
+
+    def flag(self, field: str) -> str:
+        return self.spelling.flag(field)
 
 
 @dataclass(frozen=True)

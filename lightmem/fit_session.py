@@ -3,8 +3,8 @@
 The callback creates one in ``setup`` and drops it in ``teardown`` (or ``on_exception``), so no
 per-fit field outlives its fit or has to be reset. The session drives the parts that do the work:
 checkpointing applied after ``configure_model``, the offloader around each training forward, the
-optimizer offloaders (``offload_optimizer``), the plan of ``plan="auto"`` at the first batch, the
-metrics recorder, the host guard and the OOM report.
+optimizer offloaders (``offload_optimizer``), the plans of ``plan="auto"`` (``AutoPlan``: at the
+first batch and any larger one), the metrics recorder, the host guard and the OOM report.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightmem import oom
+from lightmem.auto_plan import AutoPlan, format_shapes, plan_choice
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
 from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
 from lightmem.estimate import Plan, plan
+from lightmem.estimate.batch import batch_shapes
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
+from lightmem.lightning_packages import is_barebones, logged_step
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
 from lightmem.offload.optimizer import OptimizerOffloader, OptimizerOffloadStats, offload_trainer_optimizers
@@ -57,7 +60,7 @@ class FitSession:
         # A fractional host_budget is shared by this node's ranks (Lightning sets no LOCAL_WORLD_SIZE).
         self.offload_settings = settings.offload.for_ranks_per_node(trainer.num_devices)
         self.settings = settings
-        self.chosen_plan: Plan | None = None
+        self.auto_plan: AutoPlan | None = None
         self.host_guard: HostGuard | None = None
         self.recorder: MetricsRecorder | None = None
         self._offload: TrainingOffload | None = None
@@ -65,6 +68,10 @@ class FitSession:
         self._patched_module: Module | None = None
         self._optimizer_offloaders: list[OptimizerOffloader] = []
         self._optimizer_offload_off: str | None = None  # why offload_optimizer is off on this machine
+
+    @property
+    def chosen_plan(self) -> Plan | None:
+        return self.auto_plan.plan if self.auto_plan is not None else None
 
     @property
     def offloader(self) -> ActivationOffloader | None:
@@ -116,7 +123,13 @@ class FitSession:
 
     def start(self, trainer: Trainer, pl_module: Module) -> None:
         """At ``on_fit_start``: the host guard, the OOM history, optimizer offload (the strategy has
-        set the optimizers up), and (without a plan) activation offload and metrics."""
+        set the optimizers up), and (without a plan) activation offload and metrics; with
+        ``plan="auto"``, its budget (measured here without ``device_budget``)."""
+        if self.settings.plan.auto:
+            self.auto_plan = AutoPlan.at_fit_start(self.settings.plan, pl_module.device)
+            measured = self.auto_plan.budget_source
+            if measured is not None:
+                rank_zero_info(f"lightmem: plan='auto' device budget, measured at fit start: {measured}")
         guard = self.settings.host_guard
         self.host_guard = HostGuard(guard.limit_bytes, guard.warn_at, guard.stop_at, self._all_host_bytes_held)
         if self.settings.metrics.oom_snapshot:
@@ -146,21 +159,38 @@ class FitSession:
 
     def _start_recording(self, trainer: Trainer, pl_module: Module) -> None:
         metrics = self.settings.metrics
-        blocks = self.checkpointed_blocks
-        probes, metrics_off = build_probes(
-            metrics.groups, pl_module.device, checkpointed_blocks=blocks,
-            host_bytes_held=self._host_bytes_held if self.offloader is not None else None,
-            host_bytes_peak_in_use=self._host_bytes_peak_in_use,
-            optimizer_offload_stats=self.optimizer_offload_stats if self._optimizer_offloaders else None,
-        )  # fmt: skip
-        if "host" in metrics.groups:
-            probes.append(self.host_guard)
+        if is_barebones(trainer):  # Lightning's "no logging, no progress, no summaries" covers ours
+            rank_zero_info(self._what_is_on([], dict.fromkeys(metrics.groups, "Trainer(barebones=True)")))
+            return
+        probes, metrics_off = self._probes(trainer, pl_module)
         self.recorder = MetricsRecorder(
             probes, log_every_n_steps=metrics.log_every_n_steps, tensorboard_panels=metrics.tensorboard_panels,
-            checkpointed_blocks=blocks,
+            checkpointed_blocks=self.checkpointed_blocks,
         )  # fmt: skip
         self.recorder.start(trainer)
         rank_zero_info(self._what_is_on([probe.group for probe in probes], metrics_off))
+
+    def _probes(self, trainer: Trainer, pl_module: Module) -> tuple[list[Any], dict[str, str]]:
+        """The probes of what is on now, and why each group asked for is off."""
+        groups = self.settings.metrics.groups
+        auto_plan = self.auto_plan if self.auto_plan is not None and self.auto_plan.memory is not None else None
+        # Each rank plans for its own batches, so with several ranks one may offload while another
+        # does not: their offload figures are then all logged (zeros where nothing moves), for the
+        # max over ranks reduces the same figures on every rank.
+        offload_figures = self.offloader is not None or (
+            self.auto_plan is not None and trainer.world_size > 1 and self.settings.offload_on
+            and offload_off_reason(self.offload_settings) is None
+        )  # fmt: skip
+        probes, metrics_off = build_probes(
+            groups, pl_module.device, checkpointed_blocks=self.checkpointed_blocks,
+            host_bytes_held=self._host_bytes_held if offload_figures else None,
+            host_bytes_peak_in_use=self._host_bytes_peak_in_use,
+            optimizer_offload_stats=self.optimizer_offload_stats if self._optimizer_offloaders else None,
+            plan_peaks=auto_plan,
+        )  # fmt: skip
+        if "host" in groups:
+            probes.append(self.host_guard)
+        return probes, metrics_off
 
     def _what_is_on(self, metrics_on: list[str], metrics_off: dict[str, str]) -> str:
         """One line: every feature that is on, and why each one asked for is off."""
@@ -184,7 +214,8 @@ class FitSession:
             on.append(f"{', '.join(dict.fromkeys(metrics_on))} metrics")
         for reason in dict.fromkeys(metrics_off.values()):
             groups = [group for group, why in metrics_off.items() if why == reason]
-            off.append(f"{' and '.join(groups)} metrics ({reason})")
+            named = " and ".join(filter(None, [", ".join(groups[:-1]), groups[-1]]))
+            off.append(f"{named} metrics ({reason})")
         return f"lightmem: on: {'; '.join(on) or 'nothing'}." + (f" Off: {'; '.join(off)}." if off else "")
 
     def _host_bytes_peak_in_use(self) -> int:
@@ -200,7 +231,7 @@ class FitSession:
     # -- one training batch -------------------------------------------------------------------------
 
     def batch_start(self, trainer: Trainer, pl_module: Module, batch: Any) -> None:
-        if self.settings.plan.auto and self.chosen_plan is None:
+        if self.auto_plan is not None and self.auto_plan.needs_plan(batch):
             self._plan_from(trainer, pl_module, batch)
         if self._offload is not None:
             self._offload.enter()
@@ -210,8 +241,10 @@ class FitSession:
         if self._offload is not None:
             self._offload.exit(exception)
 
-    def batch_end(self, trainer: Trainer) -> None:
+    def batch_end(self, trainer: Trainer, batch: Any) -> None:
         self.forward_done()  # training_step returned None: no backward ran
+        if self.auto_plan is not None:
+            self.auto_plan.check(logged_step(trainer), batch)
         if self.host_guard is not None:
             release = self.offloader.release_host_memory if self.offloader is not None else None
             self.host_guard.on_training_batch(trainer, release, self.settings.host_guard.stop_checkpoint)
@@ -222,24 +255,41 @@ class FitSession:
         self.recorder.batch_end(trainer)
 
     def _plan_from(self, trainer: Trainer, pl_module: Module, batch: Any) -> None:
+        """Plan for ``batch`` (the first, or one the current plan does not cover) and apply the
+        choice before its forward; one line when the choice is new."""
+        assert self.auto_plan is not None
+        if self._checkpoint is not None:  # the planner sees the model as the user wrote it
+            self._checkpoint.remove()
+            self._checkpoint = None
         # The dry run calls training_step on fake tensors; its self.log calls must not reach the
         # Trainer's results.
         pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
         try:
             chosen = plan(
-                pl_module, batch, self.settings.plan.device_budget_bytes, device=pl_module.device.type,
+                pl_module, batch, self.auto_plan.budget_bytes, device=pl_module.device.type,
                 precision=str(trainer.precision), offload=self.offload_settings if self.settings.offload_on else False,
                 checkpoint_policy=self.settings.checkpoint.policy,
                 offload_optimizer=self.settings.optimizer_offload if self._optimizer_offloaders else False,
             )  # fmt: skip
         finally:
             del pl_module.log, pl_module.log_dict
-        self.chosen_plan = chosen
-        summary = (
-            f"lightmem: plan for a {format_bytes(chosen.budget_bytes)} device budget: checkpoint "
-            f"{chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}; "
+        previous = self.chosen_plan
+        self.auto_plan.take(chosen, batch)
+        if previous is not None and plan_choice(previous) == plan_choice(chosen):
+            self._apply_plan(trainer, pl_module, previous, chosen)
+            return
+        choice = (
+            f"checkpoint {chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}; "
             f"predicted peak {format_bytes(chosen.predicted_total_bytes)}"
         )
+        if previous is None:
+            summary = f"lightmem: plan for a {format_bytes(chosen.budget_bytes)} device budget: {choice}"
+        else:
+            summary = (
+                f"lightmem: re-planned for a larger batch ({format_shapes(batch_shapes(batch))}) at step "
+                f"{logged_step(trainer)}: {choice} (was: checkpoint {previous.checkpoint or 'nothing'}, offload "
+                f"{offload_scope(previous.offload)})"
+            )
         if chosen.offload_optimizer and not self._optimizer_offloaders:
             # The planner counted gradients and optimizer state on the host; this fit keeps them on
             # the device, so the plan's peak is not what this run will reach.
@@ -251,11 +301,23 @@ class FitSession:
             rank_zero_info(summary)
         else:
             rank_zero_warn(f"{summary}. It does not fit: {chosen.reason}")
+        self._apply_plan(trainer, pl_module, previous, chosen)
+        if previous is None:
+            self._start_recording(trainer, pl_module)
+        elif self.recorder is not None:
+            self.recorder.use_probes(self._probes(trainer, pl_module)[0], self.checkpointed_blocks)
+
+    def _apply_plan(self, trainer: Trainer, pl_module: Module, previous: Plan | None, chosen: Plan) -> None:
+        """Checkpoint as ``chosen`` says (nothing is checkpointed while planning) and offload as it
+        says, replacing ``previous``'s offloader when it differs."""
         if chosen.checkpoint:
             self.apply_checkpointing(trainer, pl_module, tuple(chosen.checkpoint), every_n=1)
-        if chosen.offload is not None:
-            self._start_offload(pl_module, chosen.offload)
-        self._start_recording(trainer, pl_module)
+        if previous is None or previous.offload != chosen.offload:
+            if self._offload is not None:
+                self._offload.close()
+                self._offload = None
+            if chosen.offload is not None:
+                self._start_offload(pl_module, chosen.offload)
 
     # -- the end ------------------------------------------------------------------------------------
 

@@ -52,3 +52,27 @@ def callback_bases() -> tuple[type, ...]:
         except ImportError:  # lightning is optional; pytorch_lightning is a dependency
             continue
     return tuple(bases)
+
+
+def logged_step(trainer: Any) -> int:
+    """The step Lightning logs the current training batch's metrics at.
+
+    Lightning's logger connector passes the fit loop's count of batches that stepped the optimizer
+    before this one (``_batches_that_stepped``, raised after ``on_train_batch_end``): the k-th
+    optimizer step is logged as ``step=k-1``, not as ``trainer.global_step`` (which counts every
+    ``optimizer.step()`` and is already k there).
+    """
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def lightning_logs_this_step(trainer: Any) -> bool:
+    """Whether Lightning logs the current training batch's metrics: its own rule
+    (``log_every_n_steps``, 0 meaning never; a stopping Trainer; ``fast_dev_run``), asked of its
+    logger connector so it is never re-written here."""
+    return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
+
+
+def is_barebones(trainer: Any) -> bool:
+    """``Trainer(barebones=True)``: Lightning switched off every feature that costs time (logging,
+    progress bar, summaries); lightmem then logs, draws and prints nothing either."""
+    return bool(getattr(trainer, "barebones", False))

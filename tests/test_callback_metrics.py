@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pytorch_lightning.loggers import Logger, TensorBoardLogger
 
 from lightmem import LightMem
 from lightmem.metrics.names import METRICS
+from lightmem.metrics.recorder import SUMMARY_TITLE
 from lightmem.metrics.tensorboard import CATEGORY
 from lightmem.tables import format_table, markdown_table
 
@@ -46,9 +48,10 @@ class MemoryLogger(Logger):
 
 def _fit(callback, logger, max_steps=5, package=pl, **kwargs):
     pl.seed_everything(0, verbose=False)
+    kwargs = {"enable_progress_bar": False, **kwargs}
     trainer = package.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=logger, callbacks=[callback], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        enable_model_summary=False, **kwargs,
     )  # fmt: skip
     trainer.fit(lit_gpt_class(package)(), token_loader())
     return trainer
@@ -62,8 +65,8 @@ def test_metrics_are_logged_every_n_steps_starting_with_the_first():
     logger = MemoryLogger()
     _fit(LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"], log_every_n_steps=2), logger)
     rows = _lightmem_rows(logger)
-    assert [step for step, _ in rows] == [1, 3, 5]
-    expected_keys = {m.key for m in METRICS if m.group in ("host", "lightmem") and "/optimizer/" not in m.key}
+    assert [step for step, _ in rows] == [0, 2, 4]  # optimizer steps 1, 3, 5 at Lightning's step values
+    expected_keys = {m.key for m in METRICS if m.group in ("host", "lightmem") and "/optimizer/" not in m.key and "/plan/" not in m.key}
     for _, metrics in rows:
         assert set(metrics) == expected_keys
         assert metrics["lightmem/memory/host/rss_GiB"] > 0.01
@@ -95,24 +98,38 @@ def test_metric_groups_can_be_chosen():
     assert set(metrics) == {m.key for m in METRICS if m.group == "host"} - pool
 
 
-def test_end_of_fit_summary_goes_to_console_and_every_loggers_metrics(capsys):
+def _summary_table(callback):
+    return format_table(list(callback.summary().items()), ("figure", "value"), title=SUMMARY_TITLE, align="lr")
+
+
+def _lightmem_reports(caplog):
+    return [record.getMessage() for record in caplog.records if record.getMessage().startswith(SUMMARY_TITLE)]
+
+
+def test_end_of_fit_summary_is_reported_through_lightning_and_reaches_every_loggers_metrics(caplog):
     logger = MemoryLogger()
     callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"])
-    _fit(callback, logger, max_steps=2)
-    out = capsys.readouterr().out
-    summary = callback.summary()
-    assert out.endswith(
-        format_table(list(summary.items()), ("figure", "value"), title="lightmem: memory summary of this fit", align="lr")
-        + "\n"
-    )
+    with caplog.at_level(logging.INFO):
+        _fit(callback, logger, max_steps=2, enable_progress_bar=True)
+    assert _lightmem_reports(caplog) == [_summary_table(callback)]
     step, final = logger.metrics[-1]
-    assert step == 2
+    assert step == 2  # Lightning's step after two optimizer steps, where its own epoch-end metrics go
     assert final["lightmem/summary/checkpointed_blocks"] == 3.0
     assert final["lightmem/summary/peak/host/rss_GiB"] > 0.01
     assert final["lightmem/summary/offloaded_per_step_GiB"] > 0
-    assert set(summary) == {
+    assert set(callback.summary()) == {
         "peak host RSS", "peak host buffers held", "offloaded per step", "compute waited per step", "blocks checkpointed"
     }  # fmt: skip
+
+
+def test_end_of_fit_summary_is_not_reported_without_a_progress_bar_but_still_logged(caplog, capsys):
+    logger = MemoryLogger()
+    callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=["Block"])
+    with caplog.at_level(logging.INFO):
+        _fit(callback, logger, max_steps=2)  # enable_progress_bar=False
+    assert _lightmem_reports(caplog) == []
+    assert SUMMARY_TITLE not in capsys.readouterr().out
+    assert logger.metrics[-1][1]["lightmem/summary/checkpointed_blocks"] == 3.0
 
 
 def test_end_of_fit_summary_reaches_tensorboards_text_tab_and_the_csv(tmp_path, lightning_package):
@@ -136,16 +153,28 @@ def test_end_of_fit_summary_reaches_tensorboards_text_tab_and_the_csv(tmp_path, 
 
 
 @pytest.mark.parametrize("bar", [RichProgressBar, TQDMProgressBar])
-def test_end_of_fit_summary_prints_after_the_progress_bar_has_stopped(bar, capsys):
-    pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(
-        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_model_summary=False,
-        callbacks=[LightMem(offload_devices=["cpu"], checkpoint=["Block"]), bar()],
-    )  # fmt: skip
-    trainer.fit(LitGPT(), token_loader())
-    out = capsys.readouterr().out
-    assert "Epoch 0" in out
-    assert out.rindex("Epoch 0") < out.index("lightmem: memory summary of this fit")
+def test_end_of_fit_summary_is_reported_after_the_progress_bar_has_stopped(bar, capsys):
+    drawn_before = []
+
+    class AtSummary(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith(SUMMARY_TITLE):
+                drawn_before.append(capsys.readouterr().out)
+
+    handler = AtSummary()
+    logging.getLogger().addHandler(handler)
+    try:
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_model_summary=False,
+            callbacks=[LightMem(offload_devices=["cpu"], checkpoint=["Block"]), bar()],
+        )  # fmt: skip
+        trainer.fit(LitGPT(), token_loader())
+    finally:
+        logging.getLogger().removeHandler(handler)
+    (before,) = drawn_before
+    assert "Epoch 0" in before
+    assert "Epoch 0" not in capsys.readouterr().out  # nothing redrawn after the summary
 
 
 def test_no_summary_and_no_panels_for_features_that_are_off(tmp_path, capsys):
@@ -179,7 +208,7 @@ def test_tensorboard_event_files_hold_the_panels_and_the_scalars(tmp_path, light
     accumulator.Reload()
     scalars = accumulator.Tags()["scalars"]
     assert "lightmem/memory/host/rss_GiB" in scalars
-    assert [e.step for e in accumulator.Scalars("lightmem/memory/offload/offloaded_GiB")] == [1, 2, 3]
+    assert [e.step for e in accumulator.Scalars("lightmem/memory/offload/offloaded_GiB")] == [0, 1, 2]
     config = accumulator.Tensors("custom_scalars__config__")[0]
     layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
     (category,) = layout.category
@@ -215,5 +244,5 @@ def test_ddp_on_two_cpu_processes_gives_equal_weights_and_logs_max_over_ranks(tm
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["weights_equal"] is True
-    assert report["logged_steps"] == [1, 2, 3]
+    assert report["logged_steps"] == [0, 1, 2]
     assert report["logged_rss_GiB"] == max(report["local_rss_GiB"])  # the max over the two ranks

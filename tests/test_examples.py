@@ -16,7 +16,7 @@ def _run(args, tmp_path, steps="2"):
         [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return result.stdout
+    return result.stdout + result.stderr  # Lightning's logging (the end-of-fit summary) goes to stderr
 
 
 def test_main_example_trains_and_writes_tensorboard_panels(tmp_path):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from lit_models import LitGPT, token_loader
+from pytorch_lightning.callbacks import TQDMProgressBar
 
 from lightmem import LightMem
 from lightmem.cli import main
@@ -78,7 +80,7 @@ def test_cli_estimate_verbose_lists_everything_not_modelled(without_rich, capsys
         assert " ".join(item.split()) in out
 
 
-def test_fit_summary_and_oom_report_render_without_rich(without_rich, capsys):
+def test_fit_summary_and_oom_report_render_without_rich(without_rich, capsys, caplog):
     class OutOfMemory(LitGPT):
         def training_step(self, batch, batch_idx):
             if batch_idx == 2:
@@ -87,11 +89,12 @@ def test_fit_summary_and_oom_report_render_without_rich(without_rich, capsys):
 
     callback = LightMem(offload_devices=["cpu"], checkpoint=["Block"], log_every_n_steps=1)
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[callback],
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_model_summary=False,
+        callbacks=[callback, TQDMProgressBar()],  # the summary is reported where a progress bar shows
     )  # fmt: skip
-    trainer.fit(LitGPT(), token_loader())
-    assert "lightmem: memory summary of this fit\nfigure" in capsys.readouterr().out
+    with caplog.at_level(logging.INFO):
+        trainer.fit(LitGPT(), token_loader())
+    assert "lightmem: memory summary of this fit\nfigure" in caplog.text
     failing = pl.Trainer(
         accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[LightMem(offload_devices=["cpu"], log_every_n_steps=1)],

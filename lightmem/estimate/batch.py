@@ -55,6 +55,11 @@ def _paths(batch: Any) -> list[str]:
     return [keystr(path) or "batch" for path, _ in tree_flatten_with_path(batch)[0]]
 
 
+def batch_shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
+    """The shape of each tensor of ``batch``, in its flattening order."""
+    return tuple(tuple(leaf.shape) for leaf in _leaves(batch)[0] if isinstance(leaf, torch.Tensor))
+
+
 def inspect_batch(batch: Any) -> BatchInfo:
     """Sizes, the batch dimension, and mostly-zero dense inputs (read from real values)."""
     leaves, _ = _leaves(batch)

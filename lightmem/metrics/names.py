@@ -69,6 +69,9 @@ METRICS: tuple[Metric, ...] = (
     _m("optimizer/params_in_GiB", "lightmem", "GiB", "updated parameter bytes copied back to the device after the last optimizer step", "Optimizer offload traffic (GiB)"),
     _m("optimizer/wait_ms", "lightmem", "ms", "time training waited for gradient and parameter copies in the last optimizer step", "Optimizer offload waits (ms)"),
     _m("checkpoint/blocks", "lightmem", "count", "blocks recomputed in backward (selective checkpointing)", "Checkpointed blocks (count)", reduce_max=False),
+    # plan="auto": what its plans predict beside what the device's allocator measured.
+    _m("plan/predicted_peak_GiB", "lightmem", "GiB", "peak allocated memory plan='auto' predicts: the highest of the plans applied in this fit so far", "Plan: predicted and measured peak (GiB)"),
+    _m("plan/measured_peak_GiB", "lightmem", "GiB", "peak allocated memory the device's allocator measured (max_memory_allocated), held against the prediction", "Plan: predicted and measured peak (GiB)"),
 )
 
 GROUPS: tuple[str, ...] = ("gpu", "device", "host", "lightmem")

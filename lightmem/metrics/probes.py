@@ -7,7 +7,7 @@ construction with a one-line reason; the callback switches that group off and sa
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 import torch
@@ -183,6 +183,32 @@ class OptimizerOffloadProbe:
             key("optimizer/grads_out_GiB"): figures["grad_bytes_out"] / GiB,
             key("optimizer/params_in_GiB"): figures["param_bytes_in"] / GiB,
             key("optimizer/wait_ms"): figures["waited_s"] * 1e3,
+        }
+
+    def end_step(self) -> None:
+        return None
+
+
+class PlanPeaks(Protocol):
+    predicted_peak_bytes: int
+    worst_ratio: float | None
+
+    def measured_peak_bytes(self) -> int: ...
+
+
+class PlanProbe:
+    """``plan="auto"``: the peak its plans predict beside the peak the device's allocator measured,
+    and (for the summary) the worst ratio of the two (``lightmem.auto_plan.AutoPlan``)."""
+
+    group = "lightmem"
+
+    def __init__(self, peaks: PlanPeaks) -> None:
+        self.peaks = peaks
+
+    def collect(self) -> dict[str, float]:
+        return {
+            key("plan/predicted_peak_GiB"): self.peaks.predicted_peak_bytes / GiB,
+            key("plan/measured_peak_GiB"): self.peaks.measured_peak_bytes() / GiB,
         }
 
     def end_step(self) -> None:

@@ -11,15 +11,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from pytorch_lightning.utilities import rank_zero_info
 
 from lightmem.config import format_bytes
-from lightmem.lightning_packages import is_tensorboard_logger
+from lightmem.lightning_packages import is_tensorboard_logger, lightning_logs_this_step, logged_step
 from lightmem.metrics.names import BY_KEY, GiB, key
 from lightmem.metrics.probes import (
     HostProbe,
     LightmemProbe,
     NvmlProbe,
     OptimizerOffloadProbe,
+    PlanPeaks,
+    PlanProbe,
     ProbeUnavailable,
     TorchAllocatorProbe,
 )
@@ -61,13 +64,15 @@ class SummaryFigure:
     """As logged, under ``lightmem/summary/``: ``peak/host/rss_GiB``."""
     value: float
     unit: str
-    """``GiB``, ``ms`` or ``count``."""
+    """``GiB``, ``ms``, ``ratio`` or ``count``."""
 
     def readable(self) -> str:
         if self.unit == "GiB":
             return format_bytes(self.value * GiB)
         if self.unit == "ms":
             return f"{self.value:.2f} ms"
+        if self.unit == "ratio":
+            return f"{self.value:.2f}"
         return f"{self.value:.0f}"
 
 
@@ -79,12 +84,14 @@ def build_probes(
     host_bytes_peak_in_use: Callable[[], int] = lambda: 0,
     checkpointed_blocks: int,
     optimizer_offload_stats: Callable[[], list[Any]] | None = None,
+    plan_peaks: PlanPeaks | None = None,
 ) -> tuple[list[Any], dict[str, str]]:
     """The probes of ``groups`` that can run here, and for the others why not.
 
     ``host_bytes_held`` is None when offload is off (no host buffers to report); the ``lightmem``
-    group reports offload traffic only with offload on and the block count only with blocks, and
-    model-state offload figures only when ``optimizer_offload_stats`` is given.
+    group reports offload traffic only with offload on and the block count only with blocks,
+    model-state offload figures only when ``optimizer_offload_stats`` is given, and the predicted
+    and measured peak of ``plan="auto"`` only when ``plan_peaks`` is given.
     """
     probes: list[Any] = []
     off: dict[str, str] = {}
@@ -101,6 +108,8 @@ def build_probes(
                 probes.append(LightmemProbe(blocks, offload=host_bytes_held is not None))
             if group == "lightmem" and optimizer_offload_stats is not None:
                 probes.append(OptimizerOffloadProbe(optimizer_offload_stats))
+            if group == "lightmem" and plan_peaks is not None:
+                probes.append(PlanProbe(plan_peaks))
         except ProbeUnavailable as error:
             off[group] = str(error)
     return probes, off
@@ -120,8 +129,9 @@ class MetricsRecorder:
 
     Args:
         probes: objects with ``group``, ``collect()`` and ``end_step()`` (``lightmem.metrics.probes``).
-        log_every_n_steps: log every n optimizer steps, starting with the first (None: the
-            Trainer's ``log_every_n_steps``).
+        log_every_n_steps: log every n optimizer steps, starting with the first (None: on the
+            steps Lightning logs its own metrics, which ``Trainer(log_every_n_steps=0)`` makes none).
+            Either way at Lightning's step values (``logged_step``).
         tensorboard_panels: with the first logged step, write a Custom Scalars layout of the
             metrics really logged to every TensorBoard logger.
         checkpointed_blocks: blocks recomputed in backward, for the summary (0: none).
@@ -135,27 +145,34 @@ class MetricsRecorder:
         tensorboard_panels: bool = True,
         checkpointed_blocks: int = 0,
     ) -> None:
-        self.probes = list(probes)
-        self.traffic = next(
-            (probe for probe in self.probes if isinstance(probe, LightmemProbe) and probe.offload), None
-        )
-        self._offload = self.traffic is not None
-        self.optimizer_offload = next((probe for probe in self.probes if isinstance(probe, OptimizerOffloadProbe)), None)
+        self._offload = False
+        self._plan_worst_ratio: float | None = None  # kept from plan_peaks when the recorder closes
+        self.use_probes(probes, checkpointed_blocks)
         self._optimizer_totals: dict[str, float] = {}
         self.log_every_n_steps = log_every_n_steps
         self.tensorboard_panels = tensorboard_panels
-        self.checkpointed_blocks = checkpointed_blocks
         self.last_metrics: dict[str, float] = {}
         """The metrics of the last logged step, as logged (with DDP: the max over ranks)."""
         self.last_local_metrics: dict[str, float] = {}
         """The same figures for this process alone."""
         self._rank_max = RankMax()
         self._last_step = -1
-        self._panels_written = False
+        self._panels_drawn: set[str] = set()
         self._peaks: dict[str, float] = {}
         self._offloaded_bytes = 0
         self._wait_s = 0.0
         self._steps = 0
+
+    def use_probes(self, probes: Sequence[Any], checkpointed_blocks: int) -> None:
+        """Read ``probes`` from now on (a new plan changed what is on); totals and peaks so far stay."""
+        self.probes = list(probes)
+        self.traffic = next(
+            (probe for probe in self.probes if isinstance(probe, LightmemProbe) and probe.offload), None
+        )
+        self._offload = self._offload or self.traffic is not None
+        self.optimizer_offload = next((probe for probe in self.probes if isinstance(probe, OptimizerOffloadProbe)), None)
+        self.plan_peaks = next((probe.peaks for probe in self.probes if isinstance(probe, PlanProbe)), None)
+        self.checkpointed_blocks = checkpointed_blocks
 
     # -- every batch -------------------------------------------------------------------------------
 
@@ -188,14 +205,19 @@ class MetricsRecorder:
                 self._optimizer_totals[name] = self._optimizer_totals.get(name, 0.0) + figures[name]
             peak = max(self._optimizer_totals.get("peak_host_bytes", 0.0), figures["host_bytes"])
             self._optimizer_totals["peak_host_bytes"] = peak
-        every = self.log_every_n_steps or trainer.log_every_n_steps
-        logged = (trainer.global_step - 1) % every == 0
+        if self.log_every_n_steps is not None:
+            logged = (trainer.global_step - 1) % self.log_every_n_steps == 0
+        else:
+            logged = lightning_logs_this_step(trainer)
+        # The fit's first step is read even when not logged: short fits and log_every_n_steps=0
+        # still get its peaks in the summary and in last_metrics.
+        read = logged or self._steps == 1
         values: dict[str, float] = {}
         for probe in self.probes:
-            if logged:
+            if read:
                 values.update(probe.collect())
             probe.end_step()
-        if not logged:
+        if not read:
             return
         for _, name in _SUMMARY_PEAKS:
             if key(name) in values:
@@ -204,16 +226,17 @@ class MetricsRecorder:
         if trainer.world_size > 1:
             values = max_over_ranks(values, self._rank_max)
         self.last_metrics = values
-        if not trainer.is_global_zero:
+        if not logged or not trainer.is_global_zero:
             return
-        if self.tensorboard_panels and not self._panels_written:
-            self._panels_written = True
-            layout = custom_scalars_layout(values)
+        if self.tensorboard_panels and not set(values) <= self._panels_drawn:  # first, or a new plan's metrics
+            self._panels_drawn |= set(values)
+            layout = custom_scalars_layout(self._panels_drawn)
             for logger in trainer.loggers:
                 if is_tensorboard_logger(logger):
                     logger.experiment.add_custom_scalars(layout)
+        step = logged_step(trainer)
         for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
+            logger.log_metrics(values, step=step)
 
     # -- end of fit ----------------------------------------------------------------------------------
 
@@ -241,26 +264,36 @@ class MetricsRecorder:
                 SummaryFigure("optimizer offload: parameters to device per step", "optimizer/params_in_per_step_GiB", totals["param_bytes_in"] / count / GiB, "GiB"),
                 SummaryFigure("optimizer offload: waited per step", "optimizer/wait_per_step_ms", totals["waited_s"] / count * 1e3, "ms"),
             ]
+        ratio = self.plan_peaks.worst_ratio if self.plan_peaks is not None else self._plan_worst_ratio
+        if ratio is not None:
+            figures.append(SummaryFigure("plan: worst measured / predicted peak", "plan/worst_peak_ratio", ratio, "ratio"))
         if self.checkpointed_blocks:
             blocks = float(self.checkpointed_blocks)
             figures.append(SummaryFigure("blocks checkpointed", "checkpointed_blocks", blocks, "count"))
         return figures
 
     def publish_summary(self, trainer: pl.Trainer) -> None:
-        """Print the summary, write it to TensorBoard's Text tab and to every logger's metrics
-        (``lightmem/summary/...``: CSV columns, TensorBoard scalars). Rank zero only."""
+        """Report the summary as Lightning's own callbacks report (``rank_zero_info``, where the
+        Trainer shows progress: not with ``enable_progress_bar=False``), write it to TensorBoard's
+        Text tab and to every logger's metrics (``lightmem/summary/...``: CSV columns, TensorBoard
+        scalars) at Lightning's step. Rank zero only."""
         figures = self.summary()
         if not figures or not trainer.is_global_zero:
             return
         rows = [(figure.label, figure.readable()) for figure in figures]
-        print(format_table(rows, ("figure", "value"), title=SUMMARY_TITLE, align="lr"), flush=True)
+        if trainer.progress_bar_callback is not None:
+            rank_zero_info(format_table(rows, ("figure", "value"), title=SUMMARY_TITLE, align="lr"))
+        step = logged_step(trainer)
         for logger in trainer.loggers:
             if is_tensorboard_logger(logger):
                 text = markdown_table(rows, ("figure", "value"))
-                logger.experiment.add_text(SUMMARY_PREFIX, text, trainer.global_step)
+                logger.experiment.add_text(SUMMARY_PREFIX, text, step)
             values = {f"{SUMMARY_PREFIX}/{figure.name}": figure.value for figure in figures}
-            logger.log_metrics(values, step=trainer.global_step)
+            logger.log_metrics(values, step=step)
 
     def close(self) -> None:
-        """Drop the probes (psutil processes hold locks): the recorder pickles with its figures."""
-        self.probes, self.traffic = [], None
+        """Drop the probes (psutil processes hold locks) and the plan state (its device): the
+        recorder pickles with its figures."""
+        if self.plan_peaks is not None:
+            self._plan_worst_ratio = self.plan_peaks.worst_ratio
+        self.probes, self.traffic, self.plan_peaks = [], None, None

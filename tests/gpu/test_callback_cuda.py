@@ -39,6 +39,22 @@ def test_weights_bitwise_equal_and_every_metric_group_logged_on_gpu():
         assert torch.equal(a, b), name
     logged = [m for _, m in logger.metrics if "lightmem/memory/gpu/allocated_GiB" in m]
     assert logged
-    assert set(logged[-1]) == {m.key for m in METRICS}
+    assert set(logged[-1]) == {m.key for m in METRICS if "/optimizer/" not in m.key and "/plan/" not in m.key}
     assert logged[-1]["lightmem/memory/device/total_GiB"] > 0
     assert logged[-1]["lightmem/memory/offload/offloaded_GiB"] > 0
+
+
+def test_plan_auto_without_a_budget_plans_for_what_this_gpu_gives_and_checks_its_prediction():
+    from lightmem.device_memory import CudaMemory, measure_device_budget
+
+    logger = MemoryLogger()
+    callback = LightMem(plan="auto", log_every_n_steps=1)
+    _fit([callback], logger)
+    chosen = callback.chosen_plan
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < chosen.budget_bytes <= free + torch.cuda.memory_reserved()  # measured at fit start
+    assert measure_device_budget(CudaMemory(torch.device("cuda"))).total_bytes == total
+    logged = [m for _, m in logger.metrics if "lightmem/memory/plan/predicted_peak_GiB" in m]
+    assert logged and logged[-1]["lightmem/memory/plan/predicted_peak_GiB"] == chosen.predicted_peak_bytes / 2**30
+    assert logged[-1]["lightmem/memory/plan/measured_peak_GiB"] == logged[-1]["lightmem/memory/gpu/step_peak_allocated_GiB"]
+    assert "plan: worst measured / predicted peak" in callback.summary()

@@ -1,0 +1,124 @@
+"""``LightMem(plan="auto")`` over one fit: its budget, when a batch needs a new plan, and whether
+the plans' predicted peak held.
+
+The budget is ``device_budget`` or, without it, what the training device can give this process,
+measured once at fit start (:func:`lightmem.device_memory.measure_device_budget`). A plan covers the
+batch it was made for and every batch no larger in any dimension of any tensor; a batch it does not
+cover is planned for before its forward. After each training batch the device allocator's peak is
+compared with the highest peak the plans of this fit predicted: both are highs of the fit so far,
+so a plan for a small batch is never held against the peak a larger one reached.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from lightmem.config import PlanSettings, format_bytes
+from lightmem.device_memory import DeviceMemory, measure_device_budget, training_device_memory
+from lightmem.estimate import Plan
+from lightmem.estimate.batch import batch_shapes
+
+Shapes = tuple[tuple[int, ...], ...]
+
+
+def covers(planned: Shapes, shapes: Shapes) -> bool:
+    """Whether a plan made for a batch of ``planned`` shapes covers one of ``shapes``: the same
+    tensors, none larger in any dimension."""
+    return len(planned) == len(shapes) and all(
+        len(old) == len(new) and all(n <= o for o, n in zip(old, new)) for old, new in zip(planned, shapes)
+    )
+
+
+def format_shapes(shapes: Shapes) -> str:
+    """``[8, 65]``, or ``[8, 65], [8]`` for a batch of several tensors."""
+    return ", ".join(str(list(shape)) for shape in shapes) or "no tensors"
+
+
+def plan_choice(chosen: Plan) -> dict[str, Any]:
+    """What a plan makes LightMem do (checkpointed blocks, offload, model-state offload): two plans
+    with the same choice need nothing re-applied."""
+    return chosen.lightmem_kwargs()
+
+
+class AutoPlan:
+    """The plan state of one fit; see the module docstring.
+
+    Args:
+        budget_bytes: the device budget every plan of this fit is made for.
+        memory: the training device's memory, whose allocator peak is checked against the
+            prediction (None: not checked, e.g. a CPU device with a given ``device_budget``).
+        budget_source: how the budget was measured, for the fit-start line (None: it was given).
+    """
+
+    def __init__(self, budget_bytes: int, memory: DeviceMemory | None, budget_source: str | None = None) -> None:
+        self.budget_bytes = budget_bytes
+        self.memory = memory
+        self.budget_source = budget_source
+        self.plan: Plan | None = None
+        """The plan applied now (the last one made)."""
+        self.planned_shapes: Shapes | None = None
+        self.predicted_peak_bytes = 0
+        """The highest peak the plans applied in this fit predict (``Plan.predicted_peak_bytes``)."""
+        self.overhead_bytes = 0
+        """The plans' allowance for what the estimate does not model: how far a measured peak may
+        exceed the prediction before it is warned about."""
+        self.worst_ratio: float | None = None
+        """The highest measured / predicted peak over the training batches so far."""
+        self._warned = False
+
+    @classmethod
+    def at_fit_start(cls, settings: PlanSettings, device: torch.device) -> AutoPlan:
+        """The given ``device_budget``, or the device's measured now.
+
+        Raises:
+            ValueError: no ``device_budget`` and the training device is not a CUDA device (nothing
+                to measure): the message says what to pass.
+        """
+        memory = training_device_memory(device)
+        if settings.device_budget_bytes is not None:
+            return cls(settings.device_budget_bytes, memory)
+        if memory is None:
+            entry = settings.spelling.entry
+            raise ValueError(
+                f"{settings.flag('plan')}: without device_budget, 'auto' plans for the memory the CUDA device "
+                f"can give this process, and the training device is {device.type!r}"
+                f"{'' if torch.cuda.is_available() else ' (no CUDA device here)'}; pass the budget to plan "
+                f"for, e.g. {entry}(plan='auto', device_budget='20GiB')"
+            )
+        budget = measure_device_budget(memory)
+        return cls(budget.budget_bytes, memory, budget.describe())
+
+    def needs_plan(self, batch: Any) -> bool:
+        """True for the first batch and for any batch the current plan does not cover."""
+        return self.planned_shapes is None or not covers(self.planned_shapes, batch_shapes(batch))
+
+    def take(self, chosen: Plan, batch: Any) -> None:
+        """``chosen``, made for ``batch``, is applied from ``batch`` on."""
+        self.plan, self.planned_shapes = chosen, batch_shapes(batch)
+        self.predicted_peak_bytes = max(self.predicted_peak_bytes, chosen.predicted_peak_bytes)
+        self.overhead_bytes = chosen.overhead_bytes
+
+    def measured_peak_bytes(self) -> int:
+        return self.memory.peak_allocated_bytes() if self.memory is not None else 0
+
+    def check(self, step: int, batch: Any) -> None:
+        """After a training batch: the worst ratio so far, and one warning the first time the
+        measured peak exceeds the prediction by more than the overhead allowance."""
+        if self.memory is None or self.plan is None or self.predicted_peak_bytes <= 0:
+            return
+        measured = self.measured_peak_bytes()
+        ratio = measured / self.predicted_peak_bytes
+        self.worst_ratio = ratio if self.worst_ratio is None else max(self.worst_ratio, ratio)
+        if measured > self.predicted_peak_bytes + self.overhead_bytes and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"lightmem: at step {step} (batch shape {format_shapes(batch_shapes(batch))}) the device's peak "
+                f"allocated memory, {format_bytes(measured)}, exceeds the peak plan='auto' predicted, "
+                f"{format_bytes(self.predicted_peak_bytes)}, by more than the plan's "
+                f"{format_bytes(self.overhead_bytes)} overhead allowance: the plan may not hold on this "
+                "device; a lower device_budget leaves more room.",
+                stacklevel=2,
+            )

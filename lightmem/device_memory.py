@@ -1,0 +1,99 @@
+"""What the training device can give this process: the budget ``plan="auto"`` plans for when no
+``device_budget`` is given, and the allocator peak its prediction is checked against.
+
+One rule, used by ``LightMem(plan="auto")`` at fit start and by ``lightmem estimate --plan`` without
+``--budget``: the device's free memory (what no process holds: other processes and every CUDA
+context, ours included, are already out of it), plus what this process's caching allocator holds
+(its own to reuse: the model's parameters are already there at fit start), less
+``FRAGMENTATION_MARGIN`` of that sum for the allocator's fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from lightmem.config import format_bytes
+
+FRAGMENTATION_MARGIN = 0.05
+"""Share of the usable device memory left unplanned: the caching allocator rounds blocks and splits
+them, so a step whose tensors need all of it fails to allocate before reaching it."""
+
+
+class DeviceMemory(Protocol):
+    """A training device's memory as this process sees it."""
+
+    source: str
+    """Where the figures come from, for the fit-start line: ``torch.cuda.mem_get_info on cuda:0``."""
+
+    def free_and_total_bytes(self) -> tuple[int, int]:
+        """Bytes no process holds, and the device's capacity."""
+
+    def held_bytes(self) -> int:
+        """Bytes this process's caching allocator holds (reserved), free for its own reuse."""
+
+    def peak_allocated_bytes(self) -> int:
+        """The allocator's peak of allocated bytes (``max_memory_allocated``: since the process
+        started or the user's last reset; lightmem never resets it)."""
+
+
+class CudaMemory:
+    """A CUDA device, read through ``torch.cuda`` (host-side reads; none synchronises)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.source = f"torch.cuda.mem_get_info on cuda:{self.index}"
+
+    def free_and_total_bytes(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.index)
+        return int(free), int(total)
+
+    def held_bytes(self) -> int:
+        return int(torch.cuda.memory_reserved(self.index))
+
+    def peak_allocated_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.index))
+
+
+_simulated: DeviceMemory | None = None
+"""Set only by ``lightmem.testing.device.simulated_device``: the device every fit and the CLI then see."""
+
+
+def training_device_memory(device: torch.device) -> DeviceMemory | None:
+    """The memory of ``device`` (a simulated one in tests); None where it is not a CUDA device."""
+    if _simulated is not None:
+        return _simulated
+    if device.type == "cuda" and torch.cuda.is_available():
+        return CudaMemory(device)
+    return None
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """What the device can give this process, measured once, and how it was reached."""
+
+    budget_bytes: int
+    free_bytes: int
+    held_bytes: int
+    total_bytes: int
+    margin_bytes: int
+    source: str
+
+    def describe(self) -> str:
+        """``18.05 GiB (cuda:0 ...: 18.50 GiB free + 500.00 MiB held by this process, less 5% ...)``."""
+        return (
+            f"{format_bytes(self.budget_bytes)} ({self.source}: {format_bytes(self.free_bytes)} free of "
+            f"{format_bytes(self.total_bytes)} + {format_bytes(self.held_bytes)} held by this process, less "
+            f"{FRAGMENTATION_MARGIN:.0%} ({format_bytes(self.margin_bytes)}) for allocator fragmentation)"
+        )
+
+
+def measure_device_budget(memory: DeviceMemory) -> DeviceBudget:
+    """The budget rule (module docstring), read now."""
+    free, total = memory.free_and_total_bytes()
+    held = memory.held_bytes()
+    usable = free + held
+    margin = int(usable * FRAGMENTATION_MARGIN)
+    return DeviceBudget(usable - margin, free, held, total, margin, memory.source)

@@ -1,0 +1,53 @@
+"""A simulated training device of a given capacity, for tests of ``plan="auto"`` without a GPU.
+
+Inside ``with simulated_device(capacity_bytes=...)`` every fit (``LightMem(plan="auto")`` without
+``device_budget``) and ``lightmem estimate --plan`` without ``--budget`` read this device's memory
+instead of CUDA's, through the one budget rule of :mod:`lightmem.device_memory`. Its allocator peak
+is ``peak_bytes`` (set by the test, or changed between steps) plus, when a
+``SimulatedAsyncTransport`` is given, the peak of the reload memory that transport measures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from lightmem import device_memory
+
+
+class SimulatedDeviceMemory:
+    """A device of ``capacity_bytes`` with ``used_by_others_bytes`` taken by other processes (and
+    contexts) and ``held_bytes`` held by this process's allocator."""
+
+    def __init__(
+        self, capacity_bytes: int, *, used_by_others_bytes: int = 0, held_bytes: int = 0, peak_bytes: int = 0,
+        transport: Any = None,
+    ) -> None:  # fmt: skip
+        self.capacity_bytes = capacity_bytes
+        self.used_by_others_bytes = used_by_others_bytes
+        self.held = held_bytes
+        self.peak_bytes = peak_bytes
+        self.transport = transport
+        self.source = f"simulated device of {capacity_bytes} bytes"
+
+    def free_and_total_bytes(self) -> tuple[int, int]:
+        return self.capacity_bytes - self.used_by_others_bytes - self.held, self.capacity_bytes
+
+    def held_bytes(self) -> int:
+        return self.held
+
+    def peak_allocated_bytes(self) -> int:
+        reload_peak = self.transport.memory_stats()["allocated_bytes.all.peak"] if self.transport is not None else 0
+        return self.peak_bytes + reload_peak
+
+
+@contextlib.contextmanager
+def simulated_device(capacity_bytes: int, **kwargs: Any) -> Iterator[SimulatedDeviceMemory]:
+    """Every training device is a ``SimulatedDeviceMemory(capacity_bytes, **kwargs)`` inside."""
+    previous = device_memory._simulated
+    device_memory._simulated = simulated = SimulatedDeviceMemory(capacity_bytes, **kwargs)
+    try:
+        yield simulated
+    finally:
+        device_memory._simulated = previous

@@ -1,0 +1,219 @@
+"""``LightMem(plan="auto")`` on its own: the budget of the device it runs on, plans that follow the
+batch, and the predicted peak held against the measured one. On CPU, through a simulated device
+(``lightmem.testing.device``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from exact import assert_state_equal
+from lit_models import LitGPT, cpu_trainer, lit_gpt_class, token_loader
+from test_callback_metrics import MemoryLogger
+from torch.utils.data import DataLoader
+
+from lightmem import LightMem, plan
+from lightmem import fit_session as fit_session_module
+from lightmem.auto_plan import covers, format_shapes
+from lightmem.checkpoint import is_checkpointed
+from lightmem.cli import main
+from lightmem.device_memory import FRAGMENTATION_MARGIN, measure_device_budget
+from lightmem.estimate.batch import batch_shapes
+from lightmem.metrics.names import GiB
+from lightmem.testing.device import SimulatedDeviceMemory, simulated_device
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
+
+# TinyGPT (depth 3) on CPU: within this budget a batch of 4 x 9 or 4 x 17 tokens needs nothing,
+# 4 x 33 one checkpointed block and 8 x 33 more (asserted below against the planner itself).
+BUDGET = 4_496_356
+CAPACITY = 4_733_006  # the device whose budget is BUDGET: 5% of it is 236,650 bytes
+
+
+def _tokens(batch, seq):
+    return (torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(batch * 100 + seq)),)
+
+
+def growing_loader(shapes):
+    """One batch of each shape, in order (variable sequence lengths, a larger last batch)."""
+    return DataLoader([_tokens(*shape) for shape in shapes], batch_size=None)
+
+
+def _lines(caplog):
+    return [record.getMessage() for record in caplog.records if record.getMessage().startswith("lightmem: ")]
+
+
+def test_the_budget_is_free_memory_plus_what_this_process_holds_less_the_fragmentation_margin():
+    device = SimulatedDeviceMemory(10_000, used_by_others_bytes=3_000, held_bytes=1_000)
+    budget = measure_device_budget(device)
+    assert (budget.free_bytes, budget.held_bytes, budget.total_bytes) == (6_000, 1_000, 10_000)
+    assert budget.margin_bytes == int(7_000 * FRAGMENTATION_MARGIN) == 350
+    assert budget.budget_bytes == 6_650
+    assert budget.describe() == (
+        "6.49 KiB (simulated device of 10000 bytes: 5.86 KiB free of 9.77 KiB + 1000 B held by this process, "
+        "less 5% (350 B) for allocator fragmentation)"
+    )
+
+
+def test_without_a_budget_it_plans_for_what_the_simulated_device_gives_as_with_that_budget(caplog, lightning_package):
+    module_class = lit_gpt_class(lightning_package)
+    given = LightMem(plan="auto", device_budget=BUDGET, offload_devices=["cpu"])
+    cpu_trainer([given], lightning_package, max_steps=1).fit(module_class(), token_loader())
+    measured = LightMem(plan="auto", offload_devices=["cpu"])
+    device = {"capacity_bytes": CAPACITY + 1_500, "used_by_others_bytes": 1_500, "held_bytes": 500}
+    with simulated_device(**device), caplog.at_level(logging.INFO):
+        cpu_trainer([measured], lightning_package, max_steps=1).fit(module_class(), token_loader())
+    assert measured.chosen_plan.budget_bytes == BUDGET
+    assert measured.chosen_plan.checkpoint == given.chosen_plan.checkpoint != []
+    assert measured.chosen_plan.predicted_peak_bytes == given.chosen_plan.predicted_peak_bytes
+    budget = measure_device_budget(SimulatedDeviceMemory(**device))
+    assert [line for line in _lines(caplog) if "measured at fit start" in line] == [
+        f"lightmem: plan='auto' device budget, measured at fit start: {budget.describe()}"
+    ]
+
+
+def test_without_a_budget_or_a_cuda_device_it_fails_at_fit_start_saying_what_to_pass():
+    callback = LightMem(plan="auto")  # constructing it is fine: the device is known at fit start
+    with pytest.raises(ValueError) as error:
+        cpu_trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
+    assert str(error.value) == (
+        "LightMem(plan=...): without device_budget, 'auto' plans for the memory the CUDA device can give this "
+        "process, and the training device is 'cpu' (no CUDA device here); pass the budget to plan for, e.g. "
+        "LightMem(plan='auto', device_budget='20GiB')"
+    )
+    assert callback.fit_session is None
+
+
+def test_a_plan_covers_the_batches_no_larger_in_any_dimension_of_any_tensor():
+    planned = batch_shapes({"tokens": torch.zeros(4, 33), "labels": torch.zeros(4)})
+    assert planned == ((4, 33), (4,))  # in the batch's flattening order
+    assert covers(planned, batch_shapes({"tokens": torch.zeros(2, 33), "labels": torch.zeros(2)}))
+    assert not covers(planned, batch_shapes({"tokens": torch.zeros(2, 40), "labels": torch.zeros(2)}))
+    assert not covers(planned, batch_shapes({"tokens": torch.zeros(4, 33)}))  # other tensors
+    assert not covers(planned, batch_shapes({"tokens": torch.zeros(4, 33, 1), "labels": torch.zeros(4)}))
+    assert format_shapes(planned) == "[4, 33], [4]"
+
+
+SHAPES = [(4, 9), (4, 9), (4, 17), (4, 33), (4, 17), (8, 33), (4, 33)]
+
+
+def test_a_fit_whose_batches_grow_replans_exactly_when_needed_and_trains_as_the_final_plan(monkeypatch, caplog):
+    planned_for = []
+    real_plan = fit_session_module.plan
+
+    def spy(model, batch, budget, **kwargs):
+        planned_for.append(tuple(batch[0].shape))
+        return real_plan(model, batch, budget, **kwargs)
+
+    monkeypatch.setattr(fit_session_module, "plan", spy)
+    # What the planner chooses for each batch shape on its own, at the same budget.
+    expected = {shape: plan(LitGPT(), _tokens(*shape), BUDGET, device="cpu").checkpoint for shape in set(SHAPES)}
+    assert expected[(4, 9)] == expected[(4, 17)] == [] and [] != expected[(4, 33)] != expected[(8, 33)]
+
+    callback = LightMem(plan="auto", offload_devices=["cpu"])
+    checkpointed = []
+
+    class Spy(pl.Callback):  # after each batch's forward and backward: what it ran under
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            checkpointed.append([name for name, module in pl_module.named_modules() if is_checkpointed(module)])
+
+    pl.seed_everything(0, verbose=False)
+    module = LitGPT()
+    trainer = cpu_trainer([callback, Spy()], max_steps=len(SHAPES))
+    with simulated_device(CAPACITY), caplog.at_level(logging.INFO):
+        trainer.fit(module, growing_loader(SHAPES))
+
+    # Planned for the first batch and for each one the plan in force did not cover: never for
+    # (4, 9) again, nor for (4, 17) after (4, 33), nor for (4, 33) after (8, 33).
+    assert planned_for == [(4, 9), (4, 17), (4, 33), (8, 33)]
+    # Each new choice is in force from the forward of the batch it was made for.
+    nothing, one, more = expected[(4, 9)], expected[(4, 33)], expected[(8, 33)]
+    assert checkpointed == [nothing, nothing, nothing, one, one, more, more]
+    final = callback.chosen_plan
+    assert final.checkpoint == expected[(8, 33)]
+    lines = [line for line in _lines(caplog) if line.startswith(("lightmem: plan for", "lightmem: re-planned"))]
+    assert lines == [
+        "lightmem: plan for a 4.29 MiB device budget: checkpoint nothing, offload nothing; predicted peak 3.05 MiB",
+        f"lightmem: re-planned for a larger batch ([4, 33]) at step 3: checkpoint {expected[(4, 33)]}, offload "
+        "nothing; predicted peak 4.24 MiB (was: checkpoint nothing, offload nothing)",
+        f"lightmem: re-planned for a larger batch ([8, 33]) at step 5: checkpoint {expected[(8, 33)]}, offload "
+        f"nothing; predicted peak 4.16 MiB (was: checkpoint {expected[(4, 33)]}, offload nothing)",
+    ]
+    pl.seed_everything(0, verbose=False)
+    reference = LitGPT()
+    same_from_the_start = LightMem(**final.lightmem_kwargs(), offload_devices=["cpu"])
+    reference_trainer = cpu_trainer([same_from_the_start], max_steps=len(SHAPES))
+    reference_trainer.fit(reference, growing_loader(SHAPES))
+    assert_state_equal(reference, module, reference_trainer.optimizers[0], trainer.optimizers[0])
+
+
+def test_predicted_and_measured_peaks_are_logged_each_step_and_the_worst_ratio_summarised(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    memory, tensorboard = MemoryLogger(), pl.loggers.TensorBoardLogger(tmp_path, name="run")
+    callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    measured_peaks = [3_000_000, 3_100_000, 4_000_000, 4_100_000]
+
+    class DeviceRuns(pl.Callback):  # what the simulated device's allocator reaches in each step
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            device.peak_bytes = measured_peaks[batch_idx]
+
+    shapes = [(4, 9), (4, 17), (4, 33), (4, 33)]
+    with simulated_device(CAPACITY) as device:
+        cpu_trainer([DeviceRuns(), callback], max_steps=4, logger=[memory, tensorboard]).fit(LitGPT(), growing_loader(shapes))
+    predicted = {shape: plan(LitGPT(), _tokens(*shape), BUDGET, device="cpu").predicted_peak_bytes for shape in shapes}
+    highest = [max(predicted[s] for s in shapes[: i + 1]) for i in range(4)]
+    rows = [(step, m) for step, m in memory.metrics if "lightmem/memory/plan/predicted_peak_GiB" in m]
+    assert [step for step, _ in rows] == [0, 1, 2, 3]
+    assert [m["lightmem/memory/plan/predicted_peak_GiB"] for _, m in rows] == [p / GiB for p in highest]
+    assert [m["lightmem/memory/plan/measured_peak_GiB"] for _, m in rows] == [p / GiB for p in measured_peaks]
+    worst = max(m / p for m, p in zip(measured_peaks, highest))
+    assert callback.summary()["plan: worst measured / predicted peak"] == f"{worst:.2f}"
+    assert memory.metrics[-1][1]["lightmem/summary/plan/worst_peak_ratio"] == worst
+    accumulator = EventAccumulator(tensorboard.log_dir, size_guidance={"tensors": 0})
+    accumulator.Reload()
+    config = accumulator.Tensors("custom_scalars__config__")[-1]
+    (category,) = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0]).category
+    charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
+    assert charts["Plan: predicted and measured peak (GiB)"] == [
+        "lightmem/memory/plan/predicted_peak_GiB", "lightmem/memory/plan/measured_peak_GiB"
+    ]  # fmt: skip
+
+
+def test_a_measured_peak_over_the_prediction_is_warned_about_once_naming_the_step_and_batch_shape():
+    callback = LightMem(plan="auto", offload_devices=["cpu"])
+
+    class DeviceRuns(pl.Callback):  # from the third batch on, the device's peak is double the plan's
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx >= 2:
+                device.peak_bytes = 2 * callback.chosen_plan.predicted_peak_bytes
+
+    with simulated_device(CAPACITY) as device, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu_trainer([callback, DeviceRuns()], max_steps=4).fit(LitGPT(), growing_loader([(4, 9)] * 2 + [(4, 17)] * 2))
+    predicted = plan(LitGPT(), _tokens(4, 17), BUDGET, device="cpu").predicted_peak_bytes
+    messages = [str(w.message) for w in caught if "plan='auto' predicted" in str(w.message)]
+    assert messages == [
+        f"lightmem: at step 2 (batch shape [4, 17]) the device's peak allocated memory, {2 * predicted / 2**20:.2f} "
+        f"MiB, exceeds the peak plan='auto' predicted, {predicted / 2**20:.2f} MiB, by more than the plan's 0 B "
+        "overhead allowance: the plan may not hold on this device; a lower device_budget leaves more room."
+    ]
+    assert callback.summary()["plan: worst measured / predicted peak"] == "2.00"
+
+
+def test_cli_plan_without_budget_uses_the_same_rule_on_a_device(capsys):
+    root = os.path.join(os.path.dirname(__file__), "..")
+    argv = ["estimate", f"{root}/examples/estimate_factories.py:tiny_gpt", "--batch-size", "2", "--device", "cpu",
+            "--plan", "--json"]  # fmt: skip
+    with simulated_device(64 * 2**20, used_by_others_bytes=2**20):
+        assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    expected = measure_device_budget(SimulatedDeviceMemory(64 * 2**20, used_by_others_bytes=2**20))
+    assert data["measured_budget"] == {"budget_bytes": expected.budget_bytes, "how": expected.describe()}
+    assert data["plan"]["budget_bytes"] == expected.budget_bytes == 62_757_274
