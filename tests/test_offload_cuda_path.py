@@ -376,6 +376,8 @@ def _lagging_backward(transport):
     with off:
         loss = model_copy()
     transport.synchronize()  # every copy to host has run: backward reloads all of them
+    # Compute is an executor of its own: forward's copies may have waited for it too. Count backward's.
+    transport.side_waits_on_lagging_compute = 0
     transport.lag_compute()
     loss.backward()
     transport.catch_up_compute()
