@@ -181,6 +181,7 @@ class _Stream:
         self.observed = 0  # operations the host has seen complete
         self.needs: dict[Any, int] = {}  # what the operations queued so far wait for, transitively
         self.copies: dict[int, _Copy] = {}  # position -> copy not yet run by the executor
+        self.copies_end = 0  # the position after the last copy queued
         self.capturing = False
         self._held = False
         self._allowed = 0  # while held, operations before this position may run
@@ -196,6 +197,7 @@ class _Stream:
             self.queued += 1
             if type(operation) is _Copy:
                 self.copies[position] = operation
+                self.copies_end = position + 1
         self._queue.put((position, operation))
         return position
 
@@ -635,6 +637,11 @@ class SimulatedAsyncTransport:
         return all(
             is_compute(side) or stream.needs.get(side, 0) >= position for side, position in event.needs.items()
         )
+
+    def ordered_after_copies(self, stream: ComputeStream) -> bool:
+        """Whether compute ``stream`` is ordered after every copy to its device queued so far."""
+        to_device = self._devices[stream.device].to_device
+        return stream.needs.get(to_device, 0) >= to_device.copies_end
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         # Hold the device source's storage weakly: only the caller may keep its memory from
