@@ -299,6 +299,63 @@ def test_events_do_not_grow_with_the_steps():
     transport.close()
 
 
+class _FakeCudaEvent:
+    """``torch.cuda.Event``: counted while alive; completes when the fake GPU passes it."""
+
+    live = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        type(self).live += 1
+        self.completed = False
+
+    def __del__(self) -> None:
+        type(self).live -= 1
+
+    def record(self, stream) -> None:
+        stream.recorded.append(self)
+
+    def query(self) -> bool:
+        return self.completed
+
+    def elapsed_time(self, end) -> float:
+        return 2.0  # milliseconds
+
+
+class _FakeCudaStream:
+    device = 0
+
+    def __init__(self) -> None:
+        self.recorded = []
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def run_all(self) -> None:
+        for event in self.recorded:
+            event.completed = True
+        self.recorded = []
+
+
+def test_cuda_transport_keeps_a_bounded_number_of_timing_events_when_nobody_reads_them(monkeypatch):
+    from lightmem.offload.transport import CudaTransport
+
+    compute = _FakeCudaStream()
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(CudaTransport, "capturing", staticmethod(lambda: False))
+    transport = CudaTransport()
+    copy_event = _FakeCudaEvent()  # a copy that has not finished: each wait is timed
+    before = _FakeCudaEvent.live
+    for _ in range(1000):  # two waits per parameter per step, and nothing calls waited_s()
+        transport.wait(compute, copy_event)
+    assert _FakeCudaEvent.live - before == 2 * CudaTransport.MAX_TIMED_WAITS
+    assert transport.untimed_waits == 1000 - CudaTransport.MAX_TIMED_WAITS
+    compute.run_all()  # the GPU passes every wait
+    transport.wait(compute, copy_event)  # reads the finished timings back, times this one
+    assert _FakeCudaEvent.live - before == 2
+    assert transport.waited_s() == pytest.approx(CudaTransport.MAX_TIMED_WAITS * 2.0 / 1e3, abs=1e-12)
+
+
 # -- 6. under Lightning the closure's forward is queued before the host waits for anything ---------
 
 
