@@ -425,3 +425,46 @@ def test_step_boundary_page_locks_the_first_steps_memory_also_after_unconsumed_r
     assert off.host_bytes_held == pool.registration_stats().pinned_bytes - pinned_before
     off.release_host_memory()
     transport.close()
+
+
+# -- one storage saved on two compute streams (issue 30, section 2.3) ------------------------------
+
+
+class _TwoStreams(torch.nn.Module):
+    """One activation saved by an op on the default stream and by an op on compute stream 1."""
+
+    def __init__(self, transport: SimulatedAsyncTransport) -> None:
+        super().__init__()
+        self.transport = transport
+        self.weight = torch.nn.Parameter(torch.linspace(-2.0, 2.0, NUMEL))
+
+    def forward(self) -> torch.Tensor:
+        x = self.weight * 2.0
+        first = x.sin()  # saves x on the default stream
+        with self.transport.stream(1):
+            second = x.cos()  # saves x again, on stream 1
+        return (first + second).sum()
+
+    def __deepcopy__(self, memo):
+        twin = _TwoStreams(self.transport)
+        twin.load_state_dict(self.state_dict())
+        return twin
+
+
+def test_every_compute_stream_that_saved_a_storage_waits_for_its_reload():
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    model = _TwoStreams(transport)
+    expected, _ = run_grads(model, lambda m: m())
+
+    def before_backward():
+        transport.synchronize()  # every copy to host ran: backward reloads x
+        transport.hold_copies_to_device()
+
+    actual, off = run_grads(model, lambda m: m(), _offload_with(transport), before_backward=before_backward)
+    assert_bitwise_equal(expected, actual)
+    assert off.stats.deduplicated_bytes == NBYTES and off.stats.reloaded_bytes == NBYTES
+    with transport.stream(1) as second:
+        assert transport.ordered_after_copies(second)  # it read the reload: it waited for the copy
+    assert transport.ordered_after_copies(transport.current_stream())
+    transport.release_copies_to_device()
+    transport.close()
