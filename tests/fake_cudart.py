@@ -97,3 +97,10 @@ def use_fake_runtime(monkeypatch, cudart):
     monkeypatch.setattr(pool, "_cuda_bindings_runtime", lambda: None)
 
 
+
+
+def use_simulated_runtime(monkeypatch, transport):
+    """lightmem's page-locking calls reach the simulated GPU's runtime (``page_locking=True``)."""
+    monkeypatch.setattr(pool, "_cudart", lambda: transport.runtime)
+    monkeypatch.setattr(pool, "_runtime_library", lambda: None)
+    monkeypatch.setattr(pool, "_cuda_bindings_runtime", lambda: None)

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 from conftest import assert_bitwise_equal, run_grads
-from fake_cudart import TORCH_CUDART_BINDINGS, FakeCudart, FakeDevice, use_fake_runtime
+from fake_cudart import TORCH_CUDART_BINDINGS, FakeCudart, FakeDevice, use_fake_runtime, use_simulated_runtime
 from models import make_case
 
 from lightmem import offload_activations
@@ -467,4 +467,36 @@ def test_every_compute_stream_that_saved_a_storage_waits_for_its_reload():
         assert transport.ordered_after_copies(second)  # it read the reload: it waited for the copy
     assert transport.ordered_after_copies(transport.current_stream())
     transport.release_copies_to_device()
+    transport.close()
+
+
+# -- pageable host memory: slabs page-locked even when graphs overlap every boundary (2.8) ---------
+
+
+def test_slabs_are_page_locked_even_when_graphs_overlap_every_step_boundary(monkeypatch):
+    # Pipelined micro-batches: the next forward starts before the last backward ends, so blocks
+    # are in use at every step boundary. Copies into pageable memory block the host (the CUDA
+    # runtime copies them synchronously); the pool must page-lock a slab all the same.
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0, page_locking=True)
+    use_simulated_runtime(monkeypatch, transport)
+    model = _Chain()
+    expected, _ = run_grads(_Chain(), _chain_loss)
+    off = offload_activations(model, min_bytes=0, devices=("cpu",), transport=transport)
+    pageable, losses = [], []
+    for _ in range(6):
+        with off:
+            losses.append(model())
+        if len(losses) == 2:
+            losses.pop(0).backward()
+        pageable.append(transport.pageable_copies)
+    losses.pop().backward()
+    # Step 1's copies to host are pageable, and so are their reloads in step 2. The boundary after
+    # step 1 page-locks a slab for one step; step 3 (two steps alive) overflows into a pageable
+    # one, the boundary after it page-locks one for both, and from step 4 on no copy is pageable.
+    assert pageable == [SAVES, 2 * SAVES, 3 * SAVES, 4 * SAVES, 4 * SAVES, 4 * SAVES]
+    transport.synchronize()
+    gc.collect()
+    assert off.live_entries == 0
+    off.release_host_memory()
+    assert transport.runtime.page_locked_bytes == 0
     transport.close()

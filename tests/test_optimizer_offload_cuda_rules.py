@@ -12,14 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 from exact import assert_state_equal
-from fake_cudart import FakeCudart, use_fake_runtime
+from fake_cudart import use_simulated_runtime
 from lit_models import cpu_trainer
 from optimizer_models import OPTIMIZERS, regression_loader, tiny_net
 from torch import nn
 
 import lightmem.offload.optimizer as optimizer_offload
 from lightmem import LightMem, offload_optimizer
-from lightmem.offload import pool
 from lightmem.testing.simulated import SimulatedAsyncTransport
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -254,27 +253,20 @@ def test_a_second_stream_that_waits_for_the_current_one_is_ordered_after_the_cop
 # -- 4. page-locked host memory is what is counted ------------------------------------------------
 
 
-class _PageLocking(SimulatedAsyncTransport):
-    """The simulated GPU with page-locked host memory, registered through a fake CUDA runtime."""
-
-    pin_memory = True
-
-
 def test_page_locked_host_memory_is_exactly_what_the_stats_count_and_is_given_back(monkeypatch):
-    cudart = FakeCudart()
-    use_fake_runtime(monkeypatch, cudart)
-    before = pool.registration_stats().pinned_bytes
-    transport = _PageLocking(seed=0, max_delay_s=0.0)
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0, page_locking=True)
+    use_simulated_runtime(monkeypatch, transport)
     model_a, opt_a, _ = _train(tiny_net, steps=2)
     model_b, opt_b, handle = _train(tiny_net, _on(transport), steps=2)
     stats = handle.stats
     # 193 fp32 parameters in six tensors, each on a 64-byte line: 512 + 5 x 64 bytes, once for the
     # host copies and once for the gradients, each registered at that exact size.
     assert stats.host_param_bytes == stats.host_grad_bytes == 832
-    assert pool.registration_stats().pinned_bytes - before == 2 * 832
-    assert list(cudart.registered.values()) == [None, None]  # registered in no device's context (CPU)
+    assert transport.runtime.page_locked_bytes == 2 * 832
+    assert transport.pinned_stats()["reserved"] == 0  # nothing from torch's rounding, caching allocator
+    assert transport.pageable_copies == 0  # every copy ran asynchronously
     handle.close()
-    assert pool.registration_stats().pinned_bytes == before
+    assert transport.runtime.page_locked_bytes == 0
     assert_state_equal(model_a, model_b, opt_a, opt_b)
     transport.close()
 

@@ -368,6 +368,26 @@ class _PinnedAllocator:
             self.cached.clear()
 
 
+class _Runtime:
+    """What lightmem calls of ``torch.cuda.cudart()`` to page-lock host memory, on the simulated GPU:
+    registrations are ranges the copies consult (``SimulatedAsyncTransport(page_locking=True)``)."""
+
+    def __init__(self, transport: SimulatedAsyncTransport) -> None:
+        self._transport = weakref.ref(transport)
+        self.ranges: dict[int, int] = {}  # start address -> bytes
+
+    def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:  # noqa: N802
+        self.ranges[pointer] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802
+        return 0 if self.ranges.pop(pointer, None) is not None else 712  # cudaErrorHostMemoryNotRegistered
+
+    @property
+    def page_locked_bytes(self) -> int:
+        return sum(self.ranges.values())
+
+
 _LIVE: weakref.WeakSet[SimulatedAsyncTransport] = weakref.WeakSet()
 
 
@@ -403,8 +423,18 @@ class SimulatedAsyncTransport:
     poison_released = True
     synchronous = False
 
-    def __init__(self, seed: int = 0, max_delay_s: float = 0.002, devices: int = 1) -> None:
+    def __init__(self, seed: int = 0, max_delay_s: float = 0.002, devices: int = 1, page_locking: bool = False) -> None:
         rng = random.Random(seed)
+        self.page_locking = page_locking
+        """Host memory is pageable unless page-locked through ``runtime`` (``cudaHostRegister``):
+        a copy to pageable host memory blocks the host, a copy from it is staged at once. Off,
+        every host buffer counts as page-locked (no registration anywhere)."""
+        if page_locking:
+            self.pin_memory = True
+        self.runtime = _Runtime(self)
+        """``torch.cuda.cudart()`` for page-locking: ``cudaHostRegister`` / ``cudaHostUnregister``."""
+        self.pageable_copies = 0
+        """Copies between the device and pageable host memory (synchronous or staged on CUDA)."""
         self._devices = [_Device(index, rng, max_delay_s) for index in range(devices)]
         self._current = 0
         self._waited_s = 0.0
@@ -412,8 +442,6 @@ class SimulatedAsyncTransport:
         self._inflight: dict[int, int] = {}  # host buffer address -> queued copies touching it
         self._inflight_lock = threading.Lock()
         self._pinned = _PinnedAllocator()
-        self.page_locked_bytes = 0
-        """Host bytes page-locked with the simulated ``cudaHostRegister`` (``page_lock``), exact."""
         self.stale_reads = 0
         """Copies whose source had been freed before the copy ran (would be corruption on CUDA)."""
         self.reuse_hazards = 0
@@ -504,13 +532,11 @@ class SimulatedAsyncTransport:
         """``torch._C._host_emptyCache()``: cached page-locked blocks go back to the OS."""
         self._pinned.empty_cache()
 
-    def page_lock(self, tensor: torch.Tensor) -> None:
-        """``cudaHostRegister`` of ``tensor``'s bytes (exact size) until it dies or is unlocked."""
-        self.page_locked_bytes += tensor.nbytes
-        weakref.finalize(tensor.untyped_storage(), self._unlock, tensor.nbytes)
-
-    def _unlock(self, nbytes: int) -> None:
-        self.page_locked_bytes -= nbytes
+    def is_page_locked(self, host: torch.Tensor) -> bool:
+        if not self.page_locking:
+            return True
+        address = host.data_ptr()
+        return any(start <= address < start + size for start, size in list(self.runtime.ranges.items()))
 
     # -- hazards a test switches on ----------------------------------------------------------
 
@@ -678,7 +704,13 @@ class SimulatedAsyncTransport:
                 destination.copy_(snapshot)
             self._untrack(host)
 
-        stream.submit(_Copy(read, write, dict(stream.needs)))
+        copy = _Copy(read, write, dict(stream.needs))
+        position = stream.submit(copy)
+        if not self.is_page_locked(destination):
+            # Into pageable memory the CUDA runtime copies synchronously: the host blocks until
+            # the copy (and the copies before it on its stream) has run.
+            self.pageable_copies += 1
+            self._complete({stream: position + 1})
 
     def _source_freed(self, stream: _Stream, position: int) -> None:
         computes = self._devices[stream.device].computes
@@ -717,7 +749,11 @@ class SimulatedAsyncTransport:
                     self.device_reuse_hazards += 1
             destination.copy_(snapshot)
 
-        stream.submit(_Copy(read, write, after))
+        copy = _Copy(read, write, after)
+        stream.submit(copy)
+        if not self.is_page_locked(src):
+            self.pageable_copies += 1
+            copy.read()  # staged: the runtime copies pageable memory into its own buffer at once
 
     def _track(self, host: torch.Tensor) -> int:
         address = host.data_ptr()
