@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 from conftest import assert_bitwise_equal, run_grads
+from fake_cudart import TORCH_CUDART_BINDINGS, FakeCudart, FakeDevice, use_fake_runtime, use_simulated_runtime
 from models import make_case
 
 from lightmem import offload_activations
@@ -53,94 +54,8 @@ def _offload_with(transport, **kwargs):
 # -- 1. pinned host memory: a failure never leaves CUDA in an error state, never raises -----------
 
 
-TORCH_CUDART_BINDINGS = (
-    "cudaGetErrorString", "cudaProfilerStart", "cudaProfilerStop", "cudaHostRegister",
-    "cudaHostUnregister", "cudaStreamCreate", "cudaStreamDestroy", "cudaMemGetInfo",
-)  # fmt: skip
-"""What ``torch.cuda.cudart()`` binds (torch/csrc/cuda/shared/cudart.cpp): no cudaGetLastError."""
-
-
-class _FakeCudart:
-    """torch's ``_cudart`` binding, exactly: CUDA's last-error rule behind it; a call to anything
-    torch does not bind is recorded in ``missing`` (and raises, as it would on a GPU)."""
-
-    def __init__(self, register_code: int = 0, raises: bool = False, unregister_code: int = 0) -> None:
-        self.register_code = register_code
-        self.unregister_code = unregister_code
-        self.raises = raises
-        self.last_error = 0
-        self.registered: dict[int, int | None] = {}  # pointer -> device current at registration
-        self.unregistered: set[int] = set()
-        self.missing: list[str] = []
-        self.library = _FakeRuntimeLibrary(self)
-
-    def __getattr__(self, name):
-        self.missing.append(name)
-        raise AttributeError(f"module 'torch._C._cudart' has no attribute '{name}'")
-
-    def cudaGetErrorString(self, code):  # noqa: N802 - CUDA's names
-        return f"error {code}"
-
-    def cudaProfilerStart(self):  # noqa: N802
-        return 0
-
-    def cudaProfilerStop(self):  # noqa: N802
-        return 0
-
-    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802
-        if self.raises:
-            raise RuntimeError("CUDA driver error: initialization error")
-        if self.register_code:
-            self.last_error = self.register_code  # a failed call leaves it set, as CUDA does
-            return self.register_code
-        self.registered[ptr] = _FakeDevice.current
-        return 0
-
-    def cudaHostUnregister(self, ptr):  # noqa: N802
-        if self.unregister_code:
-            self.last_error = self.unregister_code
-            return self.unregister_code
-        self.unregistered.add(ptr)
-        return 0
-
-    def cudaStreamCreate(self, stream):  # noqa: N802
-        return 0
-
-    def cudaStreamDestroy(self, stream):  # noqa: N802
-        return 0
-
-    def cudaMemGetInfo(self, device):  # noqa: N802
-        return 0, 0
-
-
-class _FakeRuntimeLibrary:
-    """The CUDA runtime library torch loaded, as ctypes sees it: cudaGetLastError resets the error."""
-
-    def __init__(self, cudart: _FakeCudart) -> None:
-        self._cudart = cudart
-
-    def cudaGetLastError(self):  # noqa: N802
-        error, self._cudart.last_error = self._cudart.last_error, 0
-        return error
-
-
-class _FakeDevice:
-    """``torch.cuda.device(index)``: which device is current while it is entered."""
-
-    current: int | None = None
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __enter__(self):
-        self.previous, _FakeDevice.current = _FakeDevice.current, self.index
-
-    def __exit__(self, *exc):
-        _FakeDevice.current = self.previous
-
-
 def test_the_fake_runtime_binds_exactly_what_torch_binds():
-    names = {name for name in vars(_FakeCudart) if name.startswith("cuda")}
+    names = {name for name in vars(FakeCudart) if name.startswith("cuda")}
     assert names == set(TORCH_CUDART_BINDINGS)
 
 
@@ -148,15 +63,9 @@ class _PinnedSync(SyncTransport):
     pin_memory = True
 
 
-def _use_fake_runtime(monkeypatch, cudart):
-    monkeypatch.setattr(pool, "_cudart", lambda: cudart)
-    monkeypatch.setattr(pool, "_runtime_library", lambda: cudart.library)
-    monkeypatch.setattr(pool, "_cuda_bindings_runtime", lambda: None)
-
-
 def _pinned_run(monkeypatch, cudart, model_case="transformer", steps=2, **kwargs):
     """``steps`` steps with page-locked host memory; returns the context and the warnings."""
-    _use_fake_runtime(monkeypatch, cudart)
+    use_fake_runtime(monkeypatch, cudart)
     model, loss_fn = make_case(model_case)
     expected, _ = run_grads(model, loss_fn)
     model = copy.deepcopy(model)
@@ -176,7 +85,7 @@ def _pinned_run(monkeypatch, cudart, model_case="transformer", steps=2, **kwargs
 
 
 def test_failed_registration_clears_cuda_error_and_keeps_tensors_on_the_device(monkeypatch):
-    cudart = _FakeCudart(register_code=712)  # cudaErrorHostMemoryAlreadyRegistered
+    cudart = FakeCudart(register_code=712)  # cudaErrorHostMemoryAlreadyRegistered
     off, warned = _pinned_run(monkeypatch, cudart)
     stats = off.stats  # the second step: the boundary before it tried to page-lock its slab
     assert cudart.last_error == 0  # the next kernel launch would raise it otherwise
@@ -194,7 +103,7 @@ def _eligible_bytes(case) -> int:
 
 
 def test_registration_that_raises_is_not_raised_from_pack(monkeypatch):
-    off, warned = _pinned_run(monkeypatch, _FakeCudart(raises=True), model_case="cnn")
+    off, warned = _pinned_run(monkeypatch, FakeCudart(raises=True), model_case="cnn")
     assert off.stats.offloaded_tensors == 0 and off.stats.host_alloc_failed_bytes > 0
     assert off.stats.host_alloc_failed_bytes == _eligible_bytes(make_case("cnn")) - off.stats.kept_bytes
     assert len(warned) == 1 and "cudaHostRegister" in str(warned[0].message)
@@ -222,7 +131,7 @@ def test_host_allocation_failure_is_not_raised_from_pack_and_retried_next_step(m
 
 
 def test_first_step_registers_nothing_and_the_step_boundary_registers_one_slab(monkeypatch):
-    cudart = _FakeCudart()
+    cudart = FakeCudart()
     before = pool.registration_stats()
     off, warned = _pinned_run(monkeypatch, cudart, steps=1)
     assert off.stats.offloaded_tensors > 0 and not warned
@@ -238,7 +147,7 @@ def test_first_step_registers_nothing_and_the_step_boundary_registers_one_slab(m
 
 
 def test_registered_slabs_are_unregistered_when_given_back(monkeypatch):
-    cudart = _FakeCudart()
+    cudart = FakeCudart()
     off, warned = _pinned_run(monkeypatch, cudart, steps=3)
     assert off.stats.offloaded_tensors > 0 and not warned
     assert cudart.registered and not cudart.unregistered
@@ -248,7 +157,7 @@ def test_registered_slabs_are_unregistered_when_given_back(monkeypatch):
 
 
 def test_failed_unregistration_is_reported_and_its_error_cleared(monkeypatch):
-    cudart = _FakeCudart(unregister_code=1)  # cudaErrorInvalidValue
+    cudart = FakeCudart(unregister_code=1)  # cudaErrorInvalidValue
     off, _ = _pinned_run(monkeypatch, cudart, steps=2)
     gc.collect()
     with pytest.warns(UserWarning, match=r"cudaHostUnregister of \d+ bytes failed \(CUDA error 1\)"):
@@ -258,16 +167,16 @@ def test_failed_unregistration_is_reported_and_its_error_cleared(monkeypatch):
 
 
 def test_registration_runs_in_the_context_of_the_saved_tensors_device(monkeypatch):
-    cudart = _FakeCudart()
-    _use_fake_runtime(monkeypatch, cudart)
-    monkeypatch.setattr(torch.cuda, "device", _FakeDevice)
+    cudart = FakeCudart()
+    use_fake_runtime(monkeypatch, cudart)
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
     host_pool = pool.HostPool(_PinnedSync(), budget_bytes=2**30, min_available_bytes=0)
     on_cuda_1 = SimpleNamespace(device=torch.device("cuda", 1))  # a rank on cuda:1, no set_device
     block = host_pool.acquire(2**20, on_cuda_1)
     host_pool.release(block)
     host_pool.end_step()  # page-locks the step's memory as one slab
     assert list(cudart.registered.values()) == [1]
-    assert _FakeDevice.current is None
+    assert FakeDevice.current is None
     host_pool.clear()
     assert cudart.unregistered == set(cudart.registered)
 
@@ -376,6 +285,8 @@ def _lagging_backward(transport):
     with off:
         loss = model_copy()
     transport.synchronize()  # every copy to host has run: backward reloads all of them
+    # Compute is an executor of its own: forward's copies may have waited for it too. Count backward's.
+    transport.side_waits_on_lagging_compute = 0
     transport.lag_compute()
     loss.backward()
     transport.catch_up_compute()
@@ -489,8 +400,8 @@ def test_step_boundary_page_locks_the_first_steps_memory_also_after_unconsumed_r
     # A backward through the loss only: its unpack reloads and prefetches the sines' entries,
     # which nothing reads; the graph is then dropped. The pageable slabs of that first step are
     # still replaced by one page-locked slab at a step boundary.
-    cudart = _FakeCudart()
-    _use_fake_runtime(monkeypatch, cudart)
+    cudart = FakeCudart()
+    use_fake_runtime(monkeypatch, cudart)
     pinned_before = pool.registration_stats().pinned_bytes
     transport = _PinnedSimulated(seed=0, max_delay_s=0.002)
     model = _Chain()
@@ -513,4 +424,79 @@ def test_step_boundary_page_locks_the_first_steps_memory_also_after_unconsumed_r
     assert len(cudart.registered) == 1 and off.host_bytes_in_use == 0
     assert off.host_bytes_held == pool.registration_stats().pinned_bytes - pinned_before
     off.release_host_memory()
+    transport.close()
+
+
+# -- one storage saved on two compute streams (issue 30, section 2.3) ------------------------------
+
+
+class _TwoStreams(torch.nn.Module):
+    """One activation saved by an op on the default stream and by an op on compute stream 1."""
+
+    def __init__(self, transport: SimulatedAsyncTransport) -> None:
+        super().__init__()
+        self.transport = transport
+        self.weight = torch.nn.Parameter(torch.linspace(-2.0, 2.0, NUMEL))
+
+    def forward(self) -> torch.Tensor:
+        x = self.weight * 2.0
+        first = x.sin()  # saves x on the default stream
+        with self.transport.stream(1):
+            second = x.cos()  # saves x again, on stream 1
+        return (first + second).sum()
+
+    def __deepcopy__(self, memo):
+        twin = _TwoStreams(self.transport)
+        twin.load_state_dict(self.state_dict())
+        return twin
+
+
+def test_every_compute_stream_that_saved_a_storage_waits_for_its_reload():
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    model = _TwoStreams(transport)
+    expected, _ = run_grads(model, lambda m: m())
+
+    def before_backward():
+        transport.synchronize()  # every copy to host ran: backward reloads x
+        transport.hold_copies_to_device()
+
+    actual, off = run_grads(model, lambda m: m(), _offload_with(transport), before_backward=before_backward)
+    assert_bitwise_equal(expected, actual)
+    assert off.stats.deduplicated_bytes == NBYTES and off.stats.reloaded_bytes == NBYTES
+    with transport.stream(1) as second:
+        assert transport.ordered_after_copies(second)  # it read the reload: it waited for the copy
+    assert transport.ordered_after_copies(transport.current_stream())
+    transport.release_copies_to_device()
+    transport.close()
+
+
+# -- pageable host memory: slabs page-locked even when graphs overlap every boundary (2.8) ---------
+
+
+def test_slabs_are_page_locked_even_when_graphs_overlap_every_step_boundary(monkeypatch):
+    # Pipelined micro-batches: the next forward starts before the last backward ends, so blocks
+    # are in use at every step boundary. Copies into pageable memory block the host (the CUDA
+    # runtime copies them synchronously); the pool must page-lock a slab all the same.
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0, page_locking=True)
+    use_simulated_runtime(monkeypatch, transport)
+    model = _Chain()
+    expected, _ = run_grads(_Chain(), _chain_loss)
+    off = offload_activations(model, min_bytes=0, devices=("cpu",), transport=transport)
+    pageable, losses = [], []
+    for _ in range(6):
+        with off:
+            losses.append(model())
+        if len(losses) == 2:
+            losses.pop(0).backward()
+        pageable.append(transport.pageable_copies)
+    losses.pop().backward()
+    # Step 1's copies to host are pageable, and so are their reloads in step 2. The boundary after
+    # step 1 page-locks a slab for one step; step 3 (two steps alive) overflows into a pageable
+    # one, the boundary after it page-locks one for both, and from step 4 on no copy is pageable.
+    assert pageable == [SAVES, 2 * SAVES, 3 * SAVES, 4 * SAVES, 4 * SAVES, 4 * SAVES]
+    transport.synchronize()
+    gc.collect()
+    assert off.live_entries == 0
+    off.release_host_memory()
+    assert transport.runtime.page_locked_bytes == 0
     transport.close()

@@ -28,8 +28,10 @@ backward, reload(entry)     allocate on compute (the stream that reads it; the c
                             An entry whose copy to host is still in flight is served from the
                             device tensor it holds instead. A synchronous transport (CPU) makes
                             the reload in one call (``transport.load``: a clone).
-backward, unpack(handle)    compute waits for reload_event, then reads the reloaded tensor itself
-                            (a save of the dense tensor) or a view of its storage.
+backward, unpack(handle)    compute waits for reload_event (the first save's stream and every
+                            other compute stream that saved the same storage: each reads it),
+                            then reads the reloaded tensor itself (a save of the dense tensor)
+                            or a view of its storage.
 graph freed (entry dies)    host block returns to the pool after entry.host_event; an unused
                             reload makes compute wait for its copy before the storage is freed.
 
@@ -158,7 +160,7 @@ class _HostEntry(Entry):
     """
 
     __slots__ = (
-        "block", "dense", "device", "host", "host_event", "reload_event", "streams", "version_final",
+        "block", "dense", "device", "host", "host_event", "readers", "reload_event", "streams", "version_final",
         "version_holder",
     )  # fmt: skip
 
@@ -194,6 +196,9 @@ class _HostEntry(Entry):
         # (compute, to_host, to_device) of the device and stream that saved it: autograd runs an
         # op's backward on its forward's stream. None with a synchronous transport.
         self.streams: tuple[Any, Any, Any] | None = None
+        # Other compute streams that saved the same storage (a later save on another stream): each
+        # reads the reload too, so each waits for its copy.
+        self.readers: list[Any] | None = None
         owner._live_entries += 1
 
     def written_since_save(self) -> bool:
@@ -322,6 +327,8 @@ class Offloader(Reloads):
             if kept is not None and same_save(kept, alias, version):
                 if type(kept) is _HostEntry:
                     stats.deduplicated_bytes += kept.nbytes
+                    if kept.streams is not None:
+                        self._note_reader(kept)
                     return Handle(kept, version, _layout(tensor, alias, kept))
             else:
                 if verdict == MOVE:
@@ -363,6 +370,18 @@ class Offloader(Reloads):
         stats.offloaded_tensors += 1
         stats.offloaded_bytes += nbytes
         return entry
+
+    def _note_reader(self, entry: _HostEntry) -> None:
+        """A later save of ``entry``'s storage: on a compute stream other than its first save's,
+        that stream reads the reload too (autograd runs the op's backward on its forward's stream)."""
+        compute = self._transport.streams(entry.device)[0]
+        if compute == entry.streams[0]:
+            return
+        readers = entry.readers
+        if readers is None:
+            entry.readers = [compute]
+        elif not any(compute == reader for reader in readers):
+            readers.append(compute)
 
     def _empty_on(self, device: torch.device) -> Tensor:
         """An empty tensor on ``device``: the storage of version holders."""
@@ -461,8 +480,13 @@ class Offloader(Reloads):
                 self.stats.inflight_served += 1
                 return view
         restored = self._take(handle, entry)  # protocol.py: reload on a miss, count the view
-        if entry.reload_event is not None:
-            self._transport.wait(entry.streams[0], entry.reload_event)
+        event = entry.reload_event
+        if event is not None:
+            wait = self._transport.wait
+            wait(entry.streams[0], event)
+            if entry.readers is not None:  # every stream that reads it, not only the first save's
+                for reader in entry.readers:
+                    wait(reader, event)
             entry.reload_event = None
         view = restored if layout is None else saved_view(restored, layout, entry.device)
         session = entry.session

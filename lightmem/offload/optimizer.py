@@ -24,17 +24,18 @@ groups and state on the device parameters, pending host gradients in ``param.gra
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from time import perf_counter
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings
+from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
+from lightmem.offload.pool import HostAllocationError, HostSlab
 from lightmem.offload.transport import Transport, default_transport
 
 _HOST = torch.device("cpu")
@@ -84,15 +85,55 @@ class _InstanceAttribute:
 
 @dataclass
 class _Slot:
-    """One offloaded parameter: the device tensor, its host copy and the copies in flight."""
+    """One offloaded parameter: the device tensor, its host copy and its gradient buffers."""
 
     param: nn.Parameter
     master: nn.Parameter
     grad_buffer: torch.Tensor | None = None
     staging: torch.Tensor | None = None
     landing: str | None = None  # "direct" (into grad_buffer) or "staged" (to add) while a copy runs
-    to_device: Any = None  # event of the last copy of ``master`` to the device
-    device_waited: bool = True  # the compute stream has waited for ``to_device``
+
+
+_ALIGN_BYTES = 64  # each tensor of an arena starts on a cache line (vector loads of the host kernels)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+
+
+class _HostArena:
+    """Host tensors shaped like ``like`` carved from one allocation of their exact (aligned) size.
+
+    Copies between host and device run asynchronously only from page-locked memory. Page-locked
+    one tensor at a time (``pin_memory=True``), torch's host caching allocator would round each up
+    to a power of two (1.3-1.7x on transformer shapes) and keep it cached after ``close``; the
+    arena is one ``HostSlab``, page-locked with ``cudaHostRegister`` at its exact size as the
+    activation pool's slabs are, and unregistered by ``close``. Where page-locking fails it stays
+    pageable (copies are then staged by the CUDA runtime), with one warning.
+    """
+
+    def __init__(self, like: list[torch.Tensor], transport: Transport, device: torch.device) -> None:
+        offsets, total = [], 0
+        for tensor in like:
+            offsets.append(total)
+            total += _aligned(tensor.nbytes)
+        try:
+            self.slab = HostSlab(max(total, 1), transport.pin_memory, poison=False, device=device)
+        except HostAllocationError as error:
+            warn_once(
+                f"lightmem: optimizer offload could not page-lock {format_bytes(total)} of host memory "
+                f"({error}); its copies are staged through pageable memory and run synchronously"
+            )
+            self.slab = HostSlab(max(total, 1), False, poison=False, device=device)
+        self.nbytes = total
+        memory = self.slab.tensor
+        self.tensors = [
+            memory[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+            for offset, tensor in zip(offsets, like)
+        ]
+
+    def close(self) -> None:
+        self.slab.close()
 
 
 def _check_optimizer(optimizer: Any, settings: OptimizerOffloadSettings) -> None:
@@ -162,7 +203,8 @@ class OptimizerOffloader:
 
     What changes for the user: ``param.grad`` of the model's parameters is ``None`` after backward
     (the gradient is on the host, in ``p.grad`` for ``p`` in ``optimizer.param_groups``); read the
-    parameters' gradients there.
+    parameters' gradients there. That host gradient is one buffer per parameter, rewritten by each
+    backward: clone it to keep a gradient beyond its step.
     """
 
     def __init__(
@@ -187,34 +229,43 @@ class OptimizerOffloader:
         self._stats = OptimizerOffloadStats()
         self._inflight: deque[tuple[Any, torch.Tensor]] = deque()  # (copy event, device gradient kept alive)
         self._inflight_bytes = 0
+        self._unlanded: list[Any] = []  # every gradient copy event since the last landing
         self._landing: list[_Slot] = []
         self._callback_task: int | None = None
+        self._callback: weakref.ref[Any] | None = None  # the end-of-backward callback queued, until it ran
         self._closed = False
         self._step_grad_bytes = 0
-        self._step_waited_s = 0.0
+        self._waited_base_s = self.transport.waited_s()
         self._reducer = reducer
+        self._copies_back: Any = None  # event of the last copy of the parameters to the device
+        self._ordered_streams: list[Any] = []  # compute streams ordered after those copies
+        self._params_arena = _HostArena(params, self.transport, self.device)
+        self._grads_arena: _HostArena | None = None
+        self._staging_arena: _HostArena | None = None
         self._slots: dict[int, _Slot] = {}
-        for param in params:
-            master = nn.Parameter(self._host_empty_like(param), requires_grad=param.requires_grad)
+        for param, host in zip(params, self._params_arena.tensors):
             with torch.no_grad():
-                master.copy_(param.detach())
-            self._slots[id(param)] = _Slot(param, master)
+                host.copy_(param.detach())
+            self._slots[id(param)] = _Slot(param, nn.Parameter(host, requires_grad=param.requires_grad))
+        # A parameter frozen now gets no hook (autograd refuses one); it must stay frozen.
+        self._frozen = [slot for slot in self._slots.values() if not slot.param.requires_grad]
         self._swap_optimizer(to_host=True)
         self._handles: list[Any] = []
         for slot in self._slots.values():
-            self._handles.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_final))
-        for module in model.modules():
-            owned = [self._slots[id(p)] for p in module.parameters(recurse=False) if id(p) in self._slots]
-            if owned:
-                self._handles.append(module.register_forward_pre_hook(self._waiter(owned)))
+            if slot.param.requires_grad:
+                self._handles.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_final))
+        # Any forward of the model, on whichever stream is current, reads the parameters only after
+        # their copies back (one wait per stream and step; the step waits on its own stream).
+        self._handles.append(model.register_forward_pre_hook(lambda *args: self.wait_for_params(), prepend=True))
         self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_for_params()))
+        self._handles.append(model._register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait_for_params()))
         self._handles.append(model.register_load_state_dict_post_hook(lambda *args: self.refresh_host_params()))
         # Gradients of a backward that raised never reach its end-of-backward callback: they land
         # before the next zero_grad, which then clears them as it clears the device's.
         users_zero_grad = optimizer.zero_grad
 
         def zero_grad(*args: Any, **kwargs: Any) -> None:
-            if self._landing or self._inflight:
+            if self._landing or self._unlanded:
                 self._land_all()
             self._callback_task = None
             users_zero_grad(*args, **kwargs)
@@ -223,7 +274,7 @@ class OptimizerOffloader:
         self._handles.append(_InstanceAttribute(optimizer, "zero_grad"))
         self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._handles.append(optimizer.register_step_post_hook(self._after_step))
-        self._stats.host_param_bytes = sum(slot.master.nbytes for slot in self._slots.values())
+        self._stats.host_param_bytes = self._params_arena.nbytes
 
     # -- public state -------------------------------------------------------------------------
 
@@ -231,9 +282,7 @@ class OptimizerOffloader:
     def stats(self) -> OptimizerOffloadStats:
         """Host bytes held now, and the traffic of the last step (see ``OptimizerOffloadStats``)."""
         self._stats.host_grad_bytes = sum(
-            (slot.grad_buffer.nbytes if slot.grad_buffer is not None else 0)
-            + (slot.staging.nbytes if slot.staging is not None else 0)
-            for slot in self._slots.values()
+            arena.nbytes for arena in (self._grads_arena, self._staging_arena) if arena is not None
         )
         self._stats.host_state_bytes = sum(
             value.nbytes
@@ -249,9 +298,15 @@ class OptimizerOffloader:
         return self.stats.host_bytes
 
     def wait_for_params(self) -> None:
-        """Make the device parameters current: the compute stream waits for every queued copy."""
-        for slot in self._slots.values():
-            self._device_wait(slot)
+        """Make the device parameters current for work queued from now on on the current compute
+        stream: it waits (on the device, the host does not) for the copies of the last step."""
+        if self._copies_back is None or self.transport.synchronous:
+            return
+        compute, _, _ = self.transport.streams(self.device)
+        if any(stream == compute for stream in self._ordered_streams):
+            return
+        self.transport.wait(compute, self._copies_back)
+        self._ordered_streams.append(compute)
 
     def refresh_host_params(self) -> None:
         """Copy the device parameters into the host copies the optimizer steps (done for you after
@@ -273,12 +328,36 @@ class OptimizerOffloader:
         if grad is None:
             return
         param.grad = None
-        task = torch._C._current_graph_task_id()
-        if task != self._callback_task:  # the first final gradient of this backward
-            # Runs once the whole backward is over, in the thread that called backward.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_task = task
+        self._queue_landing()
         self._send(self._slots[id(param)], grad)
+
+    def _queue_landing(self) -> None:
+        """Once per backward, queue the landing of its gradients for when the whole backward is over.
+
+        Reentrant checkpointing runs a backward of its own per segment, nested inside the outer
+        one: a callback queued there would host-sync at the end of every segment. Its callback
+        finds the outer node still running (``_current_autograd_node``) and moves the landing to
+        the outer backward's end instead, through a hook on that node; while a callback is pending
+        (alive and not run: the engine drops it with a graph task that raised) no other is queued.
+        """
+        task = torch._C._current_graph_task_id()
+        if task == self._callback_task:
+            return
+        if self._callback is not None and self._callback() is not None:
+            return
+        self._callback_task = task
+
+        def finish_backward() -> None:
+            outer = torch._C._current_autograd_node()
+            if outer is not None:  # the end of a nested backward: the outer one goes on
+                outer.register_hook(lambda grad_inputs, grad_outputs: self._queue_landing())
+                return
+            self._callback = None
+            self._finish_backward()
+
+        self._callback = weakref.ref(finish_backward)
+        # Runs once the whole backward is over, in the thread that called backward.
+        torch.autograd.Variable._execution_engine.queue_callback(finish_backward)
 
     def _await_reduction(self) -> None:
         """Under DDP: a gradient is final only once the reducer has averaged it, at the end of
@@ -306,10 +385,10 @@ class OptimizerOffloader:
             self._land_all()
         self._landing.append(slot)
         if slot.master.grad is None:
-            slot.grad_buffer = self._buffer(slot.grad_buffer, grad)
+            slot.grad_buffer = self._buffer(slot, grad, staging=False)
             target, slot.landing = slot.grad_buffer, "direct"
         else:
-            slot.staging = self._buffer(slot.staging, grad)
+            slot.staging = self._buffer(slot, grad, staging=True)
             target, slot.landing = slot.staging, "staged"
         self._step_grad_bytes += grad.nbytes
         transport = self.transport
@@ -321,34 +400,52 @@ class OptimizerOffloader:
         transport.wait(to_host, transport.record(compute))
         with torch.no_grad():
             transport.copy_to_host(target, grad, to_host)
-        self._inflight.append((transport.record(to_host), grad))
+        event = transport.record(to_host)
+        self._unlanded.append(event)
+        self._inflight.append((event, grad))
         self._inflight_bytes += grad.nbytes
         self._stats.peak_device_grad_bytes = max(self._stats.peak_device_grad_bytes, self._inflight_bytes)
         self._retire(compute)
 
     def _retire(self, compute: Any) -> None:
-        """Drop device gradients whose copy has run; past the bound, compute waits for the oldest."""
+        """Drop device gradients whose copy has run; past the bound, compute waits for the oldest.
+
+        That wait lets the device memory go (work queued after it runs after the copy read it); it
+        protects no host read: the landing host-waits every copy event of the backward."""
         transport, inflight = self.transport, self._inflight
         while inflight:
             event, grad = inflight[0]
             if not transport.done(event):
                 if self._inflight_bytes <= self.settings.max_grad_inflight_bytes:
                     break
-                start = perf_counter()
                 transport.wait(compute, event)
-                self._step_waited_s += perf_counter() - start
             inflight.popleft()
             self._inflight_bytes -= grad.nbytes
 
-    def _buffer(self, current: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, slot: _Slot, like: torch.Tensor, staging: bool) -> torch.Tensor:
+        """``slot``'s host gradient (or accumulation staging) buffer, carved with every other
+        parameter's from one arena the first time one is needed."""
+        current = slot.staging if staging else slot.grad_buffer
         if current is not None and current.shape == like.shape and current.dtype == like.dtype:
             return current
-        return self._host_empty_like(like)
-
-    def _host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.empty(
-            tensor.shape, dtype=tensor.dtype, device=_HOST, pin_memory=self.transport.pin_memory
-        )
+        arena = self._staging_arena if staging else self._grads_arena
+        if arena is None:
+            masters = [other.master for other in self._slots.values()]
+            arena = _HostArena(masters, self.transport, self.device)
+            for other, tensor in zip(self._slots.values(), arena.tensors):
+                if staging:
+                    other.staging = tensor
+                else:
+                    other.grad_buffer = tensor
+            if staging:
+                self._staging_arena = arena
+            else:
+                self._grads_arena = arena
+            current = slot.staging if staging else slot.grad_buffer
+            if current.shape == like.shape and current.dtype == like.dtype:
+                return current
+        # A gradient unlike its parameter (another dtype): a buffer of its own.
+        return torch.empty(like.shape, dtype=like.dtype, device=_HOST, pin_memory=self.transport.pin_memory)
 
     def _finish_backward(self) -> None:
         self._callback_task = None
@@ -356,13 +453,12 @@ class OptimizerOffloader:
 
     def _land_all(self) -> None:
         """Every gradient copy has run: accumulate on the host exactly as autograd would on the device."""
-        start = perf_counter()
-        for event, _ in self._inflight:
+        for event in self._unlanded:
             self.transport.host_wait(event)
+        self._unlanded.clear()
         self._inflight.clear()
         self._inflight_bytes = 0
         self._host_wait_params()  # the step about to follow rewrites the host copies
-        self._step_waited_s += perf_counter() - start
         with torch.no_grad():
             for slot in self._landing:
                 if slot.landing == "direct":
@@ -374,63 +470,74 @@ class OptimizerOffloader:
 
     # -- the step on the host -----------------------------------------------------------------
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         self._rehost_state()
-        if self._landing or self._inflight:  # a backward that raised never reached its callback
+        # ``args`` starts with the optimizer itself (torch passes the step's own arguments).
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._ready_for_step()
+            return None
+
+        # Lightning passes the forward and backward as the closure: the host waits for what the
+        # step reads and writes only once they are queued, never before the forward.
+        def closure_then_ready() -> Any:
+            loss = closure()
+            self._ready_for_step()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_ready}
+        return (args[0], closure_then_ready, *args[2:]), kwargs
+
+    def _ready_for_step(self) -> None:
+        """Before the host arithmetic: every gradient landed, every copy of the host parameters to
+        the device has read them (the step rewrites them)."""
+        if self._landing or self._unlanded:  # a backward that raised never reached its callback
             self._land_all()
         self._callback_task = None
+        for slot in self._frozen:
+            if slot.param.grad is not None:
+                raise ValueError(
+                    f"{self.settings.flag('enabled')}: a parameter of shape {list(slot.param.shape)} was "
+                    "frozen (requires_grad=False) when optimizer offload started and has a gradient now; "
+                    "unfreeze parameters before offload_optimizer(...) (LightMem: before fit) or keep them frozen"
+                )
         self._host_wait_params()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         transport = self.transport
         stepped = [slot for slot in self._slots.values() if slot.master.grad is not None]
-        self._stats.steps += 1
-        self._stats.grad_bytes_out, self._step_grad_bytes = self._step_grad_bytes, 0
-        self._stats.total_grad_bytes_out += self._stats.grad_bytes_out
-        if transport.synchronous:
-            start = perf_counter()
-            with torch.no_grad():
+        stats = self._stats
+        stats.steps += 1
+        stats.grad_bytes_out, self._step_grad_bytes = self._step_grad_bytes, 0
+        stats.total_grad_bytes_out += stats.grad_bytes_out
+        with torch.no_grad():
+            if transport.synchronous:
                 for slot in stepped:
                     transport.copy_to_device(slot.param.detach(), slot.master.detach(), None)
-            self._step_waited_s += perf_counter() - start
-        else:
-            compute, _, to_device = transport.streams(self.device)
-            # The device parameters are rewritten only after compute's last use of them (backward).
-            transport.wait(to_device, transport.record(compute))
-            with torch.no_grad():
+            elif stepped:
+                compute, _, to_device = transport.streams(self.device)
+                # The device parameters are rewritten only after compute's last use of them (backward).
+                transport.wait(to_device, transport.record(compute))
                 for slot in stepped:
                     transport.copy_to_device(slot.param.detach(), slot.master.detach(), to_device)
-                    slot.to_device = transport.record(to_device)
-                    slot.device_waited = False
+                self._copies_back = transport.record(to_device)
+                self._ordered_streams = []
+                # Whatever reads a parameter next on this stream (the next forward, a parent module
+                # reading a child's weight, a parametrization, weight averaging, load_state_dict)
+                # runs after the copies: a wait on the device, so the host runs on.
+                self.wait_for_params()
         moved = sum(slot.param.nbytes for slot in stepped)
-        self._stats.param_bytes_in = moved
-        self._stats.total_param_bytes_in += moved
-        # Waits for this step's parameter copies happen in the next forward: counted with the next step.
-        self._stats.waited_s, self._step_waited_s = self._step_waited_s, 0.0
-
-    def _waiter(self, owned: list[_Slot]) -> Any:
-        def wait_for_own_params(module: nn.Module, args: Any) -> None:
-            for slot in owned:
-                if not slot.device_waited:
-                    self._device_wait(slot)
-
-        return wait_for_own_params
-
-    def _device_wait(self, slot: _Slot) -> None:
-        if slot.device_waited:
-            return
-        start = perf_counter()
-        compute, _, _ = self.transport.streams(self.device)
-        self.transport.wait(compute, slot.to_device)
-        slot.device_waited = True
-        self._step_waited_s += perf_counter() - start
+        stats.param_bytes_in = moved
+        stats.total_param_bytes_in += moved
+        waited = transport.waited_s()
+        stats.waited_s, self._waited_base_s = waited - self._waited_base_s, waited
 
     def _host_wait_params(self) -> None:
-        for slot in self._slots.values():
-            if slot.to_device is not None:
-                self.transport.host_wait(slot.to_device)
-                slot.to_device = None
-                slot.device_waited = True
+        if self._copies_back is not None:
+            self.transport.host_wait(self._copies_back)
+            self._copies_back = None
+            self._ordered_streams = []
 
     # -- moving the optimizer between device and host -----------------------------------------
 
@@ -482,7 +589,7 @@ class OptimizerOffloader:
         host gradient in ``param.grad``; remove every hook."""
         if self._closed:
             return
-        if self._landing or self._inflight:
+        if self._landing or self._unlanded:
             self._land_all()
         self._host_wait_params()
         for handle in self._handles:
@@ -493,6 +600,9 @@ class OptimizerOffloader:
                 if slot.master.grad is not None:
                     slot.param.grad = slot.master.grad.to(slot.param.device, copy=True)
         self._swap_optimizer(to_host=False)
+        for arena in (self._params_arena, self._grads_arena, self._staging_arena):
+            if arena is not None:
+                arena.close()  # page-locked memory goes back now, not when the last view dies
         self._closed = True
 
     def __enter__(self) -> OptimizerOffloader:

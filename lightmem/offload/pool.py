@@ -528,9 +528,15 @@ class HostPool:
             self._step_peak_requested = self._requested_bytes
             self._step_peak_bytes = self._step_overflow_peak = self._in_use_bytes
             self._limit_bytes = limit = int(max(self._window) * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES
+            if self._pin and self._slabs and self._slabs[0].registered:
+                self._free_empty_pageable()
             if self._in_use_bytes or self._pending:
                 if self._held_bytes > limit:
                     self._free_empty_slabs(self._held_bytes - limit)
+                if self._pin and any(not slab.registered for slab in self._slabs):
+                    # Graphs overlap every boundary (the next forward starts before the last
+                    # backward ends): page-lock a slab beside the ones in use rather than never.
+                    self._page_lock_beside(overflow_peak, limit)
                 return
             slabs = self._slabs
             pageable = self._pin and any(not slab.registered for slab in slabs)
@@ -543,6 +549,37 @@ class HostPool:
                 if target and available_ram_bytes() - target >= self.min_available_bytes:
                     self._new_slab(target, pin=self._pin)
             self._overflow_bytes = 0
+
+    def _page_lock_beside(self, overflow_peak: int, limit: int) -> None:
+        """Under the lock: a page-locked slab for the window's peak (the blocks carried over from
+        the last step included) goes first, so the next requests take it; the slabs still in use
+        stay until empty, then go back (their blocks count as overflow from now on). Within the
+        budget and the RAM floor, or not at all."""
+        self._free_empty_pageable()
+        main = self._slabs[0]
+        target = min(max(max(self._window_bytes), main.capacity + overflow_peak), limit, self.budget_bytes)
+        if not target or self._held_bytes + target > self.budget_bytes:
+            return
+        if available_ram_bytes() - target < self.min_available_bytes:
+            return
+        if self._recent:
+            self._merge_recent()
+        slab = self._new_slab(target, pin=True)
+        if slab is None:
+            return
+        self._slabs.remove(slab)
+        self._slabs.insert(0, slab)
+        self._no_room_below = {}
+        self._overflow_bytes += main.used
+
+    def _free_empty_pageable(self) -> None:
+        """Give back pageable slabs with nothing in use once a page-locked one leads."""
+        if self._recent:
+            self._merge_recent()
+        for slab in list(self._slabs[1:]):
+            if slab.used == 0 and not slab.registered and self._slabs[0].registered:
+                self._slabs.remove(slab)
+                self._close(slab)
 
     def _wait_for_pending(self) -> None:
         """Under the lock, at a step boundary after a step that made pageable slabs: when every

@@ -11,6 +11,7 @@ Stream handles are opaque to the offloader; ``None`` stands for "already done" e
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from time import perf_counter as _perf_counter
 from typing import Any, Protocol
@@ -122,8 +123,12 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
 
     One device-to-host and one host-to-device stream per device, so offload of step N's forward
     overlaps compute and reloads overlap backward compute. Waits of the compute stream are timed
-    with CUDA events only when the copy had not finished when the wait was queued.
+    with CUDA events only when the copy had not finished when the wait was queued; at most
+    ``MAX_TIMED_WAITS`` such pairs are pending at once (completed ones are read back as new waits
+    come), so events never pile up when nobody asks ``waited_s()``.
     """
+
+    MAX_TIMED_WAITS = 64
 
     pin_memory = True
     poison_released = False
@@ -136,8 +141,10 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
 
     def __init__(self) -> None:
         self._side: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._timed: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._waited_s = 0.0
+        self.untimed_waits = 0
+        """Compute waits left untimed because ``MAX_TIMED_WAITS`` timings were still pending."""
 
     def streams(self, device: torch.device) -> tuple[Any, Any, Any]:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -160,14 +167,25 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
             and not self.capturing()
             and not event.query()
         ):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            stream.wait_event(event)
-            end.record(stream)
-            self._timed.append((start, end))
-            return
+            if len(self._timed) >= self.MAX_TIMED_WAITS:
+                self._read_timings()
+            if len(self._timed) < self.MAX_TIMED_WAITS:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                stream.wait_event(event)
+                end.record(stream)
+                self._timed.append((start, end))
+                return
+            self.untimed_waits += 1
         stream.wait_event(event)
+
+    def _read_timings(self) -> None:
+        """Add the waits whose end has run (oldest first: a stream completes in order)."""
+        timed = self._timed
+        while timed and timed[0][1].query():
+            start, end = timed.popleft()
+            self._waited_s += start.elapsed_time(end) / 1e3
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
         with torch.cuda.stream(stream):
@@ -193,15 +211,8 @@ class CudaTransport:  # pragma: no cover - exercised by tests/gpu on a CUDA mach
             self._waited_s += _perf_counter() - start
 
     def waited_s(self) -> float:
-        if self.capturing():
-            return self._waited_s
-        pending = []
-        for start, end in self._timed:
-            if end.query():
-                self._waited_s += start.elapsed_time(end) / 1e3
-            else:
-                pending.append((start, end))
-        self._timed = pending
+        if not self.capturing():
+            self._read_timings()
         return self._waited_s
 
 

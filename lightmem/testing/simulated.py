@@ -1,30 +1,55 @@
-"""An asynchronous CPU transport that behaves like CUDA streams, for testing the offload protocol.
+"""An asynchronous CPU transport that follows CUDA's stream rules, for testing the offload protocol.
 
-``SimulatedAsyncTransport`` simulates one or more devices. Each has a compute stream (the calling
-thread), a device-to-host and a host-to-device stream (worker threads that run each operation
-after a random delay), and a caching allocator for reload memory. Events have CUDA's record/wait
-meaning, and mistakes in the protocol show as wrong numbers instead of silent luck:
+``SimulatedAsyncTransport`` simulates one or more devices. The host is the calling thread. Each
+device has compute streams, a device-to-host and a host-to-device copy stream, and a caching
+allocator for reload memory. Every stream, compute included, is its own executor (a worker thread
+that runs what was queued on it in order, each operation after a random delay), so the GPU lags
+the host as it does on CUDA. It must never be kinder than CUDA (docs/gpu-path.md lists, point by
+point, what it models and what it cannot):
+
+- **A wait on a compute stream orders device work only.** ``wait(compute, event)`` never blocks
+  the host and never makes a host buffer current: only ``host_wait``, ``synchronize`` and a
+  completed ``done`` do. A host read of a buffer that a queued copy will write sees the old bytes.
+- **Compute lags the host.** Events recorded on a compute stream complete when its executor
+  reaches them, after the work queued before them; ``lag_compute()`` stops it until
+  ``catch_up_compute()`` or until the host must see one of its events complete.
+- **A non-blocking copy writes its destination when its stream runs it**, and the destination's
+  version counter is bumped when the copy is queued (as ``copy_(..., non_blocking=True)`` does):
+  a read that races a queued copy gives silently different values, never autograd's in-place
+  error.
+- **Several compute streams per device**: ``with transport.stream(k): ...`` makes compute stream
+  ``k`` of the current device current (``torch.cuda.stream``); each orders only its own work.
+- **The caching allocators round as torch's do**: reload memory in 512-byte blocks
+  (``memory_stats()``), ``pinned_empty`` (``torch.empty(..., pin_memory=True)``) in powers of two,
+  cached after free (``pinned_stats()``); ``page_lock`` counts ``cudaHostRegister`` at exact size.
+- **Events are counted** (``live_events``), so a leak of events shows.
+- **Graph capture is per stream** (``begin_capture()``): while the current stream captures, an
+  event query, a host wait and side-stream work raise, as they are illegal or corrupt the capture
+  on CUDA, and are counted.
+
+Torch's own kernels run at once on the calling thread (they cannot be delayed), so eager compute
+reads device memory at the moment the host queues the op. The device work a compute stream was
+ordered after must therefore be visible to it at its wait: ``wait(compute, event)`` performs the
+device side of the copies ``event`` depends on right there (a copy to host reads its source; a
+copy to the device writes its destination, after the host bytes it reads), and leaves their host
+side (writing a host buffer, completing the event) to the copy stream's executor.
+
+Mistakes in the protocol show as wrong numbers instead of silent luck:
 
 - a reload buffer starts filled with NaN bytes (as uninitialised device memory would be garbage);
 - a host buffer is NaN-filled the moment it becomes reusable in the pool;
 - a device-to-host copy whose source the caller did not keep alive until the copy ran reads NaN
   bytes, as it would read reused memory on a GPU.
 
-A CPU tensor's simulated device is the one current when the offloader asks for its streams (at
-its save): ``with transport.device(1): ...`` runs part of a forward "on device 1".
-
 Tests switch on the other hazards of a GPU, all without real delays (each outcome is exact):
 
 - ``hold_copies_to_host()`` / ``hold_copies_to_device()``: the copy streams run nothing queued
-  from then on until released, or until the host must see one of their events complete (compute
-  waits for it, ``synchronize``): then exactly the operations that event depends on run.
-- ``lag_compute()``: the compute streams run behind the calling thread. Events recorded on them
-  stay incomplete until ``catch_up_compute()``, or until compute waits for work that depends on
-  them (then compute catches up exactly through what that work needs: on a GPU it reaches that
-  point before the waiting kernel runs). A side stream that waits for such an event is counted
-  (``side_waits_on_lagging_compute``).
-- ``capturing_graph = True``: CUDA graph capture; querying an event or queueing work on a side
-  stream then raises (both are illegal or corrupt the capture on CUDA) and is counted.
+  from then on until released, or until the host must see one of their events complete
+  (``host_wait``, ``synchronize``): then exactly the operations that event depends on run. A
+  compute wait performs only the device side, as above.
+- ``lag_compute()``: the compute streams run nothing queued from then on until
+  ``catch_up_compute()`` or a host wait that depends on them. A side stream that waits for such an
+  event is counted (``side_waits_on_lagging_compute``).
 
 Device memory (``memory_stats()``, with ``torch.cuda.memory_stats()``'s keys) is the reload memory
 the simulated caching allocator gives: blocks are kept per allocating stream and reused on it at
@@ -34,10 +59,11 @@ at the next allocation, as CUDA's allocator does). ``allocated_bytes`` drops at 
 torch's does, so it hides those blocks; ``active_bytes`` and ``reserved_bytes`` do not.
 
 Ground truth the protocol is checked against, counted where it would corrupt data on a GPU:
-``device_reuse_hazards`` (a reload copy wrote a block while compute work queued before the
-block's previous free had not run), ``unordered_source_frees`` (a device tensor read by a queued
-copy to host was freed while neither its own device's compute stream was ordered after the copy
-nor the host had seen the copy complete), ``stale_reads`` and ``reuse_hazards`` (host buffers).
+``device_reuse_hazards`` (a reload copy wrote a block without being ordered after the compute
+work queued before the block's previous free), ``unordered_source_frees`` (a device tensor read by a queued
+copy to host was freed while neither a compute stream of its device was ordered after the copy
+nor the host had seen the copy complete), ``stale_reads`` and ``reuse_hazards`` (host buffers);
+``ordered_after(stream, event)`` says whether a compute stream was ordered after a copy.
 
 It is not part of the public API and not fast; it exists so the waiting and lifetime logic that
 CUDA depends on runs in the CPU test suite.
@@ -58,62 +84,92 @@ from typing import Any
 import torch
 
 _POISON = 0xFF
+DEVICE_BLOCK_BYTES = 512
+"""The CUDA caching allocator rounds every block to a multiple of 512 bytes."""
+
+
+def device_block_size(nbytes: int) -> int:
+    """The bytes torch's CUDA caching allocator gives a request of ``nbytes`` (512-byte rounding)."""
+    return max(DEVICE_BLOCK_BYTES, -(-nbytes // DEVICE_BLOCK_BYTES) * DEVICE_BLOCK_BYTES)
+
+
+def pinned_block_size(nbytes: int) -> int:
+    """The bytes torch's host caching allocator (``pin_memory=True``) takes for ``nbytes``: the next
+    power of two (torch 2.13 at its default settings)."""
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
+
+
+class _Counter:
+    __slots__ = ("lock", "value")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.value = 0
+
+    def add(self, amount: int) -> None:
+        with self.lock:
+            self.value += amount
 
 
 class _Event:
-    """``flag`` is set when the event has completed; ``needs`` maps each stream to the position
-    in it this event depends on (ops of a side stream before it; a compute stream's event number)."""
+    """``flag`` is set when the event has completed; ``needs`` maps each stream to the number of
+    operations of it this event depends on (transitively)."""
 
-    __slots__ = ("flag", "needs", "stream")
+    __slots__ = ("__weakref__", "counter", "flag", "needs", "stream")
 
-    def __init__(self, done: bool = False, stream: Any = None) -> None:
+    def __init__(self, done: bool = False, stream: Any = None, counter: _Counter | None = None) -> None:
         self.flag = threading.Event()
         self.stream = stream
         self.needs: dict[Any, int] = {}
+        self.counter = counter
+        if counter is not None:
+            counter.add(1)
         if done:
             self.flag.set()
 
-
-class ComputeStream:
-    """One simulated device's compute stream: the calling thread, lagging behind it on request."""
-
-    def __init__(self, device: int) -> None:
-        self.device = device
-        self.lagging: list[_Event] | None = None  # events recorded while lagging, not yet run
-        self.recorded = 0  # events recorded while lagging: their numbers
-        self.ordered_after: dict[_WorkerStream, int] = {}  # side stream -> ops compute waited for
-        self._lock = threading.Lock()
-
-    def record(self) -> _Event:
-        with self._lock:
-            if self.lagging is None:
-                return _Event(done=True, stream=self)
-            self.recorded += 1
-            event = _Event(stream=self)
-            event.needs = {self: self.recorded}
-            self.lagging.append(event)
-            return event
-
-    def catch_up(self, through: int | None = None) -> None:
-        """Run the lagging compute work up to event number ``through`` (all of it for ``None``)."""
-        with self._lock:
-            lagging = self.lagging
-            if lagging is None:
-                return
-            count = 0
-            for event in lagging:
-                if through is not None and event.needs[self] > through:
-                    break
-                count += 1
-            ready, lagging[:count] = lagging[:count], []
-        for event in ready:  # in order: a later event never completes before an earlier one
-            event.flag.set()
-
-    def __repr__(self) -> str:
-        return f"ComputeStream(device={self.device})"
+    def __del__(self) -> None:
+        if self.counter is not None:
+            self.counter.add(-1)
 
 
-class _WorkerStream:
+class _Copy:
+    """A copy queued on a copy stream, in two halves that may run at different times: ``read``
+    (its source into a private snapshot) and ``write`` (the snapshot into its destination). The
+    stream's executor runs both; a compute stream's wait runs the device side early."""
+
+    __slots__ = ("after", "done_read", "done_write", "lock", "read_source", "snapshot", "write_destination")
+
+    def __init__(
+        self, read_source: Callable[[], torch.Tensor | None], write_destination: Callable[[torch.Tensor | None], None],
+        after: dict[Any, int],
+    ) -> None:  # fmt: skip
+        self.read_source = read_source
+        self.write_destination = write_destination
+        self.after = after  # operations of other streams this copy waits for
+        self.snapshot: torch.Tensor | None = None
+        self.done_read = self.done_write = False
+        self.lock = threading.RLock()
+
+    def read(self) -> None:
+        with self.lock:
+            if not self.done_read:
+                self.snapshot = self.read_source()
+                self.done_read = True
+
+    def write(self) -> None:
+        with self.lock:
+            self.read()
+            if not self.done_write:
+                self.write_destination(self.snapshot)
+                self.done_write = True
+                # The memory it touched is free to die now, though the executor runs it later.
+                self.snapshot = self.read_source = self.write_destination = None  # type: ignore[assignment]
+
+    def __call__(self) -> None:
+        self.write()
+
+
+class _Stream:
     """A FIFO of operations run by one daemon thread, each after a random delay; can be held."""
 
     def __init__(self, name: str, device: int, rng: random.Random, max_delay_s: float) -> None:
@@ -124,6 +180,9 @@ class _WorkerStream:
         self.queued = 0  # operations submitted
         self.observed = 0  # operations the host has seen complete
         self.needs: dict[Any, int] = {}  # what the operations queued so far wait for, transitively
+        self.copies: dict[int, _Copy] = {}  # position -> copy not yet run by the executor
+        self.copies_end = 0  # the position after the last copy queued
+        self.capturing = False
         self._held = False
         self._allowed = 0  # while held, operations before this position may run
         self._gate = threading.Condition()
@@ -136,14 +195,21 @@ class _WorkerStream:
         with self._gate:
             position = self.queued
             self.queued += 1
+            if type(operation) is _Copy:
+                self.copies[position] = operation
+                self.copies_end = position + 1
         self._queue.put((position, operation))
         return position
 
-    def record(self) -> _Event:
-        event = _Event(stream=self)
+    def record(self, counter: _Counter | None = None) -> _Event:
+        event = _Event(stream=self, counter=counter)
         position = self.submit(event.flag.set)
         event.needs = {**self.needs, self: position + 1}
         return event
+
+    def copies_before(self, position: int) -> list[_Copy]:
+        with self._gate:
+            return [copy for index, copy in sorted(self.copies.items()) if index < position]
 
     def hold(self) -> None:
         with self._gate:
@@ -175,6 +241,9 @@ class _WorkerStream:
             if self._max_delay_s > 0:
                 time.sleep(self._rng.uniform(0.0, self._max_delay_s))
             operation()
+            if type(operation) is _Copy:
+                with self._gate:
+                    self.copies.pop(position, None)
             del operation  # the tensors it captured die here, not when the next one arrives
 
     def close(self) -> None:
@@ -184,7 +253,20 @@ class _WorkerStream:
             self._thread.join()
 
     def __repr__(self) -> str:
-        return f"_WorkerStream({self.name}, device={self.device})"
+        return f"{type(self).__name__}({self.name}, device={self.device})"
+
+
+class ComputeStream(_Stream):
+    """A compute stream of one simulated device: an executor of its own that lags the host."""
+
+    def __init__(self, device: int, index: int, rng: random.Random, max_delay_s: float) -> None:
+        super().__init__(f"compute{index}-", device, rng, max_delay_s)
+        self.index = index
+        self.ordered_after: dict[_Stream, int] = {}  # side stream -> its operations this stream waited for
+
+
+# Kept for the tests' sabotage subclasses, which name the side streams' class.
+_WorkerStream = _Stream
 
 
 class _DeviceBlock:
@@ -227,10 +309,83 @@ class _Allocator:
 
 class _Device:
     def __init__(self, index: int, rng: random.Random, max_delay_s: float) -> None:
-        self.compute = ComputeStream(index)
-        self.to_host = _WorkerStream("d2h", index, random.Random(rng.random()), max_delay_s)
-        self.to_device = _WorkerStream("h2d", index, random.Random(rng.random()), max_delay_s)
+        self.index = index
+        self._rng = rng
+        self._max_delay_s = max_delay_s
+        self.computes = [self._new_compute(0)]
+        self.current = 0
+        self.to_host = _Stream("d2h", index, random.Random(rng.random()), max_delay_s)
+        self.to_device = _Stream("h2d", index, random.Random(rng.random()), max_delay_s)
         self.allocator = _Allocator()
+
+    def _new_compute(self, index: int) -> ComputeStream:
+        return ComputeStream(self.index, index, random.Random(self._rng.random()), self._max_delay_s)
+
+    @property
+    def compute(self) -> ComputeStream:
+        """The current compute stream of this device."""
+        return self.computes[self.current]
+
+    def compute_stream(self, index: int) -> ComputeStream:
+        while len(self.computes) <= index:
+            self.computes.append(self._new_compute(len(self.computes)))
+        return self.computes[index]
+
+    def streams(self) -> list[_Stream]:
+        return [*self.computes, self.to_host, self.to_device]
+
+
+class _PinnedAllocator:
+    """torch's host caching allocator for ``pin_memory=True``: power-of-two blocks, cached after free."""
+
+    def __init__(self) -> None:
+        self.cached: dict[int, int] = {}  # block size -> free blocks of it
+        self.reserved = 0
+        self.allocated = 0
+        self.requested = 0
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> int:
+        size = pinned_block_size(nbytes)
+        with self.lock:
+            if self.cached.get(size):
+                self.cached[size] -= 1
+            else:
+                self.reserved += size
+            self.allocated += size
+            self.requested += nbytes
+        return size
+
+    def give_back(self, size: int, nbytes: int) -> None:
+        with self.lock:
+            self.cached[size] = self.cached.get(size, 0) + 1
+            self.allocated -= size
+            self.requested -= nbytes
+
+    def empty_cache(self) -> None:
+        with self.lock:
+            self.reserved -= sum(size * count for size, count in self.cached.items())
+            self.cached.clear()
+
+
+class _Runtime:
+    """What lightmem calls of ``torch.cuda.cudart()`` to page-lock host memory, on the simulated GPU:
+    registrations are ranges the copies consult (``SimulatedAsyncTransport(page_locking=True)``)."""
+
+    def __init__(self, transport: SimulatedAsyncTransport) -> None:
+        self._transport = weakref.ref(transport)
+        self.ranges: dict[int, int] = {}  # start address -> bytes
+
+    def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:  # noqa: N802
+        self.ranges[pointer] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802
+        return 0 if self.ranges.pop(pointer, None) is not None else 712  # cudaErrorHostMemoryNotRegistered
+
+    @property
+    def page_locked_bytes(self) -> int:
+        return sum(self.ranges.values())
 
 
 _LIVE: weakref.WeakSet[SimulatedAsyncTransport] = weakref.WeakSet()
@@ -248,34 +403,61 @@ def is_compute(stream: Any) -> bool:
     return isinstance(stream, ComputeStream)
 
 
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory under a version counter of its own: the write of a queued copy when its
+    stream runs it, which must not bump the counter again (the queueing did)."""
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()
+    )
+
+
+def _poison(tensor: torch.Tensor) -> None:
+    start = tensor.storage_offset() * tensor.element_size()
+    torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), start, (tensor.nbytes,)).fill_(_POISON)
+
+
 class SimulatedAsyncTransport:
-    """CUDA-like stream semantics on CPU worker threads; see the module docstring."""
+    """CUDA's stream semantics on CPU worker threads; see the module docstring."""
 
     pin_memory = False
     poison_released = True
     synchronous = False
 
-    def __init__(self, seed: int = 0, max_delay_s: float = 0.002, devices: int = 1) -> None:
+    def __init__(self, seed: int = 0, max_delay_s: float = 0.002, devices: int = 1, page_locking: bool = False) -> None:
         rng = random.Random(seed)
+        self.page_locking = page_locking
+        """Host memory is pageable unless page-locked through ``runtime`` (``cudaHostRegister``):
+        a copy to pageable host memory blocks the host, a copy from it is staged at once. Off,
+        every host buffer counts as page-locked (no registration anywhere)."""
+        if page_locking:
+            self.pin_memory = True
+        self.runtime = _Runtime(self)
+        """``torch.cuda.cudart()`` for page-locking: ``cudaHostRegister`` / ``cudaHostUnregister``."""
+        self.pageable_copies = 0
+        """Copies between the device and pageable host memory (synchronous or staged on CUDA)."""
         self._devices = [_Device(index, rng, max_delay_s) for index in range(devices)]
         self._current = 0
         self._waited_s = 0.0
+        self._events = _Counter()
         self._inflight: dict[int, int] = {}  # host buffer address -> queued copies touching it
         self._inflight_lock = threading.Lock()
+        self._pinned = _PinnedAllocator()
         self.stale_reads = 0
         """Copies whose source had been freed before the copy ran (would be corruption on CUDA)."""
         self.reuse_hazards = 0
         """Host buffers handed back for reuse while a queued copy still touched them."""
         self.unordered_source_frees = 0
         """Sources of queued copies to host freed before their device was ordered after the copy."""
-        self.capturing_graph = False
         self.capture_violations = 0
-        """Event queries or side-stream work requested while a graph was being captured."""
+        """Event queries, host waits or side-stream work requested while a graph was being captured."""
         self.side_waits_on_lagging_compute = 0
         """Side-stream waits for a compute event that had not completed (compute running behind)."""
         self.device_reuse_hazards = 0
-        """Reload copies that wrote a block while compute work queued before its last free had not run."""
+        """Reload copies that wrote a block without being ordered after the compute work queued
+        before its last free (ordering, not luck: a free that happened to have run counts too)."""
         self.record_stream_calls = 0
+        self.host_waits = 0
+        """Host waits that found their event incomplete and blocked the calling thread."""
         self.max_held_source_bytes = 0
         """The most device bytes kept alive only for queued copies to host (sampled at each copy)."""
         self._sources: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
@@ -283,7 +465,7 @@ class SimulatedAsyncTransport:
         self._closed = False
         _LIVE.add(self)
 
-    # -- devices ------------------------------------------------------------------------------
+    # -- devices and streams ------------------------------------------------------------------
 
     @contextlib.contextmanager
     def device(self, index: int) -> Iterator[None]:
@@ -293,6 +475,21 @@ class SimulatedAsyncTransport:
             yield
         finally:
             self._current = previous
+
+    @contextlib.contextmanager
+    def stream(self, index: int) -> Iterator[ComputeStream]:
+        """Compute stream ``index`` of the current device is current inside (``torch.cuda.stream``);
+        stream 0 is the default one."""
+        device = self._devices[self._current]
+        stream = device.compute_stream(index)
+        previous, device.current = device.current, index
+        try:
+            yield stream
+        finally:
+            device.current = previous
+
+    def current_stream(self) -> ComputeStream:
+        return self._devices[self._current].compute
 
     def streams(self, device: torch.device) -> tuple[Any, Any, Any]:
         current = self._devices[self._current]
@@ -309,13 +506,69 @@ class SimulatedAsyncTransport:
                 stats[f"{kind}_bytes.all.peak"] = allocator.peak[kind]
             return stats
 
+    @property
+    def live_events(self) -> int:
+        """Events created by ``record`` that are still alive (a leak grows it step after step)."""
+        return self._events.value
+
+    # -- page-locked host memory ----------------------------------------------------------------
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """``torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)``: torch's host caching
+        allocator takes the next power of two and keeps it cached after the tensor dies."""
+        size = self._pinned.take(nbytes)
+        tensor = torch.empty(nbytes, dtype=torch.uint8)
+        weakref.finalize(tensor.untyped_storage(), self._pinned.give_back, size, nbytes)
+        return tensor
+
+    def pinned_stats(self) -> dict[str, int]:
+        """Page-locked host memory as torch's host caching allocator holds it: ``reserved`` (cached
+        included), ``allocated`` (rounded blocks in use), ``requested`` (what was asked for)."""
+        pinned = self._pinned
+        with pinned.lock:
+            return {"reserved": pinned.reserved, "allocated": pinned.allocated, "requested": pinned.requested}
+
+    def empty_pinned_cache(self) -> None:
+        """``torch._C._host_emptyCache()``: cached page-locked blocks go back to the OS."""
+        self._pinned.empty_cache()
+
+    def is_page_locked(self, host: torch.Tensor) -> bool:
+        if not self.page_locking:
+            return True
+        address = host.data_ptr()
+        return any(start <= address < start + size for start, size in list(self.runtime.ranges.items()))
+
     # -- hazards a test switches on ----------------------------------------------------------
 
     def capturing(self) -> bool:
-        return self.capturing_graph
+        """Whether the current compute stream captures a graph."""
+        return self.current_stream().capturing
+
+    @property
+    def capturing_graph(self) -> bool:
+        return self.capturing()
+
+    @capturing_graph.setter
+    def capturing_graph(self, value: bool) -> None:
+        self.current_stream().capturing = value
+
+    @contextlib.contextmanager
+    def begin_capture(self) -> Iterator[None]:
+        """Capture a graph on the current compute stream inside (``torch.cuda.graph``)."""
+        stream = self.current_stream()
+        stream.capturing = True
+        try:
+            yield
+        finally:
+            stream.capturing = False
+
+    def _any_capturing(self) -> bool:
+        return any(stream.capturing for device in self._devices for stream in device.computes)
 
     def _check_capture(self, what: str) -> None:
-        if self.capturing_graph:
+        # torch captures in cudaStreamCaptureModeGlobal: these calls are illegal from any thread
+        # while any stream captures.
+        if self._any_capturing():
             self.capture_violations += 1
             raise RuntimeError(f"simulated CUDA graph capture: {what} while capturing")
 
@@ -338,34 +591,54 @@ class SimulatedAsyncTransport:
             device.to_device.release()
 
     def lag_compute(self) -> None:
-        """Compute events recorded from now on stay incomplete until compute catches up."""
+        """Compute work queued from now on does not run until compute catches up (or the host
+        waits for it)."""
         for device in self._devices:
-            compute = device.compute
-            with compute._lock:
-                if compute.lagging is None:
-                    compute.lagging = []
+            for compute in device.computes:
+                compute.hold()
 
     def catch_up_compute(self, stop_lagging: bool = True) -> None:
+        """The compute streams run everything queued so far; the host waits until they have."""
         for device in self._devices:
-            device.compute.catch_up()
-            if stop_lagging:
-                device.compute.lagging = None
+            for compute in device.computes:
+                self._drain(compute)
+                if stop_lagging:
+                    compute.release()
 
     # -- stream primitives --------------------------------------------------------------------
 
     def record(self, stream: Any) -> _Event:
-        if is_compute(stream):
-            return stream.record()
-        self._check_capture("an event recorded on a side stream")
-        return stream.record()
+        if not is_compute(stream):
+            self._check_capture("an event recorded on a side stream")
+        return stream.record(self._events)
 
     def _force(self, event: _Event) -> None:
         """Let everything ``event`` depends on run (the host is about to block on it)."""
         for stream, position in list(event.needs.items()):
+            stream.allow(position)
+
+    def _device_side(self, needs: dict[Any, int]) -> None:
+        """Perform now the device side of the copies ``needs`` covers (see the module docstring):
+        a copy to host reads its source; a copy to the device is made whole, after the copies to
+        host whose host bytes it reads."""
+        for stream, position in list(needs.items()):
             if is_compute(stream):
-                stream.catch_up(position)
-            else:
-                stream.allow(position)
+                continue
+            for copy in stream.copies_before(position):
+                if stream.name == "d2h":
+                    copy.read()
+                elif not copy.done_write:
+                    self._complete(copy.after)
+                    copy.write()
+
+    def _complete(self, needs: dict[Any, int]) -> None:
+        """Run the copies ``needs`` covers whole (both halves), in the calling thread."""
+        for stream, position in list(needs.items()):
+            if not is_compute(stream):
+                for copy in stream.copies_before(position):
+                    if not copy.done_write:
+                        self._complete(copy.after)
+                        copy.write()
 
     def wait(self, stream: Any, event: _Event | None) -> None:
         if event is None:
@@ -374,15 +647,27 @@ class SimulatedAsyncTransport:
             for side, position in event.needs.items():
                 if not is_compute(side) and side.device == stream.device:
                     stream.ordered_after[side] = max(stream.ordered_after.get(side, 0), position)
-            self.host_wait(event)  # the compute stream is the training thread here
-            return
-        self._check_capture("a side stream waiting for an event (it would join the capture)")
-        if is_compute(event.stream) and not event.flag.is_set():
-            self.side_waits_on_lagging_compute += 1
+            self._device_side(event.needs)
+        else:
+            self._check_capture("a side stream waiting for an event (it would join the capture)")
+            if is_compute(event.stream) and not event.flag.is_set():
+                self.side_waits_on_lagging_compute += 1
         for other, position in event.needs.items():
             if position > stream.needs.get(other, 0):
                 stream.needs[other] = position
         stream.submit(event.flag.wait)
+
+    def ordered_after(self, stream: ComputeStream, event: _Event) -> bool:
+        """Whether compute ``stream`` waited (directly or through its queue) for everything of
+        the side streams ``event`` covers: ground truth for "every stream that reads it waited"."""
+        return all(
+            is_compute(side) or stream.needs.get(side, 0) >= position for side, position in event.needs.items()
+        )
+
+    def ordered_after_copies(self, stream: ComputeStream) -> bool:
+        """Whether compute ``stream`` is ordered after every copy to its device queued so far."""
+        to_device = self._devices[stream.device].to_device
+        return stream.needs.get(to_device, 0) >= to_device.copies_end
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         # Hold the device source's storage weakly: only the caller may keep its memory from
@@ -399,25 +684,38 @@ class SimulatedAsyncTransport:
         weakref.finalize(storage, self._source_freed, stream, position)
         del src, storage
         host = self._track(dst)
+        torch.autograd.graph.increment_version(dst)  # as copy_(non_blocking=True) does when queued
+        destination = _alias(dst)
+        del dst
 
-        def run() -> None:
+        def read() -> torch.Tensor | None:
             source = src_ref()
+            self._sources.pop(index, None)
             if source is None:
                 self.stale_reads += 1
-                start = dst.storage_offset() * dst.element_size()
-                torch.empty(0, dtype=torch.uint8).set_(dst.untyped_storage(), start, (dst.nbytes,)).fill_(_POISON)
+                return None
+            dtype, offset, size, stride = layout
+            return torch.empty(0, dtype=dtype, device=source.device).set_(source, offset, size, stride).clone()
+
+        def write(snapshot: torch.Tensor | None) -> None:
+            if snapshot is None:
+                _poison(destination)
             else:
-                dtype, offset, size, stride = layout
-                dst.copy_(torch.empty(0, dtype=dtype, device=source.device).set_(source, offset, size, stride))
-            del source
-            self._sources.pop(index, None)
+                destination.copy_(snapshot)
             self._untrack(host)
 
-        stream.submit(run)
+        copy = _Copy(read, write, dict(stream.needs))
+        position = stream.submit(copy)
+        if not self.is_page_locked(destination):
+            # Into pageable memory the CUDA runtime copies synchronously: the host blocks until
+            # the copy (and the copies before it on its stream) has run.
+            self.pageable_copies += 1
+            self._complete({stream: position + 1})
 
-    def _source_freed(self, stream: _WorkerStream, position: int) -> None:
-        compute = self._devices[stream.device].compute
-        if position >= max(stream.observed, compute.ordered_after.get(stream, 0)):
+    def _source_freed(self, stream: _Stream, position: int) -> None:
+        computes = self._devices[stream.device].computes
+        ordered = max(compute.ordered_after.get(stream, 0) for compute in computes)
+        if position >= max(stream.observed, ordered):
             self.unordered_source_frees += 1
 
     def held_source_bytes(self) -> int:
@@ -432,14 +730,30 @@ class SimulatedAsyncTransport:
         allocator = self._devices[stream.device].allocator
         block = allocator.by_address.get(dst.untyped_storage().data_ptr())
         previous_free = None if block is None else block.previous_free
+        torch.autograd.graph.increment_version(dst)  # as copy_(non_blocking=True) does when queued
+        destination = _alias(dst)
+        del dst
 
-        def run() -> None:
-            if previous_free is not None and not previous_free.flag.is_set():
-                self.device_reuse_hazards += 1
-            dst.copy_(src)
+        def read() -> torch.Tensor:
+            snapshot = src.clone()
             self._untrack(host)
+            return snapshot
 
-        stream.submit(run)
+        after = dict(stream.needs)
+
+        def write(snapshot: torch.Tensor | None) -> None:
+            # Unsafe unless ordered after the free: a flag that happens to be set is luck.
+            if previous_free is not None:
+                freed_on = previous_free.stream
+                if after.get(freed_on, 0) < previous_free.needs[freed_on]:
+                    self.device_reuse_hazards += 1
+            destination.copy_(snapshot)
+
+        copy = _Copy(read, write, after)
+        stream.submit(copy)
+        if not self.is_page_locked(src):
+            self.pageable_copies += 1
+            copy.read()  # staged: the runtime copies pageable memory into its own buffer at once
 
     def _track(self, host: torch.Tensor) -> int:
         address = host.data_ptr()
@@ -468,7 +782,7 @@ class SimulatedAsyncTransport:
     def alloc_like(self, template: torch.Tensor, device: torch.device, stream: Any) -> torch.Tensor:
         allocator = self._devices[stream.device].allocator
         nbytes = template.nbytes
-        block = self._take_block(allocator, nbytes, device, stream)
+        block = self._take_block(allocator, device_block_size(nbytes), device, stream)
         storage = block.backing[0:nbytes]
         torch.empty(0, dtype=torch.uint8, device=device).set_(storage).fill_(_POISON)
         weakref.finalize(storage, self._free_block, allocator, block)
@@ -502,8 +816,8 @@ class SimulatedAsyncTransport:
             return block
 
     def _free_block(self, allocator: _Allocator, block: _DeviceBlock) -> None:
-        # Ground truth: the work queued on the block's device before the free may still read it.
-        block.free_event = self._devices[block.stream.device].compute.record()
+        # Ground truth: the work queued on the block's stream before the free may still read it.
+        block.free_event = block.stream.record()
         block.pending = [stream.record() for stream in block.recorded_for]
         with allocator.lock:
             allocator.add("allocated", -block.nbytes)
@@ -520,7 +834,7 @@ class SimulatedAsyncTransport:
         if not event.flag.is_set():
             return False
         for stream, position in event.needs.items():
-            if not is_compute(stream) and position > stream.observed:
+            if position > stream.observed:
                 stream.observed = position
         return True
 
@@ -529,30 +843,40 @@ class SimulatedAsyncTransport:
 
     def host_wait(self, event: _Event | None) -> None:
         """Block the calling thread until ``event`` has run (``torch.cuda.Event.synchronize``)."""
-        if event is None or event.flag.is_set():
+        if event is None:
             return
-        start = time.perf_counter()
+        self._check_capture("a host wait for an event")
+        if not event.flag.is_set():
+            self.host_waits += 1
+            start = time.perf_counter()
+            self._force(event)
+            event.flag.wait()
+            self._waited_s += time.perf_counter() - start
+        for stream, position in event.needs.items():
+            if position > stream.observed:
+                stream.observed = position
+
+    def _drain(self, stream: _Stream) -> None:
+        event = stream.record()
         self._force(event)
         event.flag.wait()
-        self._waited_s += time.perf_counter() - start
+        stream.observed = max(stream.observed, event.needs[stream])
 
     def synchronize(self) -> None:
         """Block until every stream of every device has drained (``torch.cuda.synchronize``)."""
+        self._check_capture("a synchronize")
         for device in self._devices:
-            device.compute.catch_up()
-            for stream in (device.to_host, device.to_device):
-                event = stream.record()
-                self._force(event)
-                event.flag.wait()
-                stream.observed = max(stream.observed, event.needs[stream])
+            for stream in device.streams():
+                self._drain(stream)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             for device in self._devices:
-                device.compute.catch_up()
-                device.to_host.close()
-                device.to_device.close()
+                for stream in device.streams():
+                    stream.release()
+                for stream in device.streams():
+                    stream.close()
 
     def __del__(self) -> None:
         try:
