@@ -1,12 +1,13 @@
 """Which implementation of the user's optimizer steps on the host, and why.
 
 torch chooses ``foreach``/``fused`` by itself only for accelerator tensors: an optimizer
-constructed as ``AdamW(params, lr=...)`` steps CPU tensors with its for-loop, about 2.8x slower per
-parameter than torch's fused CPU kernel (``benchmarks/optimizer_offload.py``). So where the user left
-the implementation unchosen (``foreach=None`` and ``fused=None``) and torch has a fused CPU kernel for
-the optimizer (Adam, AdamW, SGD, Adagrad), the host step runs that kernel: ``fused=True`` is set on
-the param groups and the defaults, so the optimizer's own step, its ``state_dict`` and the placement
-of its ``step`` counters all follow. An explicit choice (``foreach=...`` or ``fused=...``) is kept.
+constructed as ``AdamW(params, lr=...)`` steps CPU tensors with its for-loop, which took 4.2-4.8x
+the time of torch's fused CPU kernel (``benchmarks/optimizer_offload.py``, one thread of an AMD
+EPYC VM; docs/optimizer-offload.md). So where the user left the implementation unchosen
+(``foreach=None`` and ``fused=None``) and torch has a fused CPU kernel for the optimizer (Adam,
+AdamW, SGD, Adagrad), the host step runs that kernel: ``fused=True`` is set on the param groups
+and the defaults, so the optimizer's own step, its ``state_dict`` and the placement of its
+``step`` counters all follow. An explicit choice (``foreach=...`` or ``fused=...``) is kept.
 Where no fused kernel exists, the for-loop that torch runs on CPU tensors is kept too: ``foreach``
 was slower than it on CPU for every such optimizer measured (RMSprop, NAdam, RAdam, Adamax,
 Adadelta, ASGD, Rprop, Adafactor).
