@@ -103,7 +103,8 @@ def test_a_subclass_with_its_own_step_keeps_its_choice():
     model = tiny_net()
     optimizer = ScaledAdam(model.parameters(), lr=0.01)
     with offload_optimizer(model, optimizer, devices=("cpu",)) as handle:
-        assert (handle.host_kernel.name, optimizer.param_groups[0]["fused"]) == ("for-loop", None)
+        assert (handle.host_kernel.name, optimizer.param_groups[0]["fused"]) == ("custom", None)
+        assert str(handle.host_kernel) == "ScaledAdam step: custom, ScaledAdam's own step, as constructed"
 
 
 def test_param_groups_choose_each_for_itself():

@@ -29,6 +29,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 FUSED = "fused"
 FOREACH = "foreach"
 FOR_LOOP = "for-loop"
+CUSTOM = "custom"
 
 _LIGHTMEMS_CHOICE = "lightmem's choice: foreach/fused were unset"
 
@@ -54,6 +55,10 @@ def has_fused_cpu_kernel(optimizer: torch.optim.Optimizer) -> bool:
     return inspect.unwrap(type(optimizer).step) in _fused_cpu_steps()
 
 
+def _torch_step(optimizer: torch.optim.Optimizer) -> bool:
+    return getattr(inspect.unwrap(type(optimizer).step), "__module__", "").startswith("torch.optim")
+
+
 def _unset(group_or_defaults: dict[str, Any]) -> bool:
     return group_or_defaults.get("foreach") is None and group_or_defaults.get("fused") is None
 
@@ -65,8 +70,8 @@ class HostKernel:
     has a fused CPU kernel for the optimizer (at offload start, and after ``load_state_dict``,
     whose groups are the checkpoint's: a choice written there is kept); ``restore()`` puts
     ``None`` back in the groups it switched. ``name`` is what runs (``"fused"``, ``"foreach"``,
-    ``"for-loop"``, or the groups' kernels joined by ``"+"`` when they differ); ``str()`` adds
-    why, for the line at fit start.
+    ``"for-loop"``, ``"custom"`` for a step not torch's, or the groups' kernels joined by ``"+"``
+    when they differ); ``str()`` adds why, for the line at fit start.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -110,6 +115,8 @@ class HostKernel:
         """(kernel, why) for each param group, as the optimizer's step on host tensors runs it."""
         name = type(self.optimizer).__name__
         fused_exists = has_fused_cpu_kernel(self.optimizer)
+        if not _torch_step(self.optimizer):  # a step of its own: what it runs is its business
+            return [(CUSTOM, f"{name}'s own step, as constructed")] * len(self.optimizer.param_groups)
         kernels = []
         for index, group in enumerate(self.optimizer.param_groups):
             if index in self._switched:

@@ -69,7 +69,7 @@ class OptimizerOffloadStats:
     total_grad_bytes_out: int = 0
     total_param_bytes_in: int = 0
     host_kernel: str = ""
-    """The implementation running the host step: "fused", "foreach" or "for-loop"."""
+    """The implementation running the host step: "fused", "foreach", "for-loop" or "custom"."""
 
     @property
     def host_bytes(self) -> int:
@@ -169,8 +169,8 @@ class OptimizerOffloader:
     (the gradient is on the host, in ``p.grad`` for ``p`` in ``optimizer.param_groups``); read the
     parameters' gradients there.
 
-    ``host_kernel`` names what runs the step on the host (``.name``: "fused", "foreach" or
-    "for-loop"; ``str()`` adds why), also in ``stats.host_kernel``.
+    ``host_kernel`` names what runs the step on the host (``.name``: "fused", "foreach",
+    "for-loop" or "custom"; ``str()`` adds why), also in ``stats.host_kernel``.
     """
 
     def __init__(
