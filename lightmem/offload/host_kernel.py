@@ -1,7 +1,7 @@
 """Which implementation of the user's optimizer steps on the host, and why.
 
 torch chooses ``foreach``/``fused`` by itself only for accelerator tensors: an optimizer
-constructed as ``AdamW(params, lr=...)`` steps CPU tensors with its for-loop, which took 4.2-4.8x
+constructed as ``AdamW(params, lr=...)`` steps CPU tensors with its for-loop, which took 4-5x
 the time of torch's fused CPU kernel (``benchmarks/optimizer_offload.py``, one thread of an AMD
 EPYC VM; docs/optimizer-offload.md). So where the user left the implementation unchosen
 (``foreach=None`` and ``fused=None``) and torch has a fused CPU kernel for the optimizer (Adam,
