@@ -73,7 +73,8 @@ class _LitTinyBody:
 
     def configure_optimizers(self):
         optimizer = OPTIMIZERS[self.optimizer_name](self.parameters(), **self.kernel)
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)}
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
 
 class LitTiny(_LitTinyBody, pl.LightningModule):

@@ -11,7 +11,14 @@ import pytest
 import torch
 from exact import assert_same, assert_state_equal
 from lit_models import cpu_trainer
-from optimizer_models import HOST_KERNEL, OPTIMIZERS, assert_given_back, lit_tiny_class, regression_loader, tiny_net
+from optimizer_models import (
+    HOST_KERNEL,
+    OPTIMIZERS,
+    assert_given_back,
+    lit_tiny_class,
+    regression_loader,
+    tiny_net,
+)
 from torch import nn
 
 from lightmem import LightMem, offload_optimizer
@@ -21,7 +28,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def _batches(count: int):
     generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)) for _ in range(count)]
+    return [
+        (torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)) for _ in range(count)
+    ]
 
 
 def _train(make_optimizer, offload: bool, clip: str = "norm", steps: int = 4, accumulate: int = 2):
@@ -51,7 +60,9 @@ def _train(make_optimizer, offload: bool, clip: str = "norm", steps: int = 4, ac
 @pytest.mark.parametrize("clip", ["norm", "value"])
 @pytest.mark.parametrize("name", ["adamw-decay", "adam", "sgd-momentum", "adagrad"])
 def test_an_optimizer_that_left_the_kernel_unset_steps_bitwise_like_its_fused_kernel(name, clip):
-    model_a, opt_a, _ = _train(lambda params: OPTIMIZERS[name](params, **HOST_KERNEL), offload=False, clip=clip)
+    model_a, opt_a, _ = _train(
+        lambda params: OPTIMIZERS[name](params, **HOST_KERNEL), offload=False, clip=clip
+    )
     model_b, opt_b, handle = _train(OPTIMIZERS[name], offload=True, clip=clip)
     assert (handle.host_kernel.name, handle.stats.host_kernel) == ("fused", "fused")
     assert_state_equal(model_a, model_b, opt_a, opt_b)  # while offloaded: its groups say fused=True
@@ -70,7 +81,12 @@ def test_the_exactness_test_tells_the_fused_kernel_from_the_for_loop():
 
 @pytest.mark.parametrize(
     ("kernel", "name"),
-    [({"foreach": False}, "for-loop"), ({"fused": False}, "for-loop"), ({"foreach": True}, "foreach"), ({"fused": True}, "fused")],
+    [
+        ({"foreach": False}, "for-loop"),
+        ({"fused": False}, "for-loop"),
+        ({"foreach": True}, "foreach"),
+        ({"fused": True}, "fused"),
+    ],
 )
 def test_an_explicit_choice_is_kept(kernel, name):
     def make(params):
@@ -79,7 +95,10 @@ def test_an_explicit_choice_is_kept(kernel, name):
     model_a, opt_a, _ = _train(make, offload=False)
     model_b, opt_b, handle = _train(make, offload=True)
     assert handle.host_kernel.name == name
-    assert str(handle.host_kernel) == f"AdamW step: {name}, {next(iter(kernel))}={next(iter(kernel.values()))} in its param groups"
+    assert (
+        str(handle.host_kernel)
+        == f"AdamW step: {name}, {next(iter(kernel))}={next(iter(kernel.values()))} in its param groups"
+    )
     handle.close()
     assert_state_equal(model_a, model_b, opt_a, opt_b)  # groups as constructed, the same bits
 
@@ -90,7 +109,10 @@ def test_an_optimizer_without_a_fused_kernel_keeps_the_for_loop_and_says_why():
 
     model_a, opt_a, _ = _train(make, offload=False)
     model_b, opt_b, handle = _train(make, offload=True)
-    assert str(handle.host_kernel) == "RMSprop step: for-loop, RMSprop has no fused CPU kernel and foreach is slower on CPU"
+    assert (
+        str(handle.host_kernel)
+        == "RMSprop step: for-loop, RMSprop has no fused CPU kernel and foreach is slower on CPU"
+    )
     handle.close()
     assert_state_equal(model_a, model_b, opt_a, opt_b)
 
@@ -109,8 +131,13 @@ def test_a_subclass_with_its_own_step_keeps_its_choice():
 
 def test_param_groups_choose_each_for_itself():
     model = tiny_net()
-    weights, biases = [p for p in model.parameters() if p.dim() > 1], [p for p in model.parameters() if p.dim() == 1]
-    optimizer = torch.optim.SGD([{"params": weights}, {"params": biases, "foreach": False}], lr=0.1, momentum=0.9)
+    weights, biases = (
+        [p for p in model.parameters() if p.dim() > 1],
+        [p for p in model.parameters() if p.dim() == 1],
+    )
+    optimizer = torch.optim.SGD(
+        [{"params": weights}, {"params": biases, "foreach": False}], lr=0.1, momentum=0.9
+    )
     with offload_optimizer(model, optimizer, devices=("cpu",)) as handle:
         assert [group["fused"] for group in optimizer.param_groups] == [True, None]
         assert handle.host_kernel.name == "fused+for-loop"
