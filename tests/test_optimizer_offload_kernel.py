@@ -68,6 +68,7 @@ def test_an_optimizer_that_left_the_kernel_unset_steps_bitwise_like_its_fused_ke
     assert_state_equal(model_a, model_b, opt_a, opt_b)  # while offloaded: its groups say fused=True
     handle.close()
     assert_given_back(model_a, model_b, opt_a, opt_b)
+    assert (handle.host_kernel.name, handle.stats.host_kernel) == ("fused", "fused")  # what stepped
 
 
 def test_the_exactness_test_tells_the_fused_kernel_from_the_for_loop():

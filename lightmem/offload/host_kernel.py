@@ -69,7 +69,7 @@ class HostKernel:
     ``select()`` switches every group that left the choice unset to ``fused=True`` where torch
     has a fused CPU kernel for the optimizer (at offload start, and after ``load_state_dict``,
     whose groups are the checkpoint's: a choice written there is kept); ``restore()`` puts
-    ``None`` back in the groups it switched. ``name`` is what runs (``"fused"``, ``"foreach"``,
+    ``None`` back in the groups it switched (``name`` and ``str()`` go on naming what stepped). ``name`` is what runs (``"fused"``, ``"foreach"``,
     ``"for-loop"``, ``"custom"`` for a step not torch's, or the groups' kernels joined by ``"+"``
     when they differ); ``str()`` adds why, for the line at fit start.
     """
@@ -78,6 +78,7 @@ class HostKernel:
         self.optimizer = optimizer
         self._switched: set[int] = set()  # indices of the groups set to fused=True here
         self._switched_defaults = False
+        self._ran: tuple[str, str] | None = None  # after restore(): (name, str) of what stepped
 
     def select(self) -> None:
         optimizer = self.optimizer
@@ -102,6 +103,7 @@ class HostKernel:
         return floating and not group.get("differentiable")
 
     def restore(self) -> None:
+        self._ran = (self.name, str(self))
         groups = self.optimizer.param_groups
         for index in self._switched:
             if index < len(groups):
@@ -136,9 +138,13 @@ class HostKernel:
 
     @property
     def name(self) -> str:
+        if self._ran is not None:
+            return self._ran[0]
         return "+".join(dict.fromkeys(kernel for kernel, _ in self._kernels()))
 
     def __str__(self) -> str:
+        if self._ran is not None:
+            return self._ran[1]
         kernels = self._kernels()
         unique = list(dict.fromkeys(kernels))
         step = f"{type(self.optimizer).__name__} step"
