@@ -1,6 +1,6 @@
 """The host step of model-state offload, timed beside torch's CPU kernels and DeepSpeed's.
 
-    python benchmarks/optimizer_offload.py [--quick] [--rounds 25] [--link-GBps 25]
+    python benchmarks/optimizer_offload.py [--quick] [--rounds 25] [--link-GBps 25] [--others]
 
 For GPT-shaped parameter sets (the parameter shapes of ``_common.GPT``: about 4M and 64M fp32
 elements; ``--quick``: 4M only, fewer rounds), in one process, every variant timed once per round
@@ -15,6 +15,10 @@ in turn (so drift hits all alike), on one thread and then on all of torch's thre
 - lightmem's whole host step: ``optimizer.step()`` under ``offload_optimizer(..., devices=("cpu",))``
   (its bookkeeping before the step, the kernel, the copy back) for a default ``AdamW(params,
   lr=1e-3)``, on which lightmem runs the fused kernel, and for an explicit ``AdamW(fused=True)``.
+
+``--others`` adds, on one thread and the 4M set, the for-loop against ``foreach=True`` for the
+optimizers that have no fused CPU kernel (lightmem runs the one that was faster here:
+``lightmem.offload.host_kernel``).
 
 Figures are ms per million parameters, minimum and median over the rounds. On one thread the
 clock is the thread's CPU time (a shared machine's waits for a core are not counted); on all
@@ -131,12 +135,44 @@ def build_steps(shapes: list[torch.Size], deepspeed_adam: type | None) -> tuple[
     return steps, default_kernel
 
 
-def time_steps(steps: Steps, rounds: int, threads: int) -> dict[str, list[float]]:
+NO_FUSED_KERNEL = ["RMSprop", "NAdam", "RAdam", "Adamax", "Adadelta", "ASGD", "Rprop", "Adafactor"]
+
+
+def others_table(shapes: list[torch.Size], rounds: int) -> None:
+    """For-loop against foreach, one thread, for the optimizers without a fused CPU kernel."""
+    params = list(ParamSet(shapes).parameters())
+    millions = sum(shape.numel() for shape in shapes) / 1e6
+    steps: Steps = {}
+    for name in NO_FUSED_KERNEL:
+        if hasattr(torch.optim, name):
+            for kernel_name, kernel in KERNELS[:2]:
+                steps[f"{name} {kernel_name}"] = getattr(torch.optim, name)(params, lr=LR, **kernel).step
+    times = time_steps(steps, rounds, threads=1, warmup=6)  # RAdam rectifies from its 6th step on
+    rows = []
+    for name in NO_FUSED_KERNEL:
+        loop, foreach = times.get(f"{name} for-loop"), times.get(f"{name} foreach")
+        if loop is None or foreach is None:
+            continue
+        row = [name]
+        for values in (loop, foreach):
+            for stat in (min, statistics.median):
+                row.append(f"{stat(values) * 1e3 / millions:.3f}")
+        row.append(f"{statistics.median(foreach) / statistics.median(loop):.2f}x")
+        rows.append(row)
+    print_table(
+        f"Optimizers without a fused CPU kernel, {millions:.2f}M parameters, 1 thread, ms per million "
+        f"parameters, {rounds} interleaved rounds",
+        ["optimizer", "for-loop: min", "median", "foreach: min", "median", "foreach / for-loop (median)"],
+        rows,
+    )  # fmt: skip
+
+
+def time_steps(steps: Steps, rounds: int, threads: int, warmup: int = 1) -> dict[str, list[float]]:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         clock = time.thread_time if threads == 1 else time.perf_counter
-        return interleaved_times_s(steps, rounds, warmup=1, clock=clock)
+        return interleaved_times_s(steps, rounds, warmup=warmup, clock=clock)
     finally:
         torch.set_num_threads(before)
 
@@ -146,6 +182,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the 4M set only, 5 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per set (default 25; 11 for 64M)")
     parser.add_argument("--link-GBps", type=float, default=25.0, help="assumed host link speed, GB/s (model)")
+    parser.add_argument("--others", action="store_true", help="for-loop vs foreach, no fused kernel")
     args = parser.parse_args()
 
     all_threads = torch.get_num_threads()
@@ -195,6 +232,9 @@ def main() -> None:
         )  # fmt: skip
         fused_rate = statistics.median(per_threads[1]["torch AdamW fused"]) / millions
         del steps
+
+    if args.others:
+        others_table(gpt_shapes(**SIZES[0][1]), args.rounds or 11)
 
     link = args.link_GBps * 1e9
     model_rows = []

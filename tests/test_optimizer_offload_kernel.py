@@ -112,10 +112,25 @@ def test_an_optimizer_without_a_fused_kernel_keeps_the_for_loop_and_says_why():
     model_b, opt_b, handle = _train(make, offload=True)
     assert (
         str(handle.host_kernel)
-        == "RMSprop step: for-loop, RMSprop has no fused CPU kernel and foreach is slower on CPU"
+        == "RMSprop step: for-loop, RMSprop has no fused CPU kernel and foreach is not faster on CPU"
     )
     handle.close()
     assert_state_equal(model_a, model_b, opt_a, opt_b)
+
+
+def test_radam_without_a_fused_kernel_steps_with_foreach_bitwise_like_its_foreach():
+    # RAdam's foreach step was faster than its for-loop on CPU; it has no fused kernel.
+    model_a, opt_a, _ = _train(
+        lambda params: torch.optim.RAdam(params, lr=0.01, foreach=True), offload=False, steps=7
+    )
+    model_b, opt_b, handle = _train(lambda params: torch.optim.RAdam(params, lr=0.01), offload=True, steps=7)
+    assert str(handle.host_kernel) == (
+        "RAdam step: foreach, lightmem's choice: foreach/fused were unset, no fused CPU kernel, foreach faster on CPU"
+    )
+    assert_state_equal(model_a, model_b, opt_a, opt_b)  # while offloaded: its groups say foreach=True
+    handle.close()
+    assert (opt_b.param_groups[0]["foreach"], opt_b.defaults["foreach"]) == (None, None)  # as constructed
+    assert_state_equal(model_a, model_b)
 
 
 def test_a_subclass_with_its_own_step_keeps_its_choice():

@@ -4,17 +4,18 @@ torch chooses ``foreach``/``fused`` by itself only for accelerator tensors: an o
 constructed as ``AdamW(params, lr=...)`` steps CPU tensors with its for-loop, which took 4-5x
 the time of torch's fused CPU kernel (``benchmarks/optimizer_offload.py``, one thread of an AMD
 EPYC VM; docs/optimizer-offload.md). So where the user left the implementation unchosen
-(``foreach=None`` and ``fused=None``) and torch has a fused CPU kernel for the optimizer (Adam,
-AdamW, SGD, Adagrad), the host step runs that kernel: ``fused=True`` is set on the param groups
-and the defaults, so the optimizer's own step, its ``state_dict`` and the placement of its
-``step`` counters all follow. An explicit choice (``foreach=...`` or ``fused=...``) is kept.
-Where no fused kernel exists, the for-loop that torch runs on CPU tensors is kept too: ``foreach``
-was slower than it on CPU for every such optimizer measured (RMSprop, NAdam, RAdam, Adamax,
-Adadelta, ASGD, Rprop, Adafactor).
+(``foreach=None`` and ``fused=None``), the host step runs the fastest implementation measured on
+CPU: torch's fused kernel where the optimizer has one (Adam, AdamW, SGD, Adagrad), ``foreach``
+for RAdam (about 2x faster than its for-loop once it rectifies, from step 6), and the for-loop
+for the rest (``foreach`` was slower or no faster: RMSprop, NAdam, Adamax, Adadelta, ASGD, Rprop,
+Adafactor; ``benchmarks/optimizer_offload.py --others``). The choice is set on the param groups
+and the defaults (``fused=True`` or ``foreach=True``), so the optimizer's own step, its
+``state_dict`` and the placement of its ``step`` counters all follow. An explicit choice
+(``foreach=...`` or ``fused=...``) is kept.
 
-The fused kernel gives other last bits than the for-loop; the result is bitwise that of the same
-optimizer constructed with ``fused=True`` stepping without lightmem. ``restore()`` gives the
-optimizer back the choice the user made (``None``), as it was constructed.
+The implementations give other last bits than the for-loop; the result is bitwise that of the
+same optimizer constructed with the flag set here, stepping without lightmem. ``restore()`` gives
+the optimizer back the choice the user made (``None``), as it was constructed.
 """
 
 from __future__ import annotations
@@ -31,7 +32,18 @@ FOREACH = "foreach"
 FOR_LOOP = "for-loop"
 CUSTOM = "custom"
 
-_LIGHTMEMS_CHOICE = "lightmem's choice: foreach/fused were unset"
+# torch optimizers without a fused CPU kernel whose foreach step was faster than their for-loop on
+# CPU (benchmarks/optimizer_offload.py --others): RAdam 2.1-2.5x.
+_FOREACH_FASTER_ON_CPU = ("RAdam",)
+
+_WHY = {
+    FUSED: "lightmem's choice: foreach/fused were unset",
+    FOREACH: "lightmem's choice: foreach/fused were unset, no fused CPU kernel, foreach faster on CPU",
+}
+
+
+def _steps_of(classes: list[type]) -> frozenset[Any]:
+    return frozenset(inspect.unwrap(cls.step) for cls in classes)
 
 
 @functools.cache
@@ -39,20 +51,31 @@ def _fused_cpu_steps() -> frozenset[Any]:
     """The step functions of torch's optimizers that take ``fused`` and run it on CPU tensors."""
     if "cpu" not in _get_fused_kernels_supported_devices():
         return frozenset()
-    classes = [
+    return _steps_of([
         value
         for value in vars(torch.optim).values()
         if isinstance(value, type)
         and issubclass(value, torch.optim.Optimizer)
         and "fused" in inspect.signature(value.__init__).parameters
-    ]
-    return frozenset(inspect.unwrap(cls.step) for cls in classes)
+    ])  # fmt: skip
 
 
-def has_fused_cpu_kernel(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` steps with one of torch's own steps that has a fused CPU kernel (a
-    subclass that overrides ``step`` has not: its step may not honour ``fused``)."""
-    return inspect.unwrap(type(optimizer).step) in _fused_cpu_steps()
+@functools.cache
+def _foreach_cpu_steps() -> frozenset[Any]:
+    names = [name for name in _FOREACH_FASTER_ON_CPU if hasattr(torch.optim, name)]
+    return _steps_of([getattr(torch.optim, name) for name in names])
+
+
+def host_choice(optimizer: torch.optim.Optimizer) -> str | None:
+    """The kernel lightmem runs ``optimizer``'s unset groups with: ``"fused"``, ``"foreach"``, or
+    None (the for-loop, or a step that is not torch's: a subclass that overrides ``step`` may not
+    honour the flags)."""
+    step = inspect.unwrap(type(optimizer).step)
+    if step in _fused_cpu_steps():
+        return FUSED
+    if step in _foreach_cpu_steps():
+        return FOREACH
+    return None
 
 
 def _torch_step(optimizer: torch.optim.Optimizer) -> bool:
@@ -63,66 +86,70 @@ def _unset(group_or_defaults: dict[str, Any]) -> bool:
     return group_or_defaults.get("foreach") is None and group_or_defaults.get("fused") is None
 
 
+def _eligible(group: dict[str, Any], kernel: str) -> bool:
+    if group.get("differentiable") or not all(torch.is_floating_point(param) for param in group["params"]):
+        return False
+    # foreach with a tensor lr needs capturable=True in several optimizers: not worth the risk.
+    return kernel == FUSED or not isinstance(group.get("lr"), torch.Tensor)
+
+
 class HostKernel:
     """The implementation that runs ``optimizer``'s step on host tensors, per param group.
 
-    ``select()`` switches every group that left the choice unset to ``fused=True`` where torch
-    has a fused CPU kernel for the optimizer (at offload start, and after ``load_state_dict``,
-    whose groups are the checkpoint's: a choice written there is kept); ``restore()`` puts
-    ``None`` back in the groups it switched (``name`` and ``str()`` go on naming what stepped). ``name`` is what runs (``"fused"``, ``"foreach"``,
-    ``"for-loop"``, ``"custom"`` for a step not torch's, or the groups' kernels joined by ``"+"``
-    when they differ); ``str()`` adds why, for the line at fit start.
+    ``select()`` sets every group that left the choice unset to the fastest implementation on CPU
+    (``fused=True`` or ``foreach=True``; see the module docstring), at offload start, and after
+    ``load_state_dict``, whose groups are the checkpoint's: a choice written there is kept.
+    ``restore()`` puts ``None`` back in the groups it set (``name`` and ``str()`` go on naming what
+    stepped). ``name`` is what runs (``"fused"``, ``"foreach"``, ``"for-loop"``, ``"custom"`` for
+    a step not torch's, or the groups' kernels joined by ``"+"`` when they differ); ``str()`` adds
+    why, for the line at fit start.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._switched: set[int] = set()  # indices of the groups set to fused=True here
-        self._switched_defaults = False
+        self._switched: dict[int, str] = {}  # group index -> the flag set to True here
+        self._switched_defaults: str | None = None
         self._ran: tuple[str, str] | None = None  # after restore(): (name, str) of what stepped
 
     def select(self) -> None:
         optimizer = self.optimizer
-        self._switched = set()  # after load_state_dict the groups are the checkpoint's, with its choice
-        if not has_fused_cpu_kernel(optimizer):
+        self._switched = {}  # after load_state_dict the groups are the checkpoint's, with its choice
+        kernel = host_choice(optimizer)
+        if kernel is None:
             return
         for index, group in enumerate(optimizer.param_groups):
-            if _unset(group) and self._fusable(group):
-                group["fused"] = True
-                self._switched.add(index)
-                for param in group["params"]:
+            if _unset(group) and _eligible(group, kernel):
+                group[kernel] = True
+                self._switched[index] = kernel
+                for param in group["params"] if kernel == FUSED else ():
                     step = optimizer.state.get(param, {}).get("step")
                     if isinstance(step, torch.Tensor):  # fused kernels keep a float32 counter
                         optimizer.state[param]["step"] = step.to(torch.float32)
         if self._switched and _unset(optimizer.defaults):
-            optimizer.defaults["fused"] = True  # param groups added later take the same kernel
-            self._switched_defaults = True
-
-    @staticmethod
-    def _fusable(group: dict[str, Any]) -> bool:
-        floating = all(torch.is_floating_point(param) for param in group["params"])
-        return floating and not group.get("differentiable")
+            optimizer.defaults[kernel] = True  # param groups added later take the same kernel
+            self._switched_defaults = kernel
 
     def restore(self) -> None:
         self._ran = (self.name, str(self))
         groups = self.optimizer.param_groups
-        for index in self._switched:
+        for index, kernel in self._switched.items():
             if index < len(groups):
-                groups[index]["fused"] = None
-        if self._switched_defaults:
-            self.optimizer.defaults["fused"] = None
-        self._switched.clear()
-        self._switched_defaults = False
+                groups[index][kernel] = None
+        if self._switched_defaults is not None:
+            self.optimizer.defaults[self._switched_defaults] = None
+        self._switched = {}
+        self._switched_defaults = None
 
     def _kernels(self) -> list[tuple[str, str]]:
         """(kernel, why) for each param group, as the optimizer's step on host tensors runs it."""
         name = type(self.optimizer).__name__
-        fused_exists = has_fused_cpu_kernel(self.optimizer)
         if not _torch_step(self.optimizer):  # a step of its own: what it runs is its business
             return [(CUSTOM, f"{name}'s own step, as constructed")] * len(self.optimizer.param_groups)
+        choice = host_choice(self.optimizer)
         kernels = []
         for index, group in enumerate(self.optimizer.param_groups):
             if index in self._switched:
-                kernels.append((FUSED, _LIGHTMEMS_CHOICE))
+                kernels.append((self._switched[index], _WHY[self._switched[index]]))
             elif group.get("fused"):
                 kernels.append((FUSED, "fused=True in its param groups"))
             elif group.get("foreach"):
@@ -130,10 +157,10 @@ class HostKernel:
             elif not _unset(group):  # on CPU tensors torch runs the for-loop unless told otherwise
                 chosen = "foreach=False" if group.get("foreach") is False else "fused=False"
                 kernels.append((FOR_LOOP, f"{chosen} in its param groups"))
-            elif not fused_exists:
-                kernels.append((FOR_LOOP, f"{name} has no fused CPU kernel and foreach is slower on CPU"))
+            elif choice is None:
+                kernels.append((FOR_LOOP, f"{name} has no fused CPU kernel and foreach is not faster on CPU"))
             else:
-                kernels.append((FOR_LOOP, "the fused kernel takes no differentiable or non-float parameters"))
+                kernels.append((FOR_LOOP, f"{choice} is not used for differentiable or non-float parameters"))
         return kernels
 
     @property

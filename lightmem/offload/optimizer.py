@@ -11,8 +11,8 @@ everything else a training step holds for them to host memory:
    ``param_groups`` (the same dicts LR schedulers and Lightning see) are pointed at host copies of
    the parameters (same dtype, so the arithmetic is the one the device would do, bit for bit on
    CPU), its ``state`` moves with them, and its own class and hyperparameters run the step, with
-   torch's fused CPU kernel where the user left foreach/fused unset and one exists
-   (``lightmem.offload.host_kernel``), otherwise the user's choice. Clipping (``clip_grad_norm_``
+   the fastest CPU implementation where the user left foreach/fused unset (torch's fused kernel
+   where one exists: ``lightmem.offload.host_kernel``), otherwise the user's choice. Clipping (``clip_grad_norm_``
    over ``optimizer.param_groups``), zeroing and ``state_dict`` all see host tensors, so a
    checkpoint is in the optimizer's standard form.
 3. **Parameters come back before they are used.** After each step the updated host copies are
@@ -542,8 +542,9 @@ def offload_optimizer(
             ``DistributedDataParallel`` wrapper under DDP: gradients then leave once averaged.
         optimizer: a ``torch.optim.Optimizer`` over parameters on one device. Its class and
             hyperparameters run on the host copies; with foreach/fused left unset, torch's fused
-            CPU kernel runs where one exists (Adam, AdamW, SGD, Adagrad), so the result is bitwise
-            that of the optimizer constructed with ``fused=True``; an explicit choice is kept.
+            CPU kernel runs where one exists (Adam, AdamW, SGD, Adagrad; RAdam runs foreach), so
+            the result is bitwise that of the optimizer constructed with ``fused=True``
+            (``foreach=True``); an explicit choice is kept.
         devices: device types whose parameters are handled; ``("cpu",)`` drives the whole path on
             a CPU-only machine (tests; it saves nothing there).
         max_grad_inflight_bytes: most gradient bytes kept on the device while their copy to host
