@@ -12,9 +12,9 @@ everything else a training step holds for them to host memory:
    the parameters (same dtype, so the arithmetic is the one the device would do, bit for bit on
    CPU), its ``state`` moves with them, and its own class and hyperparameters run the step, with
    the fastest CPU implementation where the user left foreach/fused unset (torch's fused kernel
-   where one exists: ``lightmem.offload.host_kernel``), otherwise the user's choice. Clipping (``clip_grad_norm_``
-   over ``optimizer.param_groups``), zeroing and ``state_dict`` all see host tensors, so a
-   checkpoint is in the optimizer's standard form.
+   where one exists: ``lightmem.offload.host_kernel``), otherwise the user's choice. Clipping
+   (``clip_grad_norm_`` over ``optimizer.param_groups``), zeroing and ``state_dict`` all see host
+   tensors, so a checkpoint is in the optimizer's standard form.
 3. **Parameters come back before they are used.** After each step the updated host copies are
    queued to the device on the host-to-device stream; a forward pre-hook on each module that owns
    parameters makes the compute stream wait for exactly its parameters' copies.
