@@ -201,7 +201,8 @@ class FitSession:
             reason = offload_off_reason(self.offload_settings) or "the plan offloads nothing"
             off.append(f"activation offload ({reason})")
         if self._optimizer_offloaders:
-            on.append("optimizer offload (gradients, optimizer state and step on the host)")
+            kernels = "; ".join(str(offloader.host_kernel) for offloader in self._optimizer_offloaders)
+            on.append(f"optimizer offload (gradients, optimizer state and step on the host; {kernels})")
         elif self._optimizer_offload_off:
             off.append(f"optimizer offload ({self._optimizer_offload_off})")
         blocks = self.checkpointed_blocks

@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
+import functools
+import types
+
 import pytorch_lightning as pl
 import torch
+from exact import assert_same
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 OPTIMIZERS = {
-    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
-    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
-    "adamw-decay": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
+    "sgd-momentum": lambda params, **kernel: torch.optim.SGD(params, lr=0.05, momentum=0.9, **kernel),
+    "adam": lambda params, **kernel: torch.optim.Adam(params, lr=0.01, **kernel),
+    "adamw-decay": lambda params, **kernel: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, **kernel),
+    "adagrad": lambda params, **kernel: torch.optim.Adagrad(params, lr=0.05, **kernel),
 }
+
+HOST_KERNEL = {"fused": True}
+"""What lightmem steps these optimizers with on the host when they leave foreach/fused unset: the
+reference run without lightmem is constructed with it."""
+
+
+def assert_given_back(model_a: nn.Module, model_b: nn.Module, opt_a, opt_b) -> None:
+    """After offload ended: run ``b`` (constructed with foreach/fused unset, stepped by lightmem
+    with the fused kernel) has bitwise the state of run ``a`` (constructed with ``fused=True``,
+    without lightmem), and its param groups say ``fused=None`` again, as constructed."""
+    assert_same(model_a.state_dict(), model_b.state_dict(), "state_dict")
+    expected, actual = opt_a.state_dict(), opt_b.state_dict()
+    assert {group["fused"] for group in expected["param_groups"]} == {True}
+    assert {group["fused"] for group in actual["param_groups"]} == {None}
+    for group in expected["param_groups"]:
+        group["fused"] = None
+    assert_same(expected, actual, "optimizer")
 
 
 def tiny_net() -> nn.Module:
@@ -26,11 +48,14 @@ def regression_loader(batches: int = 8, batch_size: int = 4, seed: int = 0) -> D
     return DataLoader(TensorDataset(inputs, targets), batch_size=batch_size, shuffle=False)
 
 
-class LitTiny(pl.LightningModule):
-    def __init__(self, optimizer: str = "adamw-decay", manual: bool = False) -> None:
+class _LitTinyBody:
+    """LitTiny's methods, on the LightningModule of either package (``lit_tiny_class``)."""
+
+    def __init__(self, optimizer: str = "adamw-decay", manual: bool = False, kernel: dict | None = None):
         super().__init__()
         self.net = tiny_net()
         self.optimizer_name = optimizer
+        self.kernel = kernel or {}
         self.manual = manual
         self.automatic_optimization = not manual
 
@@ -47,5 +72,16 @@ class LitTiny(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        optimizer = OPTIMIZERS[self.optimizer_name](self.parameters())
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)}
+        optimizer = OPTIMIZERS[self.optimizer_name](self.parameters(), **self.kernel)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+
+class LitTiny(_LitTinyBody, pl.LightningModule):
+    pass
+
+
+@functools.cache
+def lit_tiny_class(package: types.ModuleType) -> type:
+    """LitTiny on ``package.LightningModule`` (``pytorch_lightning`` or ``lightning.pytorch``)."""
+    return LitTiny if package is pl else type("LitTiny", (_LitTinyBody, package.LightningModule), {})

@@ -14,7 +14,7 @@ import torch
 from exact import assert_state_equal
 from fake_cudart import use_simulated_runtime
 from lit_models import cpu_trainer
-from optimizer_models import OPTIMIZERS, regression_loader, tiny_net
+from optimizer_models import HOST_KERNEL, OPTIMIZERS, assert_given_back, regression_loader, tiny_net
 from torch import nn
 
 import lightmem.offload.optimizer as optimizer_offload
@@ -30,12 +30,13 @@ def _batches(count: int, width: int = 8, seed: int = 1):
 
 
 def _train(make_model, offload=None, steps=3, optimizer="adamw-decay", width=8, between_steps=None, clip=None):
-    """``steps`` plain steps; ``between_steps(model, step)`` runs after each ``optimizer.step()``."""
+    """``steps`` plain steps; ``between_steps(model, step)`` runs after each ``optimizer.step()``.
+    Without ``offload`` (the reference) the optimizer is built with the kernel lightmem steps it with."""
     torch.manual_seed(0)
     model = make_model()
     extra = [param for name, param in getattr(model, "extra_params", {}).items()]
     params = [*model.parameters(), *extra]
-    opt = OPTIMIZERS[optimizer](params)
+    opt = OPTIMIZERS[optimizer](params, **({} if offload is not None else HOST_KERNEL))
     handle = offload(model, opt) if offload is not None else None
     torch.manual_seed(2)
     for step, (inputs, targets) in enumerate(_batches(steps, width)):
@@ -63,15 +64,12 @@ def _on(transport, **kwargs):
     return lambda model, opt: offload_optimizer(model, opt, devices=("cpu",), transport=transport, **kwargs)
 
 
-def _assert_exact(make_model, transport, close=True, **kwargs):
+def _assert_exact(make_model, transport, **kwargs):
     model_a, opt_a, _ = _train(make_model, **kwargs)
     model_b, opt_b, handle = _train(make_model, _on(transport, **kwargs.pop("offload_kwargs", {})), **kwargs)
-    handle.wait_for_params()
-    assert_state_equal(model_a, model_b, opt_a, opt_b)
-    if close:
-        handle.close()
-        transport.close()
-    return handle
+    handle.close()
+    assert_given_back(model_a, model_b, opt_a, opt_b)
+    transport.close()
 
 
 # -- 1. every host read of a gradient comes after its copy to host ----------------------------------
@@ -86,7 +84,7 @@ def test_the_host_step_reads_every_gradient_after_its_copy_landed(bound):
     model_a, opt_a, _ = _train(tiny_net, clip=0.5)
     model_b, opt_b, handle = _train(tiny_net, _on(transport, max_grad_inflight_bytes=bound), clip=0.5)
     handle.close()
-    assert_state_equal(model_a, model_b, opt_a, opt_b)
+    assert_given_back(model_a, model_b, opt_a, opt_b)
     transport.close()
 
 
@@ -208,7 +206,7 @@ def test_weight_averaging_between_steps_reads_the_stepped_parameters():
     model_a, opt_a, _ = _train(tiny_net, between_steps=average)
     model_b, opt_b, handle = _train(tiny_net, _on(transport), between_steps=average)
     handle.close()
-    assert_state_equal(model_a, model_b, opt_a, opt_b)
+    assert_given_back(model_a, model_b, opt_a, opt_b)
     assert_state_equal(averaged[id(model_a)], averaged[id(model_b)])
     transport.close()
 
@@ -225,7 +223,7 @@ def test_load_state_dict_after_a_step_is_what_the_model_and_its_host_copies_hold
     model_a, opt_a, _ = _train(tiny_net, between_steps=load)
     model_b, opt_b, handle = _train(tiny_net, _on(transport), between_steps=load)
     handle.close()
-    assert_state_equal(model_a, model_b, opt_a, opt_b)
+    assert_given_back(model_a, model_b, opt_a, opt_b)
     transport.close()
 
 
@@ -246,7 +244,7 @@ def test_a_second_stream_that_waits_for_the_current_one_is_ordered_after_the_cop
     model_b, opt_b, handle = _train(tiny_net, _on(transport), between_steps=on_side_stream)
     assert ordered == [True, True, True]
     handle.close()
-    assert_state_equal(model_a, model_b, opt_a, opt_b)
+    assert_given_back(model_a, model_b, opt_a, opt_b)
     transport.close()
 
 
@@ -267,7 +265,7 @@ def test_page_locked_host_memory_is_exactly_what_the_stats_count_and_is_given_ba
     assert transport.pageable_copies == 0  # every copy ran asynchronously
     handle.close()
     assert transport.runtime.page_locked_bytes == 0
-    assert_state_equal(model_a, model_b, opt_a, opt_b)
+    assert_given_back(model_a, model_b, opt_a, opt_b)
     transport.close()
 
 
@@ -412,7 +410,7 @@ def test_reentrant_checkpointing_lands_gradients_once_per_backward(head_first, m
     model_a, opt_a, _ = _train(make, steps=2)
     model_b, opt_b, handle = _train(make, _on(transport), steps=2)
     handle.close()
-    assert_state_equal(model_a, model_b, opt_a, opt_b)
+    assert_given_back(model_a, model_b, opt_a, opt_b)
     gradients = 6 + (2 if head_first else 0)
     assert landings == [gradients, gradients]  # one landing per backward, holding every gradient
     transport.close()

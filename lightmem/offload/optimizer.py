@@ -10,9 +10,11 @@ everything else a training step holds for them to host memory:
 2. **The user's optimizer steps on the host.** The optimizer object itself is kept: its
    ``param_groups`` (the same dicts LR schedulers and Lightning see) are pointed at host copies of
    the parameters (same dtype, so the arithmetic is the one the device would do, bit for bit on
-   CPU), its ``state`` moves with them, and its own class, hyperparameters and foreach/fused
-   choice run the step. Clipping (``clip_grad_norm_`` over ``optimizer.param_groups``), zeroing and
-   ``state_dict`` all see host tensors, so a checkpoint is in the optimizer's standard form.
+   CPU), its ``state`` moves with them, and its own class and hyperparameters run the step, with
+   the fastest CPU implementation where the user left foreach/fused unset (torch's fused kernel
+   where one exists: ``lightmem.offload.host_kernel``), otherwise the user's choice. Clipping
+   (``clip_grad_norm_`` over ``optimizer.param_groups``), zeroing and ``state_dict`` all see host
+   tensors, so a checkpoint is in the optimizer's standard form.
 3. **Parameters come back before they are used.** After each step the updated host copies are
    queued to the device on the host-to-device stream; a forward pre-hook on each module that owns
    parameters makes the compute stream wait for exactly its parameters' copies.
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
+from lightmem.offload.host_kernel import HostKernel
 from lightmem.offload.pool import HostAllocationError, HostSlab
 from lightmem.offload.transport import Transport, default_transport
 
@@ -66,6 +69,8 @@ class OptimizerOffloadStats:
     steps: int = 0
     total_grad_bytes_out: int = 0
     total_param_bytes_in: int = 0
+    host_kernel: str = ""
+    """The implementation running the host step: "fused", "foreach", "for-loop" or "custom"."""
 
     @property
     def host_bytes(self) -> int:
@@ -163,7 +168,7 @@ def _check_optimizer(optimizer: Any, settings: OptimizerOffloadSettings) -> None
         if "cpu" not in _get_fused_kernels_supported_devices():
             raise ValueError(
                 f"{flag}: {name}(fused=True) has no CPU kernel in this PyTorch; construct it with "
-                "fused=False (foreach=True is the fast CPU choice)"
+                "fused=False (without a fused kernel the for-loop is the fastest on CPU)"
             )
 
 
@@ -205,6 +210,9 @@ class OptimizerOffloader:
     (the gradient is on the host, in ``p.grad`` for ``p`` in ``optimizer.param_groups``); read the
     parameters' gradients there. That host gradient is one buffer per parameter, rewritten by each
     backward: clone it to keep a gradient beyond its step.
+
+    ``host_kernel`` names what runs the step on the host (``.name``: "fused", "foreach",
+    "for-loop" or "custom"; ``str()`` adds why), also in ``stats.host_kernel``.
     """
 
     def __init__(
@@ -249,6 +257,8 @@ class OptimizerOffloader:
             self._slots[id(param)] = _Slot(param, nn.Parameter(host, requires_grad=param.requires_grad))
         # A parameter frozen now gets no hook (autograd refuses one); it must stay frozen.
         self._frozen = [slot for slot in self._slots.values() if not slot.param.requires_grad]
+        self.host_kernel = HostKernel(optimizer)
+        self.host_kernel.select()  # before the swap: "step" counters go where the kernel keeps them
         self._swap_optimizer(to_host=True)
         self._handles: list[Any] = []
         for slot in self._slots.values():
@@ -274,6 +284,9 @@ class OptimizerOffloader:
         self._handles.append(_InstanceAttribute(optimizer, "zero_grad"))
         self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._handles.append(optimizer.register_step_post_hook(self._after_step))
+        # A checkpoint's param groups replace ours, with their own foreach/fused: choose again.
+        reselect = optimizer.register_load_state_dict_post_hook(lambda _: self.host_kernel.select())
+        self._handles.append(reselect)
         self._stats.host_param_bytes = self._params_arena.nbytes
 
     # -- public state -------------------------------------------------------------------------
@@ -290,6 +303,7 @@ class OptimizerOffloader:
             for value in state.values()
             if isinstance(value, torch.Tensor)
         )
+        self._stats.host_kernel = self.host_kernel.name
         return self._stats
 
     @property
@@ -599,6 +613,7 @@ class OptimizerOffloader:
             for slot in self._slots.values():
                 if slot.master.grad is not None:
                     slot.param.grad = slot.master.grad.to(slot.param.device, copy=True)
+        self.host_kernel.restore()  # the implementation the user constructed, "step" placed for it
         self._swap_optimizer(to_host=False)
         for arena in (self._params_arena, self._grads_arena, self._staging_arena):
             if arena is not None:
@@ -635,8 +650,11 @@ def offload_optimizer(
         model: the module whose parameters ``optimizer`` steps (forward pre-hooks on its modules
             wait for each parameter's copy back to the device). Pass the
             ``DistributedDataParallel`` wrapper under DDP: gradients then leave once averaged.
-        optimizer: a ``torch.optim.Optimizer`` over parameters on one device. Its class,
-            hyperparameters and foreach/fused choice run on the host copies.
+        optimizer: a ``torch.optim.Optimizer`` over parameters on one device. Its class and
+            hyperparameters run on the host copies; with foreach/fused left unset, torch's fused
+            CPU kernel runs where one exists (Adam, AdamW, SGD, Adagrad; RAdam runs foreach), so
+            the result is bitwise that of the optimizer constructed with ``fused=True``
+            (``foreach=True``); an explicit choice is kept.
         devices: device types whose parameters are handled; ``("cpu",)`` drives the whole path on
             a CPU-only machine (tests; it saves nothing there).
         max_grad_inflight_bytes: most gradient bytes kept on the device while their copy to host

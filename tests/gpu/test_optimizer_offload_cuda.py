@@ -52,10 +52,13 @@ def _backward(model, inputs, targets, accumulate, delay):
 
 
 def _reference(optimizer_name, steps, accumulate, delay):
-    """GPU forward/backward; the same optimizer stepping CPU copies; parameters copied back."""
+    """GPU forward/backward; the same optimizer stepping CPU copies with the kernel lightmem runs
+    there (fused, as these leave foreach/fused unset or ask for it); parameters copied back."""
     model = _model()
     host = [p.detach().cpu().requires_grad_() for p in model.parameters()]
     optimizer = OPTIMIZERS[optimizer_name](host)
+    for group in optimizer.param_groups:
+        group["fused"] = True
     batches = iter(_batches(steps * accumulate))
     for _ in range(steps):
         for _ in range(accumulate):
