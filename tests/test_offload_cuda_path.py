@@ -487,8 +487,10 @@ def test_slabs_are_page_locked_even_when_graphs_overlap_every_step_boundary(monk
         with off:
             losses.append(model())
         if len(losses) == 2:
+            transport.synchronize()  # every copy to host has run: backward reloads every entry
             losses.pop(0).backward()
         pageable.append(transport.pageable_copies)
+    transport.synchronize()
     losses.pop().backward()
     # Step 1's copies to host are pageable, and so are their reloads in step 2. The boundary after
     # step 1 page-locks a slab for one step; step 3 (two steps alive) overflows into a pageable

@@ -15,7 +15,9 @@ and the defaults (``fused=True`` or ``foreach=True``), so the optimizer's own st
 
 The implementations give other last bits than the for-loop; the result is bitwise that of the
 same optimizer constructed with the flag set here, stepping without lightmem. ``restore()`` gives
-the optimizer back the choice the user made (``None``), as it was constructed.
+the optimizer back the choice the user made (``None``), as it was constructed, and a ``state_dict``
+taken while offloaded says ``None`` too (``in_state_dict``): lightmem's choice is never saved as
+the user's, so a fit resumed from it is given back unset as well.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ class HostKernel:
     """The implementation that runs ``optimizer``'s step on host tensors, per param group.
 
     ``select()`` sets every group that left the choice unset to the fastest implementation on CPU
-    (``fused=True`` or ``foreach=True``; see the module docstring), at offload start, and after
+    (``fused=True`` or ``foreach=True``; see the module docstring; the defaults are left alone, so a
+    group added later keeps its own choice), at offload start, and after
     ``load_state_dict``, whose groups are the checkpoint's: a choice written there is kept.
     ``restore()`` puts ``None`` back in the groups it set (``name`` and ``str()`` go on naming what
     stepped). ``name`` is what runs (``"fused"``, ``"foreach"``, ``"for-loop"``, ``"custom"`` for
@@ -108,7 +111,6 @@ class HostKernel:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self._switched: dict[int, str] = {}  # group index -> the flag set to True here
-        self._switched_defaults: str | None = None
         self._ran: tuple[str, str] | None = None  # after restore(): (name, str) of what stepped
 
     def select(self) -> None:
@@ -125,9 +127,6 @@ class HostKernel:
                     step = optimizer.state.get(param, {}).get("step")
                     if isinstance(step, torch.Tensor):  # fused kernels keep a float32 counter
                         optimizer.state[param]["step"] = step.to(torch.float32)
-        if self._switched and _unset(optimizer.defaults):
-            optimizer.defaults[kernel] = True  # param groups added later take the same kernel
-            self._switched_defaults = kernel
 
     def restore(self) -> None:
         self._ran = (self.name, str(self))
@@ -135,10 +134,15 @@ class HostKernel:
         for index, kernel in self._switched.items():
             if index < len(groups):
                 groups[index][kernel] = None
-        if self._switched_defaults is not None:
-            self.optimizer.defaults[self._switched_defaults] = None
         self._switched = {}
-        self._switched_defaults = None
+
+    def in_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A ``state_dict`` post-hook: the groups switched here say ``None`` in the saved state."""
+        groups = state.get("param_groups", [])
+        for index, kernel in self._switched.items():
+            if index < len(groups):
+                groups[index][kernel] = None
+        return state
 
     def _kernels(self) -> list[tuple[str, str]]:
         """(kernel, why) for each param group, as the optimizer's step on host tensors runs it."""

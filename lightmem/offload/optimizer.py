@@ -199,6 +199,18 @@ def _check_params(params: list[nn.Parameter], settings: OptimizerOffloadSettings
     return device
 
 
+def _refuse_sparse_gradients(model: nn.Module, params: list[nn.Parameter], flag: str) -> None:
+    """Embeddings with ``sparse=True`` give sparse gradients, which have no host buffer layout
+    (and no fused kernel): refuse them before anything changed."""
+    stepped = {id(param) for param in params}
+    for name, module in model.named_modules():
+        if getattr(module, "sparse", False) and id(getattr(module, "weight", None)) in stepped:
+            raise ValueError(
+                f"{flag}: module '{name}' is {type(module).__name__}(sparse=True): its sparse gradients "
+                "cannot be offloaded; construct it with sparse=False or turn the option off"
+            )
+
+
 class OptimizerOffloader:
     """Gradients and optimizer state of ``optimizer`` on the host; see the module docstring.
 
@@ -230,6 +242,7 @@ class OptimizerOffloader:
         _check_optimizer(optimizer, settings)
         params = _optimized_params(optimizer)
         self.device = _check_params(params, settings, flag)
+        _refuse_sparse_gradients(model, params, flag)
         self.model = model
         self.optimizer = optimizer
         self.settings = settings
@@ -287,6 +300,7 @@ class OptimizerOffloader:
         # A checkpoint's param groups replace ours, with their own foreach/fused: choose again.
         reselect = optimizer.register_load_state_dict_post_hook(lambda _: self.host_kernel.select())
         self._handles.append(reselect)
+        self._handles.append(optimizer.register_state_dict_post_hook(lambda _, state: self.host_kernel.in_state_dict(state)))
         self._stats.host_param_bytes = self._params_arena.nbytes
 
     # -- public state -------------------------------------------------------------------------
