@@ -156,6 +156,7 @@ class ActivationOffloader:
         self._thread: int | None = None  # the thread that entered (saved-tensor hooks are per thread)
         self._entering = threading.Lock()
 
+    @torch.compiler.disable  # entered in a compiled function: Dynamo runs the with-block's frame eagerly
     def __enter__(self) -> ActivationOffloader:
         with self._entering:
             if self._active:
@@ -184,6 +185,7 @@ class ActivationOffloader:
             self._scope.attach()
         torch._C._autograd._push_saved_tensors_default_hooks(self._offloader.pack, self._offloader.unpack)
 
+    @torch.compiler.disable
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

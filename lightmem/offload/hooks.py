@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 
+from lightmem.compiled import never_traced
 from lightmem.config import warn_once
 from lightmem.offload.inflight import InflightCopies, saved_view, served_view
 from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, same_save
@@ -136,6 +137,7 @@ class _KeptStorage(weakref.ref):
     def alias(self) -> _KeptStorage:
         return self
 
+    @never_traced
     def __del__(self) -> None:
         self.owner._resident_bytes -= self.nbytes
 
@@ -228,6 +230,7 @@ class _HostEntry(Entry):
                 return
         self.version_holder = _version_holder(alias, self.owner._empty_on(self.device))
 
+    @never_traced
     def __del__(self) -> None:
         owner = self.owner
         with owner._lock:
@@ -302,6 +305,7 @@ class Offloader(Reloads):
 
     # -- forward -------------------------------------------------------------------------------
 
+    @never_traced  # called by autograd, also between the graphs of a compiled model (lightmem.compiled)
     def pack(self, tensor: Tensor) -> Any:
         stats = self.stats
         stats.packed_tensors += 1
@@ -430,6 +434,7 @@ class Offloader(Reloads):
 
     # -- backward ------------------------------------------------------------------------------
 
+    @never_traced
     def unpack(self, handle: Any) -> Tensor:
         if type(handle) is tuple:  # a save that stayed where it was: one type check on this path
             tensor = handle[0]
