@@ -1,0 +1,212 @@
+"""lightmem under ``torch.compile``: hooks Dynamo never traces, checkpointing exact whatever Dynamo
+captures, the same training as the compiled model without lightmem."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from exact import assert_same, assert_state_equal
+from lit_models import cpu_trainer, lit_gpt_class, token_loader
+from models import Block, TinyGPT, gpt_loss
+from torch import nn
+from torch._dynamo.utils import counters
+
+from lightmem import LightMem, apply_checkpointing, offload_activations
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    # A finalizer that fails (a hook object Dynamo half-built) must fail the test, not print.
+    pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning"),
+]
+
+
+class GraphBreakBlock(Block):
+    """A transformer block whose forward breaks Dynamo's graph between attention and MLP."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        torch._dynamo.graph_break()
+        return x + self.mlp(self.ln2(x))
+
+
+def _breaking_gpt(depth: int = 2) -> TinyGPT:
+    torch.manual_seed(0)
+    model = TinyGPT(dim=32, depth=depth, heads=2, seq=16)
+    for block in model.blocks:
+        block.__class__ = GraphBreakBlock
+    return model
+
+
+_TOKENS = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+
+
+def _compiled_steps(model: nn.Module, context=None, steps: int = 2):
+    """``steps`` AdamW steps of ``model`` compiled whole (aot_eager), each forward inside
+    ``context`` when given; returns the optimizer and the frames and graphs Dynamo compiled."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    for _ in range(steps):
+        if context is None:
+            loss = gpt_loss(compiled, _TOKENS)
+        else:
+            with context:
+                loss = gpt_loss(compiled, _TOKENS)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return optimizer, (dict(counters["frames"]), counters["stats"]["unique_graphs"])
+
+
+@pytest.fixture(scope="module")
+def breaking_gpt_without_lightmem():
+    model = _breaking_gpt()
+    optimizer, compiled = _compiled_steps(model)
+    return model, optimizer, compiled
+
+
+# -- Dynamo never traces the hooks ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("min_bytes", [0, "1MiB"], ids=["every-tensor", "default-threshold"])
+def test_a_graph_break_inside_a_submodule_leaves_the_hooks_untraced_and_training_exact(
+    min_bytes, breaking_gpt_without_lightmem
+):
+    expected_model, expected_optimizer, expected_compiled = breaking_gpt_without_lightmem
+    model = _breaking_gpt()
+    offload = offload_activations(model, min_bytes=min_bytes, devices=("cpu",))
+    optimizer, compiled = _compiled_steps(model, offload)
+    # Dynamo compiled exactly the model's frames: none of lightmem's, no recompilation.
+    assert compiled == expected_compiled
+    assert_state_equal(expected_model, model, expected_optimizer, optimizer)
+    assert offload.live_entries == 0
+    if min_bytes == 0:
+        assert offload.stats.offloaded_tensors > 0
+
+
+def test_offload_entered_inside_a_compiled_function_runs_and_training_is_exact(breaking_gpt_without_lightmem):
+    expected_model, expected_optimizer, _ = breaking_gpt_without_lightmem
+    model = _breaking_gpt()
+    offload = offload_activations(model, min_bytes=0, devices=("cpu",))
+
+    def loss_of(tokens):
+        with offload:  # Dynamo runs this frame eagerly and compiles what it calls
+            return gpt_loss(model, tokens)
+
+    torch._dynamo.reset()
+    compiled_loss = torch.compile(loss_of, backend="aot_eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    for _ in range(2):
+        compiled_loss(_TOKENS).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert offload.stats.offloaded_tensors > 0 and not offload.active
+    assert_state_equal(expected_model, model, expected_optimizer, optimizer)
+
+
+@pytest.fixture(scope="module")
+def lightning_fit_without_lightmem():
+    return _fit_compiled(pytest.importorskip("pytorch_lightning"), callbacks=())
+
+
+def _fit_compiled(package, callbacks):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lit = lit_gpt_class(package)(depth=2)
+    lit.model = _breaking_gpt()
+    lit.model = torch.compile(lit.model, backend="aot_eager")
+    torch.manual_seed(1)
+    cpu_trainer(callbacks, package=package, max_steps=2).fit(lit, token_loader(batches=2, batch_size=2, seq=17))
+    return lit
+
+
+def test_lightning_fit_of_a_compiled_module_with_graph_breaks_is_exact(lightning_package, lightning_fit_without_lightmem):
+    callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, metrics=["lightmem"])
+    lit = _fit_compiled(lightning_package, [callback])
+    assert_same(lightning_fit_without_lightmem.state_dict(), lit.state_dict(), "state_dict")
+    assert callback.last_metrics["lightmem/memory/offload/offloaded_GiB"] > 0
+
+
+# -- checkpointing exact whatever Dynamo captures --------------------------------------------------
+
+
+class BatchNormItemBlock(nn.Module):
+    """BatchNorm, then a ``.item()`` (Dynamo cannot capture it) or a Python-side counter."""
+
+    def __init__(self, graph_break: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.graph_break = graph_break
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.linear(x))
+        if self.graph_break == "item":
+            scale = 1.0 + 0.0 * h.abs().mean().item()
+        elif self.graph_break == "counter":  # a side effect Dynamo cannot replay inside a checkpoint
+            self.calls += 1
+            scale = 1.0
+        else:
+            scale = 1.0
+        return torch.relu(h) * scale
+
+
+def _keep_relu(ctx, op, *args, **kwargs):
+    return op.overloadpacket is torch.ops.aten.relu
+
+
+def _block_model(graph_break: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), BatchNormItemBlock(graph_break), nn.Linear(8, 1))
+
+
+def _train_compiled(model: nn.Module, backend: str, steps: int = 3):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    for _ in range(steps):
+        compiled(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+@pytest.mark.parametrize(
+    ("graph_break", "policy"),
+    [("item", "full"), ("item", "save_matmuls"), ("item", _keep_relu), ("counter", "full")],
+    ids=["item-full", "item-save_matmuls", "item-callable", "counter-full"],
+)
+def test_a_checkpointed_block_that_breaks_the_graph_updates_buffers_once(graph_break, policy):
+    expected = _block_model(graph_break)
+    expected_optimizer = _train_compiled(expected, "aot_eager")
+    model = _block_model(graph_break)
+    apply_checkpointing(model, ["1"], policy=policy)
+    optimizer = _train_compiled(model, "aot_eager")
+    assert int(model[1].norm.num_batches_tracked) == 3
+    assert_state_equal(expected, model, expected_optimizer, optimizer)
+
+
+@pytest.mark.parametrize("graph_break", ["none", "item"])
+def test_checkpointing_under_inductor_is_exact(graph_break):
+    """Captured whole, the block is part of the compiled graph; breaking the graph, it runs eagerly
+    inside torch's checkpoint (which compile never traces into), as the same block under
+    ``torch.compiler.disable`` does without lightmem."""
+    expected = _block_model("item")
+    if graph_break == "none":
+        expected[1].graph_break = "none"
+    else:
+        expected[1].forward = torch.compiler.disable(expected[1].forward)
+    expected_optimizer = _train_compiled(expected, "inductor")
+    model = _block_model("item")
+    model[1].graph_break = graph_break
+    apply_checkpointing(model, ["1"], policy="save_matmuls")
+    optimizer = _train_compiled(model, "inductor")
+    assert int(model[1].norm.num_batches_tracked) == 3
+    assert_state_equal(expected, model, expected_optimizer, optimizer)
