@@ -34,6 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from lightmem.compiled import user_named_modules
 from lightmem.config import parse_checkpoint_policy, parse_checkpoint_targets, parse_count, warn_once
 from lightmem.matching import Target, select_modules
 from lightmem.recompute_state import ArgumentStates, cache_off_in_training, model_cache_argument
@@ -470,7 +471,7 @@ def existing_checkpointing(strategy: Any, model: nn.Module) -> str | None:
         section = config.get("activation_checkpointing") or {}
         if section.get("partition_activations") or section.get("cpu_checkpointing"):
             return "DeepSpeed activation checkpointing is configured"
-    for name, module in model.named_modules():
+    for name, module in user_named_modules(model):
         if type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
             return f"module {name or type(module).__name__!r} is already a checkpoint wrapper"
         if getattr(module, "gradient_checkpointing", False) is True:

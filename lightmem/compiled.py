@@ -6,14 +6,19 @@ still installed, so every Python frame started there, a hook or a finalizer (``_
 reference count reaching zero included, is offered to Dynamo to compile. Tracing the offload engine
 fails or recompiles without end (its state changes at every call). ``never_traced`` marks a
 function so that Dynamo skips its frame and every frame it calls, at no cost per call.
+
+``torch.compile(module)`` returns an ``OptimizedModule`` that holds the module as ``_orig_mod``, so
+every name under it gains that part; ``user_named_modules`` gives the names the user wrote.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -44,3 +49,25 @@ def user_module_name(name: str) -> str:
     if "_orig_mod" not in name:
         return name
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _compiled_module_class() -> type | None:
+    # Only once torch._dynamo is imported can a module be an OptimizedModule: no import here.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def is_compiled_module(module: nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returned (an ``OptimizedModule``)."""
+    wrapper = _compiled_module_class()
+    return wrapper is not None and isinstance(module, wrapper)
+
+
+def user_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules()`` as the user wrote the model: the modules ``torch.compile``
+    wrapped under their own names, without the wrappers."""
+    wrapper = _compiled_module_class()
+    for name, module in model.named_modules():
+        if wrapper is None or not isinstance(module, wrapper):
+            yield user_module_name(name), module
+

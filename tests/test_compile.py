@@ -210,3 +210,80 @@ def test_checkpointing_under_inductor_is_exact(graph_break):
     optimizer = _train_compiled(model, "inductor")
     assert int(model[1].norm.num_batches_tracked) == 3
     assert_state_equal(expected, model, expected_optimizer, optimizer)
+
+
+# -- names, scope and figures as the user sees them ----------------------------------------------
+
+
+def _gpt(depth: int = 2) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(dim=32, depth=depth, heads=2, seq=16)
+
+
+_LM_HEAD_INPUT_BYTES = 2 * 16 * 32 * 4  # what lm_head saves: its (batch 2, 16 tokens, 32 features) fp32 input
+
+
+def _offloaded_forward(compiled: nn.Module, model_for_names: nn.Module, **scope):
+    offload = offload_activations(model_for_names, min_bytes=0, devices=("cpu",), **scope)
+    with offload:
+        loss = gpt_loss(compiled, _TOKENS)
+    loss.backward()
+    return offload.stats
+
+
+@pytest.mark.parametrize("names_from", ["compiled", "original"])
+def test_include_and_exclude_apply_under_whole_model_compile_with_the_users_names(names_from):
+    torch._dynamo.reset()
+    model = _gpt()
+    compiled = torch.compile(model, backend="aot_eager")
+    named = compiled if names_from == "compiled" else model
+    excluded = _offloaded_forward(compiled, named, exclude=["lm_head"])
+    assert excluded.kept_bytes == _LM_HEAD_INPUT_BYTES
+    included = _offloaded_forward(compiled, named, include=["lm_head"])
+    assert (included.offloaded_tensors, included.offloaded_bytes) == (1, _LM_HEAD_INPUT_BYTES)
+    everything = _offloaded_forward(compiled, named)
+    assert excluded.offloaded_bytes == everything.offloaded_bytes - _LM_HEAD_INPUT_BYTES
+
+
+def test_a_scope_attached_after_the_graph_was_compiled_warns_that_it_does_not_apply():
+    torch._dynamo.reset()
+    model = _gpt()
+    compiled = torch.compile(model, backend="aot_eager")
+    gpt_loss(compiled, _TOKENS).backward()  # compiled without the scope's hooks
+    with pytest.warns(UserWarning, match=r"no selected module ran in this forward. If the model is compiled"):
+        _offloaded_forward(compiled, model, include=["blocks.0"])
+
+
+def test_module_patterns_match_the_users_names_on_compiled_models():
+    model = _gpt()
+    compiled = torch.compile(model, backend="aot_eager")
+    handle = apply_checkpointing(compiled, ["blocks.*"])
+    assert handle.modules == ["blocks.0", "blocks.1"]
+    handle.remove()
+    for index, block in enumerate(model.blocks):  # compiled per block, as torchtitan does
+        model.blocks[index] = torch.compile(block, backend="aot_eager")
+    assert apply_checkpointing(model, "Block").modules == ["blocks.0", "blocks.1"]
+    with pytest.raises(ValueError, match=r"'block\.\*' matches no module of the model; closest names: blocks\.") as error:
+        offload_activations(compiled, exclude=["block.*"])
+    assert "_orig_mod" not in str(error.value)
+
+
+def test_peak_resident_bytes_counts_every_save_of_a_compiled_graph_until_it_has_run():
+    torch._dynamo.reset()
+    model = _gpt()
+    compiled_loss = torch.compile(lambda tokens: gpt_loss(model, tokens), backend="aot_eager")
+    offload = offload_activations(model, min_bytes=0, devices=("cpu",))
+    with offload:  # one graph: its saves all reach the hooks when it has run
+        loss = compiled_loss(_TOKENS)
+    loss.backward()
+    assert offload.stats.offloaded_bytes > 0
+    assert offload.stats.peak_resident_bytes == offload.stats.offloaded_bytes
+
+
+def test_lightning_offload_exclude_applies_to_a_compiled_module(lightning_package):
+    torch._dynamo.reset()
+    lit = lit_gpt_class(lightning_package)(depth=2)
+    lit.model = torch.compile(_gpt(), backend="aot_eager")
+    callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, offload_exclude=["model.lm_head"], metrics=["lightmem"])
+    cpu_trainer([callback], package=lightning_package, max_steps=2).fit(lit, token_loader(batches=2, batch_size=2, seq=17))
+    assert callback.last_metrics["lightmem/memory/offload/kept_GiB"] == _LM_HEAD_INPUT_BYTES / 2**30

@@ -211,6 +211,7 @@ class ActivationOffloader:
             self._active = False
             self._thread = None
             if self._scope is not None:
+                self._check_scope_applied()
                 self._scope.detach()
             self._offloader.end()
         if above is None:
@@ -230,6 +231,20 @@ class ActivationOffloader:
         if exc is None:
             raise RuntimeError(message)
         warn_once(message)  # do not hide the exception already on its way
+
+    def _check_scope_applied(self) -> None:
+        """Warn when tensors were saved but no module of include/exclude ran its rule: a graph that
+        Dynamo compiled before the scope's hooks were attached runs those modules without them
+        (Dynamo does not guard on module hooks)."""
+        if self._scope.entered == 0 and self._offloader.stats.packed_tensors:
+            flag = self.settings.flag
+            warn_once(
+                f"{flag('include')}/{flag('exclude')}: tensors were saved but no selected module ran in this "
+                "forward. If the model is compiled, it was compiled and run before this offload context was "
+                "first entered, so its compiled graph does not see the rules (its saved tensors follow the "
+                "default): enter the context before the model's first compiled training forward, or call "
+                "torch._dynamo.reset() once after building it."
+            )
 
     def _pop_own_hooks(self) -> int | None:
         """Remove this context's hooks from the thread's hook stack, wherever they are.

@@ -295,6 +295,7 @@ class Offloader(Reloads):
         self._wait_base_s = 0.0
         self._deferred: list[_HostEntry] = []  # entries whose copy waits for their op to return
         self._deferred_after = -1  # the autograd sequence number when the last of them was saved
+        self._deferred_bytes = 0
         self._pending = InflightCopies(max_inflight_bytes, transport)  # copies to host still queued
         self._inflight = self._pending.entries  # the same deque, read on every pack and unpack
         self._capturing = transport.capturing
@@ -364,6 +365,12 @@ class Offloader(Reloads):
         self._deferred.append(entry)
         self._deferred_after = _sequence_nr()
         stats = self.stats
+        # Until its copy to host has run, a saved tensor is on the device too; under compile a whole
+        # graph's saves arrive at once, when the graph has run, and this is where its peak shows.
+        self._deferred_bytes += nbytes
+        resident = self._resident_bytes + self._deferred_bytes + self._pending.bytes
+        if resident > stats.peak_resident_bytes:
+            stats.peak_resident_bytes = resident
         stats.offloaded_tensors += 1
         stats.offloaded_bytes += nbytes
         return entry
@@ -382,6 +389,7 @@ class Offloader(Reloads):
         if not deferred:
             return
         self._deferred = []
+        self._deferred_bytes = 0
         transport = self._transport
         grad = torch.is_grad_enabled()  # off in pack; a copy must never join an autograd graph
         if grad:
