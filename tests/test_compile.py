@@ -14,6 +14,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightmem import LightMem, apply_checkpointing, offload_activations
+from lightmem.config import warn_once
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -245,7 +246,8 @@ def test_include_and_exclude_apply_under_whole_model_compile_with_the_users_name
     assert excluded.offloaded_bytes == everything.offloaded_bytes - _LM_HEAD_INPUT_BYTES
 
 
-def test_a_scope_attached_after_the_graph_was_compiled_warns_that_it_does_not_apply():
+def test_a_scope_attached_after_the_graph_was_compiled_warns_that_it_does_not_apply(monkeypatch):
+    monkeypatch.setitem(warn_once.__globals__, "_warned", set())
     torch._dynamo.reset()
     model = _gpt()
     compiled = torch.compile(model, backend="aot_eager")
@@ -268,6 +270,12 @@ def test_module_patterns_match_the_users_names_on_compiled_models():
     assert "_orig_mod" not in str(error.value)
 
 
+def test_offload_of_a_model_compiled_whole_says_to_compile_each_block(monkeypatch):
+    monkeypatch.setitem(warn_once.__globals__, "_warned", set())  # an earlier test may have said it once
+    with pytest.warns(UserWarning, match=r"the model is compiled whole.*Compile each repeated block instead"):
+        offload_activations(torch.compile(_gpt(), backend="aot_eager"), devices=("cpu",))
+
+
 def test_peak_resident_bytes_counts_every_save_of_a_compiled_graph_until_it_has_run():
     torch._dynamo.reset()
     model = _gpt()
@@ -287,3 +295,99 @@ def test_lightning_offload_exclude_applies_to_a_compiled_module(lightning_packag
     callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, offload_exclude=["model.lm_head"], metrics=["lightmem"])
     cpu_trainer([callback], package=lightning_package, max_steps=2).fit(lit, token_loader(batches=2, batch_size=2, seq=17))
     assert callback.last_metrics["lightmem/memory/offload/kept_GiB"] == _LM_HEAD_INPUT_BYTES / 2**30
+
+
+# -- the device peak falls under whole-model compile ------------------------------------------------
+
+
+def _peak_probe(package, callback: LightMem):
+    """A callback of ``package`` that records, after each batch, the offload's peak of saved bytes on
+    the device and the frames Dynamo has compiled so far."""
+
+    class PeakProbe(package.Callback):
+        def __init__(self) -> None:
+            self.peaks: list[int] = []
+            self.frames: list[int] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.peaks.append(callback.fit_session.offloader.stats.peak_resident_bytes)
+            self.frames.append(counters["frames"]["total"])
+
+    return PeakProbe()
+
+
+def _fit_offloaded(package, lit, loader):
+    """Three steps of ``lit`` under LightMem offloading every saved tensor (no prefetch, so the peak is
+    the forward's); returns the callback, the probe and what LightMem printed."""
+    torch._dynamo.reset()
+    counters.clear()
+    callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, prefetch_bytes=0, metrics=["lightmem"])
+    probe = _peak_probe(package, callback)
+    cpu_trainer([callback, probe], package=package, max_steps=3).fit(lit, loader)
+    return callback, probe
+
+
+def _plain_peak_and_block_bytes(model: nn.Module, loss_of, block: str) -> tuple[int, int]:
+    """Eager offload's peak of saved bytes on the device, and the bytes one compiled block saves."""
+    offload = offload_activations(model, min_bytes=0, devices=("cpu",), prefetch=0)
+    with offload:
+        loss = loss_of(model)
+    loss.backward()
+    eager_peak = offload.stats.peak_resident_bytes
+    torch._dynamo.reset()
+    compiled_block = model.get_submodule(block)
+    parent, _, index = block.rpartition(".")
+    model.get_submodule(parent)[int(index)] = torch.compile(compiled_block, backend="aot_eager")
+    offload = offload_activations(model, min_bytes=0, devices=("cpu",), prefetch=0, include=[block])
+    with offload:
+        loss = loss_of(model)
+    loss.backward()
+    model.get_submodule(parent)[int(index)] = compiled_block
+    return eager_peak, offload.stats.offloaded_bytes
+
+
+def test_whole_model_compile_with_offload_holds_one_blocks_activations_at_a_time(lightning_package, caplog):
+    loader = token_loader(batches=3, batch_size=2, seq=17)
+    (tokens,) = next(iter(loader))
+    model = _gpt(depth=8)
+    eager_peak, block_bytes = _plain_peak_and_block_bytes(model, lambda m: gpt_loss(m, tokens), "blocks.0")
+    lit = lit_gpt_class(lightning_package)(depth=8)
+    lit.model = torch.compile(model, backend="aot_eager")
+    with caplog.at_level("INFO"):
+        callback, probe = _fit_offloaded(lightning_package, lit, loader)
+    assert max(probe.peaks) <= eager_peak + block_bytes
+    assert probe.frames[0] == probe.frames[-1]  # no recompilation after the first step
+    assert (
+        "lightmem: module 'model' is compiled whole; with activation offload on, it is compiled one block at a "
+        "time instead (8 blocks: model.blocks.0, model.blocks.1, model.blocks.2, ...), with your compile options, "
+        "so each block's activations leave the device when the block has run."
+    ) in [record.getMessage() for record in caplog.records]
+    assert not lit.model._orig_mod.blocks[0]._forward_pre_hooks  # gone with the fit
+
+
+def test_a_hugging_face_model_compiled_whole_holds_one_layers_activations_at_a_time():
+    transformers = pytest.importorskip("transformers")
+    import pytorch_lightning as pl
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=8, n_embd=64, n_head=2, vocab_size=128))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss_of = lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
+    eager_peak, block_bytes = _plain_peak_and_block_bytes(model, loss_of, "transformer.h.0")
+
+    class LitHF(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.compile(model, backend="aot_eager")
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[0], use_cache=False).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids.repeat(3, 1)), batch_size=2)
+    callback, probe = _fit_offloaded(pl, LitHF(), loader)
+    assert max(probe.peaks) <= eager_peak + block_bytes
+    assert probe.frames[0] == probe.frames[-1]

@@ -9,6 +9,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
+from lightmem.compiled import is_compiled_module
 from lightmem.config import (
     DEFAULT_HOST_BUDGET,
     DEFAULT_HOST_MIN_AVAILABLE,
@@ -111,6 +112,12 @@ class ActivationOffloader:
             raise ValueError(f"{flag('model')}: expected an nn.Module or None; got {type(model).__name__}")
         self.model = model
         self.settings = settings
+        if model is not None and (is_compiled_module(model) or getattr(model, "_compiled_call_impl", None) is not None):
+            warn_once(
+                "offload_activations: the model is compiled whole, so its saved tensors reach offload only when "
+                "the whole compiled forward has run, and the device peak barely falls. Compile each repeated "
+                "block instead (model.blocks[i] = torch.compile(model.blocks[i])); LightMem does this for you."
+            )
         self.min_bytes = settings.min_bytes
         self.devices = settings.devices
         include, exclude = settings.include, settings.exclude
