@@ -71,3 +71,10 @@ def user_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         if wrapper is None or not isinstance(module, wrapper):
             yield user_module_name(name), module
 
+
+def holds_compiled_modules(model: nn.Module) -> bool:
+    """Whether ``model`` or a submodule was compiled: ``torch.compile(module)`` or ``module.compile()``."""
+    return any(
+        is_compiled_module(module) or getattr(module, "_compiled_call_impl", None) is not None
+        for module in model.modules()
+    )

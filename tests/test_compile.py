@@ -13,7 +13,7 @@ from models import Block, TinyGPT, gpt_loss
 from torch import nn
 from torch._dynamo.utils import counters
 
-from lightmem import LightMem, apply_checkpointing, offload_activations
+from lightmem import LightMem, apply_checkpointing, estimate_memory, offload_activations
 from lightmem.config import warn_once
 
 pytestmark = [
@@ -391,3 +391,14 @@ def test_a_hugging_face_model_compiled_whole_holds_one_layers_activations_at_a_t
     callback, probe = _fit_offloaded(pl, LitHF(), loader)
     assert max(probe.peaks) <= eager_peak + block_bytes
     assert probe.frames[0] == probe.frames[-1]
+
+
+def test_the_estimate_of_a_compiled_model_uses_the_users_names_and_says_how_far_its_figures_hold():
+    model = _gpt()
+    eager = estimate_memory(model, _TOKENS, gpt_loss, device="cpu", offload={"min_bytes": 0})
+    compiled = estimate_memory(torch.compile(model, backend="aot_eager"), _TOKENS, gpt_loss, device="cpu", offload={"min_bytes": 0})
+    assert list(compiled.blocks) == list(eager.blocks) == ["embed", "blocks.0", "blocks.1", "ln_f", "lm_head", "(outside blocks)"]
+    assert compiled.peak_bytes == eager.peak_bytes
+    assert (compiled.compiled, eager.compiled) == (True, False)
+    assert "torch.compile: these figures are eager execution's" in compiled.to_text()
+    assert "torch.compile" not in eager.to_text()

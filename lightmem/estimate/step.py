@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import (
 from torch.nn.utils.stateless import _reparametrize_module
 
 from lightmem.checkpoint import apply_checkpointing, op_policy
+from lightmem.compiled import user_module_name
 from lightmem.config import OffloadSettings
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
@@ -192,7 +193,11 @@ def find_blocks(model: nn.Module) -> Blocks:
                 add(qualified, child, False)
 
     open_up(prefix, root)
-    return found
+    # The names the user wrote, also on a compiled model: they are checkpoint targets for the plan.
+    return Blocks(
+        {user_module_name(name): module for name, module in found.modules.items()},
+        {user_module_name(name) for name in found.repeated},
+    )
 
 
 def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
