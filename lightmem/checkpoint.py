@@ -349,10 +349,6 @@ class CheckpointHandle:
         # use_cache): a recompute must not see or fill a cache the forward filled.
         self._cache_hooks = cache_off_in_training(model, self.modules)
 
-    def named_blocks(self) -> dict[str, nn.Module]:
-        """The checkpointed blocks by name, in module order."""
-        return dict(zip(self.modules, self._blocks))
-
     def remove(self) -> None:
         """Undo this call. A block applied by several calls unwraps when the last one is removed."""
         if self._removed:

@@ -6,12 +6,12 @@ all of them were on the device together: the copies are paid and the peak stays 
 of 8 blocks: 93% of the no-offload residency compiled whole, 7% in eager). Compiled one block at a
 time, a graph holds one block's activations until it ends.
 
-``split_at_blocks`` gets there without touching the user's compile call: each block gets a forward
+``BlockCompile`` gets there without touching the user's compile call: each block gets a forward
 pre-hook that Dynamo may not trace, so Dynamo ends the graph before the block and compiles the block's
 forward as a frame of its own, with the same compile options (the frames called from a compiled
-module are compiled by the same ``torch.compile`` call). The blocks are the checkpointed ones when
-lightmem checkpoints, else the repeated layers the estimator finds. Nothing is recompiled from step
-to step: the hooks never change.
+module are compiled by the same ``torch.compile`` call). The blocks are the repeated layers the
+estimator finds (``lightmem.blocks``). Nothing is recompiled from step to step: the graphs never
+change. ``offload_activations`` (and so ``LightMem``) does this while offload is active.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightmem.compiled import is_compiled_module, user_named_modules
-from lightmem.estimate.step import find_blocks
+from lightmem.blocks import find_blocks
 
 
 def whole_model_compile(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -54,8 +54,7 @@ def _user_name(model: nn.Module, module: nn.Module) -> str:
 def repeated_blocks(model: nn.Module) -> dict[str, nn.Module]:
     """The repeated layers of ``model`` by user name (``blocks.0``, ``transformer.h.3``)."""
     found = find_blocks(model)
-    names = {id(module): name for name, module in user_named_modules(model)}
-    return {names[id(found.modules[name])]: found.modules[name] for name in sorted(found.repeated, key=list(found.modules).index)}
+    return {name: module for name, module in found.modules.items() if name in found.repeated}
 
 
 @torch.compiler.disable
@@ -63,19 +62,56 @@ def _graph_boundary(module: nn.Module, args: Any) -> None:
     """Does nothing; Dynamo may not trace it, so a graph ends before the module it is hooked on."""
 
 
-class BlockBoundaries:
-    """The pre-hooks ``split_at_blocks`` put on the blocks; ``remove()`` takes them off."""
+class BlockCompile:
+    """A model compiled whole, to be compiled one block at a time while offload is active.
 
-    def __init__(self, blocks: dict[str, nn.Module]) -> None:
-        self.modules = list(blocks)
-        self._handles: list[RemovableHandle] = [block.register_forward_pre_hook(_graph_boundary) for block in blocks.values()]
+    ``attach()`` puts a boundary pre-hook on each block, ``detach()`` takes them off. Graphs Dynamo
+    compiles while they are on end before each block; the break stays in the compiled code, and an
+    eager call of a block runs the hooks present then, so attaching around each forward suffices.
+    Dynamo does not guard on module hooks: a graph compiled before the first ``attach()`` keeps the
+    whole model (``torch._dynamo.reset()`` recompiles it).
+    """
 
-    def remove(self) -> None:
+    def __init__(self, name: str, blocks: dict[str, nn.Module]) -> None:
+        self.blocks = blocks
+        what = f"module {name!r}" if name else "the model"
+        names = list(blocks)
+        self.message = (
+            f"lightmem: {what} is compiled whole; with activation offload on, it is compiled one block at a time "
+            f"instead ({len(names)} blocks: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), with your "
+            "compile options, so each block's activations leave the device when the block has run."
+        )
+        self._handles: list[RemovableHandle] = []
+
+    def attach(self) -> None:
+        self.detach()
+        self._handles = [block.register_forward_pre_hook(_graph_boundary) for block in self.blocks.values()]
+
+    def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
 
-def split_at_blocks(blocks: dict[str, nn.Module] | Iterable[tuple[str, nn.Module]]) -> BlockBoundaries:
+def block_compile(model: nn.Module) -> tuple[BlockCompile | None, str | None]:
+    """How to compile ``model`` one block at a time, and why not when it cannot be (a message):
+    ``(None, None)`` when no module of ``model`` is compiled whole around repeated blocks."""
+    found = whole_model_compile(model)
+    if found is None:
+        return None, None
+    name, compiled = found
+    if fullgraph(compiled):
+        what = f"module {name!r}" if name else "the model"
+        return None, (
+            f"lightmem: {what} is compiled whole with fullgraph=True, so offload sees its saved tensors only when "
+            "the whole forward has run and the device peak does not fall; compile each block instead "
+            "(torch.compile(block) for each repeated layer) or drop fullgraph=True"
+        )
+    return BlockCompile(name, repeated_blocks(model)), None
+
+
+def split_at_blocks(blocks: dict[str, nn.Module] | Iterable[tuple[str, nn.Module]]) -> BlockCompile:
     """Make ``torch.compile`` compile each of ``blocks`` as a graph of its own (see the module doc)."""
-    return BlockBoundaries(dict(blocks))
+    split = BlockCompile("", dict(blocks))
+    split.attach()
+    return split

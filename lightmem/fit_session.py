@@ -16,7 +16,6 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightmem import oom
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
-from lightmem.compile_blocks import BlockBoundaries, fullgraph, repeated_blocks, split_at_blocks, whole_model_compile
 from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
 from lightmem.estimate import Plan, plan
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
@@ -63,7 +62,6 @@ class FitSession:
         self.recorder: MetricsRecorder | None = None
         self._offload: TrainingOffload | None = None
         self._checkpoint: CheckpointHandle | None = None
-        self._block_boundaries: BlockBoundaries | None = None  # a model compiled whole, split at its blocks
         self._patched_module: Module | None = None
         self._optimizer_offloaders: list[OptimizerOffloader] = []
         self._optimizer_offload_off: str | None = None  # why offload_optimizer is off on this machine
@@ -140,32 +138,10 @@ class FitSession:
     def _start_offload(self, pl_module: Module, settings: OffloadSettings) -> None:
         offloader = self.build_offloader(pl_module, settings)
         self._offload = TrainingOffload(offloader) if offloader is not None else None
-        if offloader is not None:
-            self._compile_per_block(pl_module)
-
-    def _compile_per_block(self, pl_module: Module) -> None:
-        """A model compiled whole hands its saved tensors to offload only when its graph has run:
-        have it compiled one block at a time (``lightmem.compile_blocks``), and say so."""
-        found = whole_model_compile(pl_module)
-        if found is None:
-            return
-        name, compiled = found
-        what = f"module {name!r}" if name else "the model"
-        if fullgraph(compiled):
-            rank_zero_warn(
-                f"lightmem: {what} is compiled whole with fullgraph=True, so offload sees its saved tensors only "
-                "when the whole forward has run and the device peak does not fall; compile each block instead "
-                "(torch.compile(block) for each repeated layer) or drop fullgraph=True"
-            )
-            return
-        blocks = self._checkpoint.named_blocks() if self._checkpoint is not None else repeated_blocks(pl_module)
-        self._block_boundaries = split_at_blocks(blocks)
-        names = list(blocks)
-        rank_zero_info(
-            f"lightmem: {what} is compiled whole; with activation offload on, it is compiled one block at a time "
-            f"instead ({len(names)} blocks: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), with your "
-            "compile options, so each block's activations leave the device when the block has run."
-        )
+        if offloader is not None and offloader.compile_note is not None:
+            rank_zero_info(offloader.compile_note)  # a model compiled whole, compiled per block instead
+        elif offloader is not None and offloader.compile_warning is not None:
+            rank_zero_warn(offloader.compile_warning)
 
     def build_offloader(self, pl_module: Module, settings: OffloadSettings) -> ActivationOffloader | None:
         if offload_off_reason(settings) is not None:
@@ -312,9 +288,6 @@ class FitSession:
         try:
             self.forward_done()
         finally:
-            if self._block_boundaries is not None:
-                self._block_boundaries.remove()
-                self._block_boundaries = None
             if self._checkpoint is not None:
                 self._checkpoint.remove()
                 self._checkpoint = None

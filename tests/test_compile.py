@@ -270,10 +270,27 @@ def test_module_patterns_match_the_users_names_on_compiled_models():
     assert "_orig_mod" not in str(error.value)
 
 
-def test_offload_of_a_model_compiled_whole_says_to_compile_each_block(monkeypatch):
+def test_offload_of_a_model_compiled_whole_compiles_it_one_block_at_a_time_and_says_so(monkeypatch):
     monkeypatch.setitem(warn_once.__globals__, "_warned", set())  # an earlier test may have said it once
-    with pytest.warns(UserWarning, match=r"the model is compiled whole.*Compile each repeated block instead"):
-        offload_activations(torch.compile(_gpt(), backend="aot_eager"), devices=("cpu",))
+    torch._dynamo.reset()
+    model = _gpt(depth=8)
+    (tokens,) = next(iter(token_loader(batches=1, batch_size=2, seq=17)))
+    eager_peak, block_bytes = _plain_peak_and_block_bytes(model, lambda m: gpt_loss(m, tokens), "blocks.0")
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(UserWarning, match=r"the model is compiled whole; with activation offload on, it is compiled one block"):
+        offload = offload_activations(compiled, min_bytes=0, devices=("cpu",), prefetch=0)
+    with offload:
+        loss = gpt_loss(compiled, tokens)
+    loss.backward()
+    assert offload.stats.peak_resident_bytes <= eager_peak + block_bytes
+    assert not model.blocks[0]._forward_pre_hooks  # only while the context is active
+
+
+def test_a_model_compiled_whole_with_fullgraph_is_left_whole_with_a_warning(monkeypatch):
+    monkeypatch.setitem(warn_once.__globals__, "_warned", set())
+    with pytest.warns(UserWarning, match=r"compiled whole with fullgraph=True.*compile each block instead"):
+        offload = offload_activations(torch.compile(_gpt(), backend="aot_eager", fullgraph=True), devices=("cpu",))
+    assert offload.compile_note is None
 
 
 def test_peak_resident_bytes_counts_every_save_of_a_compiled_graph_until_it_has_run():

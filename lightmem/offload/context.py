@@ -9,7 +9,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
-from lightmem.compiled import is_compiled_module
+from lightmem.compile_blocks import block_compile
 from lightmem.config import (
     DEFAULT_HOST_BUDGET,
     DEFAULT_HOST_MIN_AVAILABLE,
@@ -101,6 +101,7 @@ class ActivationOffloader:
         transport: Transport | None = None,
         settings: OffloadSettings | None = None,
     ) -> None:
+        user_built = settings is None
         if settings is None:  # called by a user: parse the keyword flags here, once
             settings = OffloadSettings.parse(
                 min_bytes=min_bytes, devices=devices, include=include, exclude=exclude,
@@ -112,12 +113,13 @@ class ActivationOffloader:
             raise ValueError(f"{flag('model')}: expected an nn.Module or None; got {type(model).__name__}")
         self.model = model
         self.settings = settings
-        if model is not None and (is_compiled_module(model) or getattr(model, "_compiled_call_impl", None) is not None):
-            warn_once(
-                "offload_activations: the model is compiled whole, so its saved tensors reach offload only when "
-                "the whole compiled forward has run, and the device peak barely falls. Compile each repeated "
-                "block instead (model.blocks[i] = torch.compile(model.blocks[i])); LightMem does this for you."
-            )
+        # A model compiled whole hands its saved tensors to the hooks only when its graph has run: it is
+        # compiled one block at a time while the context is active (lightmem.compile_blocks).
+        self._block_compile, self.compile_warning = block_compile(model) if model is not None else (None, None)
+        self.compile_note = self._block_compile.message if self._block_compile is not None else None
+        """The line saying that the model compiled whole is compiled one block at a time, or None."""
+        if user_built and (self.compile_note or self.compile_warning):
+            warn_once(self.compile_note or self.compile_warning)
         self.min_bytes = settings.min_bytes
         self.devices = settings.devices
         include, exclude = settings.include, settings.exclude
@@ -190,6 +192,8 @@ class ActivationOffloader:
         self._offloader.begin(protected)
         if self._scope is not None:
             self._scope.attach()
+        if self._block_compile is not None:
+            self._block_compile.attach()
         torch._C._autograd._push_saved_tensors_default_hooks(self._offloader.pack, self._offloader.unpack)
 
     @torch.compiler.disable
@@ -220,6 +224,8 @@ class ActivationOffloader:
             if self._scope is not None:
                 self._check_scope_applied()
                 self._scope.detach()
+            if self._block_compile is not None:
+                self._block_compile.detach()
             self._offloader.end()
         if above is None:
             message = (
