@@ -29,6 +29,7 @@ try:  # torch >= 2.6: a per-code-object strategy, read by Dynamo's frame evaluat
 except ImportError:  # pragma: no cover - older torch
     set_code_exec_strategy = None
 
+
 def never_traced(function: _F) -> _F:
     """Dynamo neither compiles ``function`` nor anything it calls, whoever calls it.
 

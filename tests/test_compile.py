@@ -3,7 +3,6 @@ captures, the same training as the compiled model without lightmem."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
