@@ -125,11 +125,15 @@ def _fit_compiled(package, callbacks):
     return lit
 
 
-def test_lightning_fit_of_a_compiled_module_with_graph_breaks_is_exact(lightning_package, lightning_fit_without_lightmem):
-    callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, metrics=["lightmem"])
+@pytest.mark.parametrize("checkpoint", [None, ["Block"]], ids=["offload", "offload+checkpoint"])
+def test_lightning_fit_of_a_compiled_module_with_graph_breaks_is_exact(
+    lightning_package, checkpoint, lightning_fit_without_lightmem
+):
+    callback = LightMem(offload_devices=["cpu"], offload_min_bytes=0, checkpoint=checkpoint, metrics=["lightmem"])
     lit = _fit_compiled(lightning_package, [callback])
     assert_same(lightning_fit_without_lightmem.state_dict(), lit.state_dict(), "state_dict")
     assert callback.last_metrics["lightmem/memory/offload/offloaded_GiB"] > 0
+    assert callback.last_metrics.get("lightmem/memory/checkpoint/blocks", 0) == (2 if checkpoint else 0)
 
 
 # -- checkpointing exact whatever Dynamo captures --------------------------------------------------
