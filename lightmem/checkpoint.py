@@ -34,6 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from lightmem.compiled import user_named_modules
 from lightmem.config import parse_checkpoint_policy, parse_checkpoint_targets, parse_count, warn_once
 from lightmem.matching import Target, select_modules
 from lightmem.recompute_state import ArgumentStates, cache_off_in_training, model_cache_argument
@@ -242,6 +243,25 @@ class _SwappedBuffers:
             module._buffers[name] = tensor
 
 
+def _always_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _run_time_contexts(
+    wrapper: CheckpointedForward,
+) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """The contexts of a checkpoint call that Dynamo traced: chosen when checkpoint runs.
+
+    Traced into the graph (called while compiling), torch's selective-checkpoint modes are the only
+    contexts compile accepts, and none is needed for buffers: AOTAutograd's recomputation is part of
+    the compiled backward and applies no buffer update. Run eagerly because the block breaks the
+    graph, the eager contexts protect the buffers from a second update, as without compile.
+    """
+    if torch.compiler.is_compiling():
+        return create_selective_checkpoint_contexts(wrapper.op_policy or _always_recompute)
+    return wrapper.contexts()
+
+
 class CheckpointedForward:
     """The instance ``forward`` of a checkpointed block.
 
@@ -265,6 +285,8 @@ class CheckpointedForward:
         self.buffers = BufferSnapshots(block)
         self.policy = policy
         self.op_policy = op_policy(policy, policy_flag)
+        # A partial of a plain function: the only context_fn Dynamo accepts besides a function.
+        self.run_time_contexts = functools.partial(_run_time_contexts, self)
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """``context_fn``: buffer-exact recompute, and torch's selective-checkpoint modes for a policy.
@@ -287,14 +309,12 @@ class CheckpointedForward:
         # (debug, context_fn, ...) reaches the block, not checkpoint.
         function = functools.partial(self.inner, **kwargs) if kwargs else self.inner
         if torch.compiler.is_compiling():
-            # torch.compile traces checkpoint as one graph and accepts no plain context managers
-            # here; its recomputation is part of the compiled backward.
-            if self.op_policy is None:
-                return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+            # Dynamo traces this call. checkpoint either becomes part of the compiled graph, or, when
+            # the block breaks the graph, Dynamo runs the checkpoint call itself eagerly: which of the
+            # two happens is known only when checkpoint asks for its contexts (_run_time_contexts).
             return checkpoint(
-                function, *args, use_reentrant=False, preserve_rng_state=True,
-                context_fn=functools.partial(create_selective_checkpoint_contexts, self.op_policy),
-            )  # fmt: skip
+                function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self.run_time_contexts
+            )
         cache = model_cache_argument(args, kwargs)
         if cache is not None:
             warn_once(
@@ -451,7 +471,7 @@ def existing_checkpointing(strategy: Any, model: nn.Module) -> str | None:
         section = config.get("activation_checkpointing") or {}
         if section.get("partition_activations") or section.get("cpu_checkpointing"):
             return "DeepSpeed activation checkpointing is configured"
-    for name, module in model.named_modules():
+    for name, module in user_named_modules(model):
         if type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
             return f"module {name or type(module).__name__!r} is already a checkpoint wrapper"
         if getattr(module, "gradient_checkpointing", False) is True:

@@ -151,6 +151,10 @@ class FitSession:
     def _start_offload(self, pl_module: Module, settings: OffloadSettings) -> None:
         offloader = self.build_offloader(pl_module, settings)
         self._offload = TrainingOffload(offloader) if offloader is not None else None
+        if offloader is not None and offloader.compile_note is not None:
+            rank_zero_info(offloader.compile_note)  # a model compiled whole, compiled per block instead
+        elif offloader is not None and offloader.compile_warning is not None:
+            rank_zero_warn(offloader.compile_warning)
 
     def build_offloader(self, pl_module: Module, settings: OffloadSettings) -> ActivationOffloader | None:
         if offload_off_reason(settings) is not None:

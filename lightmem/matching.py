@@ -2,6 +2,7 @@
 
 Used by offload scoping (``include`` / ``exclude``) and checkpoint targets, so both read the same
 way and fail the same way: a pattern that selects nothing is an error naming the closest names.
+Names are the ones the user wrote, also on a compiled model (no ``_orig_mod``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import fnmatch
 from collections.abc import Iterable
 
 from torch import nn
+
+from lightmem.compiled import user_named_modules
 
 Target = str | type
 
@@ -48,8 +51,9 @@ def _class_names(cls: type) -> frozenset[str]:
 def closest_names(target: Target, model: nn.Module, limit: int = 5) -> list[str]:
     """Module names and class names that look most like ``target``, for error messages."""
     key = target.__name__ if isinstance(target, type) else target
-    module_names = [name for name, _ in model.named_modules() if name]
-    class_names = sorted({type(module).__name__ for module in model.modules()})
+    modules = list(user_named_modules(model))
+    module_names = [name for name, _ in modules if name]
+    class_names = sorted({type(module).__name__ for _, module in modules})
     candidates = module_names + class_names
     close = difflib.get_close_matches(key, candidates, n=limit, cutoff=0.6)
     if not close:
@@ -79,7 +83,7 @@ def select_modules(
             )
     selected: dict[str, nn.Module] = {}
     hits = [0] * len(targets)
-    for name, module in model.named_modules():
+    for name, module in user_named_modules(model):
         for i, target in enumerate(targets):
             if target_matches(target, name, module):
                 hits[i] += 1

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightmem.compiled import user_named_modules
 from lightmem.config import warn_once
 
 
@@ -83,7 +84,7 @@ def cache_off_in_training(model: nn.Module, block_names: Iterable[str]) -> list[
     """
     names = list(block_names)
     handles = []
-    for name, module in model.named_modules():
+    for name, module in user_named_modules(model):
         if not any(name == "" or block == name or block.startswith(f"{name}.") for block in names):
             continue
         parameters = _forward_parameters(module)

@@ -23,6 +23,7 @@ from lightmem.config import (
     parse_size,
 )
 from lightmem.estimate.batch import BatchInfo, inspect_batch
+from lightmem.compiled import holds_compiled_modules
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
 from lightmem.estimate.settings import (
     OptimizerChoice,
@@ -234,5 +235,6 @@ def build_report(
         not_modelled=list(NOT_MODELLED) + (list(CUDA_NOTES) if settings.device == "cuda" else []),
         inputs_bytes=baseline.peak.inputs_bytes,
         offload_optimizer=model_state,
+        compiled=holds_compiled_modules(model),
     )
     return estimate, baseline

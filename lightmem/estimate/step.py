@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import (
 from torch.nn.utils.stateless import _reparametrize_module
 
 from lightmem.checkpoint import apply_checkpointing, op_policy
+from lightmem.blocks import Blocks, find_blocks
 from lightmem.config import OffloadSettings
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
@@ -116,83 +117,6 @@ class StepTrace:
 
 class EstimateError(RuntimeError):
     """The step could not be run on fake tensors; the message says why and what to change."""
-
-
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-
-
-def _has_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
-
-
-def _repeats(container: nn.Module) -> bool:
-    """A container holds repeated layers: two children with parameters share a class."""
-    classes = [type(child) for child in container.children() if _has_parameters(child)]
-    return len(classes) != len(set(classes))
-
-
-def _holds_repeats(module: nn.Module) -> bool:
-    return any(isinstance(inner, _CONTAINERS) and _repeats(inner) for inner in module.modules())
-
-
-@dataclass
-class Blocks:
-    """The units the estimator reports and the planner acts on, by qualified name."""
-
-    modules: dict[str, nn.Module]
-    repeated: set[str]
-    """Names of the repeated layers: children of a container that holds several of their class."""
-
-    def kind(self, name: str) -> str:
-        return type(self.modules[name]).__name__
-
-
-def find_blocks(model: nn.Module) -> Blocks:
-    """The model's repeated layers, at whatever depth they sit, and the modules around them.
-
-    The tree is opened down to the outermost containers (``ModuleList``, ``Sequential``,
-    ``ModuleDict``) whose children repeat a class: those children are blocks
-    (``transformer.h.0``, ``model.layers.3``, ``bert.encoder.layer.1``, ``net.3``), each one a
-    unit to checkpoint. A module holding no repeated layers is a block as a whole; a module
-    holding some is opened. A root whose parameters all live in one child (a LightningModule
-    around its model) is looked through. A module reachable by several names (tied embeddings)
-    is one block, under its first name.
-    """
-    prefix = ""
-    root = model
-    while True:
-        children = list(root.named_children())
-        with_params = [(name, child) for name, child in children if _has_parameters(child)]
-        own = any(True for _ in root.parameters(recurse=False))
-        if len(with_params) == 1 and not own and not isinstance(with_params[0][1], _CONTAINERS):
-            name, root = with_params[0]
-            prefix = f"{prefix}{name}."
-            continue
-        break
-    found = Blocks({}, set())
-    seen: set[int] = set()
-
-    def add(name: str, module: nn.Module, repeated: bool) -> None:
-        if id(module) not in seen:
-            seen.add(id(module))
-            found.modules[name] = module
-            if repeated:
-                found.repeated.add(name)
-
-    def open_up(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            qualified = f"{prefix}{name}"
-            if isinstance(child, _CONTAINERS) and _repeats(child):
-                classes = collections.Counter(type(layer) for layer in child.children() if _has_parameters(layer))
-                for inner, layer in child.named_children():
-                    add(f"{qualified}.{inner}", layer, classes[type(layer)] > 1)
-            elif isinstance(child, _CONTAINERS) or _holds_repeats(child):
-                open_up(f"{qualified}.", child)
-            else:
-                add(qualified, child, False)
-
-    open_up(prefix, root)
-    return found
 
 
 def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:

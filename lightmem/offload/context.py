@@ -9,6 +9,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
+from lightmem.compile_blocks import block_compile
 from lightmem.config import (
     DEFAULT_HOST_BUDGET,
     DEFAULT_HOST_MIN_AVAILABLE,
@@ -100,6 +101,7 @@ class ActivationOffloader:
         transport: Transport | None = None,
         settings: OffloadSettings | None = None,
     ) -> None:
+        user_built = settings is None
         if settings is None:  # called by a user: parse the keyword flags here, once
             settings = OffloadSettings.parse(
                 min_bytes=min_bytes, devices=devices, include=include, exclude=exclude,
@@ -111,6 +113,13 @@ class ActivationOffloader:
             raise ValueError(f"{flag('model')}: expected an nn.Module or None; got {type(model).__name__}")
         self.model = model
         self.settings = settings
+        # A model compiled whole hands its saved tensors to the hooks only when its graph has run: it is
+        # compiled one block at a time while the context is active (lightmem.compile_blocks).
+        self._block_compile, self.compile_warning = block_compile(model) if model is not None else (None, None)
+        self.compile_note = self._block_compile.message if self._block_compile is not None else None
+        """The line saying that the model compiled whole is compiled one block at a time, or None."""
+        if user_built and (self.compile_note or self.compile_warning):
+            warn_once(self.compile_note or self.compile_warning)
         self.min_bytes = settings.min_bytes
         self.devices = settings.devices
         include, exclude = settings.include, settings.exclude
@@ -156,6 +165,7 @@ class ActivationOffloader:
         self._thread: int | None = None  # the thread that entered (saved-tensor hooks are per thread)
         self._entering = threading.Lock()
 
+    @torch.compiler.disable  # entered in a compiled function: Dynamo runs the with-block's frame eagerly
     def __enter__(self) -> ActivationOffloader:
         with self._entering:
             if self._active:
@@ -182,8 +192,11 @@ class ActivationOffloader:
         self._offloader.begin(protected)
         if self._scope is not None:
             self._scope.attach()
+        if self._block_compile is not None:
+            self._block_compile.attach()
         torch._C._autograd._push_saved_tensors_default_hooks(self._offloader.pack, self._offloader.unpack)
 
+    @torch.compiler.disable
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -209,7 +222,10 @@ class ActivationOffloader:
             self._active = False
             self._thread = None
             if self._scope is not None:
+                self._check_scope_applied()
                 self._scope.detach()
+            if self._block_compile is not None:
+                self._block_compile.detach()
             self._offloader.end()
         if above is None:
             message = (
@@ -228,6 +244,20 @@ class ActivationOffloader:
         if exc is None:
             raise RuntimeError(message)
         warn_once(message)  # do not hide the exception already on its way
+
+    def _check_scope_applied(self) -> None:
+        """Warn when tensors were saved but no module of include/exclude ran its rule: a graph that
+        Dynamo compiled before the scope's hooks were attached runs those modules without them
+        (Dynamo does not guard on module hooks)."""
+        if self._scope.entered == 0 and self._offloader.stats.packed_tensors:
+            flag = self.settings.flag
+            warn_once(
+                f"{flag('include')}/{flag('exclude')}: tensors were saved but no selected module ran in this "
+                "forward. If the model is compiled, it was compiled and run before this offload context was "
+                "first entered, so its compiled graph does not see the rules (its saved tensors follow the "
+                "default): enter the context before the model's first compiled training forward, or call "
+                "torch._dynamo.reset() once after building it."
+            )
 
     def _pop_own_hooks(self) -> int | None:
         """Remove this context's hooks from the thread's hook stack, wherever they are.

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 
+from lightmem.compiled import never_traced
 from lightmem.config import warn_once
 from lightmem.offload.inflight import InflightCopies, saved_view, served_view
 from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, same_save
@@ -138,6 +139,7 @@ class _KeptStorage(weakref.ref):
     def alias(self) -> _KeptStorage:
         return self
 
+    @never_traced
     def __del__(self) -> None:
         self.owner._resident_bytes -= self.nbytes
 
@@ -233,6 +235,7 @@ class _HostEntry(Entry):
                 return
         self.version_holder = _version_holder(alias, self.owner._empty_on(self.device))
 
+    @never_traced
     def __del__(self) -> None:
         owner = self.owner
         with owner._lock:
@@ -297,6 +300,7 @@ class Offloader(Reloads):
         self._wait_base_s = 0.0
         self._deferred: list[_HostEntry] = []  # entries whose copy waits for their op to return
         self._deferred_after = -1  # the autograd sequence number when the last of them was saved
+        self._deferred_bytes = 0
         self._pending = InflightCopies(max_inflight_bytes, transport)  # copies to host still queued
         self._inflight = self._pending.entries  # the same deque, read on every pack and unpack
         self._capturing = transport.capturing
@@ -307,6 +311,7 @@ class Offloader(Reloads):
 
     # -- forward -------------------------------------------------------------------------------
 
+    @never_traced  # called by autograd, also between the graphs of a compiled model (lightmem.compiled)
     def pack(self, tensor: Tensor) -> Any:
         stats = self.stats
         stats.packed_tensors += 1
@@ -367,6 +372,12 @@ class Offloader(Reloads):
         self._deferred.append(entry)
         self._deferred_after = _sequence_nr()
         stats = self.stats
+        # Until its copy to host has run, a saved tensor is on the device too; under compile a whole
+        # graph's saves arrive at once, when the graph has run, and this is where its peak shows.
+        self._deferred_bytes += nbytes
+        resident = self._resident_bytes + self._deferred_bytes + self._pending.bytes
+        if resident > stats.peak_resident_bytes:
+            stats.peak_resident_bytes = resident
         stats.offloaded_tensors += 1
         stats.offloaded_bytes += nbytes
         return entry
@@ -397,6 +408,7 @@ class Offloader(Reloads):
         if not deferred:
             return
         self._deferred = []
+        self._deferred_bytes = 0
         transport = self._transport
         grad = torch.is_grad_enabled()  # off in pack; a copy must never join an autograd graph
         if grad:
@@ -449,6 +461,7 @@ class Offloader(Reloads):
 
     # -- backward ------------------------------------------------------------------------------
 
+    @never_traced
     def unpack(self, handle: Any) -> Tensor:
         if type(handle) is tuple:  # a save that stayed where it was: one type check on this path
             tensor = handle[0]

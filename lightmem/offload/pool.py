@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightmem.compiled import never_traced
 from lightmem.config import available_ram_bytes
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ class HostSlab:
         offsets.insert(index, offset)
         sizes.insert(index, size)
 
+    @never_traced  # finalizers run wherever a reference drops, also inside a compiled model
     def __del__(self) -> None:
         self.close()  # a pinned slab must be unregistered however it dies
 
@@ -671,6 +673,7 @@ class HostPool:
         slab.close()
         self._held_bytes -= slab.capacity
 
+    @never_traced
     def __del__(self) -> None:
         # Dropped with blocks still written or read by queued copies (an exception, a context
         # garbage-collected mid-step): their slabs must outlive those copies.

@@ -33,6 +33,7 @@ import sys
 import weakref
 from typing import Any
 
+from lightmem.compiled import never_traced
 from lightmem.offload.policy import prefetch_admits
 
 
@@ -112,6 +113,7 @@ class Handle:
         self.seen = -1  # the entry generation this handle last took a view of
         entry.handles += 1
 
+    @never_traced  # a graph freed between the graphs of a compiled model (lightmem.compiled)
     def __del__(self) -> None:
         entry = self.entry
         owner = entry.owner

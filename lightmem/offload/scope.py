@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -17,6 +18,11 @@ class ModuleScope:
     A tensor saved while a selected module's forward runs follows that module's rule; the
     innermost selected module wins, and ``exclude`` beats ``include`` on the same module. Outside
     every selected module the default applies: offload, unless ``include`` was given.
+
+    Under ``torch.compile`` a selected module's saved tensors reach the hooks only when the compiled
+    graph around them ends, after a traced forward hook would have left the module: the hooks are
+    therefore never compiled, so Dynamo breaks the graph at each selected module's boundaries and
+    its saves are packed while its rule holds.
     """
 
     def __init__(
@@ -38,6 +44,7 @@ class ModuleScope:
                 rules[name] = (module, False)
         self._rules = list(rules.values())
         self.allowed = self.default
+        self.entered = 0  # selected modules entered since attach
         self._stack: list[bool] = []
         self._handles: list[RemovableHandle] = []
 
@@ -52,10 +59,14 @@ class ModuleScope:
         self._handles.clear()
         self._stack.clear()
         self.allowed = self.default
+        self.entered = 0
 
+    @torch.compiler.disable
     def _enter(self, rule: bool, module: nn.Module, args: Any) -> None:
         self._stack.append(self.allowed)
         self.allowed = rule
+        self.entered += 1
 
+    @torch.compiler.disable
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         self.allowed = self._stack.pop() if self._stack else self.default

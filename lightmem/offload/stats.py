@@ -48,7 +48,9 @@ class OffloadStats:
     peak_host_bytes: int = 0
     """Peak bytes of host buffers held by the offloader's pool (in use plus cached for reuse)."""
     peak_resident_bytes: int = 0
-    """Peak bytes of saved storages on the device: kept ones plus reloaded ones not yet consumed."""
+    """Peak bytes of saved storages on the device: kept ones, reloaded ones not yet consumed, and
+    offloaded ones whose copy to host has not run yet (under ``torch.compile``, every save of a
+    compiled graph until the graph has run)."""
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
