@@ -14,7 +14,7 @@ import torch
 from exact import assert_state_equal
 from fake_cudart import use_simulated_runtime
 from lit_models import cpu_trainer
-from optimizer_models import HOST_KERNEL, OPTIMIZERS, assert_given_back, regression_loader, tiny_net
+from optimizer_models import HOST_KERNEL, OPTIMIZERS, assert_given_back, lit_tiny_class, regression_loader, tiny_net
 from torch import nn
 
 import lightmem.offload.optimizer as optimizer_offload
@@ -245,6 +245,28 @@ def test_a_second_stream_that_waits_for_the_current_one_is_ordered_after_the_cop
     assert ordered == [True, True, True]
     handle.close()
     assert_given_back(model_a, model_b, opt_a, opt_b)
+    transport.close()
+
+
+def _lit_encoder(package, **kwargs):
+    torch.manual_seed(0)
+    module = lit_tiny_class(package)(**kwargs)
+    module.net = _Encoder()  # attention reading a child's weight, in a Lightning fit
+    return module
+
+
+def test_a_lightning_fit_of_an_attention_model_with_held_copies_is_exact(lightning_package, monkeypatch):
+    transport = _simulated(hold_to_device=True, hold_to_host=True)
+    monkeypatch.setattr(optimizer_offload, "default_transport", lambda devices: transport)
+    settings = dict(max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5, package=lightning_package)
+    reference = _lit_encoder(lightning_package, kernel=HOST_KERNEL)
+    trainer_a = cpu_trainer([], **settings)
+    trainer_a.fit(reference, regression_loader())
+    offloaded = _lit_encoder(lightning_package)
+    callback = LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])
+    trainer_b = cpu_trainer([callback], **settings)
+    trainer_b.fit(offloaded, regression_loader())
+    assert_given_back(reference, offloaded, trainer_a.optimizers[0], trainer_b.optimizers[0])
     transport.close()
 
 
