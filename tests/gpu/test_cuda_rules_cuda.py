@@ -17,6 +17,7 @@ from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+from gpu.race_kit import step_on_host_copies  # noqa: E402
 from lightmem import offload_activations, offload_optimizer  # noqa: E402
 from lightmem.offload import pool  # noqa: E402
 
@@ -60,15 +61,7 @@ def _reference(steps: int, between=None):
     optimizer = torch.optim.AdamW(host, lr=1e-3, weight_decay=0.1, fused=True)
     for step, (inputs, targets) in enumerate(_batches(steps)):
         nn.functional.mse_loss(model(inputs.cuda()), targets.cuda()).backward()
-        for param, copy in zip(model.parameters(), host):
-            copy.grad = param.grad.cpu()
-            param.grad = None
-        torch.nn.utils.clip_grad_norm_(host, 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for param, copy in zip(model.parameters(), host):
-                param.copy_(copy)
+        step_on_host_copies(model, host, optimizer)
         if between is not None:
             between(model, step)
     return model

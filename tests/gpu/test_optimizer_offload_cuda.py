@@ -16,6 +16,7 @@ from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+from gpu.race_kit import step_on_host_copies
 from lightmem import offload_optimizer
 from lightmem.offload.transport import CudaTransport
 
@@ -63,15 +64,7 @@ def _reference(optimizer_name, steps, accumulate, delay):
     for _ in range(steps):
         for _ in range(accumulate):
             _backward(model, *next(batches), accumulate, delay)
-        for param, copy in zip(model.parameters(), host):
-            copy.grad = param.grad.cpu()
-            param.grad = None
-        torch.nn.utils.clip_grad_norm_(host, 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for param, copy in zip(model.parameters(), host):
-                param.copy_(copy)
+        step_on_host_copies(model, host, optimizer)
     return model, optimizer
 
 
