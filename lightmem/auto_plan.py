@@ -4,7 +4,9 @@ the plans' predicted peak held.
 The budget is ``device_budget`` or, without it, what the training device can give this process,
 measured once at fit start (:func:`lightmem.device_memory.measure_device_budget`). A plan covers the
 batch it was made for and every batch no larger in any dimension of any tensor; a batch it does not
-cover is planned for before its forward. After each training batch the device allocator's peak is
+cover is planned for before its forward, together with every batch planned for so far: the next plan
+is made for the elementwise maximum of their shapes, so batches that take turns (a token-bucketed
+loader's [4, 33] and [8, 17]) are planned for once, as [8, 33], not at every turn. After each training batch the device allocator's peak is
 compared with the highest peak the plans of this fit predicted: both are highs of the fit so far,
 so a plan for a small batch is never held against the peak a larger one reached.
 """
@@ -32,15 +34,18 @@ def covers(planned: Shapes, shapes: Shapes) -> bool:
     )
 
 
+def shapes_covering(planned: Shapes | None, shapes: Shapes) -> Shapes:
+    """The smallest shapes a plan covering both ``planned`` and ``shapes`` is made for: their
+    elementwise maximum, or ``shapes`` alone when the batches hold other tensors (nothing planned,
+    another count of tensors or of dimensions)."""
+    if planned is None or len(planned) != len(shapes) or any(len(o) != len(n) for o, n in zip(planned, shapes)):
+        return shapes
+    return tuple(tuple(max(o, n) for o, n in zip(old, new)) for old, new in zip(planned, shapes))
+
+
 def format_shapes(shapes: Shapes) -> str:
     """``[8, 65]``, or ``[8, 65], [8]`` for a batch of several tensors."""
     return ", ".join(str(list(shape)) for shape in shapes) or "no tensors"
-
-
-def plan_choice(chosen: Plan) -> dict[str, Any]:
-    """What a plan makes LightMem do (checkpointed blocks, offload, model-state offload): two plans
-    with the same choice need nothing re-applied."""
-    return chosen.lightmem_kwargs()
 
 
 class AutoPlan:
@@ -95,9 +100,13 @@ class AutoPlan:
         """True for the first batch and for any batch the current plan does not cover."""
         return self.planned_shapes is None or not covers(self.planned_shapes, batch_shapes(batch))
 
-    def take(self, chosen: Plan, batch: Any) -> None:
-        """``chosen``, made for ``batch``, is applied from ``batch`` on."""
-        self.plan, self.planned_shapes = chosen, batch_shapes(batch)
+    def shapes_to_plan_for(self, batch: Any) -> Shapes:
+        """What the next plan is made for: ``batch`` and every batch planned for so far."""
+        return shapes_covering(self.planned_shapes, batch_shapes(batch))
+
+    def take(self, chosen: Plan, shapes: Shapes) -> None:
+        """``chosen``, made for batches of ``shapes``, is applied from the current batch on."""
+        self.plan, self.planned_shapes = chosen, shapes
         self.predicted_peak_bytes = max(self.predicted_peak_bytes, chosen.predicted_peak_bytes)
         self.overhead_bytes = chosen.overhead_bytes
 

@@ -152,6 +152,58 @@ def test_a_fit_whose_batches_grow_replans_exactly_when_needed_and_trains_as_the_
     assert_state_equal(reference, module, reference_trainer.optimizers[0], trainer.optimizers[0])
 
 
+def _fit_recording_plans(monkeypatch, shapes):
+    """Fit over one batch of each of ``shapes``; what each plan was made for, and after each batch
+    the forward of each checkpointed block (the wrapper objects themselves)."""
+    planned_for = []
+    real_plan = fit_session_module.plan
+
+    def spy(model, batch, budget, **kwargs):
+        planned_for.append(tuple(batch[0].shape))
+        return real_plan(model, batch, budget, **kwargs)
+
+    monkeypatch.setattr(fit_session_module, "plan", spy)
+    wrappers = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            modules = pl_module.named_modules()
+            wrappers.append({name: module.__dict__["forward"] for name, module in modules if is_checkpointed(module)})
+
+    callback = LightMem(plan="auto", offload_devices=["cpu"])
+    with simulated_device(CAPACITY):
+        cpu_trainer([callback, Spy()], max_steps=len(shapes)).fit(LitGPT(), growing_loader(shapes))
+    return callback, planned_for, wrappers
+
+
+def test_alternating_batch_shapes_are_planned_for_once_as_their_elementwise_maximum(monkeypatch, caplog):
+    # A token-bucketed loader: neither shape covers the other; one plan for [8, 33] covers both.
+    shapes = [(4, 33), (8, 17)] * 3
+    with caplog.at_level(logging.INFO):
+        callback, planned_for, wrappers = _fit_recording_plans(monkeypatch, shapes)
+    assert planned_for == [(4, 33), (8, 33)]
+    both = plan(LitGPT(), _tokens(8, 33), BUDGET, device="cpu").checkpoint
+    assert callback.chosen_plan.checkpoint == both == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    assert [sorted(w) for w in wrappers] == [["model.blocks.0"]] + [both] * 5
+    assert all(w == wrappers[1] for w in wrappers[1:])  # the same wrapper objects from the second batch on
+    lines = [line for line in _lines(caplog) if line.startswith("lightmem: re-planned")]
+    assert lines == [
+        f"lightmem: re-planned for batches up to [8, 33] (this one: [8, 17]) at step 1: checkpoint {both}, "
+        "offload nothing; predicted peak 4.16 MiB (was: checkpoint ['model.blocks.0'], offload nothing)"
+    ]
+
+
+def test_a_replan_that_keeps_the_choice_leaves_the_checkpointed_blocks_untouched(monkeypatch, caplog):
+    # Each batch is larger than the last and gets a plan, which each time checkpoints the same two
+    # blocks: the wrappers applied for the first batch stay (a compiled model sees no change).
+    with caplog.at_level(logging.INFO):
+        callback, planned_for, wrappers = _fit_recording_plans(monkeypatch, [(5, 33), (6, 33), (7, 33)])
+    assert planned_for == [(5, 33), (6, 33), (7, 33)]
+    assert sorted(wrappers[0]) == ["model.blocks.0", "model.blocks.1"]
+    assert all(w[name] is wrappers[0][name] for w in wrappers for name in wrappers[0])
+    assert [line for line in _lines(caplog) if line.startswith("lightmem: re-planned")] == []
+
+
 def test_predicted_and_measured_peaks_are_logged_each_step_and_the_worst_ratio_summarised(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
