@@ -19,7 +19,13 @@ from typing import Any
 import torch
 
 from lightmem.config import PlanSettings, format_bytes
-from lightmem.device_memory import DeviceMemory, measure_device_budget, training_device_memory
+from lightmem.device_memory import (
+    FRAGMENTATION_MARGIN,
+    DeviceMemory,
+    measure_device_budget,
+    overhead_for_measured_budget,
+    training_device_memory,
+)
 from lightmem.estimate import Plan
 from lightmem.estimate.batch import batch_shapes
 
@@ -56,27 +62,32 @@ class AutoPlan:
         memory: the training device's memory, whose allocator peak is checked against the
             prediction (None: not checked, e.g. a CPU device with a given ``device_budget``).
         budget_source: how the budget was measured, for the fit-start line (None: it was given).
+        plan_overhead_bytes: what the plans set aside within the budget (None: the planner's
+            default, for a given budget).
     """
 
-    def __init__(self, budget_bytes: int, memory: DeviceMemory | None, budget_source: str | None = None) -> None:
+    def __init__(
+        self, budget_bytes: int, memory: DeviceMemory | None, budget_source: str | None = None,
+        plan_overhead_bytes: int | None = None,
+    ) -> None:  # fmt: skip
         self.budget_bytes = budget_bytes
         self.memory = memory
         self.budget_source = budget_source
+        self.plan_overhead_bytes = plan_overhead_bytes
+        """The ``overhead_bytes`` every plan of this fit is made with (None: the planner's default)."""
         self.plan: Plan | None = None
         """The plan applied now (the last one made)."""
         self.planned_shapes: Shapes | None = None
         self.predicted_peak_bytes = 0
         """The highest peak the plans applied in this fit predict (``Plan.predicted_peak_bytes``)."""
-        self.overhead_bytes = 0
-        """The plans' allowance for what the estimate does not model: how far a measured peak may
-        exceed the prediction before it is warned about."""
         self.worst_ratio: float | None = None
         """The highest measured / predicted peak over the training batches so far."""
         self._warned = False
 
     @classmethod
-    def at_fit_start(cls, settings: PlanSettings, device: torch.device) -> AutoPlan:
-        """The given ``device_budget``, or the device's measured now.
+    def at_fit_start(cls, settings: PlanSettings, device: torch.device, world_size: int) -> AutoPlan:
+        """The given ``device_budget``, or the device's measured now (then the plans set aside only
+        what the measure could not see: ``overhead_for_measured_budget``).
 
         Raises:
             ValueError: no ``device_budget`` and the training device is not a CUDA device (nothing
@@ -94,7 +105,7 @@ class AutoPlan:
                 f"for, e.g. {entry}(plan='auto', device_budget='20GiB')"
             )
         budget = measure_device_budget(memory)
-        return cls(budget.budget_bytes, memory, budget.describe())
+        return cls(budget.budget_bytes, memory, budget.describe(), overhead_for_measured_budget(world_size))
 
     def needs_plan(self, batch: Any) -> bool:
         """True for the first batch and for any batch the current plan does not cover."""
@@ -108,26 +119,26 @@ class AutoPlan:
         """``chosen``, made for batches of ``shapes``, is applied from the current batch on."""
         self.plan, self.planned_shapes = chosen, shapes
         self.predicted_peak_bytes = max(self.predicted_peak_bytes, chosen.predicted_peak_bytes)
-        self.overhead_bytes = chosen.overhead_bytes
 
     def measured_peak_bytes(self) -> int:
         return self.memory.peak_allocated_bytes() if self.memory is not None else 0
 
     def check(self, step: int, batch: Any) -> None:
         """After a training batch: the worst ratio so far, and one warning the first time the
-        measured peak exceeds the prediction by more than the overhead allowance."""
+        measured peak exceeds the prediction by more than ``FRAGMENTATION_MARGIN`` of it (the margin
+        the budget leaves for the allocator)."""
         if self.memory is None or self.plan is None or self.predicted_peak_bytes <= 0:
             return
         measured = self.measured_peak_bytes()
         ratio = measured / self.predicted_peak_bytes
         self.worst_ratio = ratio if self.worst_ratio is None else max(self.worst_ratio, ratio)
-        if measured > self.predicted_peak_bytes + self.overhead_bytes and not self._warned:
+        if ratio > 1 + FRAGMENTATION_MARGIN and not self._warned:
             self._warned = True
             warnings.warn(
                 f"lightmem: at step {step} (batch shape {format_shapes(batch_shapes(batch))}) the device's peak "
                 f"allocated memory, {format_bytes(measured)}, exceeds the peak plan='auto' predicted, "
-                f"{format_bytes(self.predicted_peak_bytes)}, by more than the plan's "
-                f"{format_bytes(self.overhead_bytes)} overhead allowance: the plan may not hold on this "
-                "device; a lower device_budget leaves more room.",
+                f"{format_bytes(self.predicted_peak_bytes)}, by more than the {FRAGMENTATION_MARGIN:.0%} margin "
+                "left for the allocator's fragmentation: the plan may not hold on this device; a lower "
+                "device_budget leaves more room.",
                 stacklevel=2,
             )

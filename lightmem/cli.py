@@ -29,7 +29,12 @@ from lightmem.config import (
     parse_size,
     reject_without_partner,
 )
-from lightmem.device_memory import DeviceBudget, measure_device_budget, training_device_memory
+from lightmem.device_memory import (
+    DeviceBudget,
+    measure_device_budget,
+    overhead_for_measured_budget,
+    training_device_memory,
+)
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.estimate.settings import parse_device, parse_optimizer, parse_overhead, parse_precision
 
@@ -110,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     estimate.add_argument(
-        "--overhead", default=None, help="allowance for what is not modelled (default 1GiB on cuda, 0 on cpu)"
+        "--overhead",
+        default=None,
+        help="allowance for what is not modelled (default 1GiB on cuda, 0 on cpu; 0 for a budget measured "
+        "without --budget, which the CUDA context is already out of)",
     )
     estimate.add_argument(
         "--zero-grad",
@@ -239,11 +247,16 @@ def run_estimate(args: argparse.Namespace) -> int:
     targets = flags.checkpoint.targets
     if targets is not None:  # a typo fails under the flag's own name, before any tracing
         select_blocks(model, targets, targets_flag=flags.checkpoint.flag("targets"))
+    overhead = args.overhead
+    if measured is not None and overhead is None:
+        # A measured budget is what is left after the CUDA context: the default allowance would
+        # count the context again.
+        overhead = overhead_for_measured_budget(world_size=1)
     common = {
         "optimizer": args.optimizer,
         "precision": args.precision,
         "device": args.device,
-        "overhead_bytes": args.overhead,
+        "overhead_bytes": overhead,
         "zero_grad": args.zero_grad,
         "offload_optimizer": flags.optimizer_offload or False,
     }

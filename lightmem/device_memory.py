@@ -5,7 +5,10 @@ One rule, used by ``LightMem(plan="auto")`` at fit start and by ``lightmem estim
 ``--budget``: the device's free memory (what no process holds: other processes and every CUDA
 context, ours included, are already out of it), plus what this process's caching allocator holds
 (its own to reuse: the model's parameters are already there at fit start), less
-``FRAGMENTATION_MARGIN`` of that sum for the allocator's fragmentation.
+``FRAGMENTATION_MARGIN`` of that sum for the allocator's fragmentation. The CUDA context is already
+out of that budget, so the plans made for it set aside only what may still be allocated outside the
+caching allocator (``overhead_for_measured_budget``), not the planner's default allowance, which
+counts the context again.
 """
 
 from __future__ import annotations
@@ -20,6 +23,18 @@ from lightmem.config import format_bytes
 FRAGMENTATION_MARGIN = 0.05
 """Share of the usable device memory left unplanned: the caching allocator rounds blocks and splits
 them, so a step whose tensors need all of it fails to allocate before reaching it."""
+
+
+NCCL_ALLOWANCE_BYTES = 512 << 20
+"""What a plan for a measured budget sets aside with several ranks: NCCL allocates its buffers
+outside the caching allocator as collectives first need them, some after fit start. An allowance,
+not a figure measured here (no GPU)."""
+
+
+def overhead_for_measured_budget(world_size: int) -> int:
+    """The ``overhead_bytes`` of a plan for a measured budget: nothing on one device (its context is
+    out of the free memory measured), ``NCCL_ALLOWANCE_BYTES`` with several ranks."""
+    return NCCL_ALLOWANCE_BYTES if world_size > 1 else 0
 
 
 class DeviceMemory(Protocol):

@@ -128,7 +128,7 @@ class FitSession:
         set the optimizers up), and (without a plan) activation offload and metrics; with
         ``plan="auto"``, its budget (measured here without ``device_budget``)."""
         if self.settings.plan.auto:
-            self.auto_plan = AutoPlan.at_fit_start(self.settings.plan, pl_module.device)
+            self.auto_plan = AutoPlan.at_fit_start(self.settings.plan, pl_module.device, trainer.world_size)
             measured = self.auto_plan.budget_source
             if measured is not None:
                 rank_zero_info(f"lightmem: plan='auto' device budget, measured at fit start: {measured}")
@@ -273,6 +273,7 @@ class FitSession:
                     offload=self.offload_settings if self.settings.offload_on else False,
                     checkpoint_policy=self.settings.checkpoint.policy,
                     offload_optimizer=self.settings.optimizer_offload if self._optimizer_offloaders else False,
+                    overhead_bytes=self.auto_plan.plan_overhead_bytes,
                 )  # fmt: skip
         finally:
             del pl_module.log, pl_module.log_dict

@@ -19,10 +19,10 @@ from torch.utils.data import DataLoader
 
 from lightmem import LightMem, plan
 from lightmem import fit_session as fit_session_module
-from lightmem.auto_plan import covers, format_shapes
+from lightmem.auto_plan import AutoPlan, covers, format_shapes
 from lightmem.checkpoint import is_checkpointed
 from lightmem.cli import main
-from lightmem.device_memory import FRAGMENTATION_MARGIN, measure_device_budget
+from lightmem.device_memory import FRAGMENTATION_MARGIN, NCCL_ALLOWANCE_BYTES, measure_device_budget
 from lightmem.estimate.batch import batch_shapes
 from lightmem.metrics.names import GiB
 from lightmem.testing.device import SimulatedDeviceMemory, simulated_device
@@ -75,6 +75,17 @@ def test_without_a_budget_it_plans_for_what_the_simulated_device_gives_as_with_t
     assert [line for line in _lines(caplog) if "measured at fit start" in line] == [
         f"lightmem: plan='auto' device budget, measured at fit start: {budget.describe()}"
     ]
+
+
+@pytest.mark.parametrize(("world_size", "expected"), [(1, 0), (2, NCCL_ALLOWANCE_BYTES)])
+def test_a_measured_budget_sets_aside_only_what_is_not_allocated_yet(world_size, expected):
+    # The CUDA context is already out of the free memory measured: only NCCL's buffers, which
+    # collectives may still allocate, are set aside, and only with several ranks.
+    with simulated_device(CAPACITY):
+        measured = AutoPlan.at_fit_start(LightMem(plan="auto").settings.plan, torch.device("cuda", 0), world_size)
+    assert measured.plan_overhead_bytes == expected
+    given = AutoPlan.at_fit_start(LightMem(plan="auto", device_budget="20GiB").settings.plan, torch.device("cpu"), 1)
+    assert given.plan_overhead_bytes is None  # the planner's own allowance (1 GiB on CUDA, 0 on CPU)
 
 
 def test_without_a_budget_or_a_cuda_device_it_fails_at_fit_start_saying_what_to_pass():
@@ -253,8 +264,9 @@ def test_a_measured_peak_over_the_prediction_is_warned_about_once_naming_the_ste
     messages = [str(w.message) for w in caught if "plan='auto' predicted" in str(w.message)]
     assert messages == [
         f"lightmem: at step 2 (batch shape [4, 17]) the device's peak allocated memory, {2 * predicted / 2**20:.2f} "
-        f"MiB, exceeds the peak plan='auto' predicted, {predicted / 2**20:.2f} MiB, by more than the plan's 0 B "
-        "overhead allowance: the plan may not hold on this device; a lower device_budget leaves more room."
+        f"MiB, exceeds the peak plan='auto' predicted, {predicted / 2**20:.2f} MiB, by more than the 5% margin "
+        "left for the allocator's fragmentation: the plan may not hold on this device; a lower device_budget "
+        "leaves more room."
     ]
     assert callback.summary()["plan: worst measured / predicted peak"] == "2.00"
 
@@ -269,3 +281,13 @@ def test_cli_plan_without_budget_uses_the_same_rule_on_a_device(capsys):
     expected = measure_device_budget(SimulatedDeviceMemory(64 * 2**20, used_by_others_bytes=2**20))
     assert data["measured_budget"] == {"budget_bytes": expected.budget_bytes, "how": expected.describe()}
     assert data["plan"]["budget_bytes"] == expected.budget_bytes == 62_757_274
+
+
+def test_cli_plan_without_budget_on_cuda_does_not_set_the_cuda_context_aside_twice(capsys):
+    root = os.path.join(os.path.dirname(__file__), "..")
+    argv = ["estimate", f"{root}/examples/estimate_factories.py:tiny_gpt", "--batch-size", "2", "--plan", "--json"]
+    with simulated_device(64 * 2**20, used_by_others_bytes=2**20):
+        assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["overhead_bytes"] == data["estimate"]["overhead_bytes"] == 0
+    assert data["plan"]["budget_bytes"] == 62_757_274
