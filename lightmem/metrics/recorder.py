@@ -130,7 +130,8 @@ class MetricsRecorder:
     Args:
         probes: objects with ``group``, ``collect()`` and ``end_step()`` (``lightmem.metrics.probes``).
         log_every_n_steps: log every n optimizer steps, starting with the first (None: on the
-            steps Lightning logs its own metrics, which ``Trainer(log_every_n_steps=0)`` makes none).
+            steps Lightning logs its own metrics, which ``Trainer(log_every_n_steps=0)`` makes none,
+            less the step a stopping Trainer adds: ``lightning_logs_this_step``).
             Either way at Lightning's step values (``logged_step``).
         tensorboard_panels: with the first logged step, write a Custom Scalars layout of the
             metrics really logged to every TensorBoard logger.
