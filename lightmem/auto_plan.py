@@ -4,11 +4,17 @@ the plans' predicted peak held.
 The budget is ``device_budget`` or, without it, what the training device can give this process,
 measured once at fit start (:func:`lightmem.device_memory.measure_device_budget`). A plan covers the
 batch it was made for and every batch no larger in any dimension of any tensor; a batch it does not
-cover is planned for before its forward, together with every batch planned for so far: the next plan
-is made for the elementwise maximum of their shapes, so batches that take turns (a token-bucketed
-loader's [4, 33] and [8, 17]) are planned for once, as [8, 33], not at every turn. After each training batch the device allocator's peak is
-compared with the highest peak the plans of this fit predicted: both are highs of the fit so far,
-so a plan for a small batch is never held against the peak a larger one reached.
+cover is planned for before its forward, together with every batch planned for so far: the next
+plan is made for the elementwise maximum of their shapes, so batches that take turns (a
+token-bucketed loader's [4, 33] and [8, 17]) are planned for once, as [8, 33], not at every turn.
+
+After each training batch the peak it measured is compared with the highest peak the plans of this
+fit predict: both are highs of the fit's training batches so far, so a plan for a small batch is
+never held against the peak a larger one reached. The allocator's peak (``max_memory_allocated``)
+is a high of the whole process, which lightmem never resets; a training batch is measured when it
+raises that high, so what an earlier fit or a validation batch reached is never counted. A batch
+that stays under such an earlier high is not seen: until a training batch raises it, nothing is
+measured (0 logged, no ratio, no warning).
 """
 
 from __future__ import annotations
@@ -82,6 +88,9 @@ class AutoPlan:
         """The highest peak the plans applied in this fit predict (``Plan.predicted_peak_bytes``)."""
         self.worst_ratio: float | None = None
         """The highest measured / predicted peak over the training batches so far."""
+        self.training_peak_bytes = 0
+        """The highest the allocator's peak rose to within this fit's training batches (0: none raised it)."""
+        self._peak_before_batch = 0
         self._warned = False
 
     @classmethod
@@ -120,8 +129,14 @@ class AutoPlan:
         self.plan, self.planned_shapes = chosen, shapes
         self.predicted_peak_bytes = max(self.predicted_peak_bytes, chosen.predicted_peak_bytes)
 
+    def batch_start(self) -> None:
+        """Right before a training batch's forward: the allocator's peak so far, which only a rise
+        within the batch gets past."""
+        if self.memory is not None:
+            self._peak_before_batch = self.memory.peak_allocated_bytes()
+
     def measured_peak_bytes(self) -> int:
-        return self.memory.peak_allocated_bytes() if self.memory is not None else 0
+        return self.training_peak_bytes
 
     def check(self, step: int, batch: Any) -> None:
         """After a training batch: the worst ratio so far, and one warning the first time the
@@ -129,7 +144,12 @@ class AutoPlan:
         the budget leaves for the allocator)."""
         if self.memory is None or self.plan is None or self.predicted_peak_bytes <= 0:
             return
-        measured = self.measured_peak_bytes()
+        peak = self.memory.peak_allocated_bytes()
+        if peak > self._peak_before_batch:
+            self.training_peak_bytes = max(self.training_peak_bytes, peak)
+        measured = self.training_peak_bytes
+        if not measured:
+            return
         ratio = measured / self.predicted_peak_bytes
         self.worst_ratio = ratio if self.worst_ratio is None else max(self.worst_ratio, ratio)
         if ratio > 1 + FRAGMENTATION_MARGIN and not self._warned:

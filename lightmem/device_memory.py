@@ -51,7 +51,8 @@ class DeviceMemory(Protocol):
 
     def peak_allocated_bytes(self) -> int:
         """The allocator's peak of allocated bytes (``max_memory_allocated``: since the process
-        started or the user's last reset; lightmem never resets it)."""
+        started or the user's last reset; lightmem never resets it, and measures a training batch
+        by how far it raises it: ``lightmem.auto_plan``)."""
 
 
 class CudaMemory:

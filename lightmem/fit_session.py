@@ -236,6 +236,8 @@ class FitSession:
     def batch_start(self, trainer: Trainer, pl_module: Module, batch: Any) -> None:
         if self.auto_plan is not None and self.auto_plan.needs_plan(batch):
             self._plan_from(trainer, pl_module, batch)
+        if self.auto_plan is not None:
+            self.auto_plan.batch_start()
         if self._offload is not None:
             self._offload.enter()
 

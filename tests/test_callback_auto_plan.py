@@ -224,8 +224,8 @@ def test_predicted_and_measured_peaks_are_logged_each_step_and_the_worst_ratio_s
     measured_peaks = [3_000_000, 3_100_000, 4_000_000, 4_100_000]
 
     class DeviceRuns(pl.Callback):  # what the simulated device's allocator reaches in each step
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            device.peak_bytes = measured_peaks[batch_idx]
+        def on_before_backward(self, trainer, pl_module, loss):
+            device.peak_bytes = measured_peaks[trainer.fit_loop.epoch_loop.batch_idx]
 
     shapes = [(4, 9), (4, 17), (4, 33), (4, 33)]
     with simulated_device(CAPACITY) as device:
@@ -253,8 +253,8 @@ def test_a_measured_peak_over_the_prediction_is_warned_about_once_naming_the_ste
     callback = LightMem(plan="auto", offload_devices=["cpu"])
 
     class DeviceRuns(pl.Callback):  # from the third batch on, the device's peak is double the plan's
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx >= 2:
+        def on_before_backward(self, trainer, pl_module, loss):
+            if trainer.fit_loop.epoch_loop.batch_idx >= 2:
                 device.peak_bytes = 2 * callback.chosen_plan.predicted_peak_bytes
 
     with simulated_device(CAPACITY) as device, warnings.catch_warnings(record=True) as caught:
@@ -269,6 +269,39 @@ def test_a_measured_peak_over_the_prediction_is_warned_about_once_naming_the_ste
         "leaves more room."
     ]
     assert callback.summary()["plan: worst measured / predicted peak"] == "2.00"
+
+
+def test_peaks_reached_before_the_fit_or_in_validation_are_not_held_against_the_plan(tmp_path):
+    # max_memory_allocated is a high of the whole process: an earlier fit reached 3x this plan's
+    # prediction, validation 5x; only what the training batches raise it to is measured.
+    memory = MemoryLogger()
+    callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    prediction = plan(LitGPT(), _tokens(4, 33), BUDGET, device="cpu").predicted_peak_bytes
+    steps = []
+
+    class DeviceRuns(pl.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):  # the 4th step raises the high to 6x
+            steps.append(trainer.global_step)
+            if len(steps) == 4:
+                device.peak_bytes = 6 * prediction
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            device.peak_bytes = max(device.peak_bytes, 5 * prediction)
+
+    module = LitGPT()
+    module.validation_step = lambda batch, batch_idx: None
+    trainer = cpu_trainer(
+        [callback, DeviceRuns()], max_steps=4, logger=[memory], val_check_interval=2, limit_val_batches=1
+    )
+    with simulated_device(CAPACITY, peak_bytes=3 * prediction) as device, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, token_loader(), token_loader(batches=1))
+    measured = [m["lightmem/memory/plan/measured_peak_GiB"] for _, m in memory.metrics if "lightmem/memory/plan/measured_peak_GiB" in m]
+    assert measured == [0.0, 0.0, 0.0, 6 * prediction / GiB]  # nothing seen until a training batch raised the high
+    assert [str(w.message).split(" (batch")[0] for w in caught if "plan='auto' predicted" in str(w.message)] == [
+        "lightmem: at step 3"
+    ]
+    assert callback.summary()["plan: worst measured / predicted peak"] == "6.00"
 
 
 def test_cli_plan_without_budget_uses_the_same_rule_on_a_device(capsys):
