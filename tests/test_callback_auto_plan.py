@@ -4,6 +4,7 @@ batch, and the predicted peak held against the measured one. On CPU, through a s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -302,6 +303,36 @@ def test_peaks_reached_before_the_fit_or_in_validation_are_not_held_against_the_
         "lightmem: at step 3"
     ]
     assert callback.summary()["plan: worst measured / predicted peak"] == "6.00"
+
+
+def test_a_replan_in_the_middle_of_gradient_accumulation_keeps_the_steps_traffic_exact(monkeypatch):
+    # Each plan offloads every saved tensor, with a new offloader each time (its min_bytes, 0, 1
+    # then 2, moves the same bytes here: no saved storage is smaller): the batches growing at the
+    # second micro-batch of each step re-plan there, and the step's figures hold both micro-batches.
+    offload = LightMem(offload_devices=["cpu"], offload_min_bytes=0).settings.offload
+    real_plan = fit_session_module.plan
+    plans = []
+
+    def offloading(model, batch, budget, **kwargs):
+        plans.append(tuple(batch[0].shape))
+        settings = dataclasses.replace(offload, min_bytes=len(plans) - 1)
+        return dataclasses.replace(real_plan(model, batch, budget, **kwargs), checkpoint=[], offload=settings)
+
+    monkeypatch.setattr(fit_session_module, "plan", offloading)
+    shapes = [(4, 9), (4, 17), (4, 17), (4, 33)]
+
+    def logged(callback):
+        memory = MemoryLogger()
+        pl.seed_everything(0, verbose=False)
+        trainer = cpu_trainer([callback], max_steps=2, logger=[memory], accumulate_grad_batches=2)
+        trainer.fit(LitGPT(), growing_loader(shapes))
+        return [m["lightmem/memory/offload/offloaded_GiB"] for _, m in memory.metrics if "lightmem/memory/offload/offloaded_GiB" in m]
+
+    planned = LightMem(plan="auto", device_budget=BUDGET, offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    from_the_start = LightMem(offload_devices=["cpu"], offload_min_bytes=0, metrics=["lightmem"], log_every_n_steps=1)
+    assert logged(planned) == logged(from_the_start) != [0.0, 0.0]
+    assert plans == [(4, 9), (4, 17), (4, 33)]  # the second and the fourth batch: mid-step
+    assert planned.summary()["offloaded per step"] == from_the_start.summary()["offloaded per step"]
 
 
 def test_cli_plan_without_budget_uses_the_same_rule_on_a_device(capsys):
