@@ -138,10 +138,11 @@ class AutoPlan:
     def measured_peak_bytes(self) -> int:
         return self.training_peak_bytes
 
-    def check(self, step: int, batch: Any) -> None:
+    def check(self, step: int, batch: Any, rank: int | None = None) -> None:
         """After a training batch: the worst ratio so far, and one warning the first time the
         measured peak exceeds the prediction by more than ``FRAGMENTATION_MARGIN`` of it (the margin
-        the budget leaves for the allocator)."""
+        the budget leaves for the allocator). ``rank``: named in the warning (each rank warns of its
+        own device); None with one process."""
         if self.memory is None or self.plan is None or self.predicted_peak_bytes <= 0:
             return
         peak = self.memory.peak_allocated_bytes()
@@ -155,7 +156,7 @@ class AutoPlan:
         if ratio > 1 + FRAGMENTATION_MARGIN and not self._warned:
             self._warned = True
             warnings.warn(
-                f"lightmem: at step {step} (batch shape {format_shapes(batch_shapes(batch))}) the device's peak "
+                f"lightmem: at step {step}{'' if rank is None else f' on rank {rank}'} (batch shape {format_shapes(batch_shapes(batch))}) the device's peak "
                 f"allocated memory, {format_bytes(measured)}, exceeds the peak plan='auto' predicted, "
                 f"{format_bytes(self.predicted_peak_bytes)}, by more than the {FRAGMENTATION_MARGIN:.0%} margin "
                 "left for the allocator's fragmentation: the plan may not hold on this device; a lower "

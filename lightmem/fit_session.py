@@ -249,7 +249,8 @@ class FitSession:
     def batch_end(self, trainer: Trainer, batch: Any) -> None:
         self.forward_done()  # training_step returned None: no backward ran
         if self.auto_plan is not None:
-            self.auto_plan.check(logged_step(trainer), batch)
+            rank = trainer.global_rank if trainer.world_size > 1 else None
+            self.auto_plan.check(logged_step(trainer), batch, rank)
         if self.host_guard is not None:
             release = self.offloader.release_host_memory if self.offloader is not None else None
             self.host_guard.on_training_batch(trainer, release, self.settings.host_guard.stop_checkpoint)

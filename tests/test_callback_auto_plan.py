@@ -272,6 +272,18 @@ def test_a_measured_peak_over_the_prediction_is_warned_about_once_naming_the_ste
     assert callback.summary()["plan: worst measured / predicted peak"] == "2.00"
 
 
+def test_with_several_ranks_the_over_prediction_warning_names_its_rank():
+    chosen = plan(LitGPT(), _tokens(4, 17), BUDGET, device="cpu")
+    device = SimulatedDeviceMemory(CAPACITY)
+    auto_plan = AutoPlan(BUDGET, device)
+    auto_plan.take(chosen, batch_shapes(_tokens(4, 17)))
+    auto_plan.batch_start()
+    device.peak_bytes = 2 * chosen.predicted_peak_bytes
+    with pytest.warns(UserWarning) as caught:
+        auto_plan.check(7, _tokens(4, 17), rank=1)
+    assert str(caught[0].message).startswith("lightmem: at step 7 on rank 1 (batch shape [4, 17]) the device's peak")
+
+
 def test_peaks_reached_before_the_fit_or_in_validation_are_not_held_against_the_plan(tmp_path):
     # max_memory_allocated is a high of the whole process: an earlier fit reached 3x this plan's
     # prediction, validation 5x; only what the training batches raise it to is measured.
