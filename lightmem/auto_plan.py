@@ -29,6 +29,7 @@ from lightmem.device_memory import (
     FRAGMENTATION_MARGIN,
     DeviceMemory,
     measure_device_budget,
+    memory_to_measure,
     overhead_for_measured_budget,
     training_device_memory,
 )
@@ -102,17 +103,12 @@ class AutoPlan:
             ValueError: no ``device_budget`` and the training device is not a CUDA device (nothing
                 to measure): the message says what to pass.
         """
-        memory = training_device_memory(device)
         if settings.device_budget_bytes is not None:
-            return cls(settings.device_budget_bytes, memory)
-        if memory is None:
-            entry = settings.spelling.entry
-            raise ValueError(
-                f"{settings.flag('plan')}: without device_budget, 'auto' plans for the memory the CUDA device "
-                f"can give this process, and the training device is {device.type!r}"
-                f"{'' if torch.cuda.is_available() else ' (no CUDA device here)'}; pass the budget to plan "
-                f"for, e.g. {entry}(plan='auto', device_budget='20GiB')"
-            )
+            return cls(settings.device_budget_bytes, training_device_memory(device))
+        memory = memory_to_measure(
+            device, flag=settings.flag("plan"), budget_flag="device_budget", subject="'auto'",
+            device_named="the training device", example=f"{settings.spelling.entry}(plan='auto', device_budget='20GiB')",
+        )  # fmt: skip
         budget = measure_device_budget(memory)
         return cls(budget.budget_bytes, memory, budget.describe(), overhead_for_measured_budget(world_size))
 

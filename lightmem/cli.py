@@ -32,8 +32,8 @@ from lightmem.config import (
 from lightmem.device_memory import (
     DeviceBudget,
     measure_device_budget,
+    memory_to_measure,
     overhead_for_measured_budget,
-    training_device_memory,
 )
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.estimate.settings import parse_device, parse_optimizer, parse_overhead, parse_precision
@@ -225,16 +225,14 @@ def _measured_budget(args: argparse.Namespace) -> DeviceBudget | None:
     can give (the rule of ``LightMem(plan="auto")``); None when a budget was given or not needed.
 
     Raises:
-        ValueError: no ``--budget`` and no CUDA device here to measure.
+        ValueError: no ``--budget`` and ``--device`` is not a CUDA device here to measure.
     """
     if args.budget is not None or not (args.plan or args.max_batch_size):
         return None
-    memory = training_device_memory(torch.device(args.device))
-    if memory is None:
-        raise ValueError(
-            "--plan and --max-batch-size need --budget on a machine without a CUDA device (with one, "
-            "they plan for what it can give this process); e.g. --budget 24GiB"
-        )
+    memory = memory_to_measure(
+        torch.device(args.device), flag="--plan" if args.plan else "--max-batch-size", budget_flag="--budget",
+        subject="it", device_named="--device", example="--budget 24GiB",
+    )  # fmt: skip
     return measure_device_budget(memory)
 
 

@@ -86,6 +86,34 @@ def training_device_memory(device: torch.device) -> DeviceMemory | None:
     return None
 
 
+def memory_to_measure(
+    device: torch.device, *, flag: str, budget_flag: str, subject: str, device_named: str, example: str
+) -> DeviceMemory:
+    """The memory of ``device``, to measure a budget from: the one check and message of
+    ``LightMem(plan="auto")`` and ``lightmem estimate --plan`` without a budget.
+
+    Args:
+        flag: what asked for a plan, as the user spelled it (``--plan``).
+        budget_flag: the flag that gives a budget (``--budget``).
+        subject: what plans, in the message (``'auto'``, ``it``).
+        device_named: how the user named the device (``the training device``, ``--device``).
+        example: a call with a budget, e.g. ``--budget 24GiB``.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device this process can read; the message names it,
+            says whether there is a CUDA device here, and what to pass.
+    """
+    memory = training_device_memory(device)
+    if memory is None:
+        why = "" if torch.cuda.is_available() else " (no CUDA device here)"
+        raise ValueError(
+            f"{flag}: without {budget_flag}, {subject} plans for the memory "
+            f"the CUDA device can give this process, and {device_named} is {device.type!r}{why}; pass the "
+            f"budget to plan for, e.g. {example}"
+        )
+    return memory
+
+
 @dataclass(frozen=True)
 class DeviceBudget:
     """What the device can give this process, measured once, and how it was reached."""

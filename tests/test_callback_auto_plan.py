@@ -367,3 +367,15 @@ def test_cli_plan_without_budget_on_cuda_does_not_set_the_cuda_context_aside_twi
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["overhead_bytes"] == data["estimate"]["overhead_bytes"] == 0
     assert data["plan"]["budget_bytes"] == 62_757_274
+
+
+@pytest.mark.parametrize(("cuda_here", "why"), [(False, " (no CUDA device here)"), (True, "")])
+def test_cli_plan_without_budget_names_the_device_given_when_it_cannot_measure_it(monkeypatch, capsys, cuda_here, why):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_here)
+    root = os.path.join(os.path.dirname(__file__), "..")
+    argv = ["estimate", f"{root}/examples/estimate_factories.py:tiny_gpt", "--batch-size", "2", "--device", "cpu", "--plan"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "lightmem estimate: error: --plan: without --budget, it plans for the memory the CUDA device can give this "
+        f"process, and --device is 'cpu'{why}; pass the budget to plan for, e.g. --budget 24GiB\n"
+    )
