@@ -30,6 +30,7 @@ from lightmem.config import (
     reject_without_partner,
 )
 from lightmem.device_memory import (
+    FRAGMENTATION_MARGIN,
     DeviceBudget,
     measure_device_budget,
     memory_to_measure,
@@ -100,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--batch-size", type=int, required=True, help="batch size passed to the factory")
     estimate.add_argument(
         "--budget",
-        help="device memory to fit, e.g. 24GiB (--plan and --max-batch-size without it, on a machine with a "
-        "GPU: what that GPU can give this process now, less 5%% for fragmentation)",
+        help="device memory to fit, e.g. 24GiB (--plan and --max-batch-size without it, with a CUDA --device: "
+        f"what that GPU can give this process now, less {FRAGMENTATION_MARGIN:.0%}% for fragmentation)",  # %%: argparse
     )
     estimate.add_argument(
         "--optimizer",

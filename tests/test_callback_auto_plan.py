@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -59,6 +60,20 @@ def test_the_budget_is_free_memory_plus_what_this_process_holds_less_the_fragmen
         "6.49 KiB (simulated device of 10000 bytes: 5.86 KiB free of 9.77 KiB + 1000 B held by this process, "
         "less 5% (350 B) for allocator fragmentation)"
     )
+
+
+def test_the_guide_states_the_margin_and_the_nccl_allowance_the_code_uses():
+    root = Path(__file__).parent.parent
+    readme, design, docstring = (
+        " ".join(text.split())
+        for text in ((root / "README.md").read_text(), (root / "docs" / "callback.md").read_text(), LightMem.__doc__)
+    )  # fmt: skip
+    margin = f"{FRAGMENTATION_MARGIN:.0%}"
+    assert f"less {margin} of that for the allocator's fragmentation" in readme
+    assert f"more than the {margin} fragmentation margin" in readme
+    assert f"less {margin} for fragmentation" in docstring and f"fragmentation margin ({margin})" in docstring
+    assert f"{NCCL_ALLOWANCE_BYTES >> 20} MiB for the buffers NCCL" in readme
+    assert f"({NCCL_ALLOWANCE_BYTES >> 20} MiB, an" in design
 
 
 def test_without_a_budget_it_plans_for_what_the_simulated_device_gives_as_with_that_budget(caplog, lightning_package):
