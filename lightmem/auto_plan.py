@@ -51,7 +51,8 @@ def shapes_covering(planned: Shapes | None, shapes: Shapes) -> Shapes:
     """The smallest shapes a plan covering both ``planned`` and ``shapes`` is made for: their
     elementwise maximum, or ``shapes`` alone when the batches hold other tensors (nothing planned,
     another count of tensors or of dimensions)."""
-    if planned is None or len(planned) != len(shapes) or any(len(o) != len(n) for o, n in zip(planned, shapes)):
+    same_tensors = planned is not None and [len(shape) for shape in planned] == [len(shape) for shape in shapes]
+    if planned is None or not same_tensors:
         return shapes
     return tuple(tuple(max(o, n) for o, n in zip(old, new)) for old, new in zip(planned, shapes))
 
@@ -107,7 +108,8 @@ class AutoPlan:
             return cls(settings.device_budget_bytes, training_device_memory(device))
         memory = memory_to_measure(
             device, flag=settings.flag("plan"), budget_flag="device_budget", subject="'auto'",
-            device_named="the training device", example=f"{settings.spelling.entry}(plan='auto', device_budget='20GiB')",
+            device_named="the training device",
+            example=f"{settings.spelling.entry}(plan='auto', device_budget='20GiB')",
         )  # fmt: skip
         budget = measure_device_budget(memory)
         return cls(budget.budget_bytes, memory, budget.describe(), overhead_for_measured_budget(world_size))
@@ -151,11 +153,12 @@ class AutoPlan:
         self.worst_ratio = ratio if self.worst_ratio is None else max(self.worst_ratio, ratio)
         if ratio > 1 + FRAGMENTATION_MARGIN and not self._warned:
             self._warned = True
+            where = f"step {step}" if rank is None else f"step {step} on rank {rank}"
             warnings.warn(
-                f"lightmem: at step {step}{'' if rank is None else f' on rank {rank}'} (batch shape {format_shapes(batch_shapes(batch))}) the device's peak "
+                f"lightmem: at {where} (batch shape {format_shapes(batch_shapes(batch))}) the device's peak "
                 f"allocated memory, {format_bytes(measured)}, exceeds the peak plan='auto' predicted, "
-                f"{format_bytes(self.predicted_peak_bytes)}, by more than the {FRAGMENTATION_MARGIN:.0%} margin "
-                "left for the allocator's fragmentation: the plan may not hold on this device; a lower "
+                f"{format_bytes(self.predicted_peak_bytes)}, by more than the {FRAGMENTATION_MARGIN:.0%} "
+                "margin left for the allocator's fragmentation: the plan may not hold on this device; a lower "
                 "device_budget leaves more room.",
                 stacklevel=2,
             )
