@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from lightmem import LightMem, plan
 from lightmem import fit_session as fit_session_module
-from lightmem.auto_plan import AutoPlan, covers, format_shapes
+from lightmem.auto_plan import AutoPlan, covers, format_shapes, shapes_covering
 from lightmem.checkpoint import is_checkpointed
 from lightmem.cli import main
 from lightmem.device_memory import FRAGMENTATION_MARGIN, NCCL_ALLOWANCE_BYTES, measure_device_budget
@@ -124,6 +124,13 @@ def test_a_plan_covers_the_batches_no_larger_in_any_dimension_of_any_tensor():
     assert not covers(planned, batch_shapes({"tokens": torch.zeros(4, 33)}))  # other tensors
     assert not covers(planned, batch_shapes({"tokens": torch.zeros(4, 33, 1), "labels": torch.zeros(4)}))
     assert format_shapes(planned) == "[4, 33], [4]"
+
+
+def test_the_next_plan_covers_the_batch_and_every_batch_planned_for_before():
+    assert shapes_covering(((4, 33), (4,)), ((8, 17), (8,))) == ((8, 33), (8,))  # elementwise maximum
+    assert shapes_covering(None, ((8, 17),)) == ((8, 17),)  # the first batch
+    assert shapes_covering(((4, 33), (4,)), ((8, 17),)) == ((8, 17),)  # other tensors: this batch alone
+    assert shapes_covering(((4, 33),), ((8, 17, 2),)) == ((8, 17, 2),)
 
 
 SHAPES = [(4, 9), (4, 9), (4, 17), (4, 33), (4, 17), (8, 33), (4, 33)]
