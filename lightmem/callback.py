@@ -69,12 +69,14 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         plan: ``"auto"``: at the first training batch, ``lightmem.plan`` picks the blocks to
             checkpoint and to offload so the step fits the device budget (a fake-tensor dry run of
             the LightningModule, seconds), and LightMem applies that choice; a later batch larger
-            than the one planned for is planned for again before its forward. The predicted peak
-            is logged beside the measured one, and a measured peak above it by more than the
-            plan's overhead allowance is warned about once.
+            than the one planned for is planned for again before its forward, together with every
+            batch planned for so far (the elementwise maximum of their shapes). The predicted peak
+            is logged beside the one the training batches reached, and a measured peak above it by
+            more than the fragmentation margin (5%) is warned about once.
         device_budget: device memory the step must fit in; needs ``plan="auto"``. Without it, the
             budget is what the CUDA training device can give this process, measured at fit start
-            (its free memory plus what this process's allocator holds, less 5% for fragmentation).
+            (its free memory plus what this process's allocator holds, less 5% for fragmentation:
+            ``lightmem.device_memory.FRAGMENTATION_MARGIN``).
         host_limit: the host memory limit the guard watches: ``"auto"`` (the tightest of the
             process's cgroup limit and total RAM), bytes, a size string, or a fraction of total RAM.
         host_warn_at: fraction of ``host_limit`` at which one warning says what holds host memory,

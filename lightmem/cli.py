@@ -29,7 +29,13 @@ from lightmem.config import (
     parse_size,
     reject_without_partner,
 )
-from lightmem.device_memory import DeviceBudget, measure_device_budget, training_device_memory
+from lightmem.device_memory import (
+    FRAGMENTATION_MARGIN,
+    DeviceBudget,
+    measure_device_budget,
+    memory_to_measure,
+    overhead_for_measured_budget,
+)
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.estimate.settings import parse_device, parse_optimizer, parse_overhead, parse_precision
 
@@ -95,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--batch-size", type=int, required=True, help="batch size passed to the factory")
     estimate.add_argument(
         "--budget",
-        help="device memory to fit, e.g. 24GiB (--plan and --max-batch-size without it, on a machine with a "
-        "GPU: what that GPU can give this process now, less 5%% for fragmentation)",
+        help="device memory to fit, e.g. 24GiB (--plan and --max-batch-size without it, with a CUDA --device: "
+        f"what that GPU can give this process now, less {FRAGMENTATION_MARGIN:.0%}% for fragmentation)",  # %%: argparse
     )
     estimate.add_argument(
         "--optimizer",
@@ -110,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     estimate.add_argument(
-        "--overhead", default=None, help="allowance for what is not modelled (default 1GiB on cuda, 0 on cpu)"
+        "--overhead",
+        default=None,
+        help="allowance for what is not modelled (default 1GiB on cuda, 0 on cpu; 0 for a budget measured "
+        "without --budget, which the CUDA context is already out of)",
     )
     estimate.add_argument(
         "--zero-grad",
@@ -217,16 +226,14 @@ def _measured_budget(args: argparse.Namespace) -> DeviceBudget | None:
     can give (the rule of ``LightMem(plan="auto")``); None when a budget was given or not needed.
 
     Raises:
-        ValueError: no ``--budget`` and no CUDA device here to measure.
+        ValueError: no ``--budget`` and ``--device`` is not a CUDA device here to measure.
     """
     if args.budget is not None or not (args.plan or args.max_batch_size):
         return None
-    memory = training_device_memory(torch.device(args.device))
-    if memory is None:
-        raise ValueError(
-            "--plan and --max-batch-size need --budget on a machine without a CUDA device (with one, "
-            "they plan for what it can give this process); e.g. --budget 24GiB"
-        )
+    memory = memory_to_measure(
+        torch.device(args.device), flag="--plan" if args.plan else "--max-batch-size", budget_flag="--budget",
+        subject="it", device_named="--device", example="--budget 24GiB",
+    )  # fmt: skip
     return measure_device_budget(memory)
 
 
@@ -239,11 +246,16 @@ def run_estimate(args: argparse.Namespace) -> int:
     targets = flags.checkpoint.targets
     if targets is not None:  # a typo fails under the flag's own name, before any tracing
         select_blocks(model, targets, targets_flag=flags.checkpoint.flag("targets"))
+    overhead = args.overhead
+    if measured is not None and overhead is None:
+        # A measured budget is what is left after the CUDA context: the default allowance would
+        # count the context again.
+        overhead = overhead_for_measured_budget(world_size=1)
     common = {
         "optimizer": args.optimizer,
         "precision": args.precision,
         "device": args.device,
-        "overhead_bytes": args.overhead,
+        "overhead_bytes": overhead,
         "zero_grad": args.zero_grad,
         "offload_optimizer": flags.optimizer_offload or False,
     }

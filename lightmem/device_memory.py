@@ -5,7 +5,10 @@ One rule, used by ``LightMem(plan="auto")`` at fit start and by ``lightmem estim
 ``--budget``: the device's free memory (what no process holds: other processes and every CUDA
 context, ours included, are already out of it), plus what this process's caching allocator holds
 (its own to reuse: the model's parameters are already there at fit start), less
-``FRAGMENTATION_MARGIN`` of that sum for the allocator's fragmentation.
+``FRAGMENTATION_MARGIN`` of that sum for the allocator's fragmentation. The CUDA context is already
+out of that budget, so the plans made for it set aside only what may still be allocated outside the
+caching allocator (``overhead_for_measured_budget``), not the planner's default allowance, which
+counts the context again.
 """
 
 from __future__ import annotations
@@ -22,6 +25,18 @@ FRAGMENTATION_MARGIN = 0.05
 them, so a step whose tensors need all of it fails to allocate before reaching it."""
 
 
+NCCL_ALLOWANCE_BYTES = 512 << 20
+"""What a plan for a measured budget sets aside with several ranks: NCCL allocates its buffers
+outside the caching allocator as collectives first need them, some after fit start. An allowance,
+not a figure measured here (no GPU)."""
+
+
+def overhead_for_measured_budget(world_size: int) -> int:
+    """The ``overhead_bytes`` of a plan for a measured budget: nothing on one device (its context is
+    out of the free memory measured), ``NCCL_ALLOWANCE_BYTES`` with several ranks."""
+    return NCCL_ALLOWANCE_BYTES if world_size > 1 else 0
+
+
 class DeviceMemory(Protocol):
     """A training device's memory as this process sees it."""
 
@@ -36,7 +51,8 @@ class DeviceMemory(Protocol):
 
     def peak_allocated_bytes(self) -> int:
         """The allocator's peak of allocated bytes (``max_memory_allocated``: since the process
-        started or the user's last reset; lightmem never resets it)."""
+        started or the user's last reset; lightmem never resets it, and measures a training batch
+        by how far it raises it: ``lightmem.auto_plan``)."""
 
 
 class CudaMemory:
@@ -68,6 +84,34 @@ def training_device_memory(device: torch.device) -> DeviceMemory | None:
     if device.type == "cuda" and torch.cuda.is_available():
         return CudaMemory(device)
     return None
+
+
+def memory_to_measure(
+    device: torch.device, *, flag: str, budget_flag: str, subject: str, device_named: str, example: str
+) -> DeviceMemory:
+    """The memory of ``device``, to measure a budget from: the one check and message of
+    ``LightMem(plan="auto")`` and ``lightmem estimate --plan`` without a budget.
+
+    Args:
+        flag: what asked for a plan, as the user spelled it (``--plan``).
+        budget_flag: the flag that gives a budget (``--budget``).
+        subject: what plans, in the message (``'auto'``, ``it``).
+        device_named: how the user named the device (``the training device``, ``--device``).
+        example: a call with a budget, e.g. ``--budget 24GiB``.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device this process can read; the message names it,
+            says whether there is a CUDA device here, and what to pass.
+    """
+    memory = training_device_memory(device)
+    if memory is None:
+        why = "" if torch.cuda.is_available() else " (no CUDA device here)"
+        raise ValueError(
+            f"{flag}: without {budget_flag}, {subject} plans for the memory "
+            f"the CUDA device can give this process, and {device_named} is {device.type!r}{why}; pass the "
+            f"budget to plan for, e.g. {example}"
+        )
+    return memory
 
 
 @dataclass(frozen=True)

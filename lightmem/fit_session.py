@@ -9,17 +9,19 @@ first batch and any larger one), the metrics recorder, the host guard and the OO
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightmem import oom
-from lightmem.auto_plan import AutoPlan, format_shapes, plan_choice
+from lightmem.auto_plan import AutoPlan, format_shapes
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
 from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
 from lightmem.estimate import Plan, plan
-from lightmem.estimate.batch import batch_shapes
+from lightmem.estimate.batch import batch_shapes, with_shapes
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.lightning_packages import is_barebones, logged_step
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
@@ -126,7 +128,7 @@ class FitSession:
         set the optimizers up), and (without a plan) activation offload and metrics; with
         ``plan="auto"``, its budget (measured here without ``device_budget``)."""
         if self.settings.plan.auto:
-            self.auto_plan = AutoPlan.at_fit_start(self.settings.plan, pl_module.device)
+            self.auto_plan = AutoPlan.at_fit_start(self.settings.plan, pl_module.device, trainer.world_size)
             measured = self.auto_plan.budget_source
             if measured is not None:
                 rank_zero_info(f"lightmem: plan='auto' device budget, measured at fit start: {measured}")
@@ -238,6 +240,8 @@ class FitSession:
     def batch_start(self, trainer: Trainer, pl_module: Module, batch: Any) -> None:
         if self.auto_plan is not None and self.auto_plan.needs_plan(batch):
             self._plan_from(trainer, pl_module, batch)
+        if self.auto_plan is not None:
+            self.auto_plan.batch_start()
         if self._offload is not None:
             self._offload.enter()
 
@@ -249,7 +253,8 @@ class FitSession:
     def batch_end(self, trainer: Trainer, batch: Any) -> None:
         self.forward_done()  # training_step returned None: no backward ran
         if self.auto_plan is not None:
-            self.auto_plan.check(logged_step(trainer), batch)
+            rank = trainer.global_rank if trainer.world_size > 1 else None
+            self.auto_plan.check(logged_step(trainer), batch, rank)
         if self.host_guard is not None:
             release = self.offloader.release_host_memory if self.offloader is not None else None
             self.host_guard.on_training_batch(trainer, release, self.settings.host_guard.stop_checkpoint)
@@ -260,29 +265,29 @@ class FitSession:
         self.recorder.batch_end(trainer)
 
     def _plan_from(self, trainer: Trainer, pl_module: Module, batch: Any) -> None:
-        """Plan for ``batch`` (the first, or one the current plan does not cover) and apply the
-        choice before its forward; one line when the choice is new."""
+        """Plan for ``batch`` and every batch planned for before (the first, or one the current
+        plan does not cover) and apply the choice before its forward; one line when it is new."""
         assert self.auto_plan is not None
-        if self._checkpoint is not None:  # the planner sees the model as the user wrote it
-            self._checkpoint.remove()
-            self._checkpoint = None
+        shapes = self.auto_plan.shapes_to_plan_for(batch)
         # The dry run calls training_step on fake tensors; its self.log calls must not reach the
         # Trainer's results.
         pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
         try:
-            chosen = plan(
-                pl_module, batch, self.auto_plan.budget_bytes, device=pl_module.device.type,
-                precision=str(trainer.precision), offload=self.offload_settings if self.settings.offload_on else False,
-                checkpoint_policy=self.settings.checkpoint.policy,
-                offload_optimizer=self.settings.optimizer_offload if self._optimizer_offloaders else False,
-            )  # fmt: skip
+            with self._without_checkpointing(pl_module):  # the planner sees the model as the user wrote it
+                chosen = plan(
+                    pl_module, with_shapes(batch, shapes), self.auto_plan.budget_bytes,
+                    device=pl_module.device.type, precision=str(trainer.precision),
+                    offload=self.offload_settings if self.settings.offload_on else False,
+                    checkpoint_policy=self.settings.checkpoint.policy,
+                    offload_optimizer=self.settings.optimizer_offload if self._optimizer_offloaders else False,
+                    overhead_bytes=self.auto_plan.plan_overhead_bytes,
+                )  # fmt: skip
         finally:
             del pl_module.log, pl_module.log_dict
         previous = self.chosen_plan
-        self.auto_plan.take(chosen, batch)
-        if previous is not None and plan_choice(previous) == plan_choice(chosen):
-            self._apply_plan(trainer, pl_module, previous, chosen)
-            return
+        self.auto_plan.take(chosen, shapes)
+        if previous is not None and previous.lightmem_kwargs() == chosen.lightmem_kwargs():
+            return  # nothing to re-apply: checkpointed blocks and offloader stay as they are
         choice = (
             f"checkpoint {chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}; "
             f"predicted peak {format_bytes(chosen.predicted_total_bytes)}"
@@ -290,10 +295,14 @@ class FitSession:
         if previous is None:
             summary = f"lightmem: plan for a {format_bytes(chosen.budget_bytes)} device budget: {choice}"
         else:
+            this_one = batch_shapes(batch)
+            planned_for = (
+                f"a larger batch ({format_shapes(shapes)})" if shapes == this_one
+                else f"batches up to {format_shapes(shapes)} (this one: {format_shapes(this_one)})"
+            )  # fmt: skip
             summary = (
-                f"lightmem: re-planned for a larger batch ({format_shapes(batch_shapes(batch))}) at step "
-                f"{logged_step(trainer)}: {choice} (was: checkpoint {previous.checkpoint or 'nothing'}, offload "
-                f"{offload_scope(previous.offload)})"
+                f"lightmem: re-planned for {planned_for} at step {logged_step(trainer)}: {choice} (was: checkpoint "
+                f"{previous.checkpoint or 'nothing'}, offload {offload_scope(previous.offload)})"
             )
         if chosen.offload_optimizer and not self._optimizer_offloaders:
             # The planner counted gradients and optimizer state on the host; this fit keeps them on
@@ -312,11 +321,36 @@ class FitSession:
         elif self.recorder is not None:
             self.recorder.use_probes(self._probes(trainer, pl_module)[0], self.checkpointed_blocks)
 
+    @contextlib.contextmanager
+    def _without_checkpointing(self, pl_module: Module) -> Iterator[None]:
+        """The blocks lightmem checkpoints run their own forward inside; the very same wrappers are
+        put back after, so a plan that keeps the choice changes nothing (a compiled model is not
+        recompiled)."""
+        if self._checkpoint is None:
+            yield
+            return
+        blocks = [pl_module.get_submodule(name) for name in self._checkpoint.modules]
+        wrappers = [block.__dict__["forward"] for block in blocks]
+        for block, wrapper in zip(blocks, wrappers):  # as CheckpointHandle.remove unwraps
+            if wrapper.had_instance_forward:
+                block.forward = wrapper.inner
+            else:
+                del block.forward
+        try:
+            yield
+        finally:
+            for block, wrapper in zip(blocks, wrappers):
+                block.forward = wrapper
+
     def _apply_plan(self, trainer: Trainer, pl_module: Module, previous: Plan | None, chosen: Plan) -> None:
-        """Checkpoint as ``chosen`` says (nothing is checkpointed while planning) and offload as it
-        says, replacing ``previous``'s offloader when it differs."""
-        if chosen.checkpoint:
-            self.apply_checkpointing(trainer, pl_module, tuple(chosen.checkpoint), every_n=1)
+        """Checkpoint and offload as ``chosen`` says, replacing what ``previous`` applied where the
+        two differ."""
+        if previous is None or previous.checkpoint != chosen.checkpoint:
+            if self._checkpoint is not None:
+                self._checkpoint.remove()
+                self._checkpoint = None
+            if chosen.checkpoint:
+                self.apply_checkpointing(trainer, pl_module, tuple(chosen.checkpoint), every_n=1)
         if previous is None or previous.offload != chosen.offload:
             if self._offload is not None:
                 self._offload.close()

@@ -66,10 +66,21 @@ def logged_step(trainer: Any) -> int:
 
 
 def lightning_logs_this_step(trainer: Any) -> bool:
-    """Whether Lightning logs the current training batch's metrics: its own rule
-    (``log_every_n_steps``, 0 meaning never; a stopping Trainer; ``fast_dev_run``), asked of its
-    logger connector so it is never re-written here."""
-    return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
+    """Whether Lightning logs the current training batch's metrics, by the parts of its rule that
+    every rank shares: every ``log_every_n_steps`` optimizer steps (0: never), and every step under
+    ``fast_dev_run``.
+
+    Written out here, not asked of Lightning: its logger connector (``should_update_logs``, and
+    ``fast_dev_run`` beside it in ``update_train_step_metrics``) also logs the step a Trainer stops
+    at, and ``should_stop`` may be set on one rank alone (lightmem's host guard, a user's callback).
+    A rank that logged then would wait in the all-reduce of the max over ranks for ranks that did
+    not. That last step is therefore left to the next logged one, or to the summary.
+    """
+    if trainer.fast_dev_run:
+        return True
+    every = trainer.log_every_n_steps
+    # `+ 1`: the count is raised after on_train_batch_end (see logged_step), as Lightning counts it.
+    return every > 0 and (logged_step(trainer) + 1) % every == 0
 
 
 def is_barebones(trainer: Any) -> bool:

@@ -1,12 +1,16 @@
-"""Run by tests/test_callback_metrics.py: DDP with 2 CPU processes (gloo), with and without LightMem."""
+"""Run by tests/test_callback_metrics.py: DDP with 2 CPU processes (gloo), without LightMem, with it,
+and with ``LightMem(plan="auto")`` (a given device_budget, on a simulated device so the plan's
+peaks are logged too)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import warnings
 from pathlib import Path
 
+import lightning_utilities.core.rank_zero
 import pytorch_lightning as pl
 import torch
 from exact import assert_state_equal
@@ -16,6 +20,9 @@ from pytorch_lightning.loggers import Logger
 
 from lightmem import LightMem
 from lightmem.metrics.names import key
+from lightmem.testing.device import simulated_device
+
+BUDGET = 4_496_356  # as in test_callback_auto_plan.py: a 4 x 33 batch needs one checkpointed block
 
 
 class MemoryLogger(Logger):
@@ -31,6 +38,18 @@ class MemoryLogger(Logger):
 
     def log_hyperparams(self, *args, **kwargs):
         pass
+
+
+class Lines(logging.Handler):
+    """The lines LightMem writes through Lightning's rank-zero logging, on this rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("lightmem: "):
+            self.lines.append(record.getMessage())
 
 
 def fit(callbacks, logger):
@@ -57,6 +76,24 @@ def main() -> None:
         equal = True
     except AssertionError:
         equal = False
+    planned_logger, lines = MemoryLogger(), Lines()
+    # rank_zero_info's logger: set by the Lightning package imported last (lightning.pytorch here)
+    rank_zero_log = lightning_utilities.core.rank_zero.log
+    rank_zero_log.addHandler(lines)
+    rank_zero_log.setLevel(logging.INFO)
+    planned = LightMem(plan="auto", device_budget=BUDGET, offload_devices=["cpu"], log_every_n_steps=1)
+    with simulated_device(2 * BUDGET):
+        planned_module, planned_trainer = fit([planned], planned_logger)
+    final = LightMem(**planned.chosen_plan.lightmem_kwargs(), offload_devices=["cpu"])
+    final_module, final_trainer = fit([final], False)
+    try:
+        assert_state_equal(final_module, planned_module, final_trainer.optimizers[0], planned_trainer.optimizers[0])
+        planned_equal = True
+    except AssertionError:
+        planned_equal = False
+    ranks = [None, None]
+    plan_lines = [line for line in lines.lines if line.startswith("lightmem: plan for")]
+    torch.distributed.all_gather_object(ranks, {"checkpoint": planned.chosen_plan.checkpoint, "plan_lines": plan_lines})
     local_rss = [None, None]
     torch.distributed.all_gather_object(local_rss, callback.last_local_metrics[key("host/rss_GiB")])
     if trainer.is_global_zero:
@@ -66,6 +103,12 @@ def main() -> None:
             "logged_steps": [s for s, _ in rows],
             "logged_rss_GiB": rows[-1][1][key("host/rss_GiB")],
             "local_rss_GiB": local_rss,
+            "planned": ranks,
+            "planned_equal": planned_equal,
+            "planned_logged": {
+                name: [m[key(name)] for _, m in planned_logger.rows if key(name) in m]
+                for name in ("offload/offloaded_GiB", "plan/predicted_peak_GiB", "plan/measured_peak_GiB")
+            },
         }
         (out / "report.json").write_text(json.dumps(report))
 

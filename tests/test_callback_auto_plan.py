@@ -4,10 +4,12 @@ batch, and the predicted peak held against the measured one. On CPU, through a s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -19,10 +21,10 @@ from torch.utils.data import DataLoader
 
 from lightmem import LightMem, plan
 from lightmem import fit_session as fit_session_module
-from lightmem.auto_plan import covers, format_shapes
+from lightmem.auto_plan import AutoPlan, covers, format_shapes, shapes_covering
 from lightmem.checkpoint import is_checkpointed
 from lightmem.cli import main
-from lightmem.device_memory import FRAGMENTATION_MARGIN, measure_device_budget
+from lightmem.device_memory import FRAGMENTATION_MARGIN, NCCL_ALLOWANCE_BYTES, measure_device_budget
 from lightmem.estimate.batch import batch_shapes
 from lightmem.metrics.names import GiB
 from lightmem.testing.device import SimulatedDeviceMemory, simulated_device
@@ -60,6 +62,20 @@ def test_the_budget_is_free_memory_plus_what_this_process_holds_less_the_fragmen
     )
 
 
+def test_the_guide_states_the_margin_and_the_nccl_allowance_the_code_uses():
+    root = Path(__file__).parent.parent
+    readme, design, docstring = (
+        " ".join(text.split())
+        for text in ((root / "README.md").read_text(), (root / "docs" / "callback.md").read_text(), LightMem.__doc__)
+    )  # fmt: skip
+    margin = f"{FRAGMENTATION_MARGIN:.0%}"
+    assert f"less {margin} of that for the allocator's fragmentation" in readme
+    assert f"more than the {margin} fragmentation margin" in readme
+    assert f"less {margin} for fragmentation" in docstring and f"fragmentation margin ({margin})" in docstring
+    assert f"{NCCL_ALLOWANCE_BYTES >> 20} MiB for the buffers NCCL" in readme
+    assert f"({NCCL_ALLOWANCE_BYTES >> 20} MiB, an" in design
+
+
 def test_without_a_budget_it_plans_for_what_the_simulated_device_gives_as_with_that_budget(caplog, lightning_package):
     module_class = lit_gpt_class(lightning_package)
     given = LightMem(plan="auto", device_budget=BUDGET, offload_devices=["cpu"])
@@ -75,6 +91,17 @@ def test_without_a_budget_it_plans_for_what_the_simulated_device_gives_as_with_t
     assert [line for line in _lines(caplog) if "measured at fit start" in line] == [
         f"lightmem: plan='auto' device budget, measured at fit start: {budget.describe()}"
     ]
+
+
+@pytest.mark.parametrize(("world_size", "expected"), [(1, 0), (2, NCCL_ALLOWANCE_BYTES)])
+def test_a_measured_budget_sets_aside_only_what_is_not_allocated_yet(world_size, expected):
+    # The CUDA context is already out of the free memory measured: only NCCL's buffers, which
+    # collectives may still allocate, are set aside, and only with several ranks.
+    with simulated_device(CAPACITY):
+        measured = AutoPlan.at_fit_start(LightMem(plan="auto").settings.plan, torch.device("cuda", 0), world_size)
+    assert measured.plan_overhead_bytes == expected
+    given = AutoPlan.at_fit_start(LightMem(plan="auto", device_budget="20GiB").settings.plan, torch.device("cpu"), 1)
+    assert given.plan_overhead_bytes is None  # the planner's own allowance (1 GiB on CUDA, 0 on CPU)
 
 
 def test_without_a_budget_or_a_cuda_device_it_fails_at_fit_start_saying_what_to_pass():
@@ -97,6 +124,13 @@ def test_a_plan_covers_the_batches_no_larger_in_any_dimension_of_any_tensor():
     assert not covers(planned, batch_shapes({"tokens": torch.zeros(4, 33)}))  # other tensors
     assert not covers(planned, batch_shapes({"tokens": torch.zeros(4, 33, 1), "labels": torch.zeros(4)}))
     assert format_shapes(planned) == "[4, 33], [4]"
+
+
+def test_the_next_plan_covers_the_batch_and_every_batch_planned_for_before():
+    assert shapes_covering(((4, 33), (4,)), ((8, 17), (8,))) == ((8, 33), (8,))  # elementwise maximum
+    assert shapes_covering(None, ((8, 17),)) == ((8, 17),)  # the first batch
+    assert shapes_covering(((4, 33), (4,)), ((8, 17),)) == ((8, 17),)  # other tensors: this batch alone
+    assert shapes_covering(((4, 33),), ((8, 17, 2),)) == ((8, 17, 2),)
 
 
 SHAPES = [(4, 9), (4, 9), (4, 17), (4, 33), (4, 17), (8, 33), (4, 33)]
@@ -152,6 +186,58 @@ def test_a_fit_whose_batches_grow_replans_exactly_when_needed_and_trains_as_the_
     assert_state_equal(reference, module, reference_trainer.optimizers[0], trainer.optimizers[0])
 
 
+def _fit_recording_plans(monkeypatch, shapes):
+    """Fit over one batch of each of ``shapes``; what each plan was made for, and after each batch
+    the forward of each checkpointed block (the wrapper objects themselves)."""
+    planned_for = []
+    real_plan = fit_session_module.plan
+
+    def spy(model, batch, budget, **kwargs):
+        planned_for.append(tuple(batch[0].shape))
+        return real_plan(model, batch, budget, **kwargs)
+
+    monkeypatch.setattr(fit_session_module, "plan", spy)
+    wrappers = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            modules = pl_module.named_modules()
+            wrappers.append({name: module.__dict__["forward"] for name, module in modules if is_checkpointed(module)})
+
+    callback = LightMem(plan="auto", offload_devices=["cpu"])
+    with simulated_device(CAPACITY):
+        cpu_trainer([callback, Spy()], max_steps=len(shapes)).fit(LitGPT(), growing_loader(shapes))
+    return callback, planned_for, wrappers
+
+
+def test_alternating_batch_shapes_are_planned_for_once_as_their_elementwise_maximum(monkeypatch, caplog):
+    # A token-bucketed loader: neither shape covers the other; one plan for [8, 33] covers both.
+    shapes = [(4, 33), (8, 17)] * 3
+    with caplog.at_level(logging.INFO):
+        callback, planned_for, wrappers = _fit_recording_plans(monkeypatch, shapes)
+    assert planned_for == [(4, 33), (8, 33)]
+    both = plan(LitGPT(), _tokens(8, 33), BUDGET, device="cpu").checkpoint
+    assert callback.chosen_plan.checkpoint == both == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    assert [sorted(w) for w in wrappers] == [["model.blocks.0"]] + [both] * 5
+    assert all(w == wrappers[1] for w in wrappers[1:])  # the same wrapper objects from the second batch on
+    lines = [line for line in _lines(caplog) if line.startswith("lightmem: re-planned")]
+    assert lines == [
+        f"lightmem: re-planned for batches up to [8, 33] (this one: [8, 17]) at step 1: checkpoint {both}, "
+        "offload nothing; predicted peak 4.16 MiB (was: checkpoint ['model.blocks.0'], offload nothing)"
+    ]
+
+
+def test_a_replan_that_keeps_the_choice_leaves_the_checkpointed_blocks_untouched(monkeypatch, caplog):
+    # Each batch is larger than the last and gets a plan, which each time checkpoints the same two
+    # blocks: the wrappers applied for the first batch stay (a compiled model sees no change).
+    with caplog.at_level(logging.INFO):
+        callback, planned_for, wrappers = _fit_recording_plans(monkeypatch, [(5, 33), (6, 33), (7, 33)])
+    assert planned_for == [(5, 33), (6, 33), (7, 33)]
+    assert sorted(wrappers[0]) == ["model.blocks.0", "model.blocks.1"]
+    assert all(w[name] is wrappers[0][name] for w in wrappers for name in wrappers[0])
+    assert [line for line in _lines(caplog) if line.startswith("lightmem: re-planned")] == []
+
+
 def test_predicted_and_measured_peaks_are_logged_each_step_and_the_worst_ratio_summarised(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
@@ -161,8 +247,8 @@ def test_predicted_and_measured_peaks_are_logged_each_step_and_the_worst_ratio_s
     measured_peaks = [3_000_000, 3_100_000, 4_000_000, 4_100_000]
 
     class DeviceRuns(pl.Callback):  # what the simulated device's allocator reaches in each step
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            device.peak_bytes = measured_peaks[batch_idx]
+        def on_before_backward(self, trainer, pl_module, loss):
+            device.peak_bytes = measured_peaks[trainer.fit_loop.epoch_loop.batch_idx]
 
     shapes = [(4, 9), (4, 17), (4, 33), (4, 33)]
     with simulated_device(CAPACITY) as device:
@@ -190,8 +276,8 @@ def test_a_measured_peak_over_the_prediction_is_warned_about_once_naming_the_ste
     callback = LightMem(plan="auto", offload_devices=["cpu"])
 
     class DeviceRuns(pl.Callback):  # from the third batch on, the device's peak is double the plan's
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx >= 2:
+        def on_before_backward(self, trainer, pl_module, loss):
+            if trainer.fit_loop.epoch_loop.batch_idx >= 2:
                 device.peak_bytes = 2 * callback.chosen_plan.predicted_peak_bytes
 
     with simulated_device(CAPACITY) as device, warnings.catch_warnings(record=True) as caught:
@@ -201,10 +287,86 @@ def test_a_measured_peak_over_the_prediction_is_warned_about_once_naming_the_ste
     messages = [str(w.message) for w in caught if "plan='auto' predicted" in str(w.message)]
     assert messages == [
         f"lightmem: at step 2 (batch shape [4, 17]) the device's peak allocated memory, {2 * predicted / 2**20:.2f} "
-        f"MiB, exceeds the peak plan='auto' predicted, {predicted / 2**20:.2f} MiB, by more than the plan's 0 B "
-        "overhead allowance: the plan may not hold on this device; a lower device_budget leaves more room."
+        f"MiB, exceeds the peak plan='auto' predicted, {predicted / 2**20:.2f} MiB, by more than the 5% margin "
+        "left for the allocator's fragmentation: the plan may not hold on this device; a lower device_budget "
+        "leaves more room."
     ]
     assert callback.summary()["plan: worst measured / predicted peak"] == "2.00"
+
+
+def test_with_several_ranks_the_over_prediction_warning_names_its_rank():
+    chosen = plan(LitGPT(), _tokens(4, 17), BUDGET, device="cpu")
+    device = SimulatedDeviceMemory(CAPACITY)
+    auto_plan = AutoPlan(BUDGET, device)
+    auto_plan.take(chosen, batch_shapes(_tokens(4, 17)))
+    auto_plan.batch_start()
+    device.peak_bytes = 2 * chosen.predicted_peak_bytes
+    with pytest.warns(UserWarning) as caught:
+        auto_plan.check(7, _tokens(4, 17), rank=1)
+    assert str(caught[0].message).startswith("lightmem: at step 7 on rank 1 (batch shape [4, 17]) the device's peak")
+
+
+def test_peaks_reached_before_the_fit_or_in_validation_are_not_held_against_the_plan(tmp_path):
+    # max_memory_allocated is a high of the whole process: an earlier fit reached 3x this plan's
+    # prediction, validation 5x; only what the training batches raise it to is measured.
+    memory = MemoryLogger()
+    callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    prediction = plan(LitGPT(), _tokens(4, 33), BUDGET, device="cpu").predicted_peak_bytes
+    steps = []
+
+    class DeviceRuns(pl.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):  # the 4th step raises the high to 6x
+            steps.append(trainer.global_step)
+            if len(steps) == 4:
+                device.peak_bytes = 6 * prediction
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            device.peak_bytes = max(device.peak_bytes, 5 * prediction)
+
+    module = LitGPT()
+    module.validation_step = lambda batch, batch_idx: None
+    trainer = cpu_trainer(
+        [callback, DeviceRuns()], max_steps=4, logger=[memory], val_check_interval=2, limit_val_batches=1
+    )
+    with simulated_device(CAPACITY, peak_bytes=3 * prediction) as device, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, token_loader(), token_loader(batches=1))
+    measured = [m["lightmem/memory/plan/measured_peak_GiB"] for _, m in memory.metrics if "lightmem/memory/plan/measured_peak_GiB" in m]
+    assert measured == [0.0, 0.0, 0.0, 6 * prediction / GiB]  # nothing seen until a training batch raised the high
+    assert [str(w.message).split(" (batch")[0] for w in caught if "plan='auto' predicted" in str(w.message)] == [
+        "lightmem: at step 3"
+    ]
+    assert callback.summary()["plan: worst measured / predicted peak"] == "6.00"
+
+
+def test_a_replan_in_the_middle_of_gradient_accumulation_keeps_the_steps_traffic_exact(monkeypatch):
+    # Each plan offloads every saved tensor, with a new offloader each time (its min_bytes, 0, 1
+    # then 2, moves the same bytes here: no saved storage is smaller): the batches growing at the
+    # second micro-batch of each step re-plan there, and the step's figures hold both micro-batches.
+    offload = LightMem(offload_devices=["cpu"], offload_min_bytes=0).settings.offload
+    real_plan = fit_session_module.plan
+    plans = []
+
+    def offloading(model, batch, budget, **kwargs):
+        plans.append(tuple(batch[0].shape))
+        settings = dataclasses.replace(offload, min_bytes=len(plans) - 1)
+        return dataclasses.replace(real_plan(model, batch, budget, **kwargs), checkpoint=[], offload=settings)
+
+    monkeypatch.setattr(fit_session_module, "plan", offloading)
+    shapes = [(4, 9), (4, 17), (4, 17), (4, 33)]
+
+    def logged(callback):
+        memory = MemoryLogger()
+        pl.seed_everything(0, verbose=False)
+        trainer = cpu_trainer([callback], max_steps=2, logger=[memory], accumulate_grad_batches=2)
+        trainer.fit(LitGPT(), growing_loader(shapes))
+        return [m["lightmem/memory/offload/offloaded_GiB"] for _, m in memory.metrics if "lightmem/memory/offload/offloaded_GiB" in m]
+
+    planned = LightMem(plan="auto", device_budget=BUDGET, offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    from_the_start = LightMem(offload_devices=["cpu"], offload_min_bytes=0, metrics=["lightmem"], log_every_n_steps=1)
+    assert logged(planned) == logged(from_the_start) != [0.0, 0.0]
+    assert plans == [(4, 9), (4, 17), (4, 33)]  # the second and the fourth batch: mid-step
+    assert planned.summary()["offloaded per step"] == from_the_start.summary()["offloaded per step"]
 
 
 def test_cli_plan_without_budget_uses_the_same_rule_on_a_device(capsys):
@@ -217,3 +379,25 @@ def test_cli_plan_without_budget_uses_the_same_rule_on_a_device(capsys):
     expected = measure_device_budget(SimulatedDeviceMemory(64 * 2**20, used_by_others_bytes=2**20))
     assert data["measured_budget"] == {"budget_bytes": expected.budget_bytes, "how": expected.describe()}
     assert data["plan"]["budget_bytes"] == expected.budget_bytes == 62_757_274
+
+
+def test_cli_plan_without_budget_on_cuda_does_not_set_the_cuda_context_aside_twice(capsys):
+    root = os.path.join(os.path.dirname(__file__), "..")
+    argv = ["estimate", f"{root}/examples/estimate_factories.py:tiny_gpt", "--batch-size", "2", "--plan", "--json"]
+    with simulated_device(64 * 2**20, used_by_others_bytes=2**20):
+        assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["overhead_bytes"] == data["estimate"]["overhead_bytes"] == 0
+    assert data["plan"]["budget_bytes"] == 62_757_274
+
+
+@pytest.mark.parametrize(("cuda_here", "why"), [(False, " (no CUDA device here)"), (True, "")])
+def test_cli_plan_without_budget_names_the_device_given_when_it_cannot_measure_it(monkeypatch, capsys, cuda_here, why):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_here)
+    root = os.path.join(os.path.dirname(__file__), "..")
+    argv = ["estimate", f"{root}/examples/estimate_factories.py:tiny_gpt", "--batch-size", "2", "--device", "cpu", "--plan"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "lightmem estimate: error: --plan: without --budget, it plans for the memory the CUDA device can give this "
+        f"process, and --device is 'cpu'{why}; pass the budget to plan for, e.g. --budget 24GiB\n"
+    )

@@ -14,6 +14,7 @@ from lit_models import lit_gpt_class, token_loader
 
 from lightmem import LightMem
 from lightmem.checkpoint import is_checkpointed
+from lightmem.lightning_packages import lightning_logs_this_step
 from lightmem.metrics.recorder import SUMMARY_TITLE
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Warning")
@@ -101,3 +102,24 @@ def test_barebones_trainer_keeps_offload_and_checkpointing_and_reports_nothing(l
     ]
     assert_state_equal(expected[0], actual[0], expected[1].optimizers[0], actual[1].optimizers[0])
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_whether_a_step_is_logged_never_depends_on_the_trainer_stopping(lightning_package):
+    # Lightning's logger connector also logs the step a Trainer stops at, but one rank may set
+    # should_stop alone (the host guard, a user's callback): a rank that logged then would wait in the
+    # all-reduce of the max over ranks for ranks that did not. Every rank decides alike.
+    trainer = lightning_package.Trainer(accelerator="cpu", devices=1, log_every_n_steps=2, logger=False)
+    trainer.training = True  # the fit loop is the active loop, as in on_train_batch_end
+    decisions = {}
+    for batches_that_stepped in range(4):
+        trainer.fit_loop.epoch_loop._batches_that_stepped = batches_that_stepped
+        for stopping in (False, True):
+            trainer.should_stop = stopping
+            decisions[batches_that_stepped, stopping] = lightning_logs_this_step(trainer)
+    assert decisions == {(k, stopping): k % 2 == 1 for k in range(4) for stopping in (False, True)}
+    fast = lightning_package.Trainer(accelerator="cpu", devices=1, fast_dev_run=2, logger=False, log_every_n_steps=0)
+    fast.training = True
+    assert lightning_logs_this_step(fast) is True  # fast_dev_run logs every step, as Lightning does
+    never = lightning_package.Trainer(accelerator="cpu", devices=1, log_every_n_steps=0, logger=False)
+    never.training, never.should_stop = True, True
+    assert lightning_logs_this_step(never) is False

@@ -234,15 +234,37 @@ def test_tensorboard_event_files_hold_the_panels_and_the_scalars(tmp_path, light
     assert all(title.endswith(("(GiB)", "(count)", "(ms)")) for title in charts)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="gloo DDP subprocess test is Linux-only here")
-def test_ddp_on_two_cpu_processes_gives_equal_weights_and_logs_max_over_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def ddp_report(tmp_path_factory):
+    """What tests/ddp_script.py saw: one launch of 2 CPU processes (gloo) for the DDP tests below."""
+    if sys.platform != "linux":
+        pytest.skip("gloo DDP subprocess test is Linux-only here")
+    out = tmp_path_factory.mktemp("ddp")
     script = Path(__file__).parent / "ddp_script.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
-    )
+    result = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((tmp_path / "report.json").read_text())
+    return json.loads((out / "report.json").read_text())
+
+
+def test_ddp_on_two_cpu_processes_gives_equal_weights_and_logs_max_over_ranks(ddp_report):
+    report = ddp_report
     assert report["weights_equal"] is True
     assert report["logged_steps"] == [0, 1, 2]
     assert report["logged_rss_GiB"] == max(report["local_rss_GiB"])  # the max over the two ranks
+
+
+def test_ddp_with_plan_auto_plans_on_every_rank_and_logs_the_same_figures_on_each(ddp_report):
+    report = ddp_report
+    one_block = ["model.blocks.0"]  # each rank's batches are 4 x 33 tokens, as in test_callback_auto_plan.py
+    assert report["planned"] == [
+        {"checkpoint": one_block, "plan_lines": [f"lightmem: plan for a 4.29 MiB device budget: checkpoint {one_block}, "
+                                                  "offload nothing; predicted peak 4.24 MiB"]},
+        {"checkpoint": one_block, "plan_lines": []},  # the plan's line: rank zero only
+    ]
+    assert report["planned_equal"] is True  # the same state as a fit with the plan's flags from the start
+    # Each rank reduces the same figures in the max over ranks: offload's too, although no plan offloads on CPU.
+    logged = report["planned_logged"]
+    assert logged["offload/offloaded_GiB"] == [0.0, 0.0, 0.0]
+    assert logged["plan/measured_peak_GiB"] == [0.0, 0.0, 0.0]  # the simulated allocator's peak never rises
+    assert len(logged["plan/predicted_peak_GiB"]) == 3 and logged["plan/predicted_peak_GiB"][0] > 0

@@ -52,7 +52,7 @@ def test_table_output_with_a_file_factory_and_plan(capsys):
             ["examples.estimate_factories:tiny_gpt", "--batch-size", "2", "--precision", "fp8"],
             "unknown precision 'fp8'",
         ),
-        (["examples.estimate_factories:tiny_gpt", "--batch-size", "2", "--plan"], "need --budget"),
+        (["examples.estimate_factories:tiny_gpt", "--batch-size", "2", "--plan"], "--plan: without --budget, it plans"),
     ],
 )
 def test_errors_exit_with_status_2_and_a_message(capsys, argv, message):

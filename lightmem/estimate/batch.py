@@ -60,6 +60,26 @@ def batch_shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(leaf.shape) for leaf in _leaves(batch)[0] if isinstance(leaf, torch.Tensor))
 
 
+def with_shapes(batch: Any, shapes: tuple[tuple[int, ...], ...]) -> Any:
+    """``batch`` with its tensors grown to ``shapes`` (one per tensor, in ``batch_shapes`` order, none
+    smaller): each tensor's values in its leading corner, zeros after them. The estimator reads the
+    shapes; of the values, only the zero fraction of dense float inputs (for advice). A Mapping that
+    is not a dict comes back as the dict the estimator reads it as."""
+    if shapes == batch_shapes(batch):
+        return batch
+    leaves, spec = _leaves(batch)
+    grown = iter(shapes)
+    out = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            continue
+        tensor = leaf.new_zeros(next(grown))
+        tensor[tuple(slice(0, size) for size in leaf.shape)] = leaf
+        out.append(tensor)
+    return tree_unflatten(out, spec)
+
+
 def inspect_batch(batch: Any) -> BatchInfo:
     """Sizes, the batch dimension, and mostly-zero dense inputs (read from real values)."""
     leaves, _ = _leaves(batch)

@@ -71,7 +71,7 @@ METRICS: tuple[Metric, ...] = (
     _m("checkpoint/blocks", "lightmem", "count", "blocks recomputed in backward (selective checkpointing)", "Checkpointed blocks (count)", reduce_max=False),
     # plan="auto": what its plans predict beside what the device's allocator measured.
     _m("plan/predicted_peak_GiB", "lightmem", "GiB", "peak allocated memory plan='auto' predicts: the highest of the plans applied in this fit so far", "Plan: predicted and measured peak (GiB)"),
-    _m("plan/measured_peak_GiB", "lightmem", "GiB", "peak allocated memory the device's allocator measured (max_memory_allocated), held against the prediction", "Plan: predicted and measured peak (GiB)"),
+    _m("plan/measured_peak_GiB", "lightmem", "GiB", "peak allocated memory the training batches of this fit raised the device's allocator to (max_memory_allocated), held against the prediction", "Plan: predicted and measured peak (GiB)"),
 )
 
 GROUPS: tuple[str, ...] = ("gpu", "device", "host", "lightmem")

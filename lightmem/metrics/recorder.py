@@ -130,7 +130,8 @@ class MetricsRecorder:
     Args:
         probes: objects with ``group``, ``collect()`` and ``end_step()`` (``lightmem.metrics.probes``).
         log_every_n_steps: log every n optimizer steps, starting with the first (None: on the
-            steps Lightning logs its own metrics, which ``Trainer(log_every_n_steps=0)`` makes none).
+            steps Lightning logs its own metrics, which ``Trainer(log_every_n_steps=0)`` makes none,
+            less the step a stopping Trainer adds: ``lightning_logs_this_step``).
             Either way at Lightning's step values (``logged_step``).
         tensorboard_panels: with the first logged step, write a Custom Scalars layout of the
             metrics really logged to every TensorBoard logger.
@@ -147,6 +148,7 @@ class MetricsRecorder:
     ) -> None:
         self._offload = False
         self._plan_worst_ratio: float | None = None  # kept from plan_peaks when the recorder closes
+        self.traffic: LightmemProbe | None = None
         self.use_probes(probes, checkpointed_blocks)
         self._optimizer_totals: dict[str, float] = {}
         self.log_every_n_steps = log_every_n_steps
@@ -164,11 +166,22 @@ class MetricsRecorder:
         self._steps = 0
 
     def use_probes(self, probes: Sequence[Any], checkpointed_blocks: int) -> None:
-        """Read ``probes`` from now on (a new plan changed what is on); totals and peaks so far stay."""
+        """Read ``probes`` from now on (a new plan changed what is on); totals and peaks so far stay.
+
+        A plan may change between the micro-batches of one optimizer step: the traffic of those
+        before it moves to the new probes, so the step's figures stay whole. Once offload figures
+        are logged they stay (zeros while nothing moves), under a plan that offloads nothing too.
+        """
+        previous = self.traffic
         self.probes = list(probes)
         self.traffic = next(
             (probe for probe in self.probes if isinstance(probe, LightmemProbe) and probe.offload), None
         )
+        if previous is not None:
+            if self.traffic is None:
+                self.traffic = LightmemProbe(None, offload=True)
+                self.probes.append(self.traffic)
+            self.traffic.totals.add(previous.totals)
         self._offload = self._offload or self.traffic is not None
         self.optimizer_offload = next((probe for probe in self.probes if isinstance(probe, OptimizerOffloadProbe)), None)
         self.plan_peaks = next((probe.peaks for probe in self.probes if isinstance(probe, PlanProbe)), None)

@@ -4,7 +4,9 @@ Inside ``with simulated_device(capacity_bytes=...)`` every fit (``LightMem(plan=
 ``device_budget``) and ``lightmem estimate --plan`` without ``--budget`` read this device's memory
 instead of CUDA's, through the one budget rule of :mod:`lightmem.device_memory`. Its allocator peak
 is ``peak_bytes`` (set by the test, or changed between steps) plus, when a
-``SimulatedAsyncTransport`` is given, the peak of the reload memory that transport measures.
+``SimulatedAsyncTransport`` is given, the peak of the reload memory that transport measures. Like
+``max_memory_allocated`` it is a high of the whole process: a fit measures a training batch by how
+far it rises within it, so a test raises it inside the batch (``on_before_backward``).
 """
 
 from __future__ import annotations
