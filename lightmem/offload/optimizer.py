@@ -531,6 +531,8 @@ class OptimizerOffloader:
         overlap = self._overlap
         if overlap is not None:
             self._stats.overlapped_bytes = overlap.stepped_bytes if overlap.pending else 0
+            if overlap.pending:
+                overlap.land_now()  # every host gradient in place after backward, as without overlap
         self._land_all()
 
     def _land_all(self) -> None:

@@ -75,6 +75,16 @@ class _Landing:
     buffer: torch.Tensor
     staged: bool  # add to master.grad (accumulation) instead of becoming it
     event: Any
+    version: int = -1  # the gradient's version once landed (-1: not landed yet)
+
+    def land(self, host_wait: Callable[[Any], None]) -> None:
+        host_wait(self.event)
+        with torch.no_grad():
+            if self.staged:
+                self.master.grad.add_(self.buffer)  # type: ignore[union-attr]
+            else:
+                self.master.grad = self.buffer
+        self.version = self.master.grad._version  # type: ignore[union-attr]
 
 
 class OverlappedStep:
@@ -93,6 +103,7 @@ class OverlappedStep:
         self._cond = threading.Condition()
         self._ready: list[_Landing] = []
         self._busy = False
+        self._batch_landed = False  # the batch the worker holds is landed (it may be stepping it)
         self._closing = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -125,6 +136,20 @@ class OverlappedStep:
             self._ready.append(landing)
             self._cond.notify()
 
+    def land_now(self) -> None:
+        """At the end of backward, in the training thread: every gradient handed over is in
+        ``master.grad`` when this returns (as without the overlap), while the steps go on.
+        Whatever the caller then writes into a gradient shows in its version (``changes``)."""
+        with self._cond:
+            while self._busy and not self._batch_landed:
+                self._cond.wait()
+            batch, self._ready = self._ready, []
+        for landing in batch:
+            landing.land(self._host_wait)
+        with self._cond:
+            self._ready = batch + self._ready
+            self._cond.notify()
+
     def join(self) -> None:
         """Wait until every gradient handed over is landed and its parameter stepped; raise what
         the worker raised (once)."""
@@ -147,6 +172,8 @@ class OverlappedStep:
             for name, value in seen.items():
                 if not _same(value, group.get(name)):
                     changed.append(f"param group {index}'s {name!r} ({value!r} -> {group.get(name)!r})")
+        # Checked against each gradient as it landed (a step never writes a gradient): a write
+        # in between, even one racing the step, shows.
         touched = sum(master.grad is not grad or grad._version != version for master, grad, version in self.stepped)
         if touched:
             changed.append(f"the gradients of {touched} parameters (clipped, unscaled, accumulated or replaced)")
@@ -191,6 +218,7 @@ class OverlappedStep:
                     return
                 batch, self._ready = self._ready, []
                 self._busy = True
+                self._batch_landed = False
             try:
                 self._land_and_step(batch)
             except BaseException as error:  # surfaced at optimizer.step(); the worker goes on landing
@@ -206,13 +234,14 @@ class OverlappedStep:
         if self._after is not None:
             self._host_wait(self._after)  # the previous step's copies to the device have read the host copies
             self._after = None
-        with torch.no_grad():
+        try:
             for landing in batch:
-                self._host_wait(landing.event)
-                if landing.staged:
-                    landing.master.grad.add_(landing.buffer)  # type: ignore[union-attr]
-                else:
-                    landing.master.grad = landing.buffer
+                if landing.version < 0:
+                    landing.land(self._host_wait)
+        finally:
+            with self._cond:
+                self._batch_landed = True
+                self._cond.notify_all()
         if self._error is not None or self._groups is None:
             return  # a failed batch before: land the rest (close() gives them back), step nothing
         subsets: dict[int, list[torch.nn.Parameter]] = {}
@@ -223,6 +252,5 @@ class OverlappedStep:
         stand_in.param_groups = [{**self._groups[index], "params": params} for index, params in subsets.items()]
         self._step(stand_in)
         for landing in batch:
-            grad = landing.master.grad
-            self.stepped.append((landing.master, grad, grad._version))  # type: ignore[union-attr]
+            self.stepped.append((landing.master, landing.master.grad, landing.version))  # type: ignore[arg-type]
             self.stepped_bytes += landing.master.nbytes
