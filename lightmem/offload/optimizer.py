@@ -294,7 +294,10 @@ class OptimizerOffloader:
             )
             if refusal is not None:
                 raise ValueError(f"{settings.flag('overlap_step')}: {refusal}; leave it off")
-            self._overlap = OverlappedStep(optimizer, self.transport.host_wait)
+            # About eight steps per backward: few enough that their Python is small beside the
+            # kernels, enough that all but the last layers' step hides behind backward.
+            batch_bytes = max(self._params_arena.nbytes // 8, 1)
+            self._overlap = OverlappedStep(optimizer, self.transport.host_wait, batch_bytes)
         self.host_kernel = HostKernel(optimizer)
         self.host_kernel.select()  # before the swap: "step" counters go where the kernel keeps them
         self._swap_optimizer(to_host=True)

@@ -96,8 +96,14 @@ class OverlappedStep:
     are the parameters stepped and not yet committed, with the gradient each was stepped with.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, host_wait: Callable[[Any], None]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, host_wait: Callable[[Any], None], batch_bytes: int) -> None:
         self.optimizer = optimizer
+        # Each call of the step costs tens of microseconds of Python holding the GIL, which
+        # backward's hooks want too: the worker is woken per ``batch_bytes`` handed over, not per
+        # gradient (and at the end of backward for the rest).
+        self._batch_bytes = batch_bytes
+        self._unsignalled_bytes = 0
+        self._go = False
         self._step = _unhooked_step(optimizer)
         self._host_wait = host_wait
         self._cond = threading.Condition()
@@ -134,7 +140,15 @@ class OverlappedStep:
     def submit(self, landing: _Landing) -> None:
         with self._cond:
             self._ready.append(landing)
-            self._cond.notify()
+            self._unsignalled_bytes += landing.master.nbytes
+            if self._unsignalled_bytes >= self._batch_bytes:
+                self._signal()
+
+    def _signal(self) -> None:
+        """With ``_cond`` held: the worker takes what is ready."""
+        self._unsignalled_bytes = 0
+        self._go = True
+        self._cond.notify_all()
 
     def land_now(self) -> None:
         """At the end of backward, in the training thread: every gradient handed over is in
@@ -148,7 +162,8 @@ class OverlappedStep:
             landing.land(self._host_wait)
         with self._cond:
             self._ready = batch + self._ready
-            self._cond.notify()
+            if self._ready:
+                self._signal()
 
     def join(self) -> None:
         """Wait until every gradient handed over is landed and its parameter stepped; raise what
@@ -162,6 +177,8 @@ class OverlappedStep:
     def idle(self) -> None:
         """Wait until the worker has done everything handed over (what it raised stays for ``join``)."""
         with self._cond:
+            if self._ready:
+                self._signal()
             while self._ready or self._busy:
                 self._cond.wait()
 
@@ -212,11 +229,12 @@ class OverlappedStep:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._ready and not self._closing:
+                while not (self._go and self._ready) and not self._closing:
                     self._cond.wait()
                 if not self._ready:
                     return
                 batch, self._ready = self._ready, []
+                self._go = False
                 self._busy = True
                 self._batch_landed = False
             try:
