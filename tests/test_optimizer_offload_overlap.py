@@ -55,6 +55,7 @@ def test_stepping_during_backward_is_bitwise_one_step_after_backward(optimizer, 
     simulated = SimulatedAsyncTransport(seed=3, max_delay_s=0.001) if transport == "simulated" else None
     model_a, opt_a, _, rng_a = _train(optimizer)
     model_b, opt_b, handle, rng_b = _train(optimizer, _overlapping(simulated))
+    assert handle.stats.overlapped_steps == 5
     handle.wait_for_params()
     assert_state_equal(model_a, model_b, opt_a, opt_b)  # state_dict while offloaded, in torch's order
     handle.close()
@@ -335,9 +336,13 @@ def test_a_fit_with_accumulation_and_a_scheduler_overlaps_on_the_boundary_backwa
     # raise at the second backward.
     settings = dict(accumulate_grad_batches=2, optimizer=optimizer)
     expected = _fit(None, **settings)
+    callback = _lightmem()
     with caplog.at_level("INFO"):
-        actual = _fit(_lightmem(), **settings)
+        actual = _fit(callback, **settings)
     assert "; host step overlapped with backward)." in caplog.text
+    # The first step watches for nested backward passes and runs after backward; the other three overlap.
+    (stats,) = callback.optimizer_offload_stats
+    assert (stats.steps, stats.overlapped_steps) == (4, 3)
     _assert_same_fit(expected, actual)
 
 
@@ -351,9 +356,11 @@ def test_either_lightning_package_overlaps(lightning_package):
 def test_with_clipping_configured_the_step_runs_after_backward_and_says_why(algorithm, caplog):
     settings = dict(accumulate_grad_batches=2, gradient_clip_val=0.05, gradient_clip_algorithm=algorithm)
     expected = _fit(None, **settings)
+    callback = _lightmem()
     with caplog.at_level("INFO"):
-        actual = _fit(_lightmem(), **settings)
+        actual = _fit(callback, **settings)
     assert "; host step after backward: gradient_clip_val is set (clipping needs every gradient first))." in caplog.text
+    assert callback.optimizer_offload_stats[0].overlapped_steps == 0
     _assert_same_fit(expected, actual)
 
 
@@ -400,3 +407,33 @@ def test_bad_overlap_flags_fail_at_construction(flags, message):
     with pytest.raises(ValueError) as error:
         LightMem(**{"offload_optimizer": True, **flags})
     assert str(error.value) == message
+
+
+class _SharedUnderReentrantCheckpoint(nn.Module):
+    """One layer applied twice, each time in a reentrant checkpoint: its post-accumulate-grad hook
+    fires once per nested backward, the first time with half its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.shared, self.last = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        hidden = self.first(x)
+        for _ in range(2):
+            hidden = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.shared(t)), hidden, use_reentrant=True)
+        return self.last(hidden)
+
+
+class _LitSharedReentrant(LitTiny):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net = _SharedUnderReentrantCheckpoint()
+
+
+def test_under_lightning_a_first_step_with_reentrant_checkpointing_keeps_the_step_after_backward():
+    expected = _fit(None, module_class=_LitSharedReentrant)
+    callback = _lightmem()
+    with pytest.warns(UserWarning, match="off from now on, the first step showed nested backward passes"):
+        actual = _fit(callback, module_class=_LitSharedReentrant)
+    assert callback.optimizer_offload_stats[0].overlapped_steps == 0
+    _assert_same_fit(expected, actual)

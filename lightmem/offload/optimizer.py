@@ -73,6 +73,8 @@ class OptimizerOffloadStats:
     overlapped_bytes: int = 0
     """With ``overlap_step``: bytes of the parameters whose host step was over when the last
     backward ended (hidden behind backward); 0 without it."""
+    overlapped_steps: int = 0
+    """Optimizer steps (whole run) that took parameters stepped while backward ran."""
     host_kernel: str = ""
     """The implementation running the host step: "fused", "foreach", "for-loop" or "custom"."""
 
@@ -284,6 +286,11 @@ class OptimizerOffloader:
         """For the line at fit start: whether the host step overlaps backward, and why not."""
         self._overlap: OverlappedStep | None = None
         self._in_step_closure = False
+        # Under Lightning ("step-closure") the first step runs after backward and watches: nested
+        # backward passes (reentrant checkpointing) or a parameter given two gradients in one
+        # step (one shared across such passes) would make a gradient look final before it is.
+        self._on_probation = overlap == "step-closure"
+        self._nested_backward = self._repeated_gradient = False
         self._order_state = False  # the step took parameters stepped during backward
         self._hidden: list[tuple[nn.Parameter, torch.Tensor]] = []  # stepped during backward: grads hidden from the step
         if overlap is not None:
@@ -411,12 +418,14 @@ class OptimizerOffloader:
         if task == self._callback_task:
             return
         if self._callback is not None and self._callback() is not None:
+            self._nested_backward = True  # another graph task inside this backward (reentrant checkpoint)
             return
         self._callback_task = task
 
         def finish_backward() -> None:
             outer = torch._C._current_autograd_node()
             if outer is not None:  # the end of a nested backward: the outer one goes on
+                self._nested_backward = True
                 outer.register_hook(lambda grad_inputs, grad_outputs: self._queue_landing())
                 return
             self._callback = None
@@ -450,10 +459,13 @@ class OptimizerOffloader:
         """Queue ``grad``'s copy to the host: into the gradient buffer, or into staging to add; with
         the overlap on for this backward, hand it to the overlapped step, which lands it."""
         overlap = self._overlap
-        overlapping = overlap is not None and (self._in_step_closure or self._overlap_mode == "every-backward")
+        overlapping = overlap is not None and (
+            self._overlap_mode == "every-backward" or (self._in_step_closure and not self._on_probation)
+        )
         if slot.overlapped:
             self._refuse_pending_overlap("a second gradient for a parameter already stepped")
         if slot.landing is not None:  # one still pending from a backward that raised (or a hook that fired twice)
+            self._repeated_gradient = True
             self._land_all()
         staged = slot.master.grad is not None
         if staged:
@@ -636,6 +648,22 @@ class OptimizerOffloader:
                 self._hidden.append((master, grad))
         self._end_overlap()
         self._order_state = True
+        self._stats.overlapped_steps += 1
+
+    def _end_probation(self) -> None:
+        self._on_probation = False
+        if self._nested_backward or self._repeated_gradient:
+            why = "nested backward passes (reentrant checkpointing)" if self._nested_backward else (
+                "a parameter given two gradients in one step"
+            )
+            self._overlap_mode = None
+            self._overlap.close()  # type: ignore[union-attr]
+            self._overlap = None
+            self.overlap_note = f"host step after backward: the first step showed {why}"
+            warn_once(
+                f"lightmem: {self.settings.flag('overlap_step')}: off from now on, the first step showed {why}: "
+                "a gradient may look final before it is; the host step runs after backward"
+            )
 
     def _end_overlap(self) -> None:
         for slot in self._slots.values():
@@ -672,6 +700,8 @@ class OptimizerOffloader:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self._restore_hidden()
+        if self._on_probation:
+            self._end_probation()
         if self._order_state:
             self._order_state = False
             self._overlap.order_new_state()  # type: ignore[union-attr]
