@@ -258,6 +258,15 @@ def test_a_backward_that_raises_after_some_steps_is_said_at_the_next_zero_grad()
     assert [param.grad for param in model.parameters()] == [None] * 4
 
 
+def test_loading_optimizer_state_between_backward_and_step_is_raised():
+    model, optimizer, handle = _tiny()
+    saved = optimizer.state_dict()
+    _backward(model)
+    with pytest.raises(RuntimeError, match=r"optimizer.load_state_dict\(\) came after a backward .* \(6 parameters stepped\)"):
+        optimizer.load_state_dict(saved)
+    handle.close()
+
+
 def test_an_error_in_the_overlapped_step_surfaces_at_optimizer_step():
     model, optimizer, handle = _tiny()
     optimizer.param_groups[0]["betas"] = (0.9,)  # the step itself fails, on the worker
