@@ -60,6 +60,11 @@ def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
 
 
+def _kept(value: Any) -> Any:
+    """A hyperparameter as it is now (a tensor one may be changed in place later)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
@@ -91,9 +96,11 @@ class OverlappedStep:
     """One worker thread that lands gradients and steps their parameters while backward runs.
 
     ``begin()`` at the first gradient of a backward (it snapshots the param groups' hyperparameters
-    the step will use), ``submit()`` per final gradient, ``join()`` before the rest of the step
-    (raises what the worker raised), ``commit()`` once ``optimizer.step()`` is over. ``stepped``
-    are the parameters stepped and not yet committed, with the gradient each was stepped with.
+    the step will use), ``submit()`` per final gradient, ``land_now()`` at the end of backward
+    (the training thread lands what the worker has not), ``join()`` before the rest of the step
+    (raises what the worker raised), ``commit()`` once the step has taken them. ``stepped`` are
+    the parameters stepped and not yet committed, with the gradient each was stepped with and its
+    version when it landed.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, host_wait: Callable[[Any], None], batch_bytes: int) -> None:
@@ -128,9 +135,9 @@ class OverlappedStep:
         """The first gradient of a backward whose step follows: the hyperparameters the step uses
         are those the param groups hold now; ``copies_back`` is read before any host copy is rewritten."""
         self._groups = [
-            {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in group.items() if name != "params"}
+            {name: _kept(value) for name, value in group.items() if name != "params"}
             for group in self.optimizer.param_groups
-        ]  # fmt: skip
+        ]
         self._after = copies_back
         self._state_entries = len(self.optimizer.state)
         if self._thread is None:
@@ -203,7 +210,8 @@ class OverlappedStep:
         state = self.optimizer.state
         if len(state) <= self._state_entries:
             return
-        position = {id(param): index for index, param in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        params = (param for group in self.optimizer.param_groups for param in group["params"])
+        position = {id(param): index for index, param in enumerate(params)}
         entries = list(state.items())
         new = sorted(entries[self._state_entries :], key=lambda entry: position.get(id(entry[0]), len(position)))
         state.clear()
