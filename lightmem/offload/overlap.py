@@ -24,8 +24,10 @@ rewritten while backward runs.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +94,16 @@ class _Landing:
         self.version = self.master.grad._version  # type: ignore[union-attr]
 
 
+_LIVE: weakref.WeakSet[OverlappedStep] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # A daemon worker killed at interpreter exit in the middle of a torch kernel aborts the process.
+    for overlapped in list(_LIVE):
+        overlapped.close()
+
+
 class OverlappedStep:
     """One worker thread that lands gradients and steps their parameters while backward runs.
 
@@ -143,6 +155,7 @@ class OverlappedStep:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="lightmem-host-step", daemon=True)
             self._thread.start()
+            _LIVE.add(self)
 
     def submit(self, landing: _Landing) -> None:
         with self._cond:
