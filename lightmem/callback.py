@@ -89,6 +89,13 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         offload_optimizer: keep parameters on the device and move gradients, optimizer state and
             the optimizer step to host memory (see :func:`~lightmem.offload_optimizer`); uses
             ``offload_devices`` and ``offload_max_inflight_bytes`` (gradient bytes awaiting their copy).
+        offload_overlap_step: with ``offload_optimizer``, step each parameter on the host as its
+            gradient lands, while backward runs, on the backward whose optimizer step follows.
+            ``"auto"``: wherever the fit shows nothing changes gradients between backward and the
+            step (automatic optimization, no ``gradient_clip_val``, ``configure_gradient_clipping``,
+            ``optimizer_step``, ``on_after_backward`` and ``on_before_optimizer_step`` not overridden
+            by the module or another callback); the line at fit start says whether it is on and
+            why not. True: the same, failing at fit start where the fit does not allow it. False: off.
 
     Works with either Lightning package: ``pytorch_lightning`` or ``lightning.pytorch``
     (``import lightning as L``; LightMem is a ``Callback`` of both).
@@ -134,6 +141,7 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         host_stop_at: float | None = 0.95,
         host_stop_checkpoint: str | None = None,
         offload_optimizer: bool = False,
+        offload_overlap_step: bool | str = "auto",
     ) -> None:
         flags = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         super().__init__()

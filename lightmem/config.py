@@ -266,7 +266,7 @@ LIGHTMEM = Spelling("LightMem", (
     ("targets", "checkpoint"), ("every_n", "checkpoint_every"), ("policy", "checkpoint_policy"),
     ("groups", "metrics"), ("limit", "host_limit"), ("warn_at", "host_warn_at"), ("stop_at", "host_stop_at"),
     ("stop_checkpoint", "host_stop_checkpoint"), ("enabled", "offload_optimizer"),
-    ("max_grad_inflight_bytes", "offload_max_inflight_bytes"),
+    ("max_grad_inflight_bytes", "offload_max_inflight_bytes"), ("overlap_step", "offload_overlap_step"),
 ))  # fmt: skip
 """``LightMem``'s keyword arguments."""
 OFFLOAD_ACTIVATIONS = Spelling("offload_activations")
@@ -422,6 +422,10 @@ class OptimizerOffloadSettings:
     max_grad_inflight_bytes: int
     """Most gradient bytes kept on the device while their copy to host runs."""
     spelling: Spelling = OFFLOAD_OPTIMIZER
+    overlap_step: bool | str = False
+    """Step each parameter on the host as soon as its gradient is final, while backward runs: the
+    caller promises that nothing changes gradients or param groups between backward and the step.
+    ``"auto"`` (``LightMem`` only): wherever the fit shows it is safe (``offload_trainer_optimizers``)."""
 
     @classmethod
     def parse(
@@ -429,6 +433,7 @@ class OptimizerOffloadSettings:
         *,
         devices: Iterable[str] | str = ("cuda",),
         max_grad_inflight_bytes: int | str = DEFAULT_GRAD_INFLIGHT,
+        overlap_step: bool = False,
         spelling: Spelling = OFFLOAD_OPTIMIZER,
     ) -> OptimizerOffloadSettings:
         flag = spelling.flag
@@ -436,6 +441,7 @@ class OptimizerOffloadSettings:
             devices=parse_devices(devices, flag=flag("devices")),
             max_grad_inflight_bytes=parse_size(max_grad_inflight_bytes, flag=flag("max_grad_inflight_bytes")),
             spelling=spelling,
+            overlap_step=parse_bool(overlap_step, flag=flag("overlap_step")),
         )
 
     def flag(self, field: str) -> str:
@@ -686,9 +692,16 @@ class LightMemSettings:
             host_min_available=flags["host_min_available"], spelling=LIGHTMEM,
         )  # fmt: skip
         optimizer_offload = None
+        overlap_step = flags["offload_overlap_step"]
+        if overlap_step != "auto" and not isinstance(overlap_step, bool):
+            raise ValueError(f"{flag('overlap_step')}: expected True, False or 'auto'; got {overlap_step!r}")
         if parse_bool(flags["offload_optimizer"], flag=flag("enabled")):
             # offload_devices and offload_max_inflight_bytes serve both offloads: parsed once, above
-            optimizer_offload = OptimizerOffloadSettings(offload.devices, offload.max_inflight_bytes, LIGHTMEM)
+            optimizer_offload = OptimizerOffloadSettings(
+                offload.devices, offload.max_inflight_bytes, LIGHTMEM, overlap_step=overlap_step
+            )
+        elif overlap_step is True:
+            reject_without_partner(LIGHTMEM, "overlap_step", flag("enabled"), "pass offload_optimizer=True")
         return cls(
             offload_on=parse_bool(flags["offload"], flag=flag("offload")),
             offload=offload,

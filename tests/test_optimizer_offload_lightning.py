@@ -102,7 +102,7 @@ def test_the_fit_really_ran_on_the_host_and_says_so(caplog):
     assert stats.host_kernel == "fused"
     assert (
         "lightmem: on: optimizer offload (gradients, optimizer state and step on the host; AdamW step: "
-        "fused, lightmem's choice: foreach/fused were unset)." in caplog.text
+        "fused, lightmem's choice: foreach/fused were unset; host step overlapped with backward)." in caplog.text
     )
     # After fit the optimizer steps the module's own parameters again.
     optimizer = module.trainer.optimizers[0]

@@ -236,11 +236,14 @@ def test_cli_flag_errors_name_the_flags_as_typed(capsys, flags, message):
 def test_the_callback_parses_offload_optimizer_into_settings_that_name_its_flags():
     assert LightMem().settings.optimizer_offload is None
     settings = LightMem(offload_optimizer=True, offload_devices=["cpu"], offload_max_inflight_bytes="1MiB").settings
-    assert settings.optimizer_offload == OptimizerOffloadSettings.parse(
-        devices=("cpu",), max_grad_inflight_bytes=2**20, spelling=LIGHTMEM
+    assert settings.optimizer_offload == replace(
+        OptimizerOffloadSettings.parse(devices=("cpu",), max_grad_inflight_bytes=2**20, spelling=LIGHTMEM),
+        overlap_step="auto",  # the callback's default: decided per fit
     )
-    assert [settings.optimizer_offload.flag(field) for field in ("enabled", "devices", "max_grad_inflight_bytes")] == [
+    fields = ("enabled", "devices", "max_grad_inflight_bytes", "overlap_step")
+    assert [settings.optimizer_offload.flag(field) for field in fields] == [
         "LightMem(offload_optimizer=...)", "LightMem(offload_devices=...)", "LightMem(offload_max_inflight_bytes=...)",
+        "LightMem(offload_overlap_step=...)",
     ]  # fmt: skip
 
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
 from lightmem.offload.host_kernel import HostKernel
+from lightmem.offload.overlap import OverlappedStep, _Landing, overlap_refusal
 from lightmem.offload.pool import HostAllocationError, HostSlab
 from lightmem.offload.transport import Transport, default_transport
 
@@ -69,6 +70,11 @@ class OptimizerOffloadStats:
     steps: int = 0
     total_grad_bytes_out: int = 0
     total_param_bytes_in: int = 0
+    overlapped_bytes: int = 0
+    """With ``overlap_step``: bytes of the parameters whose host step was over when the last
+    backward ended (hidden behind backward); 0 without it."""
+    overlapped_steps: int = 0
+    """Optimizer steps (whole run) that took parameters stepped while backward ran."""
     host_kernel: str = ""
     """The implementation running the host step: "fused", "foreach", "for-loop" or "custom"."""
 
@@ -97,6 +103,8 @@ class _Slot:
     grad_buffer: torch.Tensor | None = None
     staging: torch.Tensor | None = None
     landing: str | None = None  # "direct" (into grad_buffer) or "staged" (to add) while a copy runs
+    group: int = 0  # index of its param group
+    overlapped: bool = False  # handed to the overlapped step since the last optimizer.step()
 
 
 _ALIGN_BYTES = 64  # each tensor of an arena starts on a cache line (vector loads of the host kernels)
@@ -131,14 +139,27 @@ class _HostArena:
             )
             self.slab = HostSlab(max(total, 1), False, poison=False, device=device)
         self.nbytes = total
-        memory = self.slab.tensor
+        storage = self.slab.tensor.untyped_storage()
+        base = self.slab.tensor.storage_offset()
+        # Each tensor is its own, not a view of the slab: a version counter of its own, so an
+        # in-place write to one gradient (clipping) shows on that gradient alone (overlap.py).
         self.tensors = [
-            memory[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+            torch.empty(0, dtype=tensor.dtype).set_(
+                storage, (base + offset) // tensor.element_size(), tensor.shape, _contiguous_strides(tensor.shape)
+            )
             for offset, tensor in zip(offsets, like)
         ]
 
     def close(self) -> None:
         self.slab.close()
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _check_optimizer(optimizer: Any, settings: OptimizerOffloadSettings) -> None:
@@ -235,6 +256,7 @@ class OptimizerOffloader:
         settings: OptimizerOffloadSettings,
         transport: Transport | None = None,
         reducer: Any = None,
+        overlap: str | None = None,
     ) -> None:
         flag = settings.flag("enabled")
         if not isinstance(model, nn.Module):
@@ -264,12 +286,38 @@ class OptimizerOffloader:
         self._grads_arena: _HostArena | None = None
         self._staging_arena: _HostArena | None = None
         self._slots: dict[int, _Slot] = {}
+        group_of = {id(param): index for index, group in enumerate(optimizer.param_groups) for param in group["params"]}
         for param, host in zip(params, self._params_arena.tensors):
             with torch.no_grad():
                 host.copy_(param.detach())
-            self._slots[id(param)] = _Slot(param, nn.Parameter(host, requires_grad=param.requires_grad))
+            master = nn.Parameter(host, requires_grad=param.requires_grad)
+            self._slots[id(param)] = _Slot(param, master, group=group_of[id(param)])
         # A parameter frozen now gets no hook (autograd refuses one); it must stay frozen.
         self._frozen = [slot for slot in self._slots.values() if not slot.param.requires_grad]
+        self._overlap_mode = overlap  # None, "every-backward" or "step-closure"
+        self.overlap_note = "host step overlapped with backward" if overlap else "host step after backward"
+        """For the line at fit start: whether the host step overlaps backward, and why not."""
+        self._overlap: OverlappedStep | None = None
+        self._in_step_closure = False
+        # Under Lightning ("step-closure") the first step runs after backward and watches: nested
+        # backward passes (reentrant checkpointing) or a parameter given two gradients in one
+        # step (one shared across such passes) would make a gradient look final before it is.
+        self._on_probation = overlap == "step-closure"
+        self._nested_backward = self._repeated_gradient = False
+        self._order_state = False  # the step took parameters stepped during backward
+        self._hidden: list[tuple[nn.Parameter, torch.Tensor]] = []  # stepped during backward: grads hidden from the step
+        if overlap is not None:
+            refusal = overlap_refusal(optimizer) or (
+                "under DDP a gradient is final only once the reducer averaged it, at the end of backward"
+                if reducer is not None
+                else None
+            )
+            if refusal is not None:
+                raise ValueError(f"{settings.flag('overlap_step')}: {refusal}; leave it off")
+            # About eight steps per backward: few enough that their Python is small beside the
+            # kernels, enough that all but the last layers' step hides behind backward.
+            batch_bytes = max(self._params_arena.nbytes // 8, 1)
+            self._overlap = OverlappedStep(optimizer, self.transport.host_wait, batch_bytes)
         self.host_kernel = HostKernel(optimizer)
         self.host_kernel.select()  # before the swap: "step" counters go where the kernel keeps them
         self._swap_optimizer(to_host=True)
@@ -288,6 +336,7 @@ class OptimizerOffloader:
         users_zero_grad = optimizer.zero_grad
 
         def zero_grad(*args: Any, **kwargs: Any) -> None:
+            self._refuse_pending_overlap("optimizer.zero_grad()")
             if self._landing or self._unlanded:
                 self._land_all()
             self._callback_task = None
@@ -301,6 +350,14 @@ class OptimizerOffloader:
         reselect = optimizer.register_load_state_dict_post_hook(lambda _: self.host_kernel.select())
         self._handles.append(reselect)
         self._handles.append(optimizer.register_state_dict_post_hook(lambda _, state: self.host_kernel.in_state_dict(state)))
+        if self._overlap is not None:
+            overlap_step = self._overlap
+            # The worker writes the optimizer's state while backward runs: a state_dict waits for it.
+            self._handles.append(optimizer.register_state_dict_pre_hook(lambda _: overlap_step.idle()))
+            refuse = optimizer.register_load_state_dict_pre_hook(
+                lambda *_: self._refuse_pending_overlap("optimizer.load_state_dict()")
+            )
+            self._handles.append(refuse)
         self._stats.host_param_bytes = self._params_arena.nbytes
 
     # -- public state -------------------------------------------------------------------------
@@ -311,10 +368,11 @@ class OptimizerOffloader:
         self._stats.host_grad_bytes = sum(
             arena.nbytes for arena in (self._grads_arena, self._staging_arena) if arena is not None
         )
+        # list(): the overlapped step may add state entries from its thread while backward runs
         self._stats.host_state_bytes = sum(
             value.nbytes
-            for state in self.optimizer.state.values()
-            for value in state.values()
+            for state in list(self.optimizer.state.values())
+            for value in list(state.values())
             if isinstance(value, torch.Tensor)
         )
         self._stats.host_kernel = self.host_kernel.name
@@ -339,6 +397,8 @@ class OptimizerOffloader:
     def refresh_host_params(self) -> None:
         """Copy the device parameters into the host copies the optimizer steps (done for you after
         ``model.load_state_dict``; call it after writing the parameters any other way)."""
+        if self._overlap is not None:
+            self._overlap.idle()  # no step of the host copies still running
         self._host_wait_params()  # every copy to the device has run: nothing left for compute to wait on
         with torch.no_grad():
             for slot in self._slots.values():
@@ -372,12 +432,14 @@ class OptimizerOffloader:
         if task == self._callback_task:
             return
         if self._callback is not None and self._callback() is not None:
+            self._nested_backward = True  # another graph task inside this backward (reentrant checkpoint)
             return
         self._callback_task = task
 
         def finish_backward() -> None:
             outer = torch._C._current_autograd_node()
             if outer is not None:  # the end of a nested backward: the outer one goes on
+                self._nested_backward = True
                 outer.register_hook(lambda grad_inputs, grad_outputs: self._queue_landing())
                 return
             self._callback = None
@@ -408,28 +470,46 @@ class OptimizerOffloader:
         self._finish_backward()
 
     def _send(self, slot: _Slot, grad: torch.Tensor) -> None:
-        """Queue ``grad``'s copy to the host: into the gradient buffer, or into staging to add."""
+        """Queue ``grad``'s copy to the host: into the gradient buffer, or into staging to add; with
+        the overlap on for this backward, hand it to the overlapped step, which lands it."""
+        overlap = self._overlap
+        overlapping = overlap is not None and (
+            self._overlap_mode == "every-backward" or (self._in_step_closure and not self._on_probation)
+        )
+        if slot.overlapped:
+            self._refuse_pending_overlap("a second gradient for a parameter already stepped")
         if slot.landing is not None:  # one still pending from a backward that raised (or a hook that fired twice)
+            self._repeated_gradient = True
             self._land_all()
-        self._landing.append(slot)
-        if slot.master.grad is None:
-            slot.grad_buffer = self._buffer(slot, grad, staging=False)
-            target, slot.landing = slot.grad_buffer, "direct"
+        staged = slot.master.grad is not None
+        if staged:
+            slot.staging = target = self._buffer(slot, grad, staging=True)
         else:
-            slot.staging = self._buffer(slot, grad, staging=True)
-            target, slot.landing = slot.staging, "staged"
+            slot.grad_buffer = target = self._buffer(slot, grad, staging=False)
+        if overlapping:
+            slot.overlapped = True
+            if not overlap.pending:  # type: ignore[union-attr]
+                overlap.begin(self._copies_back)  # type: ignore[union-attr]
+        else:
+            self._landing.append(slot)
+            slot.landing = "staged" if staged else "direct"
         self._step_grad_bytes += grad.nbytes
         transport = self.transport
         if transport.synchronous:
             with torch.no_grad():
                 transport.copy_to_host(target, grad, None)
+            if overlapping:
+                overlap.submit(_Landing(slot.master, slot.group, target, staged, None))  # type: ignore[union-attr]
             return
         compute, to_host, _ = transport.streams(grad.device)
         transport.wait(to_host, transport.record(compute))
         with torch.no_grad():
             transport.copy_to_host(target, grad, to_host)
         event = transport.record(to_host)
-        self._unlanded.append(event)
+        if overlapping:
+            overlap.submit(_Landing(slot.master, slot.group, target, staged, event))  # type: ignore[union-attr]
+        else:
+            self._unlanded.append(event)
         self._inflight.append((event, grad))
         self._inflight_bytes += grad.nbytes
         self._stats.peak_device_grad_bytes = max(self._stats.peak_device_grad_bytes, self._inflight_bytes)
@@ -477,13 +557,24 @@ class OptimizerOffloader:
 
     def _finish_backward(self) -> None:
         self._callback_task = None
+        overlap = self._overlap
+        if overlap is not None:
+            self._stats.overlapped_bytes = overlap.stepped_bytes if overlap.pending else 0
+            if overlap.pending:
+                overlap.land_now()  # every host gradient in place after backward, as without overlap
         self._land_all()
 
     def _land_all(self) -> None:
         """Every gradient copy has run: accumulate on the host exactly as autograd would on the device."""
+        transport = self.transport
         for event in self._unlanded:
-            self.transport.host_wait(event)
+            transport.host_wait(event)
         self._unlanded.clear()
+        compute = None
+        for event, _ in self._inflight:
+            if not transport.done(event):  # a gradient the overlapped step lands: the host goes on
+                compute = compute if compute is not None else transport.streams(self.device)[0]
+                transport.wait(compute, event)  # its device memory is reused only after the copy
         self._inflight.clear()
         self._inflight_bytes = 0
         self._host_wait_params()  # the step about to follow rewrites the host copies
@@ -499,6 +590,7 @@ class OptimizerOffloader:
     # -- the step on the host -----------------------------------------------------------------
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+        self._restore_hidden()
         self._rehost_state()
         # ``args`` starts with the optimizer itself (torch passes the step's own arguments).
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -508,8 +600,14 @@ class OptimizerOffloader:
 
         # Lightning passes the forward and backward as the closure: the host waits for what the
         # step reads and writes only once they are queued, never before the forward.
+        # Under Lightning the backward in the closure is the one this step follows: the one
+        # whose gradients an overlapped step may take ("step-closure").
         def closure_then_ready() -> Any:
-            loss = closure()
+            self._in_step_closure = True
+            try:
+                loss = closure()
+            finally:
+                self._in_step_closure = False
             self._ready_for_step()
             return loss
 
@@ -531,8 +629,96 @@ class OptimizerOffloader:
                     "unfreeze parameters before offload_optimizer(...) (LightMem: before fit) or keep them frozen"
                 )
         self._host_wait_params()
+        if self._overlap is not None and self._overlap.pending:
+            self._take_overlapped()
+
+    # -- the step overlapped with backward (overlap.py) ----------------------------------------
+
+    def _take_overlapped(self) -> None:
+        """The parameters stepped during backward are this step's: check that what they were
+        stepped with is what the step would have used, and hide their gradients from the rest of
+        the step (torch's optimizers skip a parameter without one) until it is over."""
+        overlap = self._overlap
+        assert overlap is not None
+        try:
+            overlap.join()
+            changes = overlap.changes()
+        except BaseException:
+            self._end_overlap()
+            raise
+        if changes:
+            stepped = len(overlap.stepped)
+            self._end_overlap()
+            raise RuntimeError(
+                f"{self.settings.flag('overlap_step')}: {stepped} parameters were stepped on the host as "
+                f"their gradients landed, and since then {'; '.join(changes)} changed: they keep the step "
+                "taken with the values at the end of backward. Turn overlap_step off where anything between "
+                "backward and optimizer.step() changes gradients or param groups (clipping, a GradScaler, "
+                "accumulation, an LR change)"
+            )
+        with torch.no_grad():
+            for master, grad, _ in overlap.stepped:
+                master.grad = None
+                self._hidden.append((master, grad))
+        self._end_overlap()
+        self._order_state = True
+        self._stats.overlapped_steps += 1
+
+    def _end_probation(self) -> None:
+        self._on_probation = False
+        if self._nested_backward or self._repeated_gradient:
+            why = "nested backward passes (reentrant checkpointing)" if self._nested_backward else (
+                "a parameter given two gradients in one step"
+            )
+            self._overlap_mode = None
+            self._overlap.close()  # type: ignore[union-attr]
+            self._overlap = None
+            self.overlap_note = f"host step after backward: the first step showed {why}"
+            warn_once(
+                f"lightmem: {self.settings.flag('overlap_step')}: off from now on, the first step showed {why}: "
+                "a gradient may look final before it is; the host step runs after backward"
+            )
+
+    def _end_overlap(self) -> None:
+        for slot in self._slots.values():
+            slot.overlapped = False
+        self._overlap.commit()  # type: ignore[union-attr]
+
+    def _restore_hidden(self) -> None:
+        for master, grad in self._hidden:
+            master.grad = grad
+        self._hidden.clear()
+
+    def _refuse_pending_overlap(self, what: str) -> None:
+        """Parameters were stepped during a backward whose optimizer.step() has not come: ``what``
+        breaks the contract of overlap_step, and a step taken cannot be undone: say so, loudly."""
+        overlap = self._overlap
+        if overlap is None or not overlap.pending:
+            return
+        overlap.idle()
+        stepped = len(overlap.stepped)
+        self._end_overlap()
+        raise RuntimeError(
+            f"{self.settings.flag('overlap_step')}: {what} came after a backward whose gradients were "
+            f"being stepped on the host as they landed ({stepped} parameters stepped), before "
+            "optimizer.step(): those parameters keep that step. With overlap_step every backward must be "
+            "followed by optimizer.step() (no accumulation, no backward that raised and was skipped)"
+        )
+
+    def wait_for_host_step(self) -> None:
+        """With ``overlap_step``: block until every parameter whose gradient was handed to the
+        overlapped step so far is stepped (``optimizer.step()`` does this itself; profiling and
+        tests use it to see what ran during backward). Raises what that step raised."""
+        if self._overlap is not None and self._overlap.pending:
+            self._overlap.join()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._restore_hidden()
+        if self._on_probation:
+            self._end_probation()
+        if self._order_state:
+            self._order_state = False
+            self._overlap.order_new_state()  # type: ignore[union-attr]
         transport = self.transport
         stepped = [slot for slot in self._slots.values() if slot.master.grad is not None]
         stats = self._stats
@@ -617,6 +803,18 @@ class OptimizerOffloader:
         host gradient in ``param.grad``; remove every hook."""
         if self._closed:
             return
+        overlap = self._overlap
+        if overlap is not None:
+            overlap.idle()
+            if overlap.pending and overlap.stepped:
+                warn_once(
+                    f"lightmem: {self.settings.flag('overlap_step')}: {len(overlap.stepped)} parameters were "
+                    "stepped on the host during a backward whose optimizer.step() never came; they keep that step"
+                )
+            if overlap.pending:
+                self._end_overlap()
+            overlap.close()
+        self._restore_hidden()
         if self._landing or self._unlanded:
             self._land_all()
         self._host_wait_params()
@@ -649,6 +847,7 @@ def offload_optimizer(
     *,
     devices: Iterable[str] = ("cuda",),
     max_grad_inflight_bytes: int | str = DEFAULT_GRAD_INFLIGHT,
+    overlap_step: bool = False,
     transport: Transport | None = None,
     settings: OptimizerOffloadSettings | None = None,
 ) -> OptimizerOffloader:
@@ -673,6 +872,18 @@ def offload_optimizer(
             a CPU-only machine (tests; it saves nothing there).
         max_grad_inflight_bytes: most gradient bytes kept on the device while their copy to host
             runs (default 64 MiB); past it the compute stream waits for the oldest copy.
+        overlap_step: step each parameter on the host as soon as its gradient has landed, in a
+            worker thread while backward goes on, instead of all of them in ``optimizer.step()``
+            (which then steps what is left). The result is bitwise the same **only if every
+            backward is followed by** ``optimizer.step()`` **with nothing in between that changes
+            a gradient or a param group**: no clipping (by norm or by value), no GradScaler, no
+            accumulation over several backward passes, no LR change, no closure that re-runs
+            backward. Reading the optimizer's host parameters in between sees them part-stepped.
+            lightmem cannot see your next line, so this is yours to promise; what it can check
+            (a gradient written or replaced, a hyperparameter changed, a second backward or a
+            ``zero_grad`` before the step) raises ``RuntimeError`` at that point, since a step
+            taken cannot be undone. Torch's per-parameter optimizers only (SGD, Adam, AdamW,
+            Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop); not under DDP.
         transport: how copies run; by default CUDA side streams when CUDA is available, otherwise
             synchronous copies.
         settings: the flags above already parsed (``lightmem.config.OptimizerOffloadSettings``).
@@ -680,7 +891,8 @@ def offload_optimizer(
     Raises:
         ValueError: the optimizer cannot step on the host (not a ``torch.optim.Optimizer``, LBFGS,
             ``capturable=True``), its parameters are on several devices or on a device type not in
-            ``devices``; the message names the flag.
+            ``devices``, or ``overlap_step`` with an optimizer whose step it cannot split; the
+            message names the flag.
 
     Example::
 
@@ -696,10 +908,13 @@ def offload_optimizer(
         (1, 36)
     """
     if settings is None:
-        settings = OptimizerOffloadSettings.parse(devices=devices, max_grad_inflight_bytes=max_grad_inflight_bytes)
+        settings = OptimizerOffloadSettings.parse(
+            devices=devices, max_grad_inflight_bytes=max_grad_inflight_bytes, overlap_step=overlap_step
+        )
     reducer = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
     _refuse_bucket_views(reducer, settings.flag("enabled"), "wrap the model with gradient_as_bucket_view=False")
-    return OptimizerOffloader(model, optimizer, settings=settings, transport=transport, reducer=reducer)
+    overlap = "every-backward" if settings.overlap_step is True else None
+    return OptimizerOffloader(model, optimizer, settings=settings, transport=transport, reducer=reducer, overlap=overlap)
 
 
 def _refuse_bucket_views(reducer: Any, flag: str, remedy: str) -> None:
@@ -757,8 +972,52 @@ def offload_trainer_optimizers(
     device = trainer.strategy.root_device
     if device.type not in settings.devices:
         return [], f"the model is on {device}, not a device type in {settings.flag('devices')}"
-    offloaders = [
-        OptimizerOffloader(model, optimizer, settings=settings, transport=transport, reducer=reducer)
-        for optimizer in trainer.optimizers
-    ]
+    offloaders = []
+    for optimizer in trainer.optimizers:
+        why_not = None if settings.overlap_step is False else _why_no_overlap(trainer, optimizer, reducer)
+        if why_not is not None and settings.overlap_step is True:
+            raise ValueError(f"{settings.flag('overlap_step')}: not possible in this fit: {why_not}; leave it 'auto' or False")
+        overlap = "step-closure" if settings.overlap_step is not False and why_not is None else None
+        offloader = OptimizerOffloader(
+            model, optimizer, settings=settings, transport=transport, reducer=reducer, overlap=overlap
+        )
+        offloader.overlap_note = (
+            "host step overlapped with backward" if overlap else f"host step after backward: {why_not or 'overlap_step=False'}"
+        )
+        offloaders.append(offloader)
     return offloaders, None
+
+
+# Hooks that run between the backward of an optimizer step's closure and the step: overridden,
+# they may change gradients (or read the host parameters) there.
+_BETWEEN_BACKWARD_AND_STEP = ("backward", "on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step")
+
+
+def _defined_by_user(instance: Any, name: str) -> bool:
+    """Whether ``name`` on ``instance`` comes from a class outside Lightning (either package)."""
+    for cls in type(instance).__mro__:
+        if name in vars(cls):
+            return not cls.__module__.split(".")[0] in ("pytorch_lightning", "lightning", "lightning_fabric")
+    return False
+
+
+def _why_no_overlap(trainer: Any, optimizer: torch.optim.Optimizer, reducer: Any) -> str | None:
+    """Why this fit cannot step on the host during backward, or None: under Lightning the step
+    follows the backward of its closure, and nothing between them may change a gradient."""
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        return "manual optimization (lightmem cannot see what runs between backward and the step)"
+    if trainer.gradient_clip_val:
+        return "gradient_clip_val is set (clipping needs every gradient first)"
+    if reducer is not None:
+        return "DDP averages gradients at the end of backward"
+    for name in _BETWEEN_BACKWARD_AND_STEP:
+        if _defined_by_user(module, name):
+            return f"the LightningModule overrides {name}"
+    for callback in trainer.callbacks:
+        for name in ("on_after_backward", "on_before_optimizer_step"):
+            if _defined_by_user(callback, name):
+                return f"callback {type(callback).__name__} overrides {name}"
+    if _defined_by_user(trainer.precision_plugin, "optimizer_step"):
+        return f"precision plugin {type(trainer.precision_plugin).__name__} has its own optimizer_step"
+    return overlap_refusal(optimizer)

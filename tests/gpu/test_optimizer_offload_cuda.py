@@ -52,7 +52,7 @@ def _backward(model, inputs, targets, accumulate, delay):
     (nn.functional.mse_loss(model(inputs), targets) / accumulate).backward()
 
 
-def _reference(optimizer_name, steps, accumulate, delay):
+def _reference(optimizer_name, steps, accumulate, delay, clip=True):
     """GPU forward/backward; the same optimizer stepping CPU copies with the kernel lightmem runs
     there (fused, as these leave foreach/fused unset or ask for it); parameters copied back."""
     model = _model()
@@ -64,21 +64,24 @@ def _reference(optimizer_name, steps, accumulate, delay):
     for _ in range(steps):
         for _ in range(accumulate):
             _backward(model, *next(batches), accumulate, delay)
-        step_on_host_copies(model, host, optimizer)
+        step_on_host_copies(model, host, optimizer, clip=clip)
     return model, optimizer
 
 
-def _offloaded(optimizer_name, steps, accumulate, delay, max_grad_inflight_bytes="64MiB"):
+def _offloaded(optimizer_name, steps, accumulate, delay, max_grad_inflight_bytes="64MiB", overlap_step=False):
     model = _model()
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
-    off = offload_optimizer(model, optimizer, max_grad_inflight_bytes=max_grad_inflight_bytes)
+    off = offload_optimizer(
+        model, optimizer, max_grad_inflight_bytes=max_grad_inflight_bytes, overlap_step=overlap_step
+    )
     assert isinstance(off.transport, CudaTransport)
     batches = iter(_batches(steps * accumulate))
     for _ in range(steps):
         for _ in range(accumulate):
             _backward(model, *next(batches), accumulate, delay)
             assert all(p.grad is None for p in model.parameters())
-        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+        if not overlap_step:  # the overlap's contract: nothing changes a gradient before the step
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
         optimizer.step()
         optimizer.zero_grad()
     state = optimizer.state_dict()
@@ -92,6 +95,21 @@ def _offloaded(optimizer_name, steps, accumulate, delay, max_grad_inflight_bytes
 def test_equals_the_same_optimizer_stepping_on_cpu(optimizer_name, delay):
     expected_model, expected_opt = _reference(optimizer_name, steps=3, accumulate=2, delay=delay)
     model, state, stats = _offloaded(optimizer_name, steps=3, accumulate=2, delay=delay)
+    _assert_equal(expected_model, expected_opt, model, state)
+    assert stats.steps == 3
+
+
+@pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("delay", [False, True], ids=["plain", "compute-delayed"])
+def test_the_step_overlapped_with_backward_equals_the_same_optimizer_stepping_on_cpu(optimizer_name, delay):
+    # The worker thread waits for each gradient's copy event and steps while backward is queued.
+    expected_model, expected_opt = _reference(optimizer_name, steps=3, accumulate=1, delay=delay, clip=False)
+    model, state, stats = _offloaded(optimizer_name, steps=3, accumulate=1, delay=delay, overlap_step=True)
+    _assert_equal(expected_model, expected_opt, model, state)
+    assert (stats.steps, stats.overlapped_steps) == (3, 3)
+
+
+def _assert_equal(expected_model, expected_opt, model, state):
     torch.cuda.synchronize()
     for (name, a), b in zip(expected_model.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
@@ -100,7 +118,6 @@ def test_equals_the_same_optimizer_stepping_on_cpu(optimizer_name, delay):
     for index, values in expected_state["state"].items():
         for key, value in values.items():
             assert torch.equal(value, state["state"][index][key].to(value.device)), (index, key)
-    assert stats.steps == 3
 
 
 def test_device_gradients_stay_within_the_in_flight_bound():

@@ -1,0 +1,295 @@
+"""The host step overlapped with backward: parameters stepped as their gradients land.
+
+Backward makes the gradients of the last layers final long before it ends. With the overlap on,
+each final gradient is handed to a worker thread, which waits for its copy to host, lands it
+(``master.grad``) and runs the optimizer's own step on the parameters landed so far, while
+backward goes on (torch's CPU kernels release the GIL). ``optimizer.step()`` then steps only what
+is left.
+
+Why the result is bitwise that of one step after backward: the optimizers allowed here
+(``OVERLAPPABLE``: torch's own step) keep their state per parameter and their kernels (for-loop,
+foreach, fused) are elementwise per tensor, so stepping a parameter in one call or another gives
+the same bits, provided the step sees the same gradient and hyperparameters. That is the
+contract the caller keeps: nothing between backward and ``optimizer.step()`` changes a gradient
+(clipping, unscaling, a further accumulating backward) or a param group (an LR change). What
+can be checked is checked at ``optimizer.step()`` (a gradient written in place or replaced, a
+hyperparameter changed) and raised, since a parameter already stepped cannot be un-stepped.
+
+The worker runs the step on a stand-in for the optimizer (its ``__dict__``, its ``state``
+object, param groups holding the landed subset), through the step function beneath torch's
+hook wrapper: the optimizer's step hooks (lightmem's own, the user's, LR schedulers' counters)
+run once, at ``optimizer.step()``, never per subset, and the user's ``param_groups`` are never
+rewritten while backward runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+OVERLAPPABLE = (
+    "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop",
+)  # fmt: skip
+"""torch optimizers whose step keeps state per parameter and updates each tensor on its own."""
+
+
+def overlap_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer``'s step cannot be split across parameters, or None when it can."""
+    step = inspect.unwrap(type(optimizer).step)
+    torch_steps = {
+        inspect.unwrap(getattr(torch.optim, name).step): name for name in OVERLAPPABLE if hasattr(torch.optim, name)
+    }
+    if step not in torch_steps:
+        return (
+            f"{type(optimizer).__name__}'s step is not one lightmem knows to be per parameter "
+            f"(torch's {', '.join(OVERLAPPABLE)})"
+        )
+    if any(group.get("differentiable") for group in optimizer.param_groups):
+        return "differentiable=True steps keep autograd history across parameters"
+    return None
+
+
+def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """The class's step beneath torch's wrapper that runs the step hooks."""
+    step = type(optimizer).step
+    return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
+
+
+def _kept(value: Any) -> Any:
+    """A hyperparameter as it is now (a tensor one may be changed in place later)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return bool(a == b)
+
+
+@dataclass
+class _Landing:
+    """A gradient on its way to the host: where it lands and the event of its copy."""
+
+    master: torch.nn.Parameter
+    group: int
+    buffer: torch.Tensor
+    staged: bool  # add to master.grad (accumulation) instead of becoming it
+    event: Any
+    version: int = -1  # the gradient's version once landed (-1: not landed yet)
+
+    def land(self, host_wait: Callable[[Any], None]) -> None:
+        host_wait(self.event)
+        with torch.no_grad():
+            if self.staged:
+                self.master.grad.add_(self.buffer)  # type: ignore[union-attr]
+            else:
+                self.master.grad = self.buffer
+        self.version = self.master.grad._version  # type: ignore[union-attr]
+
+
+_LIVE: weakref.WeakSet[OverlappedStep] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # A daemon worker killed at interpreter exit in the middle of a torch kernel aborts the process.
+    for overlapped in list(_LIVE):
+        overlapped.close()
+
+
+class OverlappedStep:
+    """One worker thread that lands gradients and steps their parameters while backward runs.
+
+    ``begin()`` at the first gradient of a backward (it snapshots the param groups' hyperparameters
+    the step will use), ``submit()`` per final gradient, ``land_now()`` at the end of backward
+    (the training thread lands what the worker has not), ``join()`` before the rest of the step
+    (raises what the worker raised), ``commit()`` once the step has taken them. ``stepped`` are
+    the parameters stepped and not yet committed, with the gradient each was stepped with and its
+    version when it landed.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, host_wait: Callable[[Any], None], batch_bytes: int) -> None:
+        self.optimizer = optimizer
+        # Each call of the step costs tens of microseconds of Python holding the GIL, which
+        # backward's hooks want too: the worker is woken per ``batch_bytes`` handed over, not per
+        # gradient (and at the end of backward for the rest).
+        self._batch_bytes = batch_bytes
+        self._unsignalled_bytes = 0
+        self._go = False
+        self._step = _unhooked_step(optimizer)
+        self._host_wait = host_wait
+        self._cond = threading.Condition()
+        self._ready: list[_Landing] = []
+        self._busy = False
+        self._batch_landed = False  # the batch the worker holds is landed (it may be stepping it)
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._groups: list[dict[str, Any]] | None = None  # hyperparameters at begin()
+        self._after: Any = None  # event the host copies must be read by before the first step
+        self.stepped: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []  # (master, grad, its version)
+        self.stepped_bytes = 0
+        self._state_entries = 0  # optimizer.state's entries at begin()
+
+    @property
+    def pending(self) -> bool:
+        """Gradients were handed over since the last commit (or a step already ran for them)."""
+        return self._groups is not None
+
+    def begin(self, copies_back: Any) -> None:
+        """The first gradient of a backward whose step follows: the hyperparameters the step uses
+        are those the param groups hold now; ``copies_back`` is read before any host copy is rewritten."""
+        self._groups = [
+            {name: _kept(value) for name, value in group.items() if name != "params"}
+            for group in self.optimizer.param_groups
+        ]
+        self._after = copies_back
+        self._state_entries = len(self.optimizer.state)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lightmem-host-step", daemon=True)
+            self._thread.start()
+            _LIVE.add(self)
+
+    def submit(self, landing: _Landing) -> None:
+        with self._cond:
+            self._ready.append(landing)
+            self._unsignalled_bytes += landing.master.nbytes
+            if self._unsignalled_bytes >= self._batch_bytes:
+                self._signal()
+
+    def _signal(self) -> None:
+        """With ``_cond`` held: the worker takes what is ready."""
+        self._unsignalled_bytes = 0
+        self._go = True
+        self._cond.notify_all()
+
+    def land_now(self) -> None:
+        """At the end of backward, in the training thread: every gradient handed over is in
+        ``master.grad`` when this returns (as without the overlap), while the steps go on.
+        Whatever the caller then writes into a gradient shows in its version (``changes``)."""
+        with self._cond:
+            while self._busy and not self._batch_landed:
+                self._cond.wait()
+            batch, self._ready = self._ready, []
+        for landing in batch:
+            landing.land(self._host_wait)
+        with self._cond:
+            self._ready = batch + self._ready
+            if self._ready:
+                self._signal()
+
+    def join(self) -> None:
+        """Wait until every gradient handed over is landed and its parameter stepped; raise what
+        the worker raised (once)."""
+        self.idle()
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"lightmem: the host step overlapped with backward failed: {error!r}") from error
+
+    def idle(self) -> None:
+        """Wait until the worker has done everything handed over (what it raised stays for ``join``)."""
+        with self._cond:
+            if self._ready:
+                self._signal()
+            while self._ready or self._busy:
+                self._cond.wait()
+
+    def changes(self) -> list[str]:
+        """What changed since the parameters were stepped: hyperparameters, gradients (after ``join``)."""
+        changed = []
+        for index, (group, seen) in enumerate(zip(self.optimizer.param_groups, self._groups or [])):
+            for name, value in seen.items():
+                if not _same(value, group.get(name)):
+                    changed.append(f"param group {index}'s {name!r} ({value!r} -> {group.get(name)!r})")
+        # Checked against each gradient as it landed (a step never writes a gradient): a write
+        # in between, even one racing the step, shows.
+        touched = sum(master.grad is not grad or grad._version != version for master, grad, version in self.stepped)
+        if touched:
+            changed.append(f"the gradients of {touched} parameters (clipped, unscaled, accumulated or replaced)")
+        return changed
+
+    def order_new_state(self) -> None:
+        """State entries the step created go in the order one step over all parameters creates
+        them (param groups' order), not in the order gradients landed: ``state_dict()`` keeps the
+        order of ``optimizer.state``. Call once the whole step is over."""
+        state = self.optimizer.state
+        if len(state) <= self._state_entries:
+            return
+        params = (param for group in self.optimizer.param_groups for param in group["params"])
+        position = {id(param): index for index, param in enumerate(params)}
+        entries = list(state.items())
+        new = sorted(entries[self._state_entries :], key=lambda entry: position.get(id(entry[0]), len(position)))
+        state.clear()
+        state.update(entries[: self._state_entries] + new)
+
+    def commit(self) -> None:
+        """``optimizer.step()`` is over: what was stepped belongs to it."""
+        self.stepped = []
+        self.stepped_bytes = 0
+        self._groups = None
+        self._after = None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+
+    # -- the worker ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._go and self._ready) and not self._closing:
+                    self._cond.wait()
+                if not self._ready:
+                    return
+                batch, self._ready = self._ready, []
+                self._go = False
+                self._busy = True
+                self._batch_landed = False
+            try:
+                self._land_and_step(batch)
+            except BaseException as error:  # surfaced at optimizer.step(); the worker goes on landing
+                with self._cond:
+                    if self._error is None:
+                        self._error = error
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _land_and_step(self, batch: list[_Landing]) -> None:
+        if self._after is not None:
+            self._host_wait(self._after)  # the previous step's copies to the device have read the host copies
+            self._after = None
+        try:
+            for landing in batch:
+                if landing.version < 0:
+                    landing.land(self._host_wait)
+        finally:
+            with self._cond:
+                self._batch_landed = True
+                self._cond.notify_all()
+        if self._error is not None or self._groups is None:
+            return  # a failed batch before: land the rest (close() gives them back), step nothing
+        subsets: dict[int, list[torch.nn.Parameter]] = {}
+        for landing in batch:
+            subsets.setdefault(landing.group, []).append(landing.master)
+        stand_in = object.__new__(type(self.optimizer))
+        stand_in.__dict__.update(self.optimizer.__dict__)
+        stand_in.param_groups = [{**self._groups[index], "params": params} for index, params in subsets.items()]
+        self._step(stand_in)
+        for landing in batch:
+            self.stepped.append((landing.master, landing.master.grad, landing.version))  # type: ignore[arg-type]
+            self.stepped_bytes += landing.master.nbytes
