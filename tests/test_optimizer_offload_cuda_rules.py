@@ -211,6 +211,29 @@ def test_weight_averaging_between_steps_reads_the_stepped_parameters():
     transport.close()
 
 
+def test_a_step_post_hook_registered_before_offload_sees_the_stepped_parameters():
+    # A user's hook on the optimizer (weight averaging, logging the weights), registered before
+    # lightmem's: lightmem's copy back runs first, so the hook reads the stepped values.
+    def run(offload):
+        torch.manual_seed(0)
+        model = tiny_net()
+        opt = OPTIMIZERS["sgd-momentum"](model.parameters(), **({} if offload else HOST_KERNEL))
+        seen = []
+        opt.register_step_post_hook(lambda *_: seen.append(model[0].weight.detach().clone()))
+        transport = _simulated(hold_to_device=True)
+        handle = offload_optimizer(model, opt, devices=("cpu",), transport=transport) if offload else None
+        for inputs, targets in _batches(3):
+            nn.functional.mse_loss(model(inputs), targets).backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.close()
+        transport.close()
+        return seen
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))
+
+
 def test_load_state_dict_after_a_step_is_what_the_model_and_its_host_copies_hold():
     torch.manual_seed(5)
     loaded = tiny_net().state_dict()

@@ -317,7 +317,7 @@ class OptimizerOffloader:
             # About eight steps per backward: few enough that their Python is small beside the
             # kernels, enough that all but the last layers' step hides behind backward.
             batch_bytes = max(self._params_arena.nbytes // 8, 1)
-            self._overlap = OverlappedStep(optimizer, self.transport.host_wait, batch_bytes)
+            self._overlap = OverlappedStep(optimizer, self.transport.host_wait, batch_bytes, self.device)
         self.host_kernel = HostKernel(optimizer)
         self.host_kernel.select()  # before the swap: "step" counters go where the kernel keeps them
         self._swap_optimizer(to_host=True)
@@ -344,8 +344,15 @@ class OptimizerOffloader:
 
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
         self._handles.append(_InstanceAttribute(optimizer, "zero_grad"))
-        self._handles.append(optimizer.register_step_pre_hook(self._before_step))
-        self._handles.append(optimizer.register_step_post_hook(self._after_step))
+        # First among the step hooks: a hook the user registered earlier (weight averaging, logging
+        # the weights after a step) must see the host step's parameters back on the device.
+        for register, hooks, hook in (
+            (optimizer.register_step_pre_hook, optimizer._optimizer_step_pre_hooks, self._before_step),
+            (optimizer.register_step_post_hook, optimizer._optimizer_step_post_hooks, self._after_step),
+        ):
+            handle = register(hook)
+            hooks.move_to_end(handle.id, last=False)
+            self._handles.append(handle)
         # A checkpoint's param groups replace ours, with their own foreach/fused: choose again.
         reselect = optimizer.register_load_state_dict_post_hook(lambda _: self.host_kernel.select())
         self._handles.append(reselect)

@@ -115,8 +115,12 @@ class OverlappedStep:
     version when it landed.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, host_wait: Callable[[Any], None], batch_bytes: int) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, host_wait: Callable[[Any], None], batch_bytes: int,
+        device: torch.device | None = None,
+    ) -> None:  # fmt: skip
         self.optimizer = optimizer
+        self._device = device  # the training device: the worker's current CUDA device
         # Each call of the step costs tens of microseconds of Python holding the GIL, which
         # backward's hooks want too: the worker is woken per ``batch_bytes`` handed over, not per
         # gradient (and at the end of backward for the rest).
@@ -248,6 +252,11 @@ class OverlappedStep:
     # -- the worker ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        device = self._device
+        if device is not None and device.type == "cuda" and device.index is not None:
+            # The current CUDA device is per thread: left at 0, the optimizer's capture check would
+            # make a context on GPU 0 for a fit on another one.
+            torch.cuda.set_device(device)
         while True:
             with self._cond:
                 while not (self._go and self._ready) and not self._closing:
