@@ -43,7 +43,7 @@ def test_gradients_bitwise_equal_under_asynchronous_copies(case, seed, monkeypat
     context = _offload_with(transport, prefetch=prefetch, max_inflight_bytes="64KiB")
     actual, off = run_grads(model, loss_fn, context)
     assert_bitwise_equal(expected, actual)
-    assert transport.stale_reads == 0 and transport.unordered_source_frees == 0
+    assert transport.stale_reads == 0 and transport.unordered_source_frees == 0 and transport.host_races == 0
     stats = off.stats
     assert stats.prefetch_misses >= 1 and stats.prefetch_hits > 0
     if serve_in_flight:

@@ -69,6 +69,7 @@ def _assert_exact(make_model, transport, **kwargs):
     model_b, opt_b, handle = _train(make_model, _on(transport, **kwargs.pop("offload_kwargs", {})), **kwargs)
     handle.close()
     assert_given_back(model_a, model_b, opt_a, opt_b)
+    assert transport.host_races == 0
     transport.close()
 
 
@@ -290,6 +291,46 @@ def test_a_lightning_fit_of_an_attention_model_with_held_copies_is_exact(lightni
     trainer_b = cpu_trainer([callback], **settings)
     trainer_b.fit(offloaded, regression_loader())
     assert_given_back(reference, offloaded, trainer_a.optimizers[0], trainer_b.optimizers[0])
+    transport.close()
+
+
+def _two_steps_without_backward_between(transport):
+    """Two steps on the same gradients: nothing between them waits for the first step's copies back
+    (a backward would: its gradient copies follow compute, which waited for them)."""
+    torch.manual_seed(0)
+    model = tiny_net()
+    opt = OPTIMIZERS["sgd-momentum"](model.parameters())
+    handle = offload_optimizer(model, opt, devices=("cpu",), transport=transport)
+    nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 1)).backward()
+    opt.step()
+    opt.step()  # rewrites the host copies the first step's copies back read
+    handle.close()
+    transport.release_copies_to_device()
+    transport.synchronize()
+
+
+def test_a_step_rewrites_the_host_copies_only_after_the_last_copies_back_ran():
+    transport = _simulated(hold_to_device=True)
+    _two_steps_without_backward_between(transport)
+    assert transport.host_races == 0
+    transport.close()
+
+
+def test_sabotage_a_step_that_does_not_wait_for_the_copies_back_is_detected(monkeypatch):
+    monkeypatch.setattr(optimizer_offload.OptimizerOffloader, "_host_wait_params", lambda self: None)
+    transport = _simulated(hold_to_device=True)
+    _two_steps_without_backward_between(transport)
+    assert transport.host_races > 0
+    transport.close()
+
+
+def test_an_overlapped_step_waits_for_the_copies_back_before_rewriting_the_host_copies():
+    transport = _simulated(hold_to_device=True)
+    model_a, opt_a, _ = _train(tiny_net)
+    model_b, opt_b, handle = _train(tiny_net, _on(transport, overlap_step=True))
+    handle.close()
+    assert_given_back(model_a, model_b, opt_a, opt_b)
+    assert transport.host_races == 0
     transport.close()
 
 

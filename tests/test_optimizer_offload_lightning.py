@@ -61,7 +61,7 @@ def transport(request, monkeypatch):
         simulated = SimulatedAsyncTransport(seed=1, max_delay_s=0.001)
         monkeypatch.setattr(optimizer_offload, "default_transport", lambda devices: simulated)
         yield simulated
-        assert (simulated.stale_reads, simulated.reuse_hazards) == (0, 0)
+        assert (simulated.stale_reads, simulated.reuse_hazards, simulated.host_races) == (0, 0, 0)
         simulated.close()
     else:
         yield None

@@ -65,6 +65,24 @@ def test_a_copy_to_the_device_is_visible_to_compute_after_its_wait_before_the_ho
     assert torch.equal(device, torch.ones(4)) and not gpu.done(event)
 
 
+@pytest.mark.parametrize("host_waits_first", [True, False])
+def test_a_host_write_to_the_source_of_a_queued_copy_is_a_race(gpu, host_waits_first):
+    # A compute wait makes the copy's device side happen (eager compute reads it); the copy
+    # engine still reads the host bytes later, so only a host wait lets the host write them.
+    gpu.hold_copies_to_device()
+    compute, _, to_device = gpu.streams(CPU)
+    host, device = torch.ones(4), torch.zeros(4)
+    gpu.copy_to_device(device, host, to_device)
+    event = gpu.record(to_device)
+    gpu.wait(compute, event)
+    if host_waits_first:
+        gpu.host_wait(event)
+    host.add_(1.0)  # the optimizer's next step writes the host copy
+    gpu.release_copies_to_device()
+    gpu.synchronize()
+    assert gpu.host_races == (0 if host_waits_first else 1)
+
+
 def test_compute_is_an_executor_that_lags_the_host(gpu):
     gpu.lag_compute()
     compute = gpu.current_stream()

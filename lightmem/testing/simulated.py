@@ -137,15 +137,18 @@ class _Copy:
     (its source into a private snapshot) and ``write`` (the snapshot into its destination). The
     stream's executor runs both; a compute stream's wait runs the device side early."""
 
-    __slots__ = ("after", "done_read", "done_write", "lock", "read_source", "snapshot", "write_destination")
+    __slots__ = (
+        "after", "done_read", "done_write", "lock", "on_run", "read_source", "snapshot", "write_destination",
+    )  # fmt: skip
 
     def __init__(
         self, read_source: Callable[[], torch.Tensor | None], write_destination: Callable[[torch.Tensor | None], None],
-        after: dict[Any, int],
+        after: dict[Any, int], on_run: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.read_source = read_source
         self.write_destination = write_destination
         self.after = after  # operations of other streams this copy waits for
+        self.on_run = on_run  # ground truth, when the copy stream runs it (the host may see it done after)
         self.snapshot: torch.Tensor | None = None
         self.done_read = self.done_write = False
         self.lock = threading.RLock()
@@ -167,6 +170,9 @@ class _Copy:
 
     def __call__(self) -> None:
         self.write()
+        if self.on_run is not None:
+            on_run, self.on_run = self.on_run, None
+            on_run()
 
 
 class _Stream:
@@ -456,6 +462,9 @@ class SimulatedAsyncTransport:
         """Reload copies that wrote a block without being ordered after the compute work queued
         before its last free (ordering, not luck: a free that happened to have run counts too)."""
         self.record_stream_calls = 0
+        self.host_races = 0
+        """Host writes to a buffer a queued copy reads (to the device) or writes (to host) before the
+        copy stream ran it: on a GPU the copy reads the new bytes, or overwrites the host's."""
         self.host_waits = 0
         """Host waits that found their event incomplete and blocked the calling thread."""
         self.max_held_source_bytes = 0
@@ -686,6 +695,7 @@ class SimulatedAsyncTransport:
         host = self._track(dst)
         torch.autograd.graph.increment_version(dst)  # as copy_(non_blocking=True) does when queued
         destination = _alias(dst)
+        host_written = self._watch_host(dst)  # checked when the copy writes, before it does
         del dst
 
         def read() -> torch.Tensor | None:
@@ -698,6 +708,7 @@ class SimulatedAsyncTransport:
             return torch.empty(0, dtype=dtype, device=source.device).set_(source, offset, size, stride).clone()
 
         def write(snapshot: torch.Tensor | None) -> None:
+            host_written()
             if snapshot is None:
                 _poison(destination)
             else:
@@ -733,6 +744,7 @@ class SimulatedAsyncTransport:
         torch.autograd.graph.increment_version(dst)  # as copy_(non_blocking=True) does when queued
         destination = _alias(dst)
         del dst
+        on_run = self._watch_host(src)
 
         def read() -> torch.Tensor:
             snapshot = src.clone()
@@ -749,11 +761,25 @@ class SimulatedAsyncTransport:
                     self.device_reuse_hazards += 1
             destination.copy_(snapshot)
 
-        copy = _Copy(read, write, after)
+        copy = _Copy(read, write, after, on_run)
         stream.submit(copy)
         if not self.is_page_locked(src):
             self.pageable_copies += 1
             copy.read()  # staged: the runtime copies pageable memory into its own buffer at once
+
+    def _watch_host(self, host: torch.Tensor) -> Callable[[], None]:
+        """A check, for when the copy stream runs a copy touching ``host``: had the host written its
+        bytes since the copy was queued? (Compared byte for byte: a fused optimizer kernel writes
+        in place without bumping the version counter, and NaN bytes compare equal as bytes.)"""
+        start = host.storage_offset() * host.element_size()
+        raw = torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage(), start, (host.nbytes,))
+        queued = raw.clone()
+
+        def check() -> None:
+            if not torch.equal(raw, queued):
+                self.host_races += 1
+
+        return check
 
     def _track(self, host: torch.Tensor) -> int:
         address = host.data_ptr()
