@@ -285,6 +285,33 @@ def test_close_with_a_step_pending_warns_and_gives_every_gradient_back():
         handle.close()
     assert all(param.grad is not None for param in model.parameters())
     assert [id(param) for param in _host_params(optimizer)] == [id(param) for param in model.parameters()]
+    # The parameters stepped carry their step on the device too: weights agree with the state.
+    stepped = [param for param in model.parameters() if optimizer.state.get(param)]
+    assert stepped and all(optimizer.state[param]["step"].item() == 1.0 for param in stepped)
+
+
+def test_close_gives_the_state_back_in_host_memory_when_the_device_cannot_take_it(monkeypatch):
+    # After an out-of-memory error mid-fit, moving the optimizer state back to the device may fail
+    # again: close still gives the optimizer its parameters, keeps the state on the host, and
+    # leaves no hook behind.
+    from lightmem.offload.optimizer import OptimizerOffloader
+
+    model, optimizer, handle = _tiny()
+    _backward(model)
+    optimizer.step()
+    swap = OptimizerOffloader._swap_optimizer
+
+    def device_full(self, *, to_host, state_on_host=False):
+        if not to_host and not state_on_host:
+            raise torch.OutOfMemoryError("simulated: the device is full")
+        swap(self, to_host=to_host, state_on_host=state_on_host)
+
+    monkeypatch.setattr(OptimizerOffloader, "_swap_optimizer", device_full)
+    with pytest.warns(UserWarning, match=r"the optimizer state could not move back to cpu \(OutOfMemoryError\); it stays in host memory"):
+        handle.close()
+    assert [id(param) for param in _host_params(optimizer)] == [id(param) for param in model.parameters()]
+    assert "zero_grad" not in vars(optimizer)  # lightmem's wrapper is gone with every other hook
+    assert all(value.device.type == "cpu" for state in optimizer.state.values() for value in state.values())
 
 
 def test_an_optimizer_whose_step_it_cannot_split_is_refused():

@@ -770,8 +770,9 @@ class OptimizerOffloader:
                 if isinstance(value, torch.Tensor) and value.device != _HOST:
                     state[name] = value.to(_HOST)
 
-    def _swap_optimizer(self, *, to_host: bool) -> None:
-        """Point the optimizer's groups and state at the host copies (or back at the parameters)."""
+    def _swap_optimizer(self, *, to_host: bool, state_on_host: bool = False) -> None:
+        """Point the optimizer's groups and state at the host copies (or back at the parameters;
+        with ``state_on_host`` the state stays in host memory). Nothing changes if a move fails."""
         by_id = {id(slot.param): slot for slot in self._slots.values()}
         by_id.update({id(slot.master): slot for slot in self._slots.values()})
 
@@ -783,20 +784,21 @@ class OptimizerOffloader:
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 beside_param[id(param)] = bool(group.get("fused") or group.get("capturable"))
-            group["params"] = [swapped(param) for param in group["params"]]
         new_state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
         for key, state in self.optimizer.state.items():
             if id(key) not in by_id:
                 new_state[key] = state
                 continue
             target = swapped(key)
-            device = _HOST if to_host else target.device
+            device = _HOST if to_host or state_on_host else target.device
             new_state[target] = {
                 name: value.to(device)
                 if isinstance(value, torch.Tensor) and (name != "step" or beside_param.get(id(key), False))
                 else value
                 for name, value in state.items()
             }
+        for group in self.optimizer.param_groups:  # every move above succeeded
+            group["params"] = [swapped(param) for param in group["params"]]
         # In place: wrappers that copied the optimizer's attributes (Lightning's LightningOptimizer)
         # keep seeing the same state object.
         state = self.optimizer.state
@@ -810,13 +812,28 @@ class OptimizerOffloader:
         host gradient in ``param.grad``; remove every hook."""
         if self._closed:
             return
+        try:
+            self._give_back()
+        finally:  # whatever failed (a device out of memory after an exception), nothing stays hooked or pinned
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            for arena in (self._params_arena, self._grads_arena, self._staging_arena):
+                if arena is not None:
+                    arena.close()  # page-locked memory goes back now, not when the last view dies
+            self._closed = True
+
+    def _give_back(self) -> None:
         overlap = self._overlap
+        stepped_early: list[nn.Parameter] = []
         if overlap is not None:
             overlap.idle()
             if overlap.pending and overlap.stepped:
+                stepped_early = [master for master, _, _ in overlap.stepped]
                 warn_once(
-                    f"lightmem: {self.settings.flag('overlap_step')}: {len(overlap.stepped)} parameters were "
-                    "stepped on the host during a backward whose optimizer.step() never came; they keep that step"
+                    f"lightmem: {self.settings.flag('overlap_step')}: {len(stepped_early)} parameters were "
+                    "stepped on the host during a backward whose optimizer.step() never came; they keep that "
+                    "step (their device values included)"
                 )
             if overlap.pending:
                 self._end_overlap()
@@ -825,19 +842,23 @@ class OptimizerOffloader:
         if self._landing or self._unlanded:
             self._land_all()
         self._host_wait_params()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        by_master = {id(slot.master): slot for slot in self._slots.values()}
         with torch.no_grad():
+            for master in stepped_early:  # weights and optimizer state of one step, not half of one
+                slot = by_master[id(master)]
+                slot.param.copy_(slot.master.to(slot.param.device))
             for slot in self._slots.values():
                 if slot.master.grad is not None:
                     slot.param.grad = slot.master.grad.to(slot.param.device, copy=True)
         self.host_kernel.restore()  # the implementation the user constructed, "step" placed for it
-        self._swap_optimizer(to_host=False)
-        for arena in (self._params_arena, self._grads_arena, self._staging_arena):
-            if arena is not None:
-                arena.close()  # page-locked memory goes back now, not when the last view dies
-        self._closed = True
+        try:
+            self._swap_optimizer(to_host=False)
+        except RuntimeError as error:  # the device is out of memory (an exception mid-fit)
+            self._swap_optimizer(to_host=False, state_on_host=True)
+            warn_once(
+                f"lightmem: {self.settings.flag('enabled')}: the optimizer state could not move back to "
+                f"{self.device} ({type(error).__name__}); it stays in host memory"
+            )
 
     def __enter__(self) -> OptimizerOffloader:
         return self
