@@ -135,6 +135,22 @@ def test_a_checkpoint_resumes_across_the_option_both_ways(tmp_path, first, secon
     assert_state_equal(module_a, module_b, trainer_a.optimizers[0], trainer_b.optimizers[0])
 
 
+def test_a_resumed_fit_loads_the_optimizer_state_on_the_host_without_a_trip_to_the_device(tmp_path, monkeypatch):
+    # Lightning moves a restored optimizer state to the root device; offloaded, it stays on the host.
+    moved = []
+    import pytorch_lightning.strategies.strategy as strategy_module
+
+    original = strategy_module._optimizer_to_device
+    monkeypatch.setattr(strategy_module, "_optimizer_to_device", lambda *args: moved.append(args) or original(*args))
+    _, trainer, _ = _fit_with(_offloading(), {"kernel": HOST_KERNEL}, max_steps=2)
+    path = str(tmp_path / "half.ckpt")
+    trainer.save_checkpoint(path)
+    _fit_with(_offloading(), {"kernel": HOST_KERNEL}, ckpt_path=path, max_steps=4)
+    assert moved == []
+    _fit_with(None, {"kernel": HOST_KERNEL}, ckpt_path=path, max_steps=4)  # without lightmem it does move
+    assert len(moved) == 1
+
+
 def _trainer_like(strategy_class_name: str, scaler=None):
     strategy_class = type(strategy_class_name, (), {})
     return SimpleNamespace(strategy=strategy_class(), precision_plugin=SimpleNamespace(scaler=scaler))

@@ -1013,7 +1013,23 @@ def offload_trainer_optimizers(
             "host step overlapped with backward" if overlap else f"host step after backward: {why_not or 'overlap_step=False'}"
         )
         offloaders.append(offloader)
+    if offloaders:
+        _keep_restored_state_on_host(trainer.strategy, offloaders[0])
     return offloaders, None
+
+
+def _keep_restored_state_on_host(strategy: Any, offloader: OptimizerOffloader) -> None:
+    """On ``fit(ckpt_path=...)`` Lightning loads each optimizer's state and then moves it to the
+    device (``Strategy.load_optimizer_state_dict``), which would hold the whole state there until
+    the first step moved it back: the memory this option exists to save. While offloaded, the state
+    is only loaded: ``load_state_dict`` puts it beside the host copies the groups hold."""
+
+    def load_optimizer_state_dict(checkpoint: Any) -> None:
+        for optimizer, state in zip(strategy.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+
+    strategy.load_optimizer_state_dict = load_optimizer_state_dict
+    offloader._handles.append(_InstanceAttribute(strategy, "load_optimizer_state_dict"))
 
 
 # Hooks that run between the backward of an optimizer step's closure and the step: overridden,
