@@ -208,7 +208,8 @@ class FitSession:
             off.append(f"activation offload ({reason})")
         if self._optimizer_offloaders:
             kernels = "; ".join(
-                f"{offloader.host_kernel}; {offloader.overlap_note}" for offloader in self._optimizer_offloaders
+                "; ".join(filter(None, (str(offloader.host_kernel), offloader.overlap_note, offloader.device_dtype_note)))
+                for offloader in self._optimizer_offloaders
             )
             on.append(f"optimizer offload (gradients, optimizer state and step on the host; {kernels})")
         elif self._optimizer_offload_off:
