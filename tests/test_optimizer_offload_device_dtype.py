@@ -199,6 +199,18 @@ def test_loading_an_fp32_checkpoint_sets_the_masters_exactly_and_the_device_to_t
     handle.close()
 
 
+def test_a_partial_load_leaves_the_other_masters_unrounded():
+    model, optimizer, handle, _ = _train(_mlp, _bf16(), steps=2)
+    before = _masters(optimizer)
+    torch.manual_seed(7)
+    head = {key: value for key, value in _mlp().state_dict().items() if key.startswith("4.")}
+    model.load_state_dict(head, strict=False)
+    after = _masters(optimizer)
+    assert_same(before[:4], after[:4], "masters the checkpoint does not name")
+    assert_same(list(head.values()), after[4:], "masters it names")
+    handle.close()
+
+
 def test_close_gives_fp32_parameters_back_exactly_from_the_masters():
     model, optimizer, handle, _ = _train(_mlp, _bf16(), steps=3)
     params = list(model.parameters())
@@ -337,3 +349,27 @@ def test_a_fit_without_bf16_autocast_is_refused_at_fit_start(lightning_package):
         "autocast on bf16 parameters); got precision='32-true'"
     )
 
+
+
+def test_a_checkpoint_saved_during_the_fit_holds_the_fp32_masters(lightning_package, tmp_path):
+    saved = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step == 2 and not saved:
+            saved["masters"] = _masters(trainer.optimizers[0])
+            saved["device"] = {param.dtype for param in pl_module.parameters()}
+            trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    save = type("SaveMidway", (lightning_package.Callback,), {"on_train_batch_end": on_train_batch_end})()
+    callback = LightMem(
+        offload=False, offload_optimizer=True, offload_devices=["cpu"], offload_optimizer_device_dtype="bf16", metrics=[]
+    )
+    trainer = cpu_trainer([callback, save], package=lightning_package, precision="bf16-mixed")
+    trainer.fit(_lit(lightning_package), _loader())
+    checkpoint = torch.load(tmp_path / "mid.ckpt", weights_only=False)
+    assert saved["device"] == {BF16}
+    assert_same(saved["masters"], list(checkpoint["state_dict"].values()), "checkpoint vs masters")
+    optimizer_state = checkpoint["optimizer_states"][0]["state"]
+    assert {value.dtype for state in optimizer_state.values() for key, value in state.items() if key != "step"} == {
+        torch.float32
+    }

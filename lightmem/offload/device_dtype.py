@@ -79,7 +79,7 @@ class DeviceDtype:
         self._narrow = {id(slot.param): tensor for slot, tensor in zip(slots, narrow)}
         self._wide = {id(slot.param): tensor for slot, tensor in zip(slots, wide_grads)}
         self._slots = slots
-        self._loaded: dict[int, torch.Tensor] = {}  # a checkpoint's values for the masters, during a load
+        self._loaded: dict[int, torch.Tensor] | None = None  # a checkpoint's values for the masters, during a load
 
     @property
     def note(self) -> str:
@@ -141,10 +141,13 @@ class DeviceDtype:
         }
 
     def refresh_masters(self) -> None:
-        """After a load (or a write to the parameters): a master takes the checkpoint's value
-        exactly where the load gave one, else its device parameter's (widened)."""
-        loaded, self._loaded = self._loaded, {}
+        """After ``model.load_state_dict``: the masters the checkpoint names take its values exactly,
+        the others (``strict=False``) keep theirs. Called outside a load (the user wrote the device
+        parameters): every master takes its device parameter's value, widened."""
+        loaded, self._loaded = self._loaded, None
         with torch.no_grad():
             for slot in self._slots:
-                value = loaded.get(id(slot.param))
-                slot.master.copy_(value.detach() if value is not None else slot.param.detach())
+                if loaded is None:
+                    slot.master.copy_(slot.param.detach())
+                elif id(slot.param) in loaded:
+                    slot.master.copy_(loaded[id(slot.param)].detach())
