@@ -72,14 +72,18 @@ class DeviceDtype:
     """
 
     def __init__(
-        self, slots: list[_Slot], dtype: torch.dtype, narrow: list[torch.Tensor], wide_grads: list[torch.Tensor]
+        self,
+        slots: list[_Slot],
+        dtype: torch.dtype,
+        narrow: list[torch.Tensor],
+        wide_grads: list[torch.Tensor],
     ) -> None:
         self.dtype = dtype
         self.name = {torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
         self._narrow = {id(slot.param): tensor for slot, tensor in zip(slots, narrow)}
         self._wide = {id(slot.param): tensor for slot, tensor in zip(slots, wide_grads)}
         self._slots = slots
-        self._loaded: dict[int, torch.Tensor] | None = None  # a checkpoint's values for the masters, during a load
+        self._loaded: dict[int, torch.Tensor] | None = None  # during a load: the checkpoint's values
 
     @property
     def note(self) -> str:

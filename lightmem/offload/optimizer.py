@@ -20,9 +20,11 @@ everything else a training step holds for them to host memory:
    parameters makes the compute stream wait for exactly its parameters' copies.
 
 Gradient accumulation adds on the host in the gradient's dtype (``grad += new``, as autograd does
-on the device). With ``device_dtype=torch.bfloat16`` (opt-in, not exact) the device parameters are
-bf16 and the host copies fp32 masters: ``lightmem.offload.device_dtype``. ``close()`` (or leaving the ``with`` block) puts everything back: the optimizer's
+on the device). ``close()`` (or leaving the ``with`` block) puts everything back: the optimizer's
 groups and state on the device parameters, pending host gradients in ``param.grad``.
+
+With ``device_dtype=torch.bfloat16`` (opt-in, not exact) the device parameters are bf16 and the
+host copies fp32 masters: ``lightmem.offload.device_dtype``.
 """
 
 from __future__ import annotations
@@ -307,13 +309,14 @@ class OptimizerOffloader:
             # The bf16 copies that travel to the device (page-locked) and the masters' fp32
             # gradients (host only: nothing copies them).
             slots = list(self._slots.values())
-            narrow = [torch.empty(slot.master.shape, dtype=settings.device_dtype, device="meta") for slot in slots]
+            dtype = settings.device_dtype
+            narrow = [torch.empty(slot.master.shape, dtype=dtype, device="meta") for slot in slots]
             self._device_dtype_arenas = [
                 _HostArena(narrow, self.transport, self.device),
                 _HostArena([slot.master for slot in slots], self.transport, self.device, page_locked=False),
             ]
             narrow_arena, wide_arena = self._device_dtype_arenas
-            self._device_dtype = DeviceDtype(slots, settings.device_dtype, narrow_arena.tensors, wide_arena.tensors)
+            self._device_dtype = DeviceDtype(slots, dtype, narrow_arena.tensors, wide_arena.tensors)
         self._overlap_mode = overlap  # None, "every-backward" or "step-closure"
         self.overlap_note = "host step overlapped with backward" if overlap else "host step after backward"
         """For the line at fit start: whether the host step overlaps backward, and why not."""
@@ -345,8 +348,9 @@ class OptimizerOffloader:
         device_dtype = self._device_dtype
         if device_dtype is not None:
             # The state dict holds the fp32 masters; a load sets them (hooks take functions, not methods).
-            self._handles.append(model.register_state_dict_post_hook(lambda *args: device_dtype.put_masters(*args)))
-            self._handles.append(model.register_load_state_dict_pre_hook(lambda *args: device_dtype.take_loaded(*args)))
+            put_masters = model.register_state_dict_post_hook(lambda *args: device_dtype.put_masters(*args))
+            take_loaded = model.register_load_state_dict_pre_hook(lambda *args: device_dtype.take_loaded(*args))
+            self._handles += [put_masters, take_loaded]
             device_dtype.cast_device_params()  # after every refusal: nothing raises past here
         for slot in self._slots.values():
             if slot.param.requires_grad:
@@ -520,7 +524,7 @@ class OptimizerOffloader:
             self._repeated_gradient = True
             self._land_all()
         staged = slot.master.grad is not None
-        if self._device_dtype is not None:  # in bf16 into its buffer, widened into the fp32 master's at landing
+        if self._device_dtype is not None:  # into its bf16 buffer, widened into the master's fp32 at landing
             slot.grad_buffer = target = self._buffer(slot, grad, staging=False)
         elif staged:
             slot.staging = target = self._buffer(slot, grad, staging=True)
@@ -622,10 +626,15 @@ class OptimizerOffloader:
         widen = self._device_dtype
         with torch.no_grad():
             for slot in self._landing:
-                if slot.landing == "direct":
-                    slot.master.grad = slot.grad_buffer if widen is None else widen.widened(slot, slot.grad_buffer)
-                elif slot.landing == "staged":  # fp32 += bf16 with device_dtype: widened, then added
-                    slot.master.grad.add_(slot.staging if widen is None else slot.grad_buffer)  # type: ignore[union-attr]
+                if widen is not None:  # device_dtype: the bf16 buffer widened, or added (fp32 += bf16)
+                    if slot.landing == "direct":
+                        slot.master.grad = widen.widened(slot, slot.grad_buffer)  # type: ignore[arg-type]
+                    elif slot.landing == "staged":
+                        slot.master.grad.add_(slot.grad_buffer)  # type: ignore[union-attr,arg-type]
+                elif slot.landing == "direct":
+                    slot.master.grad = slot.grad_buffer
+                elif slot.landing == "staged":
+                    slot.master.grad.add_(slot.staging)  # type: ignore[union-attr]
                 slot.landing = None
         self._landing.clear()
 
