@@ -1033,8 +1033,6 @@ def offload_trainer_optimizers(
     if strategy == "DDPStrategy":
         reducer = trainer.strategy.model  # the DistributedDataParallel wrapper
         _refuse_bucket_views(reducer, flag, "use DDPStrategy(gradient_as_bucket_view=False)")
-        if settings.device_dtype is not None:
-            refuse_device_dtype([], settings, reducer)
     elif strategy != "SingleDeviceStrategy":
         raise ValueError(
             f"{flag}: works with one device per process (SingleDeviceStrategy, DDPStrategy); got {strategy}"
