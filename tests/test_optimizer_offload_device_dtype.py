@@ -45,7 +45,7 @@ def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(fixed[i % 4], torch.sin(fixed[i % 4] @ teacher)) for i in range(count)]
 
 
-def _train(make_model, offload=None, steps=20, accumulate=2, clip=None):
+def _train(make_model, offload=None, steps=20, accumulate=2, clip=None, set_to_none=True):
     """bf16 autocast (what precision='bf16-mixed' runs), AdamW (fused: the kernel lightmem runs on
     the host), accumulation; returns the model, optimizer, handle and the per-step losses."""
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ def _train(make_model, offload=None, steps=20, accumulate=2, clip=None):
         if clip is not None:
             torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], clip)
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         losses.append(total)
     return model, optimizer, handle, losses
 
@@ -154,6 +154,15 @@ def test_where_autocast_reads_every_parameter_in_bf16_training_is_bitwise_bf16_m
     if simulated is not None:
         assert (simulated.stale_reads, simulated.reuse_hazards) == (0, 0)
         simulated.close()
+
+
+def test_zeroing_in_place_adds_the_widened_gradients_to_fp32_zeros_as_bf16_mixed_does():
+    model_a, _, _, losses_a = _train(_mlp, steps=4, set_to_none=False)
+    model_b, optimizer, handle, losses_b = _train(_mlp, _bf16(), steps=4, set_to_none=False)
+    assert losses_a == losses_b
+    assert {p.grad.dtype for group in optimizer.param_groups for p in group["params"]} == {torch.float32}
+    handle.close()
+    assert_same(model_a.state_dict(), model_b.state_dict(), "state_dict after close")
 
 
 def test_where_an_op_reads_a_parameter_in_fp32_the_loss_curve_tracks_bf16_mixed_within_3_percent():
