@@ -382,3 +382,12 @@ def test_a_checkpoint_saved_during_the_fit_holds_the_fp32_masters(lightning_pack
     assert {value.dtype for state in optimizer_state.values() for key, value in state.items() if key != "step"} == {
         torch.float32
     }
+
+
+def test_without_the_device_type_it_is_off_and_the_precision_is_not_checked(lightning_package, caplog):
+    callback = LightMem(offload=False, offload_optimizer=True, offload_optimizer_device_dtype="bf16", metrics=[])
+    module = _lit(lightning_package)
+    with caplog.at_level(logging.INFO):
+        cpu_trainer([callback], package=lightning_package).fit(module, _loader())  # 32-true, on CPU
+    assert "optimizer offload (the model is on cpu, not a device type in LightMem(offload_devices=...))" in caplog.text
+    assert {param.dtype for param in module.parameters()} == {torch.float32}

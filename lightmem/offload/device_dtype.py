@@ -33,7 +33,6 @@ from lightmem.config import OptimizerOffloadSettings
 class _Slot(Protocol):
     param: nn.Parameter
     master: nn.Parameter
-    grad_buffer: torch.Tensor | None
 
 
 def refuse_device_dtype(params: list[nn.Parameter], settings: OptimizerOffloadSettings, reducer: Any) -> None:

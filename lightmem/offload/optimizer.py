@@ -1022,7 +1022,8 @@ def offload_trainer_optimizers(
     Raises:
         ValueError: naming ``settings.flag("enabled")``, under a strategy other than a single device
             or DDP (FSDP and DeepSpeed point to their own offload), with DDP's
-            ``gradient_as_bucket_view=True``, or with a gradient scaler (16-mixed).
+            ``gradient_as_bucket_view=True``, with a gradient scaler (16-mixed), or with
+            ``device_dtype`` under a precision other than bf16-mixed.
     """
     flag = settings.flag("enabled")
     strategy = type(trainer.strategy).__name__
@@ -1042,12 +1043,12 @@ def offload_trainer_optimizers(
             f"{flag}: a gradient scaler (precision='16-mixed') unscales and checks gradients per device "
             "and cannot run on host gradients; use precision='bf16-mixed', 'bf16-true' or '32-true'"
         )
-    if settings.device_dtype is not None:
-        refuse_precision(trainer, settings)
     model = trainer.lightning_module
     device = trainer.strategy.root_device
     if device.type not in settings.devices:
         return [], f"the model is on {device}, not a device type in {settings.flag('devices')}"
+    if settings.device_dtype is not None:
+        refuse_precision(trainer, settings)  # only where the option is on: a CPU-only run keeps going
     offloaders = []
     for optimizer in trainer.optimizers:
         why_not = None if settings.overlap_step is False else _why_no_overlap(trainer, optimizer, reducer, settings)
