@@ -391,3 +391,34 @@ def test_without_the_device_type_it_is_off_and_the_precision_is_not_checked(ligh
         cpu_trainer([callback], package=lightning_package).fit(module, _loader())  # 32-true, on CPU
     assert "optimizer offload (the model is on cpu, not a device type in LightMem(offload_devices=...))" in caplog.text
     assert {param.dtype for param in module.parameters()} == {torch.float32}
+
+
+def _bf16_callback():
+    return LightMem(
+        offload=False, offload_optimizer=True, offload_devices=["cpu"], offload_optimizer_device_dtype="bf16", metrics=[]
+    )
+
+
+@pytest.mark.parametrize("resume_with_lightmem", [True, False], ids=["with-lightmem", "without-lightmem"])
+def test_a_checkpoint_of_the_first_epoch_resumes_as_an_uninterrupted_bf16_mixed_fit(
+    lightning_package, tmp_path, resume_with_lightmem
+):
+    # The MLP is the bitwise case, so "resumes" can be checked exactly: the first epoch under
+    # device_dtype, saved while offloaded (fp32 masters and fp32 optimizer state), then the second
+    # epoch with or without lightmem equals two epochs of bf16-mixed without it.
+    settings = dict(precision="bf16-mixed", max_steps=-1)
+    reference = _lit(lightning_package, kernel={"fused": True})
+    cpu_trainer([], package=lightning_package, max_epochs=2, **settings).fit(reference, _loader())
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        trainer.save_checkpoint(tmp_path / "epoch0.ckpt")
+
+    save = type("SaveEpoch", (lightning_package.Callback,), {"on_train_epoch_end": on_train_epoch_end})()
+    first = _lit(lightning_package, kernel={"fused": True})  # one kernel throughout: the checkpoint crosses over
+    cpu_trainer([_bf16_callback(), save], package=lightning_package, max_epochs=1, **settings).fit(first, _loader())
+    resumed = _lit(lightning_package, kernel={"fused": True})
+    callbacks = [_bf16_callback()] if resume_with_lightmem else []
+    trainer = cpu_trainer(callbacks, package=lightning_package, max_epochs=2, **settings)
+    trainer.fit(resumed, _loader(), ckpt_path=tmp_path / "epoch0.ckpt")
+    assert trainer.global_step == 8
+    assert_same(reference.state_dict(), resumed.state_dict(), "state_dict after the resumed fit")
