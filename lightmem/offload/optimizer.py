@@ -60,9 +60,11 @@ class OptimizerOffloadStats:
     backward passes accumulated into it); ``steps`` and the ``total_`` figures the whole run."""
 
     host_param_bytes: int = 0
-    """Host copies of the parameters the optimizer steps."""
+    """Host copies of the parameters the optimizer steps (with ``device_dtype``: the fp32 masters
+    and their bf16 copies that travel to the device)."""
     host_grad_bytes: int = 0
-    """Host gradient buffers (accumulators and accumulation staging)."""
+    """Host gradient buffers (accumulators and accumulation staging; with ``device_dtype``: the
+    bf16 buffers the gradients land in and the masters' fp32 gradients)."""
     host_state_bytes: int = 0
     """Optimizer state (momentum, Adam moments, step counters) on the host."""
     grad_bytes_out: int = 0
