@@ -96,6 +96,11 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
             ``optimizer_step``, ``on_after_backward`` and ``on_before_optimizer_step`` not overridden
             by the module or another callback); the line at fit start says whether it is on and
             why not. True: the same, failing at fit start where the fit does not allow it. False: off.
+        offload_optimizer_device_dtype: with ``offload_optimizer``, ``"bf16"``: fp32 master weights
+            and the step on the host, bf16 parameters on the device (half the bytes per step and of
+            the device's weights; not bitwise equal to training without lightmem). Needs
+            ``precision="bf16-mixed"`` and fp32 parameters; not under DDP, and the host step then
+            runs after backward. ``state_dict()`` holds the fp32 masters. None (default): off.
 
     Works with either Lightning package: ``pytorch_lightning`` or ``lightning.pytorch``
     (``import lightning as L``; LightMem is a ``Callback`` of both).
@@ -142,6 +147,7 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         host_stop_checkpoint: str | None = None,
         offload_optimizer: bool = False,
         offload_overlap_step: bool | str = "auto",
+        offload_optimizer_device_dtype: str | torch.dtype | None = None,
     ) -> None:
         flags = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         super().__init__()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import psutil
+import torch
 from torch.nn import Module
 
 _UNITS = {
@@ -145,6 +146,20 @@ def parse_count(value: int | None, *, flag: str, allow_none: bool = False) -> in
     return value
 
 
+DEVICE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, torch.bfloat16: torch.bfloat16}
+"""What ``device_dtype`` accepts: the parameters' dtype on the device under model-state offload."""
+
+
+def parse_device_dtype(value: Any, *, flag: str) -> torch.dtype | None:
+    """None (the parameters keep their dtype) or bf16 (``"bf16"``, ``"bfloat16"``, ``torch.bfloat16``)."""
+    if value is None:
+        return None
+    try:
+        return DEVICE_DTYPES[value]
+    except (KeyError, TypeError):
+        raise ValueError(f"{flag}: expected None, 'bf16' or torch.bfloat16; got {value!r}") from None
+
+
 def parse_choices(
     values: Iterable[str] | str, *, flag: str, accepted: Iterable[str], what: str
 ) -> tuple[str, ...]:
@@ -267,6 +282,7 @@ LIGHTMEM = Spelling("LightMem", (
     ("groups", "metrics"), ("limit", "host_limit"), ("warn_at", "host_warn_at"), ("stop_at", "host_stop_at"),
     ("stop_checkpoint", "host_stop_checkpoint"), ("enabled", "offload_optimizer"),
     ("max_grad_inflight_bytes", "offload_max_inflight_bytes"), ("overlap_step", "offload_overlap_step"),
+    ("device_dtype", "offload_optimizer_device_dtype"),
 ))  # fmt: skip
 """``LightMem``'s keyword arguments."""
 OFFLOAD_ACTIVATIONS = Spelling("offload_activations")
@@ -426,6 +442,9 @@ class OptimizerOffloadSettings:
     """Step each parameter on the host as soon as its gradient is final, while backward runs: the
     caller promises that nothing changes gradients or param groups between backward and the step.
     ``"auto"`` (``LightMem`` only): wherever the fit shows it is safe (``offload_trainer_optimizers``)."""
+    device_dtype: torch.dtype | None = None
+    """None: the device parameters keep their dtype (exact). ``torch.bfloat16``: fp32 master weights
+    and the step on the host, bf16 parameters on the device (half the bytes per step; not exact)."""
 
     @classmethod
     def parse(
@@ -434,15 +453,28 @@ class OptimizerOffloadSettings:
         devices: Iterable[str] | str = ("cuda",),
         max_grad_inflight_bytes: int | str = DEFAULT_GRAD_INFLIGHT,
         overlap_step: bool = False,
+        device_dtype: Any = None,
         spelling: Spelling = OFFLOAD_OPTIMIZER,
     ) -> OptimizerOffloadSettings:
         flag = spelling.flag
-        return cls(
+        settings = cls(
             devices=parse_devices(devices, flag=flag("devices")),
             max_grad_inflight_bytes=parse_size(max_grad_inflight_bytes, flag=flag("max_grad_inflight_bytes")),
             spelling=spelling,
             overlap_step=parse_bool(overlap_step, flag=flag("overlap_step")),
+            device_dtype=parse_device_dtype(device_dtype, flag=flag("device_dtype")),
         )
+        settings.refuse_overlap_with_device_dtype()
+        return settings
+
+    def refuse_overlap_with_device_dtype(self) -> None:
+        """The overlapped step lands gradients in the parameters' dtype; with ``device_dtype`` they
+        are widened to the fp32 masters after backward, so the two do not combine."""
+        if self.device_dtype is not None and self.overlap_step is True:
+            raise ValueError(
+                f"{self.flag('overlap_step')}: not with {self.flag('device_dtype')} (bf16 gradients are "
+                "widened into the fp32 masters after backward); leave one of them off"
+            )
 
     def flag(self, field: str) -> str:
         """How the user spelled the flag behind ``field``: ``LightMem(offload_optimizer=...)``."""
@@ -695,13 +727,18 @@ class LightMemSettings:
         overlap_step = flags["offload_overlap_step"]
         if overlap_step != "auto" and not isinstance(overlap_step, bool):
             raise ValueError(f"{flag('overlap_step')}: expected True, False or 'auto'; got {overlap_step!r}")
+        device_dtype = parse_device_dtype(flags["offload_optimizer_device_dtype"], flag=flag("device_dtype"))
         if parse_bool(flags["offload_optimizer"], flag=flag("enabled")):
             # offload_devices and offload_max_inflight_bytes serve both offloads: parsed once, above
             optimizer_offload = OptimizerOffloadSettings(
-                offload.devices, offload.max_inflight_bytes, LIGHTMEM, overlap_step=overlap_step
-            )
+                offload.devices, offload.max_inflight_bytes, LIGHTMEM, overlap_step=overlap_step,
+                device_dtype=device_dtype,
+            )  # fmt: skip
+            optimizer_offload.refuse_overlap_with_device_dtype()
         elif overlap_step is True:
             reject_without_partner(LIGHTMEM, "overlap_step", flag("enabled"), "pass offload_optimizer=True")
+        elif device_dtype is not None:
+            reject_without_partner(LIGHTMEM, "device_dtype", flag("enabled"), "pass offload_optimizer=True")
         return cls(
             offload_on=parse_bool(flags["offload"], flag=flag("offload")),
             offload=offload,

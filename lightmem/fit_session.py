@@ -207,9 +207,11 @@ class FitSession:
             reason = offload_off_reason(self.offload_settings) or "the plan offloads nothing"
             off.append(f"activation offload ({reason})")
         if self._optimizer_offloaders:
-            kernels = "; ".join(
-                f"{offloader.host_kernel}; {offloader.overlap_note}" for offloader in self._optimizer_offloaders
-            )
+            notes = [
+                (str(offloader.host_kernel), offloader.overlap_note, offloader.device_dtype_note)
+                for offloader in self._optimizer_offloaders
+            ]
+            kernels = "; ".join("; ".join(note for note in each if note) for each in notes)
             on.append(f"optimizer offload (gradients, optimizer state and step on the host; {kernels})")
         elif self._optimizer_offload_off:
             off.append(f"optimizer offload ({self._optimizer_offload_off})")

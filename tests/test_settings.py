@@ -240,11 +240,12 @@ def test_the_callback_parses_offload_optimizer_into_settings_that_name_its_flags
         OptimizerOffloadSettings.parse(devices=("cpu",), max_grad_inflight_bytes=2**20, spelling=LIGHTMEM),
         overlap_step="auto",  # the callback's default: decided per fit
     )
-    fields = ("enabled", "devices", "max_grad_inflight_bytes", "overlap_step")
+    fields = ("enabled", "devices", "max_grad_inflight_bytes", "overlap_step", "device_dtype")
     assert [settings.optimizer_offload.flag(field) for field in fields] == [
         "LightMem(offload_optimizer=...)", "LightMem(offload_devices=...)", "LightMem(offload_max_inflight_bytes=...)",
-        "LightMem(offload_overlap_step=...)",
+        "LightMem(offload_overlap_step=...)", "LightMem(offload_optimizer_device_dtype=...)",
     ]  # fmt: skip
+    assert settings.optimizer_offload.device_dtype is None  # off unless asked for: not exact
 
 
 def test_the_function_is_its_own_switch_in_messages():

@@ -22,6 +22,9 @@ everything else a training step holds for them to host memory:
 Gradient accumulation adds on the host in the gradient's dtype (``grad += new``, as autograd does
 on the device). ``close()`` (or leaving the ``with`` block) puts everything back: the optimizer's
 groups and state on the device parameters, pending host gradients in ``param.grad``.
+
+With ``device_dtype=torch.bfloat16`` (opt-in, not exact) the device parameters are bf16 and the
+host copies fp32 masters: ``lightmem.offload.device_dtype``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 from torch import nn
 
 from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
+from lightmem.offload.device_dtype import DeviceDtype, refuse_device_dtype, refuse_precision
 from lightmem.offload.host_kernel import HostKernel
 from lightmem.offload.overlap import OverlappedStep, _Landing, overlap_refusal
 from lightmem.offload.pool import HostAllocationError, HostSlab
@@ -56,9 +60,11 @@ class OptimizerOffloadStats:
     backward passes accumulated into it); ``steps`` and the ``total_`` figures the whole run."""
 
     host_param_bytes: int = 0
-    """Host copies of the parameters the optimizer steps."""
+    """Host copies of the parameters the optimizer steps (with ``device_dtype``: the fp32 masters
+    and their bf16 copies that travel to the device)."""
     host_grad_bytes: int = 0
-    """Host gradient buffers (accumulators and accumulation staging)."""
+    """Host gradient buffers (accumulators and accumulation staging; with ``device_dtype``: the
+    bf16 buffers the gradients land in and the masters' fp32 gradients)."""
     host_state_bytes: int = 0
     """Optimizer state (momentum, Adam moments, step counters) on the host."""
     grad_bytes_out: int = 0
@@ -125,13 +131,16 @@ class _HostArena:
     pageable (copies are then staged by the CUDA runtime), with one warning.
     """
 
-    def __init__(self, like: list[torch.Tensor], transport: Transport, device: torch.device) -> None:
+    def __init__(
+        self, like: list[torch.Tensor], transport: Transport, device: torch.device, page_locked: bool = True
+    ) -> None:
         offsets, total = [], 0
         for tensor in like:
             offsets.append(total)
             total += _aligned(tensor.nbytes)
         try:
-            self.slab = HostSlab(max(total, 1), transport.pin_memory, poison=False, device=device)
+            pin = transport.pin_memory and page_locked  # no copy reads or writes a tensor not page-locked
+            self.slab = HostSlab(max(total, 1), pin, poison=False, device=device)
         except HostAllocationError as error:
             warn_once(
                 f"lightmem: optimizer offload could not page-lock {format_bytes(total)} of host memory "
@@ -265,6 +274,8 @@ class OptimizerOffloader:
         params = _optimized_params(optimizer)
         self.device = _check_params(params, settings, flag)
         _refuse_sparse_gradients(model, params, flag)
+        if settings.device_dtype is not None:
+            refuse_device_dtype(params, settings, reducer)
         self.model = model
         self.optimizer = optimizer
         self.settings = settings
@@ -294,6 +305,20 @@ class OptimizerOffloader:
             self._slots[id(param)] = _Slot(param, master, group=group_of[id(param)])
         # A parameter frozen now gets no hook (autograd refuses one); it must stay frozen.
         self._frozen = [slot for slot in self._slots.values() if not slot.param.requires_grad]
+        self._device_dtype: DeviceDtype | None = None
+        self._device_dtype_arenas: list[_HostArena] = []
+        if settings.device_dtype is not None:
+            # The bf16 copies that travel to the device (page-locked) and the masters' fp32
+            # gradients (host only: nothing copies them).
+            slots = list(self._slots.values())
+            dtype = settings.device_dtype
+            narrow = [torch.empty(slot.master.shape, dtype=dtype, device="meta") for slot in slots]
+            self._device_dtype_arenas = [
+                _HostArena(narrow, self.transport, self.device),
+                _HostArena([slot.master for slot in slots], self.transport, self.device, page_locked=False),
+            ]
+            narrow_arena, wide_arena = self._device_dtype_arenas
+            self._device_dtype = DeviceDtype(slots, dtype, narrow_arena.tensors, wide_arena.tensors)
         self._overlap_mode = overlap  # None, "every-backward" or "step-closure"
         self.overlap_note = "host step overlapped with backward" if overlap else "host step after backward"
         """For the line at fit start: whether the host step overlaps backward, and why not."""
@@ -322,6 +347,13 @@ class OptimizerOffloader:
         self.host_kernel.select()  # before the swap: "step" counters go where the kernel keeps them
         self._swap_optimizer(to_host=True)
         self._handles: list[Any] = []
+        device_dtype = self._device_dtype
+        if device_dtype is not None:
+            # The state dict holds the fp32 masters; a load sets them (hooks take functions, not methods).
+            put_masters = model.register_state_dict_post_hook(lambda *args: device_dtype.put_masters(*args))
+            take_loaded = model.register_load_state_dict_pre_hook(lambda *args: device_dtype.take_loaded(*args))
+            self._handles += [put_masters, take_loaded]
+            device_dtype.cast_device_params()  # after every refusal: nothing raises past here
         for slot in self._slots.values():
             if slot.param.requires_grad:
                 self._handles.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_final))
@@ -365,7 +397,9 @@ class OptimizerOffloader:
                 lambda *_: self._refuse_pending_overlap("optimizer.load_state_dict()")
             )
             self._handles.append(refuse)
-        self._stats.host_param_bytes = self._params_arena.nbytes
+        self._stats.host_param_bytes = self._params_arena.nbytes + (
+            self._device_dtype_arenas[0].nbytes if self._device_dtype_arenas else 0
+        )
 
     # -- public state -------------------------------------------------------------------------
 
@@ -374,7 +408,7 @@ class OptimizerOffloader:
         """Host bytes held now, and the traffic of the last step (see ``OptimizerOffloadStats``)."""
         self._stats.host_grad_bytes = sum(
             arena.nbytes for arena in (self._grads_arena, self._staging_arena) if arena is not None
-        )
+        ) + sum(arena.nbytes for arena in self._device_dtype_arenas[1:])
         # list(): the overlapped step may add state entries from its thread while backward runs
         self._stats.host_state_bytes = sum(
             value.nbytes
@@ -384,6 +418,11 @@ class OptimizerOffloader:
         )
         self._stats.host_kernel = self.host_kernel.name
         return self._stats
+
+    @property
+    def device_dtype_note(self) -> str:
+        """For the line at fit start: "bf16 parameters on the device, fp32 masters on the host", or ""."""
+        return self._device_dtype.note if self._device_dtype is not None else ""
 
     @property
     def host_bytes_held(self) -> int:
@@ -403,10 +442,15 @@ class OptimizerOffloader:
 
     def refresh_host_params(self) -> None:
         """Copy the device parameters into the host copies the optimizer steps (done for you after
-        ``model.load_state_dict``; call it after writing the parameters any other way)."""
+        ``model.load_state_dict``; call it after writing the parameters any other way). With
+        ``device_dtype`` a ``model.load_state_dict`` sets the fp32 masters to the checkpoint's values
+        exactly; otherwise the masters take the device's bf16 values."""
         if self._overlap is not None:
             self._overlap.idle()  # no step of the host copies still running
         self._host_wait_params()  # every copy to the device has run: nothing left for compute to wait on
+        if self._device_dtype is not None:
+            self._device_dtype.refresh_masters()
+            return
         with torch.no_grad():
             for slot in self._slots.values():
                 slot.master.copy_(slot.param.detach())
@@ -489,7 +533,9 @@ class OptimizerOffloader:
             self._repeated_gradient = True
             self._land_all()
         staged = slot.master.grad is not None
-        if staged:
+        if self._device_dtype is not None:  # into its bf16 buffer, widened into the master's fp32 at landing
+            slot.grad_buffer = target = self._buffer(slot, grad, staging=False)
+        elif staged:
             slot.staging = target = self._buffer(slot, grad, staging=True)
         else:
             slot.grad_buffer = target = self._buffer(slot, grad, staging=False)
@@ -545,8 +591,9 @@ class OptimizerOffloader:
             return current
         arena = self._staging_arena if staging else self._grads_arena
         if arena is None:
-            masters = [other.master for other in self._slots.values()]
-            arena = _HostArena(masters, self.transport, self.device)
+            # Shaped like the device parameters: the gradients come in their dtype.
+            params = [other.param for other in self._slots.values()]
+            arena = _HostArena(params, self.transport, self.device)
             for other, tensor in zip(self._slots.values(), arena.tensors):
                 if staging:
                     other.staging = tensor
@@ -585,9 +632,15 @@ class OptimizerOffloader:
         self._inflight.clear()
         self._inflight_bytes = 0
         self._host_wait_params()  # the step about to follow rewrites the host copies
+        widen = self._device_dtype
         with torch.no_grad():
             for slot in self._landing:
-                if slot.landing == "direct":
+                if widen is not None:  # device_dtype: the bf16 buffer widened, or added (fp32 += bf16)
+                    if slot.landing == "direct":
+                        slot.master.grad = widen.widened(slot, slot.grad_buffer)  # type: ignore[arg-type]
+                    elif slot.landing == "staged":
+                        slot.master.grad.add_(slot.grad_buffer)  # type: ignore[union-attr,arg-type]
+                elif slot.landing == "direct":
                     slot.master.grad = slot.grad_buffer
                 elif slot.landing == "staged":
                     slot.master.grad.add_(slot.staging)  # type: ignore[union-attr]
@@ -735,13 +788,13 @@ class OptimizerOffloader:
         with torch.no_grad():
             if transport.synchronous:
                 for slot in stepped:
-                    transport.copy_to_device(slot.param.detach(), slot.master.detach(), None)
+                    transport.copy_to_device(slot.param.detach(), self._copy_source(slot), None)
             elif stepped:
                 compute, _, to_device = transport.streams(self.device)
                 # The device parameters are rewritten only after compute's last use of them (backward).
                 transport.wait(to_device, transport.record(compute))
                 for slot in stepped:
-                    transport.copy_to_device(slot.param.detach(), slot.master.detach(), to_device)
+                    transport.copy_to_device(slot.param.detach(), self._copy_source(slot), to_device)
                 self._copies_back = transport.record(to_device)
                 self._ordered_streams = []
                 # Whatever reads a parameter next on this stream (the next forward, a parent module
@@ -753,6 +806,15 @@ class OptimizerOffloader:
         stats.total_param_bytes_in += moved
         waited = transport.waited_s()
         stats.waited_s, self._waited_base_s = waited - self._waited_base_s, waited
+
+    def _copy_source(self, slot: _Slot) -> torch.Tensor:
+        """What travels to ``slot``'s device parameter: its host copy, or with ``device_dtype`` that
+        copy rounded into its page-locked bf16 tensor, rewritten only once the host saw the copies
+        of the last step complete (``_ready_for_step`` waited; waited again here, a no-op then)."""
+        if self._device_dtype is None:
+            return slot.master.detach()
+        self._host_wait_params()
+        return self._device_dtype.rounded(slot)
 
     def _host_wait_params(self) -> None:
         if self._copies_back is not None:
@@ -818,7 +880,7 @@ class OptimizerOffloader:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
-            for arena in (self._params_arena, self._grads_arena, self._staging_arena):
+            for arena in (self._params_arena, self._grads_arena, self._staging_arena, *self._device_dtype_arenas):
                 if arena is not None:
                     arena.close()  # page-locked memory goes back now, not when the last view dies
             self._closed = True
@@ -843,6 +905,11 @@ class OptimizerOffloader:
             self._land_all()
         self._host_wait_params()
         by_master = {id(slot.master): slot for slot in self._slots.values()}
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._device_dtype is not None:
+            self._device_dtype.give_back()  # fp32 parameters again, from the masters
         with torch.no_grad():
             for master in stepped_early:  # weights and optimizer state of one step, not half of one
                 slot = by_master[id(master)]
@@ -876,6 +943,7 @@ def offload_optimizer(
     devices: Iterable[str] = ("cuda",),
     max_grad_inflight_bytes: int | str = DEFAULT_GRAD_INFLIGHT,
     overlap_step: bool = False,
+    device_dtype: torch.dtype | str | None = None,
     transport: Transport | None = None,
     settings: OptimizerOffloadSettings | None = None,
 ) -> OptimizerOffloader:
@@ -912,6 +980,15 @@ def offload_optimizer(
             ``zero_grad`` before the step) raises ``RuntimeError`` at that point, since a step
             taken cannot be undone. Torch's per-parameter optimizers only (SGD, Adam, AdamW,
             Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop); not under DDP.
+        device_dtype: ``torch.bfloat16`` (or ``"bf16"``): ZeRO-Offload's scheme, **not bitwise
+            equal** to training without lightmem. The optimizer steps fp32 host masters; the
+            device parameters are cast to bf16 in place (half the bytes per step and of the
+            device's weights). Run the forward under ``torch.autocast(device_type, torch.bfloat16)``
+            (or feed it bf16 activations): fp32 activations meet bf16 weights otherwise. bf16
+            gradients are widened to fp32 on the host, where accumulation, clipping and the step
+            run; ``model.state_dict()`` holds the fp32 masters, ``model.load_state_dict`` sets
+            them exactly, ``close()`` gives fp32 parameters back from them. fp32 parameters only;
+            not with ``overlap_step``, not under DDP. None (default): parameters keep their dtype.
         transport: how copies run; by default CUDA side streams when CUDA is available, otherwise
             synchronous copies.
         settings: the flags above already parsed (``lightmem.config.OptimizerOffloadSettings``).
@@ -919,8 +996,9 @@ def offload_optimizer(
     Raises:
         ValueError: the optimizer cannot step on the host (not a ``torch.optim.Optimizer``, LBFGS,
             ``capturable=True``), its parameters are on several devices or on a device type not in
-            ``devices``, or ``overlap_step`` with an optimizer whose step it cannot split; the
-            message names the flag.
+            ``devices``, ``overlap_step`` with an optimizer whose step it cannot split, or
+            ``device_dtype`` with parameters that are not fp32, with ``overlap_step`` or under DDP;
+            the message names the flag.
 
     Example::
 
@@ -937,8 +1015,9 @@ def offload_optimizer(
     """
     if settings is None:
         settings = OptimizerOffloadSettings.parse(
-            devices=devices, max_grad_inflight_bytes=max_grad_inflight_bytes, overlap_step=overlap_step
-        )
+            devices=devices, max_grad_inflight_bytes=max_grad_inflight_bytes, overlap_step=overlap_step,
+            device_dtype=device_dtype,
+        )  # fmt: skip
     reducer = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
     _refuse_bucket_views(reducer, settings.flag("enabled"), "wrap the model with gradient_as_bucket_view=False")
     overlap = "every-backward" if settings.overlap_step is True else None
@@ -976,7 +1055,8 @@ def offload_trainer_optimizers(
     Raises:
         ValueError: naming ``settings.flag("enabled")``, under a strategy other than a single device
             or DDP (FSDP and DeepSpeed point to their own offload), with DDP's
-            ``gradient_as_bucket_view=True``, or with a gradient scaler (16-mixed).
+            ``gradient_as_bucket_view=True``, with a gradient scaler (16-mixed), or with
+            ``device_dtype`` under a precision other than bf16-mixed.
     """
     flag = settings.flag("enabled")
     strategy = type(trainer.strategy).__name__
@@ -1000,9 +1080,11 @@ def offload_trainer_optimizers(
     device = trainer.strategy.root_device
     if device.type not in settings.devices:
         return [], f"the model is on {device}, not a device type in {settings.flag('devices')}"
+    if settings.device_dtype is not None:
+        refuse_precision(trainer, settings)  # only where the option is on: a CPU-only run keeps going
     offloaders = []
     for optimizer in trainer.optimizers:
-        why_not = None if settings.overlap_step is False else _why_no_overlap(trainer, optimizer, reducer)
+        why_not = None if settings.overlap_step is False else _why_no_overlap(trainer, optimizer, reducer, settings)
         if why_not is not None and settings.overlap_step is True:
             raise ValueError(f"{settings.flag('overlap_step')}: not possible in this fit: {why_not}; leave it 'auto' or False")
         overlap = "step-closure" if settings.overlap_step is not False and why_not is None else None
@@ -1045,10 +1127,14 @@ def _defined_by_user(instance: Any, name: str) -> bool:
     return False
 
 
-def _why_no_overlap(trainer: Any, optimizer: torch.optim.Optimizer, reducer: Any) -> str | None:
+def _why_no_overlap(
+    trainer: Any, optimizer: torch.optim.Optimizer, reducer: Any, settings: OptimizerOffloadSettings
+) -> str | None:
     """Why this fit cannot step on the host during backward, or None: under Lightning the step
     follows the backward of its closure, and nothing between them may change a gradient."""
     module = trainer.lightning_module
+    if settings.device_dtype is not None:
+        return f"{settings.flag('device_dtype')} widens bf16 gradients into the fp32 masters after backward"
     if not module.automatic_optimization:
         return "manual optimization (lightmem cannot see what runs between backward and the step)"
     if trainer.gradient_clip_val:

@@ -124,3 +124,49 @@ def test_device_gradients_stay_within_the_in_flight_bound():
     _, _, stats = _offloaded("sgd-momentum", steps=2, accumulate=1, delay=True, max_grad_inflight_bytes="16MiB")
     # One 16 MiB weight gradient may wait at a time (plus a bias when the bound is not yet passed).
     assert stats.peak_device_grad_bytes <= 16 * 2**20 + 2048 * 4 + 16 * 2**20
+
+
+def _backward_bf16(model, inputs, targets, accumulate, delay):
+    if delay:
+        torch.cuda._sleep(50_000_000)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = nn.functional.mse_loss(model(inputs).float(), targets) / accumulate
+    loss.backward()
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["plain", "compute-delayed"])
+def test_bf16_device_parameters_equal_bf16_autocast_stepping_fp32_copies_on_cpu(delay):
+    # device_dtype=bf16 on a model whose every weight autocast reads in bf16 (linear): the bf16
+    # device weights are what autocast would cast the fp32 masters to, and the widened bf16
+    # gradients what it would give the fp32 weights, so the run equals bf16 autocast with fp32
+    # weights on the GPU and the fp32 step on CPU copies, bitwise.
+    steps, accumulate = 3, 2
+    model = _model()
+    host = [p.detach().cpu().requires_grad_() for p in model.parameters()]
+    reference = torch.optim.AdamW(host, lr=1e-3, weight_decay=0.1, fused=True)
+    batches = iter(_batches(steps * accumulate))
+    for _ in range(steps):
+        for _ in range(accumulate):
+            _backward_bf16(model, *next(batches), accumulate, delay)
+        step_on_host_copies(model, host, reference)
+
+    offloaded = _model()
+    fp32_bytes = sum(p.nbytes for p in offloaded.parameters())
+    optimizer = torch.optim.AdamW(offloaded.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    off = offload_optimizer(offloaded, optimizer, device_dtype=torch.bfloat16)
+    assert sum(p.nbytes for p in offloaded.parameters()) == fp32_bytes // 2
+    batches = iter(_batches(steps * accumulate))
+    for _ in range(steps):
+        for _ in range(accumulate):
+            _backward_bf16(offloaded, *next(batches), accumulate, delay)
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert off.stats.param_bytes_in == fp32_bytes // 2
+    torch.cuda.synchronize()
+    masters = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+    for master, param in zip(masters, offloaded.parameters()):
+        assert torch.equal(master.to(torch.bfloat16), param.cpu())  # the device holds the masters' rounding
+    state = optimizer.state_dict()
+    off.close()
+    _assert_equal(model, reference, offloaded, state)
