@@ -56,3 +56,21 @@ def cpu_offload():
 def lightning_package(request):
     """Each Lightning package in turn: ``pytorch_lightning``, and ``lightning.pytorch`` (``import lightning as L``)."""
     return importlib.import_module(request.param)
+
+
+@pytest.fixture(params=["sync", "simulated"])
+def optimizer_offload_transport(request, monkeypatch):
+    """Optimizer offload in a Lightning fit on each transport in turn: synchronous copies, and the
+    simulated GPU (which must see no stale read, reuse hazard, unordered free or host race)."""
+    if request.param == "sync":
+        yield None
+        return
+    import lightmem.offload.optimizer as optimizer_offload
+    from lightmem.testing.simulated import SimulatedAsyncTransport
+
+    simulated = SimulatedAsyncTransport(seed=1, max_delay_s=0.001)
+    monkeypatch.setattr(optimizer_offload, "default_transport", lambda devices: simulated)
+    yield simulated
+    hazards = (simulated.stale_reads, simulated.reuse_hazards, simulated.unordered_source_frees, simulated.host_races)
+    simulated.close()
+    assert hazards == (0, 0, 0, 0)

@@ -19,11 +19,9 @@ from exact import assert_same, assert_state_equal
 from lit_models import cpu_trainer
 from optimizer_models import HOST_KERNEL, LitTiny, assert_given_back, regression_loader
 
-import lightmem.offload.optimizer as optimizer_offload
 from lightmem import LightMem
 from lightmem.config import LIGHTMEM, OptimizerOffloadSettings
 from lightmem.offload.optimizer import offload_trainer_optimizers
-from lightmem.testing.simulated import SimulatedAsyncTransport
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
 
@@ -55,20 +53,8 @@ def _assert_same_run(expected, actual):
     assert_same(rng_a, rng_b, "RNG state")
 
 
-@pytest.fixture(params=["sync", "simulated"])
-def transport(request, monkeypatch):
-    if request.param == "simulated":
-        simulated = SimulatedAsyncTransport(seed=1, max_delay_s=0.001)
-        monkeypatch.setattr(optimizer_offload, "default_transport", lambda devices: simulated)
-        yield simulated
-        assert (simulated.stale_reads, simulated.reuse_hazards, simulated.host_races) == (0, 0, 0)
-        simulated.close()
-    else:
-        yield None
-
-
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam", "adamw-decay"])
-def test_fit_with_accumulation_clipping_and_scheduler_is_bitwise_equal_without_lightmem(optimizer, transport):
+def test_fit_with_accumulation_clipping_and_scheduler_is_bitwise_equal_without_lightmem(optimizer, optimizer_offload_transport):
     settings = dict(accumulate_grad_batches=2, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
     expected = _fit(False, {"optimizer": optimizer}, **settings)
     actual = _fit(True, {"optimizer": optimizer}, **settings)

@@ -353,20 +353,8 @@ def _assert_same_fit(expected, actual):
     assert_same(rng_a, rng_b, "RNG state")
 
 
-@pytest.fixture(params=["sync", "simulated"])
-def transport(request, monkeypatch):
-    if request.param == "simulated":
-        simulated = SimulatedAsyncTransport(seed=1, max_delay_s=0.001)
-        monkeypatch.setattr(optimizer_offload, "default_transport", lambda devices: simulated)
-        yield simulated
-        assert (simulated.stale_reads, simulated.reuse_hazards, simulated.unordered_source_frees) == (0, 0, 0)
-        simulated.close()
-    else:
-        yield None
-
-
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam", "adamw-decay"])
-def test_a_fit_with_accumulation_and_a_scheduler_overlaps_on_the_boundary_backward_only(optimizer, transport, caplog):
+def test_a_fit_with_accumulation_and_a_scheduler_overlaps_on_the_boundary_backward_only(optimizer, optimizer_offload_transport, caplog):
     # Accumulation 2: the first backward of each step runs outside optimizer.step's closure and
     # must not be stepped (its gradients are partial); stepping it would both change the bits and
     # raise at the second backward.
