@@ -26,7 +26,8 @@ from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.lightning_packages import is_barebones, logged_step
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
-from lightmem.offload.optimizer import OptimizerOffloader, OptimizerOffloadStats, offload_trainer_optimizers
+from lightmem.offload.optimizer import OptimizerOffloader, OptimizerOffloadStats
+from lightmem.offload.trainer_optimizers import offload_trainer_optimizers
 from lightmem.offload.training import TrainingOffload
 
 # A Trainer and a LightningModule of either Lightning package: only their attributes are read.

@@ -21,7 +21,7 @@ from optimizer_models import HOST_KERNEL, LitTiny, assert_given_back, regression
 
 from lightmem import LightMem
 from lightmem.config import LIGHTMEM, OptimizerOffloadSettings
-from lightmem.offload.optimizer import offload_trainer_optimizers
+from lightmem.offload.trainer_optimizers import offload_trainer_optimizers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
 

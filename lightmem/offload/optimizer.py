@@ -15,9 +15,13 @@ everything else a training step holds for them to host memory:
    where one exists: ``lightmem.offload.host_kernel``), otherwise the user's choice. Clipping
    (``clip_grad_norm_`` over ``optimizer.param_groups``), zeroing and ``state_dict`` all see host
    tensors, so a checkpoint is in the optimizer's standard form.
-3. **Parameters come back before they are used.** After each step the updated host copies are
-   queued to the device on the host-to-device stream; a forward pre-hook on each module that owns
-   parameters makes the compute stream wait for exactly its parameters' copies.
+3. **Parameters come back before they are read.** After each step the updated host copies are
+   queued to the device on the host-to-device stream and the current compute stream waits for
+   them (on the device: the host runs on), so whatever reads a parameter next is ordered after its
+   copy; a forward on another stream waits too. Every host read of a gradient waits for its copy
+   to host (docs/gpu-path.md says why a compute-stream wait would not do).
+
+Under Lightning, ``lightmem.offload.trainer_optimizers`` offloads every optimizer of a Trainer.
 
 Gradient accumulation adds on the host in the gradient's dtype (``grad += new``, as autograd does
 on the device). ``close()`` (or leaving the ``with`` block) puts everything back: the optimizer's
@@ -40,7 +44,7 @@ import torch
 from torch import nn
 
 from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
-from lightmem.offload.device_dtype import DeviceDtype, refuse_device_dtype, refuse_precision
+from lightmem.offload.device_dtype import DeviceDtype, refuse_device_dtype
 from lightmem.offload.host_kernel import HostKernel
 from lightmem.offload.overlap import OverlappedStep, _Landing, overlap_refusal
 from lightmem.offload.pool import HostAllocationError, HostSlab
@@ -400,6 +404,10 @@ class OptimizerOffloader:
         self._stats.host_param_bytes = self._params_arena.nbytes + (
             self._device_dtype_arenas[0].nbytes if self._device_dtype_arenas else 0
         )
+
+    def remove_at_close(self, handle: Any) -> None:
+        """``handle.remove()`` runs when this offloader closes (a hook set on its behalf elsewhere)."""
+        self._handles.append(handle)
 
     # -- public state -------------------------------------------------------------------------
 
@@ -1031,123 +1039,3 @@ def _refuse_bucket_views(reducer: Any, flag: str, remedy: str) -> None:
             f"{flag}: DDP's gradient_as_bucket_view=True makes gradients views of DDP's buckets, "
             f"which must stay on the device; {remedy}"
         )
-
-
-_STRATEGY_REFUSALS = {
-    "FSDP": "FSDP shards the optimizer state itself and has its own CPU offload: use "
-    "FSDPStrategy(cpu_offload=True) (FSDP2: CPUOffloadPolicy) instead",
-    "DeepSpeed": "DeepSpeed has its own: use DeepSpeedStrategy(offload_optimizer=True)",
-}
-
-
-def offload_trainer_optimizers(
-    trainer: Any, settings: OptimizerOffloadSettings, transport: Transport | None = None
-) -> tuple[list[OptimizerOffloader], str | None]:
-    """Offload every optimizer of a Lightning ``trainer`` (after its strategy set them up).
-
-    Returns the offloaders, or none and the reason the option is off (parameters on a device type
-    ``settings.devices`` does not name, e.g. no CUDA). ``pytorch_lightning`` and
-    ``lightning.pytorch`` Trainers both work: nothing here checks their classes.
-
-    Under DDP each rank offloads its own copy; gradients leave once DDP has averaged them (at the
-    end of each synchronised backward; under ``no_sync`` accumulation they stay on the device).
-
-    Raises:
-        ValueError: naming ``settings.flag("enabled")``, under a strategy other than a single device
-            or DDP (FSDP and DeepSpeed point to their own offload), with DDP's
-            ``gradient_as_bucket_view=True``, with a gradient scaler (16-mixed), or with
-            ``device_dtype`` under a precision other than bf16-mixed.
-    """
-    flag = settings.flag("enabled")
-    strategy = type(trainer.strategy).__name__
-    for marker, why in _STRATEGY_REFUSALS.items():
-        if marker.lower() in strategy.lower():
-            raise ValueError(f"{flag}: not available under {strategy}: {why}")
-    reducer = None
-    if strategy == "DDPStrategy":
-        reducer = trainer.strategy.model  # the DistributedDataParallel wrapper
-        _refuse_bucket_views(reducer, flag, "use DDPStrategy(gradient_as_bucket_view=False)")
-    elif strategy != "SingleDeviceStrategy":
-        raise ValueError(
-            f"{flag}: works with one device per process (SingleDeviceStrategy, DDPStrategy); got {strategy}"
-        )
-    if getattr(trainer.precision_plugin, "scaler", None) is not None:
-        raise ValueError(
-            f"{flag}: a gradient scaler (precision='16-mixed') unscales and checks gradients per device "
-            "and cannot run on host gradients; use precision='bf16-mixed', 'bf16-true' or '32-true'"
-        )
-    model = trainer.lightning_module
-    device = trainer.strategy.root_device
-    if device.type not in settings.devices:
-        return [], f"the model is on {device}, not a device type in {settings.flag('devices')}"
-    if settings.device_dtype is not None:
-        refuse_precision(trainer, settings)  # only where the option is on: a CPU-only run keeps going
-    offloaders = []
-    for optimizer in trainer.optimizers:
-        why_not = None if settings.overlap_step is False else _why_no_overlap(trainer, optimizer, reducer, settings)
-        if why_not is not None and settings.overlap_step is True:
-            raise ValueError(f"{settings.flag('overlap_step')}: not possible in this fit: {why_not}; leave it 'auto' or False")
-        overlap = "step-closure" if settings.overlap_step is not False and why_not is None else None
-        offloader = OptimizerOffloader(
-            model, optimizer, settings=settings, transport=transport, reducer=reducer, overlap=overlap
-        )
-        offloader.overlap_note = (
-            "host step overlapped with backward" if overlap else f"host step after backward: {why_not or 'overlap_step=False'}"
-        )
-        offloaders.append(offloader)
-    if offloaders:
-        _keep_restored_state_on_host(trainer.strategy, offloaders[0])
-    return offloaders, None
-
-
-def _keep_restored_state_on_host(strategy: Any, offloader: OptimizerOffloader) -> None:
-    """On ``fit(ckpt_path=...)`` Lightning loads each optimizer's state and then moves it to the
-    device (``Strategy.load_optimizer_state_dict``), which would hold the whole state there until
-    the first step moved it back: the memory this option exists to save. While offloaded, the state
-    is only loaded: ``load_state_dict`` puts it beside the host copies the groups hold."""
-
-    def load_optimizer_state_dict(checkpoint: Any) -> None:
-        for optimizer, state in zip(strategy.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(state)
-
-    strategy.load_optimizer_state_dict = load_optimizer_state_dict
-    offloader._handles.append(_InstanceAttribute(strategy, "load_optimizer_state_dict"))
-
-
-# Hooks that run between the backward of an optimizer step's closure and the step: overridden,
-# they may change gradients (or read the host parameters) there.
-_BETWEEN_BACKWARD_AND_STEP = ("backward", "on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step")
-
-
-def _defined_by_user(instance: Any, name: str) -> bool:
-    """Whether ``name`` on ``instance`` comes from a class outside Lightning (either package)."""
-    for cls in type(instance).__mro__:
-        if name in vars(cls):
-            return not cls.__module__.split(".")[0] in ("pytorch_lightning", "lightning", "lightning_fabric")
-    return False
-
-
-def _why_no_overlap(
-    trainer: Any, optimizer: torch.optim.Optimizer, reducer: Any, settings: OptimizerOffloadSettings
-) -> str | None:
-    """Why this fit cannot step on the host during backward, or None: under Lightning the step
-    follows the backward of its closure, and nothing between them may change a gradient."""
-    module = trainer.lightning_module
-    if settings.device_dtype is not None:
-        return f"{settings.flag('device_dtype')} widens bf16 gradients into the fp32 masters after backward"
-    if not module.automatic_optimization:
-        return "manual optimization (lightmem cannot see what runs between backward and the step)"
-    if trainer.gradient_clip_val:
-        return "gradient_clip_val is set (clipping needs every gradient first)"
-    if reducer is not None:
-        return "DDP averages gradients at the end of backward"
-    for name in _BETWEEN_BACKWARD_AND_STEP:
-        if _defined_by_user(module, name):
-            return f"the LightningModule overrides {name}"
-    for callback in trainer.callbacks:
-        for name in ("on_after_backward", "on_before_optimizer_step"):
-            if _defined_by_user(callback, name):
-                return f"callback {type(callback).__name__} overrides {name}"
-    if _defined_by_user(trainer.precision_plugin, "optimizer_step"):
-        return f"precision plugin {type(trainer.precision_plugin).__name__} has its own optimizer_step"
-    return overlap_refusal(optimizer)
