@@ -91,9 +91,15 @@ def parse_settings(
     if optimizer is None and not is_lightning_module(model):
         optimizer = "adamw"
     kind = parse_device(device, flag=f"{fn_name}(device=...)")
+    parsed_precision = parse_precision(precision, flag=f"{fn_name}(precision=...)")
+    model_state = parse_optimizer_offload(
+        offload_optimizer, spelling=Spelling(fn_name, (("enabled", "offload_optimizer"),))
+    )
+    if model_state is not None:
+        model_state.refuse_precision(parsed_precision.name)  # with device_dtype: bf16-mixed only
     return EstimateSettings(
         device=kind,
-        precision=parse_precision(precision, flag=f"{fn_name}(precision=...)"),
+        precision=parsed_precision,
         optimizer=parse_optimizer(optimizer, flag=f"{fn_name}(optimizer=...)"),
         loss_fn=loss_fn,
         overhead_bytes=parse_overhead(overhead_bytes, kind, flag=f"{fn_name}(overhead_bytes=...)"),
@@ -101,9 +107,7 @@ def parse_settings(
         zero_grad=parse_zero_grad(zero_grad, flag=f"{fn_name}(zero_grad=...)"),
         checkpoint_policy=parse_checkpoint_policy(checkpoint_policy, flag=f"{fn_name}(checkpoint_policy=...)"),
         gpu=parse_gpu(gpu, flag=f"{fn_name}(gpu=...)"),
-        optimizer_offload=parse_optimizer_offload(
-            offload_optimizer, spelling=Spelling(fn_name, (("enabled", "offload_optimizer"),))
-        ),
+        optimizer_offload=model_state,
     )
 
 
@@ -137,7 +141,7 @@ def run_configuration(
         original_batch_size=info.batch_size,
         zero_grad=settings.zero_grad,
         gpu=settings.gpu,
-        offload_optimizer_inflight_bytes=model_state.max_grad_inflight_bytes if offload_optimizer else None,
+        optimizer_offload=model_state if offload_optimizer else None,
     )
     return run_step(model, batch, request)
 
@@ -155,6 +159,7 @@ def scenario_from(name: str, trace: StepTrace) -> StepMemory:
         checkpointed=list(trace.checkpointed),
         offloaded_bytes=trace.offloaded_bytes,
         host_bytes=trace.host_bytes + trace.optimizer_host_bytes,
+        model_state_link_bytes=trace.optimizer_link_bytes,
         seconds=trace.seconds,
     )
 
@@ -235,6 +240,7 @@ def build_report(
         not_modelled=list(NOT_MODELLED) + (list(CUDA_NOTES) if settings.device == "cuda" else []),
         inputs_bytes=baseline.peak.inputs_bytes,
         offload_optimizer=model_state,
+        offload_optimizer_device_dtype=settings.optimizer_offload.device_dtype_name if model_state else None,
         compiled=holds_compiled_modules(model),
     )
     return estimate, baseline
