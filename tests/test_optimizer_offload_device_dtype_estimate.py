@@ -212,3 +212,44 @@ def test_the_cli_flag_is_validated_before_any_tracing(capsys, monkeypatch, flags
     monkeypatch.chdir(ROOT)
     assert main(_cli(*flags)) == 2
     assert capsys.readouterr().err == f"lightmem estimate: error: {message}\n"
+
+
+# -- LightMem(plan="auto") ----------------------------------------------------------------------
+
+
+def test_plan_auto_plans_with_the_bf16_device_weights(lightning_package):
+    """A bf16-mixed fit with plan="auto": the planner gets the callback's parsed settings, so its
+    plan counts the device weights and link bytes in bf16 and gives the flag back in its kwargs."""
+    from lit_models import cpu_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class LitMLP(lightning_package.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch, batch_idx):
+            return _loss(self.net, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    callback = LightMem(
+        plan="auto", device_budget="1MiB", offload_devices=["cpu"], offload_optimizer=True,
+        offload_optimizer_device_dtype="bf16", metrics=[],
+    )  # fmt: skip
+    inputs, targets = _batch()
+    loader = DataLoader(TensorDataset(inputs, targets), batch_size=32)
+    cpu_trainer([callback], package=lightning_package, max_steps=2, precision="bf16-mixed").fit(LitMLP(), loader)
+    chosen = callback.chosen_plan
+    assert chosen.fits and chosen.lightmem_kwargs() == {
+        "offload": False, "offload_optimizer": True, "offload_optimizer_device_dtype": "bf16"
+    }  # fmt: skip
+    offloaded = chosen.estimate.scenarios["offload_optimizer"]
+    (stats,) = callback.optimizer_offload_stats
+    assert offloaded.breakdown["parameters"] == MLP_PARAMETERS * 2
+    assert offloaded.model_state_link_bytes == stats.grad_bytes_out + stats.param_bytes_in == 4 * MLP_PARAMETERS
+    assert chosen.exposed_transfer_s == 4 * MLP_PARAMETERS / 25e9
+    # The engine had cast the device parameters to bf16 before the plan: the baseline (no lightmem)
+    # still counts them in fp32, as a fit without lightmem holds them.
+    assert chosen.estimate.scenarios["baseline"].breakdown["parameters"] == MLP_PARAMETERS * 4

@@ -35,7 +35,7 @@ from lightmem.estimate.settings import (
     parse_precision,
     parse_zero_grad,
 )
-from lightmem.estimate.step import StepRequest, StepTrace, run_step
+from lightmem.estimate.step import MASTER_DTYPE, StepRequest, StepTrace, run_step
 from lightmem.lightning_packages import is_lightning_module
 
 LossFn = Callable[[nn.Module, Any], Any]
@@ -129,6 +129,11 @@ def run_configuration(
         offload_optimizer = settings.offload_optimizer
     # The planner may turn model-state offload on by itself: then under the engine's defaults.
     model_state = settings.optimizer_offload or OptimizerOffloadSettings.parse()
+    # With device_dtype asked for, the trainable parameters are fp32 (the engine refuses others;
+    # under plan="auto" the engine has already cast them) and bf16 on the device only in the steps
+    # that offload model state: the baseline keeps them fp32, as it runs without lightmem.
+    device_dtype = settings.optimizer_offload.device_dtype if settings.optimizer_offload is not None else None
+    trainable_dtype = None if device_dtype is None else device_dtype if offload_optimizer else MASTER_DTYPE
     request = StepRequest(
         device=settings.device,
         precision=settings.precision,
@@ -142,6 +147,7 @@ def run_configuration(
         zero_grad=settings.zero_grad,
         gpu=settings.gpu,
         optimizer_offload=model_state if offload_optimizer else None,
+        trainable_dtype=trainable_dtype,
     )
     return run_step(model, batch, request)
 

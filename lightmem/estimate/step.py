@@ -84,6 +84,9 @@ class StepRequest:
     the device for their copy to host (``max_grad_inflight_bytes``) and the trainable parameters'
     dtype on the device (``device_dtype``); None: off (gradients and optimizer state stay on the
     device)."""
+    trainable_dtype: torch.dtype | None = None
+    """The trainable parameters' dtype on the device in this step; None: their own (or
+    ``precision``'s). With ``optimizer_offload.device_dtype``: that dtype."""
 
 
 @dataclass
@@ -337,9 +340,7 @@ def _run(
     tracer.op_policy = op_policy(request.checkpoint_policy)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
-        model_state = request.optimizer_offload
-        device_dtype = model_state.device_dtype if model_state is not None else None
-        named, params, buffers = _fake_state(model, precision.param_dtype, fake_mode, device_dtype)
+        named, params, buffers = _fake_state(model, precision.param_dtype, fake_mode, request.trainable_dtype)
         inputs = fake_batch(
             batch, device="cpu", batch_size=request.batch_size,
             original_batch_size=request.original_batch_size, float_dtype=precision.param_dtype,
