@@ -253,3 +253,10 @@ def test_plan_auto_plans_with_the_bf16_device_weights(lightning_package):
     # The engine had cast the device parameters to bf16 before the plan: the baseline (no lightmem)
     # still counts them in fp32, as a fit without lightmem holds them.
     assert chosen.estimate.scenarios["baseline"].breakdown["parameters"] == MLP_PARAMETERS * 4
+
+
+def test_a_plan_names_the_bf16_parameters_when_even_they_exceed_the_budget(seed_case):
+    model, batch, loss_fn = seed_case
+    found = plan(model, batch, "800MB", loss_fn, offload_optimizer=BF16, **CARD)
+    # 394 MiB of bf16 weights (allocator-rounded) and the 16.25 MiB cuBLAS workspace.
+    assert not found.fits and found.reason.startswith("the bf16 parameters alone take 410.19 MiB of the 362.94 MiB left")

@@ -405,7 +405,9 @@ class PlanSpace:
         before = len(self.verified)
         model_state = settings.offload_optimizer
         if base.static_exceeds_budget and (model_state or not base.parameters_fit):
-            what = "the parameters" if model_state else "parameters + gradients + optimizer state"
+            dtype = settings.optimizer_offload.device_dtype_name if settings.optimizer_offload is not None else None
+            on_device = f"the {dtype} parameters" if dtype is not None else "the parameters"
+            what = on_device if model_state else "parameters + gradients + optimizer state"
             result.reason = (
                 f"{what} alone take {format_bytes(base.static_bytes)} "
                 f"of the {format_bytes(available)} left after the {format_bytes(settings.overhead_bytes)} "
