@@ -578,7 +578,10 @@ def plan(
             verified with it, and returned in ``lightmem_kwargs()``.
         offload_optimizer: plan with gradients and optimizer state on the host. Without it the
             plan turns it on by itself when parameters + gradients + optimizer state exceed the
-            budget and the parameters alone do not (``lightmem_kwargs()`` then has it).
+            budget and the parameters alone do not (``lightmem_kwargs()`` then has it). Settings
+            with ``device_dtype`` (``LightMem(...).settings.optimizer_offload``, as ``plan="auto"``
+            passes them) plan with bf16 device weights, and ``lightmem_kwargs()`` has
+            ``offload_optimizer_device_dtype`` too.
         Other arguments: as for :func:`estimate_memory`.
 
     On "cpu" only checkpointing is planned (offloading CPU memory to CPU memory saves nothing).
