@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulate model-state offload: gradients, optimizer state and step on the host",
     )
     estimate.add_argument(
+        "--offload-optimizer-device-dtype", default=None, metavar="DTYPE",
+        help="with --offload-optimizer: the parameters' dtype on the device, bf16 (fp32 masters on the "
+        "host; half the device weights and link bytes); needs --precision bf16-mixed",
+    )  # fmt: skip
+    estimate.add_argument(
         "--plan",
         action="store_true",
         help="also plan the cheapest configuration that fits --budget, under the --offload-* and "
@@ -202,7 +207,7 @@ def _check_flags(args: argparse.Namespace) -> _Flags:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected a positive integer; got {args.batch_size}")
     device = parse_device(args.device, flag="--device")
-    parse_precision(args.precision, flag="--precision")
+    precision = parse_precision(args.precision, flag="--precision")
     parse_optimizer(args.optimizer, flag="--optimizer")
     parse_overhead(args.overhead, device, flag="--overhead")
     if args.budget is not None:
@@ -213,7 +218,13 @@ def _check_flags(args: argparse.Namespace) -> _Flags:
         given = {name: value for name, value in offload_flags.items() if value is not None}
         offload = OffloadSettings.for_estimate(spelling=CLI, **given)
     checkpoint = CheckpointSettings.parse(args.checkpoint, None, args.checkpoint_policy, spelling=CLI, planned=args.plan)
-    optimizer_offload = OptimizerOffloadSettings.parse(spelling=CLI) if args.offload_optimizer else None
+    optimizer_offload = None
+    device_dtype = args.offload_optimizer_device_dtype
+    if args.offload_optimizer:
+        optimizer_offload = OptimizerOffloadSettings.parse(spelling=CLI, device_dtype=device_dtype)
+        optimizer_offload.refuse_precision(precision.name)
+    elif device_dtype is not None:
+        reject_without_partner(CLI, "device_dtype", "--offload-optimizer", "add --offload-optimizer")
     if args.link_bytes_per_s is not None:  # validated here under its own name; plan() takes the text
         if not args.plan:
             reject_without_partner(CLI, "link_bytes_per_s", "--plan", "add --plan")

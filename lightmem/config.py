@@ -160,6 +160,11 @@ def parse_device_dtype(value: Any, *, flag: str) -> torch.dtype | None:
         raise ValueError(f"{flag}: expected None, 'bf16' or torch.bfloat16; got {value!r}") from None
 
 
+def device_dtype_name(dtype: torch.dtype) -> str:
+    """How lightmem spells a device dtype in reports and keyword arguments: "bf16"."""
+    return {torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def parse_choices(
     values: Iterable[str] | str, *, flag: str, accepted: Iterable[str], what: str
 ) -> tuple[str, ...]:
@@ -292,7 +297,7 @@ OFFLOAD_OPTIMIZER = Spelling("offload_optimizer", (("enabled", ""),))
 CLI = Spelling("lightmem estimate", (
     ("min_bytes", "offload-min-bytes"), ("include", "offload-include"), ("exclude", "offload-exclude"),
     ("targets", "checkpoint"), ("policy", "checkpoint-policy"),
-    ("enabled", "offload-optimizer"),
+    ("enabled", "offload-optimizer"), ("device_dtype", "offload-optimizer-device-dtype"),
     ("link_bytes_per_s", "link-bytes-per-s"),
 ), style="cli")  # fmt: skip
 """The ``lightmem estimate`` command's options."""
@@ -479,6 +484,22 @@ class OptimizerOffloadSettings:
     def flag(self, field: str) -> str:
         """How the user spelled the flag behind ``field``: ``LightMem(offload_optimizer=...)``."""
         return self.spelling.flag(field)
+
+    @property
+    def device_dtype_name(self) -> str | None:
+        """``device_dtype`` as reports and ``LightMem`` spell it ("bf16"); None when unset."""
+        return None if self.device_dtype is None else device_dtype_name(self.device_dtype)
+
+    def refuse_precision(self, precision: str) -> None:
+        """With ``device_dtype`` the forward must run under bf16 autocast on fp32 parameters: only
+        ``bf16-mixed`` does that (``32-true`` would feed fp32 activations to bf16 weights, the
+        ``-true`` half precisions have no fp32 parameters to keep as masters). The rule of a
+        Lightning fit and of the estimator's step alike."""
+        if self.device_dtype is not None and precision != "bf16-mixed":
+            raise ValueError(
+                f"{self.flag('device_dtype')}: needs precision='bf16-mixed' (the forward runs under "
+                f"bf16 autocast on bf16 parameters); got precision={precision!r}"
+            )
 
 
 def parse_optimizer_offload(

@@ -53,8 +53,9 @@ def test_plan_turns_the_option_on_when_model_state_exceeds_the_budget(seed_case)
     found = plan(model, batch, "1.8GB", loss_fn, optimizer="adamw", overhead_bytes="400MiB")
     assert found.fits and found.offload_optimizer
     assert found.lightmem_kwargs() == {"offload": False, "offload_optimizer": True}
-    # The link time: 826 MB of gradients out and of parameters back at the default 25 GB/s.
-    assert found.exposed_transfer_s == 2 * 826_154_496 / 25e9
+    # The link time: 826 MB of gradients out and of parameters back at the default 25 GB/s (the
+    # tensors' bytes, as the engine's grad_bytes_out and param_bytes_in count them: no allocator rounding).
+    assert found.exposed_transfer_s == 2 * PARAMETER_BYTES / 25e9
     # 1.26 GiB: the parameters, the gradients waiting for their copy, and the 16.25 MiB cuBLAS workspace.
     assert found.describe() == (
         "Fits 1.68 GiB at 1.26 GiB: offload_optimizer (gradients and optimizer state on the host) "
@@ -111,7 +112,7 @@ def test_plan_walks_its_space_with_model_state_on_the_host():
     )  # fmt: skip
     assert found.predicted_peak_bytes == estimate.scenarios["checkpoint+offload+offload_optimizer"].peak_bytes == 1_373_295_616
     # The per-block offload's transfer hides behind compute; the model state's link time does not.
-    model_state_s = 2 * 826_154_496 / 25e9  # the parameters' bytes (allocator-rounded) out and back
+    model_state_s = 2 * PARAMETER_BYTES / 25e9  # the parameters' bytes out and back, as the engine moves them
     assert found.exposed_transfer_s == model_state_s
     (refused,) = found.alternatives
     assert (refused.fits, refused.exposed_transfer_s) == (False, model_state_s)

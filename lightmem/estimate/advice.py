@@ -5,7 +5,7 @@ Rules (identifiers as they appear in ``Advice.rule``):
 - ``static-exceeds-budget``: parameters + gradients + optimizer state (+ overhead) exceed the
   budget by themselves, so no activation technique can help; name the options that can, first
   ``LightMem(offload_optimizer=True)`` when the parameters alone leave room (with that option on:
-  the parameters alone exceed it).
+  the parameters alone exceed it, and without its ``device_dtype`` bf16 parameters come first).
 - ``dense-zero-input``: a floating-point batch tensor is mostly zeros (read from the real values):
   one-hot features belong in an embedding, other sparse inputs in a sparse layout.
 - ``quadratic-attention``: tensors saved for backward have two trailing dims equal to the sequence
@@ -59,13 +59,20 @@ def static_exceeds_budget(estimate: MemoryEstimate) -> list[Advice]:
     parts = estimate.scenarios["baseline"].breakdown
     static = estimate.static_bytes
     if estimate.offload_optimizer:
+        dtype = estimate.offload_optimizer_device_dtype
+        halve = (
+            ""
+            if dtype is not None
+            else "bf16 parameters on the device with fp32 masters on the host "
+            "(LightMem(offload_optimizer_device_dtype='bf16') under precision='bf16-mixed'), which halves them; "
+        )
         return [
             Advice(
                 "static-exceeds-budget",
-                f"the parameters alone take {format_bytes(static)} (gradients and optimizer state are on the "
-                f"host with offload_optimizer), over the {format_bytes(estimate.available_bytes)} the "
-                f"{format_bytes(estimate.budget_bytes)} budget leaves after the "
-                f"{format_bytes(estimate.overhead_bytes)} overhead allowance. Options: bf16 weights "
+                f"the {dtype + ' ' if dtype else ''}parameters alone take {format_bytes(static)} (gradients and "
+                f"optimizer state are on the host with offload_optimizer), over the "
+                f"{format_bytes(estimate.available_bytes)} the {format_bytes(estimate.budget_bytes)} budget leaves "
+                f"after the {format_bytes(estimate.overhead_bytes)} overhead allowance. Options: {halve}bf16 weights "
                 "(precision='bf16-true'); sharding across GPUs (FSDP with CPU offload, DeepSpeed ZeRO-3 "
                 "offload); or a smaller model.",
             )

@@ -35,7 +35,7 @@ from lightmem.estimate.settings import (
     parse_precision,
     parse_zero_grad,
 )
-from lightmem.estimate.step import StepRequest, StepTrace, run_step
+from lightmem.estimate.step import MASTER_DTYPE, StepRequest, StepTrace, run_step
 from lightmem.lightning_packages import is_lightning_module
 
 LossFn = Callable[[nn.Module, Any], Any]
@@ -91,9 +91,15 @@ def parse_settings(
     if optimizer is None and not is_lightning_module(model):
         optimizer = "adamw"
     kind = parse_device(device, flag=f"{fn_name}(device=...)")
+    parsed_precision = parse_precision(precision, flag=f"{fn_name}(precision=...)")
+    model_state = parse_optimizer_offload(
+        offload_optimizer, spelling=Spelling(fn_name, (("enabled", "offload_optimizer"),))
+    )
+    if model_state is not None:
+        model_state.refuse_precision(parsed_precision.name)  # with device_dtype: bf16-mixed only
     return EstimateSettings(
         device=kind,
-        precision=parse_precision(precision, flag=f"{fn_name}(precision=...)"),
+        precision=parsed_precision,
         optimizer=parse_optimizer(optimizer, flag=f"{fn_name}(optimizer=...)"),
         loss_fn=loss_fn,
         overhead_bytes=parse_overhead(overhead_bytes, kind, flag=f"{fn_name}(overhead_bytes=...)"),
@@ -101,9 +107,7 @@ def parse_settings(
         zero_grad=parse_zero_grad(zero_grad, flag=f"{fn_name}(zero_grad=...)"),
         checkpoint_policy=parse_checkpoint_policy(checkpoint_policy, flag=f"{fn_name}(checkpoint_policy=...)"),
         gpu=parse_gpu(gpu, flag=f"{fn_name}(gpu=...)"),
-        optimizer_offload=parse_optimizer_offload(
-            offload_optimizer, spelling=Spelling(fn_name, (("enabled", "offload_optimizer"),))
-        ),
+        optimizer_offload=model_state,
     )
 
 
@@ -125,6 +129,11 @@ def run_configuration(
         offload_optimizer = settings.offload_optimizer
     # The planner may turn model-state offload on by itself: then under the engine's defaults.
     model_state = settings.optimizer_offload or OptimizerOffloadSettings.parse()
+    # With device_dtype asked for, the trainable parameters are fp32 (the engine refuses others;
+    # under plan="auto" the engine has already cast them) and bf16 on the device only in the steps
+    # that offload model state: the baseline keeps them fp32, as it runs without lightmem.
+    device_dtype = settings.optimizer_offload.device_dtype if settings.optimizer_offload is not None else None
+    trainable_dtype = None if device_dtype is None else device_dtype if offload_optimizer else MASTER_DTYPE
     request = StepRequest(
         device=settings.device,
         precision=settings.precision,
@@ -137,7 +146,8 @@ def run_configuration(
         original_batch_size=info.batch_size,
         zero_grad=settings.zero_grad,
         gpu=settings.gpu,
-        offload_optimizer_inflight_bytes=model_state.max_grad_inflight_bytes if offload_optimizer else None,
+        optimizer_offload=model_state if offload_optimizer else None,
+        trainable_dtype=trainable_dtype,
     )
     return run_step(model, batch, request)
 
@@ -155,6 +165,7 @@ def scenario_from(name: str, trace: StepTrace) -> StepMemory:
         checkpointed=list(trace.checkpointed),
         offloaded_bytes=trace.offloaded_bytes,
         host_bytes=trace.host_bytes + trace.optimizer_host_bytes,
+        model_state_link_bytes=trace.optimizer_link_bytes,
         seconds=trace.seconds,
     )
 
@@ -235,6 +246,7 @@ def build_report(
         not_modelled=list(NOT_MODELLED) + (list(CUDA_NOTES) if settings.device == "cuda" else []),
         inputs_bytes=baseline.peak.inputs_bytes,
         offload_optimizer=model_state,
+        offload_optimizer_device_dtype=settings.optimizer_offload.device_dtype_name if model_state else None,
         compiled=holds_compiled_modules(model),
     )
     return estimate, baseline

@@ -82,7 +82,12 @@ def estimate_memory(
             each gradient leaves the device once final (at most 64 MiB waiting for its copy),
             optimizer state and step are on the host. Adds an "offload_optimizer" scenario; the
             other requested scenarios include it. Host bytes are in each scenario's ``host_bytes``.
-            ``OptimizerOffloadSettings`` (already parsed) set the gradient bytes waiting instead.
+            ``OptimizerOffloadSettings`` (already parsed: ``LightMem(...).settings.optimizer_offload``
+            or ``lightmem.config.OptimizerOffloadSettings.parse(device_dtype="bf16")``) set the
+            gradient bytes waiting instead, and with ``device_dtype`` the trainable parameters are bf16 on the device in
+            that scenario: its parameters, gradients in flight and ``model_state_link_bytes`` (the
+            bytes over the link per step) are bf16 bytes, fp32 masters and state on the host
+            (``precision="bf16-mixed"`` only, as under Lightning).
 
     Returns:
         A :class:`MemoryEstimate` for the requested configuration, with "baseline" (no lightmem)

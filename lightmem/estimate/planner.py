@@ -89,10 +89,11 @@ _TRIES_PAST_FIRST_FIT = 3
 """Cheaper candidates verified past a family's first fit before settling on that fit."""
 
 
-def model_state_transfer_s(base: MemoryEstimate, costs: Costs) -> float:
-    """Model-state offload's link time per step: each gradient out and each parameter back (the
-    parameters' bytes twice), priced as not hidden by compute: an upper bound on what it exposes."""
-    return 2 * base.scenarios["baseline"].breakdown["parameters"] / costs.link_bytes_per_s
+def model_state_transfer_s(link_bytes: int, costs: Costs) -> float:
+    """Model-state offload's link time per step: ``link_bytes`` (each gradient out and each
+    parameter back, in the device's dtype: the estimator's ``model_state_link_bytes``), priced as
+    not hidden by compute: an upper bound on what it exposes."""
+    return link_bytes / costs.link_bytes_per_s
 
 
 def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
@@ -229,10 +230,12 @@ class Family:
 
 @dataclass(frozen=True)
 class Verified:
-    """A candidate's fake step: its peak, and the host memory its offload holds."""
+    """A candidate's fake step: its peak, the host memory its offload holds, and (with model-state
+    offload) the bytes that moves over the link per step."""
 
     peak_bytes: int
     host_bytes: int
+    link_bytes: int = 0
 
 
 def _family(name: str, candidates: list[Candidate], blocks: Mapping[str, BlockMemory], costs: Costs) -> Family:
@@ -327,16 +330,18 @@ class PlanSpace:
                 checkpoint=tuple(candidate.checkpoint_names()) or None,
                 offload=candidate.offload_settings(self.offload), offload_optimizer=model_state,
             )  # fmt: skip
-            found = Verified(trace.peak.bytes, trace.host_bytes)
+            found = Verified(trace.peak.bytes, trace.host_bytes, trace.optimizer_link_bytes)
             self.verified[(candidate, model_state)] = found
         return found
 
-    def model_state_peak(self) -> int:
-        """The baseline step's peak with model-state offload (no activation technique)."""
+    def model_state_peak(self) -> tuple[int, int]:
+        """The baseline step's peak with model-state offload (no activation technique), and the
+        bytes that offload moves over the link per step."""
         named = self.base.scenarios.get("offload_optimizer")
         if named is not None:  # run with the report, at the space's batch size
-            return named.peak_bytes
-        return self.verify(Candidate(), model_state=True).peak_bytes
+            return named.peak_bytes, named.model_state_link_bytes
+        found = self.verify(Candidate(), model_state=True)
+        return found.peak_bytes, found.link_bytes
 
     def describe(self, candidate: Candidate) -> str:
         """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
@@ -400,7 +405,9 @@ class PlanSpace:
         before = len(self.verified)
         model_state = settings.offload_optimizer
         if base.static_exceeds_budget and (model_state or not base.parameters_fit):
-            what = "the parameters" if model_state else "parameters + gradients + optimizer state"
+            dtype = settings.optimizer_offload.device_dtype_name if settings.optimizer_offload is not None else None
+            on_device = f"the {dtype} parameters" if dtype is not None else "the parameters"
+            what = on_device if model_state else "parameters + gradients + optimizer state"
             result.reason = (
                 f"{what} alone take {format_bytes(base.static_bytes)} "
                 f"of the {format_bytes(available)} left after the {format_bytes(settings.overhead_bytes)} "
@@ -413,8 +420,11 @@ class PlanSpace:
         if base.static_exceeds_budget or model_state:
             model_state = True
             result.offload_optimizer = True
-            baseline_peak = self.model_state_peak()
-            model_state_s = model_state_transfer_s(base, costs)
+            # The settings asked for, or (turned on here) the engine's defaults: run_configuration's rule.
+            if settings.optimizer_offload is not None:
+                result.offload_optimizer_device_dtype = settings.optimizer_offload.device_dtype_name
+            baseline_peak, link_bytes = self.model_state_peak()
+            model_state_s = model_state_transfer_s(link_bytes, costs)
             result.predicted_peak_bytes = baseline_peak
             result.exposed_transfer_s = model_state_s
         if baseline_peak <= available:
@@ -568,7 +578,10 @@ def plan(
             verified with it, and returned in ``lightmem_kwargs()``.
         offload_optimizer: plan with gradients and optimizer state on the host. Without it the
             plan turns it on by itself when parameters + gradients + optimizer state exceed the
-            budget and the parameters alone do not (``lightmem_kwargs()`` then has it).
+            budget and the parameters alone do not (``lightmem_kwargs()`` then has it). Settings
+            with ``device_dtype`` (``LightMem(...).settings.optimizer_offload``, as ``plan="auto"``
+            passes them) plan with bf16 device weights, and ``lightmem_kwargs()`` has
+            ``offload_optimizer_device_dtype`` too.
         Other arguments: as for :func:`estimate_memory`.
 
     On "cpu" only checkpointing is planned (offloading CPU memory to CPU memory saves nothing).
@@ -702,6 +715,9 @@ def _searched_under(settings: EstimateSettings, costs: Costs, offload: OffloadSe
         "offload": offload.to_dict() if offload is not None else None,
         "offload_considered": costs.allow_offload,
         "offload_optimizer": settings.offload_optimizer,
+        "offload_optimizer_device_dtype": (
+            settings.optimizer_offload.device_dtype_name if settings.optimizer_offload is not None else None
+        ),
         "flops_per_s": costs.flops_per_s,
         "link_bytes_per_s": costs.link_bytes_per_s,
     }

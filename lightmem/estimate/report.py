@@ -88,6 +88,9 @@ class StepMemory:
     checkpointed: list[str] = field(default_factory=list)
     offloaded_bytes: int = 0
     host_bytes: int = 0
+    model_state_link_bytes: int = 0
+    """With model-state offload: bytes over the host link per step, gradients out and parameters
+    back, in the device's dtype (halved by ``device_dtype="bf16"``); 0 without it."""
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,6 +102,7 @@ class StepMemory:
             "checkpointed": list(self.checkpointed),
             "offloaded_bytes": self.offloaded_bytes,
             "host_bytes": self.host_bytes,
+            "model_state_link_bytes": self.model_state_link_bytes,
             "seconds": round(self.seconds, 3),
         }
 
@@ -148,6 +152,9 @@ class MemoryEstimate:
     seconds: float = 0.0
     offload_optimizer: bool = False
     """Model-state offload was asked for: gradients and optimizer state are not the device's."""
+    offload_optimizer_device_dtype: str | None = None
+    """With model-state offload's ``device_dtype``: the trainable parameters' dtype on the device
+    ("bf16"), in which the scenarios with it count parameters, gradients and link bytes."""
     compiled: bool = False
     """The model holds compiled modules: the report says how far its eager figures hold."""
 
@@ -181,10 +188,12 @@ class MemoryEstimate:
     @property
     def static_bytes(self) -> int:
         """Parameters + gradients + optimizer state + cuBLAS workspaces: what no activation
-        technique reduces (with ``offload_optimizer``: the parameters and workspaces alone)."""
+        technique reduces (with ``offload_optimizer``: the parameters and workspaces alone, the
+        parameters as that step holds them: in bf16 with its ``device_dtype``)."""
         baseline = self.scenarios["baseline"].breakdown
         if self.offload_optimizer:
-            return baseline["parameters"] + baseline["workspaces"]
+            model_state = self.scenarios.get("offload_optimizer", self.scenarios["baseline"]).breakdown
+            return model_state["parameters"] + baseline["workspaces"]
         return (
             baseline["parameters"] + baseline["gradients"] + baseline["optimizer_state"] + baseline["workspaces"]
         )
@@ -220,6 +229,7 @@ class MemoryEstimate:
             "parameter_count": self.parameter_count,
             "inputs_bytes": self.inputs_bytes,
             "offload_optimizer": self.offload_optimizer,
+            "offload_optimizer_device_dtype": self.offload_optimizer_device_dtype,
             "blocks": {
                 name: {
                     "saved_bytes": block.saved_bytes,
@@ -243,6 +253,11 @@ class MemoryEstimate:
             f"Estimated step memory on {self.device} ({self.precision}, {self.optimizer}, "
             f"batch {self.batch_size}, {self.parameter_count / 1e6:,.1f}M parameters)"
         )
+        if self.offload_optimizer_device_dtype is not None:
+            title += (
+                f"; with offload_optimizer: {self.offload_optimizer_device_dtype} parameters and gradients "
+                "on the device, fp32 masters on the host"
+            )
         scenarios = list(self.scenarios.values())
         rows = [
             [category.replace("_", " "), *(format_bytes(s.breakdown[category]) for s in scenarios)]
@@ -262,6 +277,8 @@ class MemoryEstimate:
         rows.append(["peak in", *where])
         if any(s.offloaded_bytes or s.host_bytes for s in scenarios):
             rows.append(["host memory (offload)", *(format_bytes(s.host_bytes) for s in scenarios)])
+        if any(s.model_state_link_bytes for s in scenarios):
+            rows.append(["model state over the link per step", *(format_bytes(s.model_state_link_bytes) for s in scenarios)])
 
         total_saved = sum(block.saved_bytes for block in self.blocks.values()) or 1
         ranked = sorted(self.blocks.values(), key=lambda block: block.saved_bytes, reverse=True)
@@ -400,6 +417,9 @@ class Plan:
     """What the checkpointed blocks keep (``LightMem(checkpoint_policy=...)``)."""
     offload_optimizer: bool = False
     """Gradients, optimizer state and step on the host (``LightMem(offload_optimizer=True)``)."""
+    offload_optimizer_device_dtype: str | None = None
+    """With ``offload_optimizer``: the parameters' dtype on the device the plan was verified with
+    ("bf16": ``LightMem(offload_optimizer_device_dtype="bf16")``), None: the parameters' own."""
     settings: dict[str, Any] = field(default_factory=dict)
     """What the search ran under, as parsed: device, precision, optimizer, overhead, budget,
     checkpoint policy, offload settings, whether offload was considered (not on "cpu"), whether
@@ -439,6 +459,8 @@ class Plan:
                 kwargs["checkpoint_policy"] = self.checkpoint_policy
         if self.offload_optimizer:
             kwargs["offload_optimizer"] = True
+            if self.offload_optimizer_device_dtype is not None:
+                kwargs["offload_optimizer_device_dtype"] = self.offload_optimizer_device_dtype
         return kwargs
 
     def to_dict(self) -> dict[str, Any]:
@@ -454,6 +476,7 @@ class Plan:
             "fits": self.fits,
             "reason": self.reason,
             "offload_optimizer": self.offload_optimizer,
+            "offload_optimizer_device_dtype": self.offload_optimizer_device_dtype,
             "family": self.family,
             "recompute_s": self.recompute_s,
             "exposed_transfer_s": self.exposed_transfer_s,
@@ -476,7 +499,9 @@ class Plan:
         kinds = self.estimate_kinds
         parts = []
         if self.offload_optimizer:
-            parts.append("offload_optimizer (gradients and optimizer state on the host)")
+            dtype = self.offload_optimizer_device_dtype
+            on_device = f", {dtype} parameters on the device" if dtype is not None else ""
+            parts.append(f"offload_optimizer (gradients and optimizer state on the host{on_device})")
         if self.checkpoint:
             names = compact_names(sorted(self.checkpoint, key=natural_order), kinds)
             policy = "" if self.checkpoint_policy == "full" else f" (policy {policy_name(self.checkpoint_policy)})"

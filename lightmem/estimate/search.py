@@ -239,7 +239,7 @@ def max_batch_size(
             "optimizer": optimizer, "precision": precision, "device": device, "overhead_bytes": overhead_bytes,
             "zero_grad": zero_grad, "flops_per_s": flops_per_s, "link_bytes_per_s": link_bytes_per_s,
             "checkpoint_policy": checkpoint_policy, "fn_name": "max_batch_size",
-            "offload_optimizer": settings.offload_optimizer,
+            "offload_optimizer": settings.optimizer_offload or False,  # as parsed: device_dtype included
             "offload": offload_config.with_choice(min_bytes=offload_config.min_bytes, include=None)
             if offload_config is not None else None,
         }  # fmt: skip

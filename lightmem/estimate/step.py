@@ -44,7 +44,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from lightmem.checkpoint import apply_checkpointing, op_policy
 from lightmem.blocks import Blocks, find_blocks
-from lightmem.config import OffloadSettings
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
 from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
@@ -55,6 +55,8 @@ from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUs
 from lightmem.lightning_packages import is_lightning_module
 
 ROOT_BLOCK = "(outside blocks)"
+MASTER_DTYPE = torch.float32
+"""The host masters' dtype under model-state offload's ``device_dtype`` (the engine refuses others)."""
 
 
 @dataclass
@@ -77,9 +79,14 @@ class StepRequest:
     """When gradients are set to None: "after_forward" (Lightning) or "before_forward" (a plain loop)."""
     gpu: str = "default"
     """The GPU a CUDA step runs on (``settings.parse_gpu``): sets the cuBLAS workspace size."""
-    offload_optimizer_inflight_bytes: int | None = None
-    """With model-state offload (``offload_optimizer``): the gradient bytes that may wait on the
-    device for their copy to host; None: off (gradients and optimizer state stay on the device)."""
+    optimizer_offload: OptimizerOffloadSettings | None = None
+    """Model-state offload (``offload_optimizer``), as parsed: the gradient bytes that may wait on
+    the device for their copy to host (``max_grad_inflight_bytes``) and the trainable parameters'
+    dtype on the device (``device_dtype``); None: off (gradients and optimizer state stay on the
+    device)."""
+    trainable_dtype: torch.dtype | None = None
+    """The trainable parameters' dtype on the device in this step; None: their own (or
+    ``precision``'s). With ``optimizer_offload.device_dtype``: that dtype."""
 
 
 @dataclass
@@ -107,6 +114,10 @@ class StepTrace:
     optimizers: list[str] = field(default_factory=list)
     optimizer_host_bytes: int = 0
     """With model-state offload: host copies of the parameters, gradients and optimizer state."""
+    optimizer_link_bytes: int = 0
+    """With model-state offload: bytes over the host link per step, each stepped parameter's
+    gradient out and the parameter back, in the device's dtype (the engine's ``grad_bytes_out +
+    param_bytes_in`` of a step without accumulation)."""
     seconds: float = 0.0
     block_kinds: dict[str, str] = field(default_factory=dict)
     """Class name of each block."""
@@ -287,9 +298,12 @@ def _known_value(fake_mode: FakeTensorMode, buffer: torch.Tensor, dtype: torch.d
 
 
 def _fake_state(
-    model: nn.Module, param_dtype: torch.dtype | None, fake_mode: FakeTensorMode
+    model: nn.Module, param_dtype: torch.dtype | None, fake_mode: FakeTensorMode,
+    trainable_dtype: torch.dtype | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[nn.Parameter], list[torch.Tensor]]:
-    """Fake parameters and buffers by every name they have (tied weights stay tied)."""
+    """Fake parameters and buffers by every name they have (tied weights stay tied).
+    ``trainable_dtype``: the dtype of the trainable parameters on the device (model-state offload's
+    ``device_dtype``: what the engine casts the parameters it steps to)."""
     by_id: dict[int, torch.Tensor] = {}
     named: dict[str, torch.Tensor] = {}
     params: list[nn.Parameter] = []
@@ -297,7 +311,8 @@ def _fake_state(
     for name, param in model.named_parameters(remove_duplicate=False):
         fake = by_id.get(id(param))
         if fake is None:
-            fake = nn.Parameter(_fake_like(param, param_dtype), requires_grad=param.requires_grad)
+            dtype = trainable_dtype if trainable_dtype is not None and param.requires_grad else param_dtype
+            fake = nn.Parameter(_fake_like(param, dtype), requires_grad=param.requires_grad)
             by_id[id(param)] = fake
             params.append(fake)
         named[name] = fake
@@ -325,7 +340,7 @@ def _run(
     tracer.op_policy = op_policy(request.checkpoint_policy)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
-        named, params, buffers = _fake_state(model, precision.param_dtype, fake_mode)
+        named, params, buffers = _fake_state(model, precision.param_dtype, fake_mode, request.trainable_dtype)
         inputs = fake_batch(
             batch, device="cpu", batch_size=request.batch_size,
             original_batch_size=request.original_batch_size, float_dtype=precision.param_dtype,
@@ -367,9 +382,10 @@ def _steady_step(
     for optimizer in optimizers:
         _create_state(optimizer)
     state_of = _mark_state(tracer, optimizers, request.device)
-    model_state_offload = request.offload_optimizer_inflight_bytes is not None
-    if model_state_offload:
-        grad_hooks, graded = _gradients_leave(tracer, trainable, request.offload_optimizer_inflight_bytes)
+    model_state = request.optimizer_offload
+    model_state_offload = model_state is not None
+    if model_state is not None:
+        grad_hooks, graded = _gradients_leave(tracer, trainable, model_state.max_grad_inflight_bytes)
         # The previous step's gradients and the optimizer state live on the host.
         tracer.excluded.update(previous_grads.values())
         tracer.excluded.update(state_of)
@@ -457,9 +473,11 @@ def _steady_step(
         host_bytes=hooks.peak_host_bytes,
         reloaded_bytes=hooks.reloaded_bytes,
         optimizers=[type(optimizer).__name__ for optimizer in optimizers],
-        optimizer_host_bytes=_host_model_state_bytes(optimizers, params, graded, unused)
-        if model_state_offload
+        optimizer_host_bytes=_host_model_state_bytes(optimizers, params, graded, unused, model_state.device_dtype)
+        if model_state is not None
         else 0,
+        # Each stepped parameter's gradient (autograd gives it the parameter's dtype) out, the parameter back.
+        optimizer_link_bytes=2 * sum(p.nbytes for p in params if id(p) in graded),
     )
 
 
@@ -490,13 +508,21 @@ def _gradients_leave(
 
 
 def _host_model_state_bytes(
-    optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter], graded: set[int], unused: set[int]
+    optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter], graded: set[int], unused: set[int],
+    device_dtype: torch.dtype | None = None,
 ) -> int:
     """Host bytes of model-state offload (no allocator rounding on the host): a copy of each
-    stepped parameter, its gradient buffer, its optimizer state."""
+    stepped parameter, its gradient buffer, its optimizer state.
+
+    With ``device_dtype`` the copy is an fp32 master plus its ``device_dtype`` copy that travels
+    to the device, the gradient a ``device_dtype`` landing buffer plus the master's fp32 gradient,
+    and the state the optimizer makes for fp32 masters: what it made here for the fake
+    ``device_dtype`` parameters, in fp32."""
     copies = sum(p.nbytes for p in params if id(p) in graded)
+    if device_dtype is not None:
+        copies += sum(p.numel() * MASTER_DTYPE.itemsize for p in params if id(p) in graded)
     state = sum(
-        value.nbytes
+        value.numel() * MASTER_DTYPE.itemsize if value.dtype == device_dtype else value.nbytes
         for optimizer in optimizers
         for param, values in optimizer.state.items()
         if id(param) not in unused

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightmem.config import OptimizerOffloadSettings
+from lightmem.config import OptimizerOffloadSettings, device_dtype_name
 
 
 class _Slot(Protocol):
@@ -54,13 +54,8 @@ def refuse_device_dtype(params: list[nn.Parameter], settings: OptimizerOffloadSe
 
 def refuse_precision(trainer: Any, settings: OptimizerOffloadSettings) -> None:
     """Under Lightning the forward must run under bf16 autocast: only ``bf16-mixed`` does that
-    with fp32 parameters (``32-true`` would feed fp32 activations to bf16 weights)."""
-    precision = str(getattr(trainer.precision_plugin, "precision", ""))
-    if precision != "bf16-mixed":
-        raise ValueError(
-            f"{settings.flag('device_dtype')}: needs precision='bf16-mixed' (the forward runs under "
-            f"bf16 autocast on bf16 parameters); got precision={precision!r}"
-        )
+    with fp32 parameters (``settings.refuse_precision``, the estimator's rule too)."""
+    settings.refuse_precision(str(getattr(trainer.precision_plugin, "precision", "")))
 
 
 class DeviceDtype:
@@ -78,7 +73,7 @@ class DeviceDtype:
         wide_grads: list[torch.Tensor],
     ) -> None:
         self.dtype = dtype
-        self.name = {torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
+        self.name = device_dtype_name(dtype)
         self._narrow = {id(slot.param): tensor for slot, tensor in zip(slots, narrow)}
         self._wide = {id(slot.param): tensor for slot, tensor in zip(slots, wide_grads)}
         self._slots = slots
