@@ -41,6 +41,12 @@ def tiny_net() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
 
 
+def regression_batches(count: int, width: int = 8, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` fixed (inputs, targets) batches of 4 rows for ``tiny_net``-shaped regressions."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, width, generator=generator), torch.randn(4, 1, generator=generator)) for _ in range(count)]
+
+
 def regression_loader(batches: int = 8, batch_size: int = 4, seed: int = 0) -> DataLoader:
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(batches * batch_size, 8, generator=generator)

@@ -136,7 +136,8 @@ def test_the_next_plan_covers_the_batch_and_every_batch_planned_for_before():
 SHAPES = [(4, 9), (4, 9), (4, 17), (4, 33), (4, 17), (8, 33), (4, 33)]
 
 
-def test_a_fit_whose_batches_grow_replans_exactly_when_needed_and_trains_as_the_final_plan(monkeypatch, caplog):
+def _record_plans(monkeypatch) -> list[tuple[int, ...]]:
+    """The shape of the first tensor of every batch the fit plans for, as it plans."""
     planned_for = []
     real_plan = fit_session_module.plan
 
@@ -145,6 +146,11 @@ def test_a_fit_whose_batches_grow_replans_exactly_when_needed_and_trains_as_the_
         return real_plan(model, batch, budget, **kwargs)
 
     monkeypatch.setattr(fit_session_module, "plan", spy)
+    return planned_for
+
+
+def test_a_fit_whose_batches_grow_replans_exactly_when_needed_and_trains_as_the_final_plan(monkeypatch, caplog):
+    planned_for = _record_plans(monkeypatch)
     # What the planner chooses for each batch shape on its own, at the same budget.
     expected = {shape: plan(LitGPT(), _tokens(*shape), BUDGET, device="cpu").checkpoint for shape in set(SHAPES)}
     assert expected[(4, 9)] == expected[(4, 17)] == [] and [] != expected[(4, 33)] != expected[(8, 33)]
@@ -189,14 +195,7 @@ def test_a_fit_whose_batches_grow_replans_exactly_when_needed_and_trains_as_the_
 def _fit_recording_plans(monkeypatch, shapes):
     """Fit over one batch of each of ``shapes``; what each plan was made for, and after each batch
     the forward of each checkpointed block (the wrapper objects themselves)."""
-    planned_for = []
-    real_plan = fit_session_module.plan
-
-    def spy(model, batch, budget, **kwargs):
-        planned_for.append(tuple(batch[0].shape))
-        return real_plan(model, batch, budget, **kwargs)
-
-    monkeypatch.setattr(fit_session_module, "plan", spy)
+    planned_for = _record_plans(monkeypatch)
     wrappers = []
 
     class Spy(pl.Callback):

@@ -8,16 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from exact import assert_same, assert_state_equal
-from optimizer_models import HOST_KERNEL, OPTIMIZERS, assert_given_back, tiny_net
+from optimizer_models import HOST_KERNEL, OPTIMIZERS, assert_given_back, regression_batches, tiny_net
 from torch import nn
 
 from lightmem import offload_optimizer
 from lightmem.testing.simulated import SimulatedAsyncTransport
-
-
-def _batches(count: int, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)) for _ in range(count)]
 
 
 def _train(optimizer_name, offload=None, steps=4, accumulate=2, clip=0.5, set_to_none=True, model_and_opt=None):
@@ -31,7 +26,7 @@ def _train(optimizer_name, offload=None, steps=4, accumulate=2, clip=0.5, set_to
         model, optimizer = model_and_opt
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
     handle = offload(model, optimizer) if offload is not None else None
-    batches = iter(_batches(steps * accumulate))
+    batches = iter(regression_batches(steps * accumulate))
     torch.manual_seed(2)  # dropout
     for _ in range(steps):
         for _ in range(accumulate):
@@ -134,7 +129,7 @@ def test_an_offloaded_checkpoint_resumes_without_lightmem_and_the_reverse():
 
 def _train_more(model, optimizer):
     torch.manual_seed(7)
-    for inputs, targets in _batches(2, seed=5):
+    for inputs, targets in regression_batches(2, seed=5):
         nn.functional.mse_loss(model(inputs), targets).backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -14,7 +14,15 @@ import torch
 from exact import assert_state_equal
 from fake_cudart import use_simulated_runtime
 from lit_models import cpu_trainer
-from optimizer_models import HOST_KERNEL, OPTIMIZERS, assert_given_back, lit_tiny_class, regression_loader, tiny_net
+from optimizer_models import (
+    HOST_KERNEL,
+    OPTIMIZERS,
+    assert_given_back,
+    lit_tiny_class,
+    regression_batches,
+    regression_loader,
+    tiny_net,
+)
 from torch import nn
 
 import lightmem.offload.optimizer as optimizer_offload
@@ -22,11 +30,6 @@ from lightmem import LightMem, offload_optimizer
 from lightmem.testing.simulated import SimulatedAsyncTransport
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _batches(count: int, width: int = 8, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, width, generator=generator), torch.randn(4, 1, generator=generator)) for _ in range(count)]
 
 
 def _train(make_model, offload=None, steps=3, optimizer="adamw-decay", width=8, between_steps=None, clip=None):
@@ -39,7 +42,7 @@ def _train(make_model, offload=None, steps=3, optimizer="adamw-decay", width=8, 
     opt = OPTIMIZERS[optimizer](params, **({} if offload is not None else HOST_KERNEL))
     handle = offload(model, opt) if offload is not None else None
     torch.manual_seed(2)
-    for step, (inputs, targets) in enumerate(_batches(steps, width)):
+    for step, (inputs, targets) in enumerate(regression_batches(steps, width)):
         loss = model.loss(inputs, targets) if hasattr(model, "loss") else nn.functional.mse_loss(model(inputs), targets)
         loss.backward()
         if clip is not None:
@@ -223,7 +226,7 @@ def test_a_step_post_hook_registered_before_offload_sees_the_stepped_parameters(
         opt.register_step_post_hook(lambda *_: seen.append(model[0].weight.detach().clone()))
         transport = _simulated(hold_to_device=True)
         handle = offload_optimizer(model, opt, devices=("cpu",), transport=transport) if offload else None
-        for inputs, targets in _batches(3):
+        for inputs, targets in regression_batches(3):
             nn.functional.mse_loss(model(inputs), targets).backward()
             opt.step()
             opt.zero_grad()

@@ -16,6 +16,7 @@ from optimizer_models import (
     OPTIMIZERS,
     assert_given_back,
     lit_tiny_class,
+    regression_batches,
     regression_loader,
     tiny_net,
 )
@@ -26,13 +27,6 @@ from lightmem import LightMem, offload_optimizer
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _batches(count: int):
-    generator = torch.Generator().manual_seed(1)
-    return [
-        (torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)) for _ in range(count)
-    ]
-
-
 def _train(make_optimizer, offload: bool, clip: str = "norm", steps: int = 4, accumulate: int = 2):
     """Accumulation, clipping (by norm or value) over the optimizer's params, StepLR."""
     torch.manual_seed(0)
@@ -40,7 +34,7 @@ def _train(make_optimizer, offload: bool, clip: str = "norm", steps: int = 4, ac
     optimizer = make_optimizer(model.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
     handle = offload_optimizer(model, optimizer, devices=("cpu",)) if offload else None
-    batches = iter(_batches(steps * accumulate))
+    batches = iter(regression_batches(steps * accumulate))
     torch.manual_seed(2)  # dropout
     for _ in range(steps):
         for _ in range(accumulate):
@@ -219,7 +213,7 @@ def test_a_checkpoint_that_left_the_kernel_unset_gets_the_fused_kernel_again():
 
 def _train_more(model, optimizer):
     torch.manual_seed(7)
-    for inputs, targets in _batches(2):
+    for inputs, targets in regression_batches(2):
         nn.functional.mse_loss(model(inputs), targets).backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -11,7 +11,16 @@ import pytorch_lightning as pl
 import torch
 from exact import assert_same, assert_state_equal
 from lit_models import cpu_trainer
-from optimizer_models import HOST_KERNEL, OPTIMIZERS, LitTiny, assert_given_back, lit_tiny_class, regression_loader, tiny_net
+from optimizer_models import (
+    HOST_KERNEL,
+    LitTiny,
+    OPTIMIZERS,
+    assert_given_back,
+    lit_tiny_class,
+    regression_batches,
+    regression_loader,
+    tiny_net,
+)
 from torch import nn
 
 import lightmem.offload.optimizer as optimizer_offload
@@ -23,11 +32,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
-def _batches(count: int, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)) for _ in range(count)]
-
-
 def _train(optimizer_name, offload=None, steps=5, make_model=tiny_net):
     """A plain loop (backward, step, zero_grad, StepLR); without ``offload`` the reference, its
     optimizer constructed with the kernel lightmem runs on the host."""
@@ -37,7 +41,7 @@ def _train(optimizer_name, offload=None, steps=5, make_model=tiny_net):
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
     handle = offload(model, optimizer) if offload is not None else None
     torch.manual_seed(2)  # dropout
-    for inputs, targets in _batches(steps):
+    for inputs, targets in regression_batches(steps):
         nn.functional.mse_loss(model(inputs), targets).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -77,7 +81,7 @@ def test_a_subset_step_is_bitwise_the_whole_step_for_every_kernel():
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, **kernel)
             handle = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=overlap)
             torch.manual_seed(2)
-            for inputs, targets in _batches(3):
+            for inputs, targets in regression_batches(3):
                 nn.functional.mse_loss(model(inputs), targets).backward()
                 optimizer.step()
                 optimizer.zero_grad()
@@ -177,7 +181,7 @@ def _tiny(**kwargs):
 
 
 def _backward(model):
-    inputs, targets = _batches(1)[0]
+    inputs, targets = regression_batches(1)[0]
     nn.functional.mse_loss(model(inputs), targets).backward()
 
 
@@ -246,7 +250,7 @@ def test_a_backward_that_raises_after_some_steps_is_said_at_the_next_zero_grad()
     model = nn.Sequential(first, last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     handle = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=True)
-    inputs, targets = _batches(1)[0]
+    inputs, targets = regression_batches(1)[0]
     with pytest.raises(FloatingPointError):
         nn.functional.mse_loss(last(_FailsInBackward.apply(first(inputs))), targets).backward()
     with pytest.raises(RuntimeError, match=r"optimizer.zero_grad\(\) came after a backward .* \(2 parameters stepped\)"):

@@ -63,7 +63,8 @@ Ground truth the protocol is checked against, counted where it would corrupt dat
 work queued before the block's previous free), ``unordered_source_frees`` (a device tensor read by a queued
 copy to host was freed while neither a compute stream of its device was ordered after the copy
 nor the host had seen the copy complete), ``stale_reads`` and ``reuse_hazards`` (host buffers);
-``ordered_after(stream, event)`` says whether a compute stream was ordered after a copy.
+``ordered_after_copies(stream)`` says whether a compute stream was ordered after every copy to its
+device.
 
 It is not part of the public API and not fast; it exists so the waiting and lifetime logic that
 CUDA depends on runs in the CPU test suite.
@@ -269,10 +270,6 @@ class ComputeStream(_Stream):
         super().__init__(f"compute{index}-", device, rng, max_delay_s)
         self.index = index
         self.ordered_after: dict[_Stream, int] = {}  # side stream -> its operations this stream waited for
-
-
-# Kept for the tests' sabotage subclasses, which name the side streams' class.
-_WorkerStream = _Stream
 
 
 class _DeviceBlock:
@@ -633,12 +630,11 @@ class SimulatedAsyncTransport:
         for stream, position in list(needs.items()):
             if is_compute(stream):
                 continue
-            for copy in stream.copies_before(position):
-                if stream.name == "d2h":
+            if stream.name == "d2h":
+                for copy in stream.copies_before(position):
                     copy.read()
-                elif not copy.done_write:
-                    self._complete(copy.after)
-                    copy.write()
+            else:
+                self._complete({stream: position})
 
     def _complete(self, needs: dict[Any, int]) -> None:
         """Run the copies ``needs`` covers whole (both halves), in the calling thread."""
@@ -665,13 +661,6 @@ class SimulatedAsyncTransport:
             if position > stream.needs.get(other, 0):
                 stream.needs[other] = position
         stream.submit(event.flag.wait)
-
-    def ordered_after(self, stream: ComputeStream, event: _Event) -> bool:
-        """Whether compute ``stream`` waited (directly or through its queue) for everything of
-        the side streams ``event`` covers: ground truth for "every stream that reads it waited"."""
-        return all(
-            is_compute(side) or stream.needs.get(side, 0) >= position for side, position in event.needs.items()
-        )
 
     def ordered_after_copies(self, stream: ComputeStream) -> bool:
         """Whether compute ``stream`` is ordered after every copy to its device queued so far."""

@@ -22,6 +22,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -218,3 +219,11 @@ def step_on_host_copies(
     with torch.no_grad():
         for param, copy in zip(model.parameters(), host):
             param.copy_(copy)
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    """Deterministic kernels for a test module that imports this fixture (bitwise comparisons)."""
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)

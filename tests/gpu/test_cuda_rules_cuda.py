@@ -9,7 +9,6 @@ kernel), so the comparison is bitwise.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -17,19 +16,11 @@ from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from gpu.race_kit import step_on_host_copies  # noqa: E402
+from gpu.race_kit import deterministic, step_on_host_copies  # noqa: F401 - deterministic is an autouse fixture  # noqa: E402
 from lightmem import offload_activations, offload_optimizer  # noqa: E402
 from lightmem.offload import pool  # noqa: E402
 
 SLEEP_CYCLES = 100_000_000  # ~50 ms: far longer than the copies it delays
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
 
 
 class _Encoder(nn.Module):

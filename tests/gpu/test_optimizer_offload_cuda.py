@@ -8,7 +8,6 @@ compute stream and keep large gradients in flight to give races a chance to show
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from gpu.race_kit import step_on_host_copies
+from gpu.race_kit import deterministic, step_on_host_copies  # noqa: F401 - deterministic is an autouse fixture
 from lightmem import offload_optimizer
 from lightmem.offload.transport import CudaTransport
 
@@ -25,14 +24,6 @@ OPTIMIZERS = {
     "adamw-decay": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1),
     "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True),
 }
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
 
 
 def _model() -> nn.Module:
