@@ -8,8 +8,11 @@ import types
 import pytorch_lightning as pl
 import torch
 from exact import assert_same
+from lit_models import cpu_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightmem import LightMem
 
 OPTIMIZERS = {
     "sgd-momentum": lambda params, **kernel: torch.optim.SGD(params, lr=0.05, momentum=0.9, **kernel),
@@ -91,3 +94,54 @@ class LitTiny(_LitTinyBody, pl.LightningModule):
 def lit_tiny_class(package: types.ModuleType) -> type:
     """LitTiny on ``package.LightningModule`` (``pytorch_lightning`` or ``lightning.pytorch``)."""
     return LitTiny if package is pl else type("LitTiny", (_LitTinyBody, package.LightningModule), {})
+
+
+class SmallGPT(nn.Module):
+    """Token embedding, two pre-norm transformer blocks, final norm, LM head: a GPT's shapes."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, blocks: int = 2) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, 2, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(blocks)
+        )
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        hidden = self.embedding(tokens)
+        for block in self.blocks:
+            hidden = block(hidden, is_causal=True, src_mask=nn.Transformer.generate_square_subsequent_mask(tokens.shape[1]))
+        return self.head(self.norm(hidden))
+
+
+def small_gpt_loss():
+    """The loss of a fixed batch of tokens, as a function of a ``SmallGPT``."""
+    tokens = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(4))
+    targets = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(5))
+    return lambda model: nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+
+def fit_tiny(callback, package=pl, module_class=None, **trainer_kwargs):
+    """A fit of ``LitTiny`` (of ``package``) on ``regression_loader()``. Without a callback, the
+    reference: its optimizer constructed with the kernel lightmem runs."""
+    package.seed_everything(0, verbose=False)
+    module_class = module_class or (LitTiny if package is pl else lit_tiny_class(package))
+    module = module_class(optimizer=trainer_kwargs.pop("optimizer", "adamw-decay"), kernel=None if callback else HOST_KERNEL)
+    trainer = cpu_trainer([callback] if callback else [], package, **trainer_kwargs)
+    trainer.fit(module, regression_loader())
+    return module, trainer, torch.get_rng_state()
+
+
+def offloading_optimizer(**flags):
+    """A LightMem with optimizer offload alone, on CPU."""
+    return LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[], **flags)
+
+
+def assert_same_fit(expected, actual):
+    (module_a, trainer_a, rng_a), (module_b, trainer_b, rng_b) = expected, actual
+    assert_given_back(module_a, module_b, trainer_a.optimizers[0], trainer_b.optimizers[0])
+    schedulers = [[c.scheduler.state_dict() for c in t.lr_scheduler_configs] for t in (trainer_a, trainer_b)]
+    assert_same(*schedulers, "LR schedulers")
+    assert_same(rng_a, rng_b, "RNG state")

@@ -7,23 +7,23 @@ it on only where nothing runs between backward and the step."""
 from __future__ import annotations
 
 import pytest
-import pytorch_lightning as pl
 import torch
 from exact import assert_same, assert_state_equal
-from lit_models import cpu_trainer
 from optimizer_models import (
     HOST_KERNEL,
-    LitTiny,
     OPTIMIZERS,
+    LitTiny,
+    SmallGPT,
     assert_given_back,
-    lit_tiny_class,
+    assert_same_fit,
+    fit_tiny,
+    offloading_optimizer,
     regression_batches,
-    regression_loader,
+    small_gpt_loss,
     tiny_net,
 )
 from torch import nn
 
-import lightmem.offload.optimizer as optimizer_offload
 from lightmem import LightMem, offload_optimizer
 from lightmem.testing.simulated import SimulatedAsyncTransport
 
@@ -91,36 +91,10 @@ def test_a_subset_step_is_bitwise_the_whole_step_for_every_kernel():
         assert_state_equal(model_a, model_b, opt_a, opt_b)
 
 
-class _SmallGPT(nn.Module):
-    """Token embedding, two pre-norm transformer blocks, final norm, LM head: a GPT's shapes."""
-
-    def __init__(self, vocab: int = 32, width: int = 16, blocks: int = 2) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(width, 2, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
-            for _ in range(blocks)
-        )
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, tokens):
-        hidden = self.embedding(tokens)
-        for block in self.blocks:
-            hidden = block(hidden, is_causal=True, src_mask=nn.Transformer.generate_square_subsequent_mask(tokens.shape[1]))
-        return self.head(self.norm(hidden))
-
-
-def _small_gpt_batch():
-    tokens = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(4))
-    targets = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(5))
-    return lambda model: nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-
-
 def _parameters_after_each_step(loss_of, steps: int) -> list[list[torch.Tensor]]:
     """Without lightmem: ``[k]`` holds every parameter after ``k`` steps (fused AdamW)."""
     torch.manual_seed(0)
-    model = _SmallGPT()
+    model = SmallGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, fused=True)
     values = [[param.detach().clone() for param in model.parameters()]]
     for _ in range(steps):
@@ -135,13 +109,13 @@ def test_on_the_simulated_gpu_all_but_the_first_layer_are_stepped_before_backwar
     """The last node of backward is the embedding's: when it starts, every other parameter's
     gradient is final, and its host step is done, bitwise. Copies to host are held (they run
     only when the host waits for them) and compute lags, so no copy is early by luck."""
-    loss_of = _small_gpt_batch()
+    loss_of = small_gpt_loss()
     expected = _parameters_after_each_step(loss_of, steps=2)
     transport = SimulatedAsyncTransport(seed=1, max_delay_s=0.0)
     transport.hold_copies_to_host()
     transport.lag_compute()
     torch.manual_seed(0)
-    model = _SmallGPT()
+    model = SmallGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     handle = offload_optimizer(model, optimizer, devices=("cpu",), transport=transport, overlap_step=True)
     host_copies = optimizer.param_groups[0]["params"]  # the embedding's weight first
@@ -204,8 +178,8 @@ def test_clipping_between_backward_and_step_is_raised_at_the_step(clip):
         "offload_optimizer(overlap_step=...): 6 parameters were stepped on the host as their gradients "
         "landed, and since then the gradients of 6 parameters (clipped, unscaled, accumulated or replaced) "
         "changed: they keep the step taken with the values at the end of backward. Turn overlap_step off "
-        "where anything between backward and optimizer.step() changes gradients or param groups (clipping, "
-        "a GradScaler, accumulation, an LR change)"
+        "where anything between backward and optimizer.step() changes gradients or param groups (clipping: "
+        "give it to clip_grad_norm or clip_grad_value instead; a GradScaler; an LR change)"
     )
     optimizer.zero_grad()  # the overlap is over: the loop may go on (with those parameters stepped)
     handle.close()
@@ -229,7 +203,8 @@ def test_a_second_backward_before_the_step_is_raised_in_it():
         "offload_optimizer(overlap_step=...): a second gradient for a parameter already stepped came after "
         "a backward whose gradients were being stepped on the host as they landed (6 parameters stepped), "
         "before optimizer.step(): those parameters keep that step. With overlap_step every backward must be "
-        "followed by optimizer.step() (no accumulation, no backward that raised and was skipped)"
+        "followed by optimizer.step(): run the backward passes that accumulate inside `with "
+        "handle.accumulating():`, and skip no step after a backward that raised"
     )
     handle.close()
 
@@ -335,61 +310,27 @@ def test_an_optimizer_whose_step_it_cannot_split_is_refused():
 # -- under Lightning: on where nothing runs between the closure's backward and the step ------------
 
 
-def _fit(callback, package=pl, module_class=None, **trainer_kwargs):
-    """Without a callback, the reference: its optimizer constructed with the kernel lightmem runs."""
-    package.seed_everything(0, verbose=False)
-    module_class = module_class or (LitTiny if package is pl else lit_tiny_class(package))
-    module = module_class(optimizer=trainer_kwargs.pop("optimizer", "adamw-decay"), kernel=None if callback else HOST_KERNEL)
-    trainer = cpu_trainer([callback] if callback else [], package, **trainer_kwargs)
-    trainer.fit(module, regression_loader())
-    return module, trainer, torch.get_rng_state()
-
-
-def _lightmem(**flags):
-    return LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[], **flags)
-
-
-def _assert_same_fit(expected, actual):
-    (module_a, trainer_a, rng_a), (module_b, trainer_b, rng_b) = expected, actual
-    assert_given_back(module_a, module_b, trainer_a.optimizers[0], trainer_b.optimizers[0])
-    schedulers = [[c.scheduler.state_dict() for c in t.lr_scheduler_configs] for t in (trainer_a, trainer_b)]
-    assert_same(*schedulers, "LR schedulers")
-    assert_same(rng_a, rng_b, "RNG state")
-
-
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam", "adamw-decay"])
 def test_a_fit_with_accumulation_and_a_scheduler_overlaps_on_the_boundary_backward_only(optimizer, optimizer_offload_transport, caplog):
     # Accumulation 2: the first backward of each step runs outside optimizer.step's closure and
     # must not be stepped (its gradients are partial); stepping it would both change the bits and
     # raise at the second backward.
     settings = dict(accumulate_grad_batches=2, optimizer=optimizer)
-    expected = _fit(None, **settings)
-    callback = _lightmem()
+    expected = fit_tiny(None, **settings)
+    callback = offloading_optimizer()
     with caplog.at_level("INFO"):
-        actual = _fit(callback, **settings)
+        actual = fit_tiny(callback, **settings)
     assert "; host step overlapped with backward)." in caplog.text
     # The first step watches for nested backward passes and runs after backward; the other three overlap.
     (stats,) = callback.optimizer_offload_stats
     assert (stats.steps, stats.overlapped_steps) == (4, 3)
-    _assert_same_fit(expected, actual)
+    assert_same_fit(expected, actual)
 
 
 def test_either_lightning_package_overlaps(lightning_package):
-    expected = _fit(None, lightning_package, accumulate_grad_batches=2)
-    actual = _fit(_lightmem(), lightning_package, accumulate_grad_batches=2)
-    _assert_same_fit(expected, actual)
-
-
-@pytest.mark.parametrize("algorithm", ["norm", "value"])
-def test_with_clipping_configured_the_step_runs_after_backward_and_says_why(algorithm, caplog):
-    settings = dict(accumulate_grad_batches=2, gradient_clip_val=0.05, gradient_clip_algorithm=algorithm)
-    expected = _fit(None, **settings)
-    callback = _lightmem()
-    with caplog.at_level("INFO"):
-        actual = _fit(callback, **settings)
-    assert "; host step after backward: gradient_clip_val is set (clipping needs every gradient first))." in caplog.text
-    assert callback.optimizer_offload_stats[0].overlapped_steps == 0
-    _assert_same_fit(expected, actual)
+    expected = fit_tiny(None, lightning_package, accumulate_grad_batches=2)
+    actual = fit_tiny(offloading_optimizer(), lightning_package, accumulate_grad_batches=2)
+    assert_same_fit(expected, actual)
 
 
 class _LogsGradNorms(LitTiny):
@@ -399,25 +340,25 @@ class _LogsGradNorms(LitTiny):
 
 def test_a_module_hook_between_backward_and_step_turns_it_off(caplog):
     with caplog.at_level("INFO"):
-        _fit(_lightmem(), module_class=_LogsGradNorms)
+        fit_tiny(offloading_optimizer(), module_class=_LogsGradNorms)
     assert "; host step after backward: the LightningModule overrides on_before_optimizer_step)." in caplog.text
 
 
 def test_overlap_asked_for_where_the_fit_does_not_allow_it_fails_at_fit_start():
     with pytest.raises(ValueError) as error:
-        _fit(_lightmem(offload_overlap_step=True), gradient_clip_val=0.5)
+        fit_tiny(offloading_optimizer(offload_overlap_step=True), module_class=_LogsGradNorms)
     assert str(error.value) == (
-        "LightMem(offload_overlap_step=...): not possible in this fit: gradient_clip_val is set (clipping "
-        "needs every gradient first); leave it 'auto' or False"
+        "LightMem(offload_overlap_step=...): not possible in this fit: the LightningModule overrides "
+        "on_before_optimizer_step; leave it 'auto' or False"
     )
 
 
 def test_overlap_off_steps_after_backward(caplog):
-    expected = _fit(None)
+    expected = fit_tiny(None)
     with caplog.at_level("INFO"):
-        actual = _fit(_lightmem(offload_overlap_step=False))
+        actual = fit_tiny(offloading_optimizer(offload_overlap_step=False))
     assert "; host step after backward: overlap_step=False)." in caplog.text
-    _assert_same_fit(expected, actual)
+    assert_same_fit(expected, actual)
 
 
 @pytest.mark.parametrize(
@@ -459,9 +400,9 @@ class _LitSharedReentrant(LitTiny):
 
 
 def test_under_lightning_a_first_step_with_reentrant_checkpointing_keeps_the_step_after_backward():
-    expected = _fit(None, module_class=_LitSharedReentrant)
-    callback = _lightmem()
+    expected = fit_tiny(None, module_class=_LitSharedReentrant)
+    callback = offloading_optimizer()
     with pytest.warns(UserWarning, match="off from now on, the first step showed nested backward passes"):
-        actual = _fit(callback, module_class=_LitSharedReentrant)
+        actual = fit_tiny(callback, module_class=_LitSharedReentrant)
     assert callback.optimizer_offload_stats[0].overlapped_steps == 0
-    _assert_same_fit(expected, actual)
+    assert_same_fit(expected, actual)

@@ -33,9 +33,10 @@ host copies fp32 masters: ``lightmem.offload.device_dtype``.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -45,6 +46,7 @@ from torch import nn
 
 from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
 from lightmem.offload.device_dtype import DeviceDtype, refuse_device_dtype
+from lightmem.offload.grad_clip import GradClip
 from lightmem.offload.host_kernel import HostKernel
 from lightmem.offload.overlap import OverlappedStep, _Landing, overlap_refusal
 from lightmem.offload.pool import HostAllocationError, HostSlab
@@ -270,6 +272,7 @@ class OptimizerOffloader:
         transport: Transport | None = None,
         reducer: Any = None,
         overlap: str | None = None,
+        clip: GradClip | None = None,
     ) -> None:
         flag = settings.flag("enabled")
         if not isinstance(model, nn.Module):
@@ -324,6 +327,12 @@ class OptimizerOffloader:
             narrow_arena, wide_arena = self._device_dtype_arenas
             self._device_dtype = DeviceDtype(slots, dtype, narrow_arena.tensors, wide_arena.tensors)
         self._overlap_mode = overlap  # None, "every-backward" or "step-closure"
+        # Plain loop: clipping this offloader applies before every step (in the overlapped step as
+        # gradients land). "step-closure" (Lightning): the clipping Lightning asks for, which the
+        # overlapped step applies while Lightning's own call is taken as done (``takes_clipping``).
+        self._clip = clip
+        self._grad_norm: torch.Tensor | None = None
+        self._accumulating = False
         self.overlap_note = "host step overlapped with backward" if overlap else "host step after backward"
         """For the line at fit start: whether the host step overlaps backward, and why not."""
         self._overlap: OverlappedStep | None = None
@@ -346,7 +355,7 @@ class OptimizerOffloader:
             # About eight steps per backward: few enough that their Python is small beside the
             # kernels, enough that all but the last layers' step hides behind backward.
             batch_bytes = max(self._params_arena.nbytes // 8, 1)
-            self._overlap = OverlappedStep(optimizer, self.transport.host_wait, batch_bytes, self.device)
+            self._overlap = OverlappedStep(optimizer, self.transport.host_wait, batch_bytes, self.device, clip)
         self.host_kernel = HostKernel(optimizer)
         self.host_kernel.select()  # before the swap: "step" counters go where the kernel keeps them
         self._swap_optimizer(to_host=True)
@@ -533,7 +542,8 @@ class OptimizerOffloader:
         the overlap on for this backward, hand it to the overlapped step, which lands it."""
         overlap = self._overlap
         overlapping = overlap is not None and (
-            self._overlap_mode == "every-backward" or (self._in_step_closure and not self._on_probation)
+            (self._overlap_mode == "every-backward" and not self._accumulating)
+            or (self._in_step_closure and not self._on_probation)
         )
         if slot.overlapped:
             self._refuse_pending_overlap("a second gradient for a parameter already stepped")
@@ -624,6 +634,7 @@ class OptimizerOffloader:
             self._stats.overlapped_bytes = overlap.stepped_bytes if overlap.pending else 0
             if overlap.pending:
                 overlap.land_now()  # every host gradient in place after backward, as without overlap
+                overlap.end_backward()  # by norm: the worker clips and steps them all from here
         self._land_all()
 
     def _land_all(self) -> None:
@@ -699,6 +710,8 @@ class OptimizerOffloader:
         self._host_wait_params()
         if self._overlap is not None and self._overlap.pending:
             self._take_overlapped()
+        elif self._clip is not None and self._overlap_mode != "step-closure":
+            self._grad_norm = self._clip.clip(_optimized_params(self.optimizer))
 
     # -- the step overlapped with backward (overlap.py) ----------------------------------------
 
@@ -721,9 +734,11 @@ class OptimizerOffloader:
                 f"{self.settings.flag('overlap_step')}: {stepped} parameters were stepped on the host as "
                 f"their gradients landed, and since then {'; '.join(changes)} changed: they keep the step "
                 "taken with the values at the end of backward. Turn overlap_step off where anything between "
-                "backward and optimizer.step() changes gradients or param groups (clipping, a GradScaler, "
-                "accumulation, an LR change)"
+                "backward and optimizer.step() changes gradients or param groups (clipping: give it to "
+                "clip_grad_norm or clip_grad_value instead; a GradScaler; an LR change)"
             )
+        if overlap.clip is not None and overlap.clip.by_norm:
+            self._grad_norm = overlap.grad_norm
         with torch.no_grad():
             for master, grad, _ in overlap.stepped:
                 master.grad = None
@@ -770,7 +785,54 @@ class OptimizerOffloader:
             f"{self.settings.flag('overlap_step')}: {what} came after a backward whose gradients were "
             f"being stepped on the host as they landed ({stepped} parameters stepped), before "
             "optimizer.step(): those parameters keep that step. With overlap_step every backward must be "
-            "followed by optimizer.step() (no accumulation, no backward that raised and was skipped)"
+            "followed by optimizer.step(): run the backward passes that accumulate inside "
+            "`with handle.accumulating():`, and skip no step after a backward that raised"
+        )
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """With ``overlap_step``: the backward passes inside add to the host gradients and step
+        nothing (gradient accumulation); the backward after them, the one ``optimizer.step()``
+        follows, overlaps its step. Without ``overlap_step`` it changes nothing."""
+        if self._overlap is not None and self._overlap.pending:
+            self._refuse_pending_overlap("accumulating()")
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """With ``clip_grad_norm``: the global norm of the gradients of the last step, before
+        clipping (what ``clip_grad_norm_`` returns); None before the first step."""
+        return self._grad_norm
+
+    def takes_clipping(self, clip_val: float | None, algorithm: str | None) -> bool:
+        """Under Lightning: whether the clipping Lightning is about to apply (``clip_val``: 0 or
+        None for none) was already applied by the overlapped step of this backward, so Lightning
+        must not apply it again. False where no step is overlapping (Lightning clips as usual).
+
+        Raises:
+            RuntimeError: parameters were stepped with other clipping than this (it changed
+                during the fit): a step taken cannot be undone.
+        """
+        overlap = self._overlap
+        if overlap is None or not overlap.pending:
+            return False
+        clip = overlap.clip
+        asked = GradClip.lightning(clip_val, algorithm)
+        if asked == clip:
+            return True
+        overlap.idle()
+        stepped = len(overlap.stepped)
+        self._end_overlap()
+        raise RuntimeError(
+            f"{self.settings.flag('overlap_step')}: {stepped} parameters were stepped on the host as their "
+            f"gradients landed with {clip or 'no clipping'} (the Trainer's gradient_clip_val and "
+            f"gradient_clip_algorithm at fit start), and this step asks for "
+            f"{asked or 'no clipping'}: they keep the step "
+            "taken. Keep the clipping of a fit fixed, or turn offload_overlap_step off"
         )
 
     def wait_for_host_step(self) -> None:
@@ -951,6 +1013,8 @@ def offload_optimizer(
     devices: Iterable[str] = ("cuda",),
     max_grad_inflight_bytes: int | str = DEFAULT_GRAD_INFLIGHT,
     overlap_step: bool = False,
+    clip_grad_norm: float | None = None,
+    clip_grad_value: float | None = None,
     device_dtype: torch.dtype | str | None = None,
     transport: Transport | None = None,
     settings: OptimizerOffloadSettings | None = None,
@@ -959,8 +1023,8 @@ def offload_optimizer(
     on the host.
 
     The training loop stays as it is (``loss.backward()``, ``optimizer.step()``,
-    ``optimizer.zero_grad()``, LR schedulers, clipping over ``optimizer.param_groups``); the result
-    on CPU is bitwise what the same loop gives without it. Call ``close()`` (or use ``with``) to
+    ``optimizer.zero_grad()``, LR schedulers, clipping over ``optimizer.param_groups`` or with
+    ``clip_grad_norm``); the result on CPU is bitwise what the same loop gives without it. Call ``close()`` (or use ``with``) to
     put the optimizer back on the device parameters.
 
     Args:
@@ -980,14 +1044,24 @@ def offload_optimizer(
             worker thread while backward goes on, instead of all of them in ``optimizer.step()``
             (which then steps what is left). The result is bitwise the same **only if every
             backward is followed by** ``optimizer.step()`` **with nothing in between that changes
-            a gradient or a param group**: no clipping (by norm or by value), no GradScaler, no
-            accumulation over several backward passes, no LR change, no closure that re-runs
-            backward. Reading the optimizer's host parameters in between sees them part-stepped.
+            a gradient or a param group**: no clipping of your own (give it to ``clip_grad_norm``
+            or ``clip_grad_value``), no GradScaler, no LR change, no closure that re-runs
+            backward; run the backward passes of gradient accumulation but the last inside
+            ``with handle.accumulating():``. Reading the optimizer's host parameters in between
+            sees them part-stepped.
             lightmem cannot see your next line, so this is yours to promise; what it can check
             (a gradient written or replaced, a hyperparameter changed, a second backward or a
             ``zero_grad`` before the step) raises ``RuntimeError`` at that point, since a step
             taken cannot be undone. Torch's per-parameter optimizers only (SGD, Adam, AdamW,
             Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop); not under DDP.
+        clip_grad_norm: clip the gradients by their global 2-norm before every step, bitwise
+            ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)`` over the optimizer's
+            parameters (``handle.grad_norm`` is what it returns). Don't clip yourself as well.
+            With ``overlap_step`` each gradient's norm is taken as it lands, and the step of all
+            parameters starts the moment backward ends, before ``optimizer.step()`` is called.
+        clip_grad_value: clip every gradient element into ``[-clip_grad_value, clip_grad_value]``
+            before every step, bitwise ``torch.nn.utils.clip_grad_value_``; with ``overlap_step``
+            as each gradient lands, so its step still overlaps backward. Not with ``clip_grad_norm``.
         device_dtype: ``torch.bfloat16`` (or ``"bf16"``): ZeRO-Offload's scheme, **not bitwise
             equal** to training without lightmem. The optimizer steps fp32 host masters; the
             device parameters are cast to bf16 in place (half the bytes per step and of the
@@ -1005,8 +1079,8 @@ def offload_optimizer(
         ValueError: the optimizer cannot step on the host (not a ``torch.optim.Optimizer``, LBFGS,
             ``capturable=True``), its parameters are on several devices or on a device type not in
             ``devices``, ``overlap_step`` with an optimizer whose step it cannot split, or
-            ``device_dtype`` with parameters that are not fp32, with ``overlap_step`` or under DDP;
-            the message names the flag.
+            ``device_dtype`` with parameters that are not fp32, with ``overlap_step`` or under DDP,
+            both clipping flags or one that is not a positive number; the message names the flag.
 
     Example::
 
@@ -1029,7 +1103,12 @@ def offload_optimizer(
     reducer = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
     _refuse_bucket_views(reducer, settings.flag("enabled"), "wrap the model with gradient_as_bucket_view=False")
     overlap = "every-backward" if settings.overlap_step is True else None
-    return OptimizerOffloader(model, optimizer, settings=settings, transport=transport, reducer=reducer, overlap=overlap)
+    clip = GradClip.parse(
+        clip_grad_norm, clip_grad_value, (settings.flag("clip_grad_norm"), settings.flag("clip_grad_value"))
+    )
+    return OptimizerOffloader(
+        model, optimizer, settings=settings, transport=transport, reducer=reducer, overlap=overlap, clip=clip
+    )
 
 
 def _refuse_bucket_views(reducer: Any, flag: str, remedy: str) -> None:

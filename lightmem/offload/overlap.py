@@ -6,12 +6,20 @@ each final gradient is handed to a worker thread, which waits for its copy to ho
 backward goes on (torch's CPU kernels release the GIL). ``optimizer.step()`` then steps only what
 is left.
 
+With clipping (``GradClip``): by value, each gradient is clamped as it lands and stepped at once;
+by norm, each gradient's norm is taken as it lands, and at the end of backward (``end_backward()``)
+the worker scales every gradient by the total and steps them all, without waiting for
+``optimizer.step()``: the norm's pass over the gradients hides behind backward, and the step starts
+the moment the last gradient has landed.
+
 Why the result is bitwise that of one step after backward: the optimizers allowed here
 (``OVERLAPPABLE``: torch's own step) keep their state per parameter and their kernels (for-loop,
 foreach, fused) are elementwise per tensor, so stepping a parameter in one call or another gives
-the same bits, provided the step sees the same gradient and hyperparameters. That is the
-contract the caller keeps: nothing between backward and ``optimizer.step()`` changes a gradient
-(clipping, unscaling, a further accumulating backward) or a param group (an LR change). What
+the same bits, provided the step sees the same gradient and hyperparameters (clipping by norm
+included: ``grad_clip.py`` takes the per-tensor norms torch takes). That is the contract the
+caller keeps: nothing between backward and ``optimizer.step()`` changes a gradient (clipping
+other than the one configured, unscaling, a further accumulating backward) or a param group (an
+LR change). What
 can be checked is checked at ``optimizer.step()`` (a gradient written in place or replaced, a
 hyperparameter changed) and raised, since a parameter already stepped cannot be un-stepped.
 
@@ -33,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from lightmem.offload.grad_clip import GradClip
 
 OVERLAPPABLE = (
     "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop",
@@ -112,14 +122,24 @@ class OverlappedStep:
     (the training thread lands what the worker has not), ``join()`` before the rest of the step
     (raises what the worker raised), ``commit()`` once the step has taken them. ``stepped`` are
     the parameters stepped and not yet committed, with the gradient each was stepped with and its
-    version when it landed.
+    version when it landed (plus the worker's own clipping writes).
+
+    With ``clip`` by norm nothing is stepped before ``end_backward()`` (after ``land_now()``):
+    then the worker scales every gradient of the optimizer's parameters by the global norm
+    (``grad_norm``) and steps them all.
     """
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, host_wait: Callable[[Any], None], batch_bytes: int,
-        device: torch.device | None = None,
+        device: torch.device | None = None, clip: GradClip | None = None,
     ) -> None:  # fmt: skip
         self.optimizer = optimizer
+        self.clip = clip
+        self._norms: dict[int, torch.Tensor] = {}  # by norm: id(gradient) -> its norm, as each lands
+        self._landed: list[_Landing] = []  # by norm: landed this backward, stepped at its end
+        self._end_of_backward = False  # by norm: every gradient handed over; clip and step them
+        self.grad_norm: torch.Tensor | None = None
+        """By norm: the global norm of the last step's gradients (what ``clip_grad_norm_`` returns)."""
         self._device = device  # the training device: the worker's current CUDA device
         # Each call of the step costs tens of microseconds of Python holding the GIL, which
         # backward's hooks want too: the worker is woken per ``batch_bytes`` handed over, not per
@@ -174,6 +194,15 @@ class OverlappedStep:
         self._go = True
         self._cond.notify_all()
 
+    def end_backward(self) -> None:
+        """After ``land_now()``: every gradient of the step is handed over. By norm, the worker
+        clips and steps them all now (otherwise each batch was stepped as it landed)."""
+        if self.clip is None or not self.clip.by_norm:
+            return
+        with self._cond:
+            self._end_of_backward = True
+            self._cond.notify_all()
+
     def land_now(self) -> None:
         """At the end of backward, in the training thread: every gradient handed over is in
         ``master.grad`` when this returns (as without the overlap), while the steps go on.
@@ -203,7 +232,7 @@ class OverlappedStep:
         with self._cond:
             if self._ready:
                 self._signal()
-            while self._ready or self._busy:
+            while self._ready or self._busy or self._end_of_backward:
                 self._cond.wait()
 
     def changes(self) -> list[str]:
@@ -240,6 +269,8 @@ class OverlappedStep:
         self.stepped_bytes = 0
         self._groups = None
         self._after = None
+        self._norms.clear()
+        self._landed.clear()
 
     def close(self) -> None:
         with self._cond:
@@ -259,16 +290,17 @@ class OverlappedStep:
             torch.cuda.set_device(device)
         while True:
             with self._cond:
-                while not (self._go and self._ready) and not self._closing:
+                while not ((self._go and self._ready) or self._end_of_backward) and not self._closing:
                     self._cond.wait()
-                if not self._ready:
+                if not (self._ready or self._end_of_backward):
                     return
                 batch, self._ready = self._ready, []
+                last, self._end_of_backward = self._end_of_backward, False
                 self._go = False
                 self._busy = True
                 self._batch_landed = False
             try:
-                self._land_and_step(batch)
+                self._land_and_step(batch, last)
             except BaseException as error:  # surfaced at optimizer.step(); the worker goes on landing
                 with self._cond:
                     if self._error is None:
@@ -278,7 +310,7 @@ class OverlappedStep:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _land_and_step(self, batch: list[_Landing]) -> None:
+    def _land_and_step(self, batch: list[_Landing], last: bool = False) -> None:
         if self._after is not None:
             self._host_wait(self._after)  # the previous step's copies to the device have read the host copies
             self._after = None
@@ -292,13 +324,59 @@ class OverlappedStep:
                 self._cond.notify_all()
         if self._error is not None or self._groups is None:
             return  # a failed batch before: land the rest (close() gives them back), step nothing
+        clip = self.clip
+        if clip is not None and clip.by_norm:
+            self._norms.update(clip.norms([landing.master.grad for landing in batch]))  # type: ignore[misc]
+            self._landed += batch
+            if last:
+                self._clip_and_step_all()
+            return
+        if clip is not None:
+            clip.clamp([landing.master for landing in batch])
         subsets: dict[int, list[torch.nn.Parameter]] = {}
         for landing in batch:
             subsets.setdefault(landing.group, []).append(landing.master)
+        self._step_subsets(subsets)
+        writes = 0 if clip is None else clip.writes
+        for landing in batch:
+            self._stepped(landing.master, landing.version + writes)
+
+    def _clip_and_step_all(self) -> None:
+        """By norm, once every gradient of the step has landed: the global norm from the norms
+        taken as they landed (a gradient landed by an earlier backward of the step, accumulated,
+        has its norm taken now), every gradient scaled by it, every parameter stepped."""
+        clip = self.clip
+        assert clip is not None
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        grads = [param.grad for param in params if param.grad is not None]
+        missing = [grad for grad in grads if id(grad) not in self._norms]
+        if missing:
+            self._norms.update(clip.norms(missing))
+        self.grad_norm = clip.total(grads, self._norms)
+        with_grads = [param for param in params if param.grad is not None]
+        # Each gradient's version when it landed this backward, or now (an earlier backward's).
+        landed_at = {id(landing.master): landing.version for landing in self._landed}
+        versions = [landed_at.get(id(param), param.grad._version) for param in with_grads]  # type: ignore[union-attr]
+        clip.scale(params, self.grad_norm)
+        subsets = {
+            index: [param for param in group["params"] if param.grad is not None]
+            for index, group in enumerate(self.optimizer.param_groups)
+        }
+        self._step_subsets({index: subset for index, subset in subsets.items() if subset})
+        for param, version in zip(with_grads, versions):
+            self._stepped(param, version + clip.writes)
+
+    def _step_subsets(self, subsets: dict[int, list[torch.nn.Parameter]]) -> None:
+        """The optimizer's own step over ``subsets`` (param group index -> its parameters to step),
+        with the hyperparameters of ``begin()``, through a stand-in that shares the optimizer's state."""
         stand_in = object.__new__(type(self.optimizer))
         stand_in.__dict__.update(self.optimizer.__dict__)
-        stand_in.param_groups = [{**self._groups[index], "params": params} for index, params in subsets.items()]
+        stand_in.param_groups = [{**self._groups[index], "params": params} for index, params in subsets.items()]  # type: ignore[index]
         self._step(stand_in)
-        for landing in batch:
-            self.stepped.append((landing.master, landing.master.grad, landing.version))  # type: ignore[arg-type]
-            self.stepped_bytes += landing.master.nbytes
+
+    def _stepped(self, master: torch.nn.Parameter, version: int) -> None:
+        """``master`` is stepped. Kept with it: the version its gradient has if nothing but the
+        worker wrote it since it landed (its version at landing plus the clipping's writes), so
+        that any other write shows in ``changes()``."""
+        self.stepped.append((master, master.grad, version))  # type: ignore[arg-type]
+        self.stepped_bytes += master.nbytes

@@ -12,6 +12,7 @@ import torch
 
 from lightmem.config import OptimizerOffloadSettings
 from lightmem.offload.device_dtype import refuse_precision
+from lightmem.offload.grad_clip import GradClip
 from lightmem.offload.optimizer import OptimizerOffloader, _InstanceAttribute, _refuse_bucket_views
 from lightmem.offload.overlap import overlap_refusal
 from lightmem.offload.transport import Transport
@@ -66,21 +67,44 @@ def offload_trainer_optimizers(
     if settings.device_dtype is not None:
         refuse_precision(trainer, settings)  # only where the option is on: a CPU-only run keeps going
     offloaders = []
+    clip = GradClip.lightning(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
     for optimizer in trainer.optimizers:
         why_not = None if settings.overlap_step is False else _why_no_overlap(trainer, optimizer, reducer, settings)
         if why_not is not None and settings.overlap_step is True:
             raise ValueError(f"{settings.flag('overlap_step')}: not possible in this fit: {why_not}; leave it 'auto' or False")
         overlap = "step-closure" if settings.overlap_step is not False and why_not is None else None
         offloader = OptimizerOffloader(
-            model, optimizer, settings=settings, transport=transport, reducer=reducer, overlap=overlap
-        )
+            model, optimizer, settings=settings, transport=transport, reducer=reducer, overlap=overlap,
+            clip=clip if overlap else None,
+        )  # fmt: skip
         offloader.overlap_note = (
-            "host step overlapped with backward" if overlap else f"host step after backward: {why_not or 'overlap_step=False'}"
+            f"host step overlapped with backward{f', {clip} as gradients land' if clip else ''}"
+            if overlap
+            else f"host step after backward: {why_not or 'overlap_step=False'}"
         )
         offloaders.append(offloader)
     if offloaders:
         _keep_restored_state_on_host(trainer.strategy, offloaders[0])
+        _clip_in_the_overlapped_step(trainer.precision_plugin, offloaders)
     return offloaders, None
+
+
+def _clip_in_the_overlapped_step(precision: Any, offloaders: list[OptimizerOffloader]) -> None:
+    """Lightning clips after the closure's backward, through ``precision.clip_gradients``. Where the
+    overlapped step already clipped (as gradients landed), that call is taken as done; anywhere
+    else (a step after backward, another optimizer) Lightning clips as usual."""
+    lightnings = precision.clip_gradients
+
+    def clip_gradients(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None, **kwargs: Any) -> None:
+        for offloader in offloaders:
+            if offloader.optimizer is optimizer and offloader.takes_clipping(clip_val, gradient_clip_algorithm):
+                return
+        if gradient_clip_algorithm is not None:
+            kwargs["gradient_clip_algorithm"] = gradient_clip_algorithm
+        lightnings(optimizer, clip_val, **kwargs)
+
+    precision.clip_gradients = clip_gradients
+    offloaders[0].remove_at_close(_InstanceAttribute(precision, "clip_gradients"))
 
 
 def _keep_restored_state_on_host(strategy: Any, offloader: OptimizerOffloader) -> None:
@@ -99,7 +123,12 @@ def _keep_restored_state_on_host(strategy: Any, offloader: OptimizerOffloader) -
 
 # Hooks that run between the backward of an optimizer step's closure and the step: overridden,
 # they may change gradients (or read the host parameters) there.
-_BETWEEN_BACKWARD_AND_STEP = ("backward", "on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step")
+_BETWEEN_BACKWARD_AND_STEP = (
+    "backward", "on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "clip_gradients",
+    "optimizer_step",
+)  # fmt: skip
+# The precision plugin's clipping, which the overlapped step replaces: overridden, it may clip otherwise.
+_PRECISION_CLIPPING = ("clip_gradients", "clip_grad_by_norm", "clip_grad_by_value")
 
 
 def _defined_by_user(instance: Any, name: str) -> bool:
@@ -120,8 +149,6 @@ def _why_no_overlap(
         return f"{settings.flag('device_dtype')} widens bf16 gradients into the fp32 masters after backward"
     if not module.automatic_optimization:
         return "manual optimization (lightmem cannot see what runs between backward and the step)"
-    if trainer.gradient_clip_val:
-        return "gradient_clip_val is set (clipping needs every gradient first)"
     if reducer is not None:
         return "DDP averages gradients at the end of backward"
     for name in _BETWEEN_BACKWARD_AND_STEP:
@@ -131,6 +158,11 @@ def _why_no_overlap(
         for name in ("on_after_backward", "on_before_optimizer_step"):
             if _defined_by_user(callback, name):
                 return f"callback {type(callback).__name__} overrides {name}"
-    if _defined_by_user(trainer.precision_plugin, "optimizer_step"):
-        return f"precision plugin {type(trainer.precision_plugin).__name__} has its own optimizer_step"
+    precision = trainer.precision_plugin
+    if _defined_by_user(precision, "optimizer_step"):
+        return f"precision plugin {type(precision).__name__} has its own optimizer_step"
+    if trainer.gradient_clip_val:
+        for name in _PRECISION_CLIPPING:
+            if _defined_by_user(precision, name):
+                return f"precision plugin {type(precision).__name__} has its own {name}"
     return overlap_refusal(optimizer)

@@ -1,0 +1,358 @@
+"""Clipping and accumulation with the host step overlapped with backward: by value each gradient is
+clamped and stepped as it lands; by norm each gradient's norm is taken as it lands and every
+parameter is stepped the moment backward ends, before ``optimizer.step()``; accumulating backward
+passes (``handle.accumulating()`` in a plain loop, Lightning's own outside the step's closure) step
+nothing. The whole training state stays bitwise that of torch's clipping and the same host kernel
+after backward, in a plain loop and under Lightning."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from exact import assert_same
+from optimizer_models import (
+    HOST_KERNEL,
+    OPTIMIZERS,
+    LitTiny,
+    SmallGPT,
+    assert_given_back,
+    assert_same_fit,
+    fit_tiny,
+    offloading_optimizer,
+    regression_batches,
+    small_gpt_loss,
+    tiny_net,
+)
+from torch import nn
+
+import lightmem.offload.grad_clip as grad_clip
+from lightmem import offload_optimizer
+from lightmem.testing.simulated import SimulatedAsyncTransport
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning"
+)
+
+CLIPS = {"norm": ("clip_grad_norm", 0.05), "value": ("clip_grad_value", 0.01)}
+
+
+def _clip_by_torch(optimizer, algorithm):
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    if algorithm == "norm":
+        return torch.nn.utils.clip_grad_norm_(params, CLIPS["norm"][1]).clone()
+    torch.nn.utils.clip_grad_value_(params, CLIPS["value"][1])
+    return None
+
+
+def _train(optimizer_name, algorithm, offload=None, accumulate=1, steps=4, transport=None):
+    """A plain loop with ``accumulate`` backward passes per step and StepLR. Without ``offload``
+    the reference: torch's clipping, the optimizer constructed with the kernel lightmem runs on the
+    host. Returns the model, optimizer, handle and the global norm of each step (by norm)."""
+    torch.manual_seed(0)
+    model = tiny_net()
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters(), **({} if offload else HOST_KERNEL))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+    handle = None
+    if offload is not None:
+        flag, value = CLIPS[algorithm]
+        handle = offload_optimizer(
+            model, optimizer, devices=("cpu",), transport=transport, overlap_step=offload == "overlap", **{flag: value}
+        )
+    torch.manual_seed(2)  # dropout
+    norms = []
+    batches = regression_batches(steps * accumulate)
+    for index, (inputs, targets) in enumerate(batches):
+        boundary = (index + 1) % accumulate == 0
+        with handle.accumulating() if handle is not None and not boundary else contextlib.nullcontext():
+            nn.functional.mse_loss(model(inputs), targets).backward()
+        if not boundary:
+            continue
+        norm = _clip_by_torch(optimizer, algorithm) if handle is None else None
+        optimizer.step()
+        if algorithm == "norm":
+            norms.append(norm if handle is None else handle.grad_norm.clone())
+        optimizer.zero_grad()
+        scheduler.step()
+    return model, optimizer, handle, norms
+
+
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam", "adamw-decay"])
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+@pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("offload", ["overlap", "after-backward"])
+def test_a_plain_loop_clipping_in_the_offloader_is_bitwise_torchs_clipping(optimizer, algorithm, accumulate, offload):
+    model_a, opt_a, _, norms_a = _train(optimizer, algorithm, accumulate=accumulate)
+    model_b, opt_b, handle, norms_b = _train(optimizer, algorithm, offload, accumulate=accumulate)
+    assert handle.stats.overlapped_steps == (4 if offload == "overlap" else 0)
+    if algorithm == "norm":
+        assert max(norms_a) > CLIPS["norm"][1]  # the clipping scaled the gradients
+        assert_same(norms_a, norms_b, "global norms")
+    handle.wait_for_params()
+    assert_given_back(model_a, model_b, opt_a, opt_b)
+    handle.close()
+    assert_given_back(model_a, model_b, opt_a, opt_b)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_on_the_simulated_gpu_with_held_copies(algorithm):
+    transport = SimulatedAsyncTransport(seed=5, max_delay_s=0.001)
+    model_a, opt_a, _, norms_a = _train("adamw-decay", algorithm, accumulate=2)
+    model_b, opt_b, handle, norms_b = _train("adamw-decay", algorithm, "overlap", accumulate=2, transport=transport)
+    assert_same(norms_a, norms_b, "global norms")
+    handle.close()
+    assert_given_back(model_a, model_b, opt_a, opt_b)
+    assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
+    transport.close()
+
+
+# -- the order of events on the simulated GPU ---------------------------------------------------
+
+
+def _gpt_after_each_step(loss_of, algorithm, steps):
+    """Without lightmem: ``[k]`` holds every parameter of ``SmallGPT`` after ``k`` steps of fused
+    AdamW with torch's clipping."""
+    torch.manual_seed(0)
+    model = SmallGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, fused=True)
+    values = [[param.detach().clone() for param in model.parameters()]]
+    for _ in range(steps):
+        loss_of(model).backward()
+        _clip_by_torch(optimizer, algorithm)
+        optimizer.step()
+        optimizer.zero_grad()
+        values.append([param.detach().clone() for param in model.parameters()])
+    return values
+
+
+def _gpt_on_simulated_gpu(algorithm):
+    """SmallGPT offloaded with the overlap on a simulated GPU whose copies to host run only when the
+    host waits for them and whose compute lags; a hook before backward's last node (the embedding's)."""
+    transport = SimulatedAsyncTransport(seed=1, max_delay_s=0.0)
+    transport.hold_copies_to_host()
+    transport.lag_compute()
+    torch.manual_seed(0)
+    model = SmallGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    flag, value = CLIPS[algorithm]
+    handle = offload_optimizer(
+        model, optimizer, devices=("cpu",), transport=transport, overlap_step=True, **{flag: value}
+    )  # fmt: skip
+    return model, optimizer, handle, transport
+
+
+def _at_the_last_node(model, run):
+    def on_embedding_output(module, args, out):
+        out.grad_fn.register_prehook(lambda grad_outputs: run())
+
+    model.embedding.register_forward_hook(on_embedding_output)
+
+
+def test_by_value_all_but_the_first_layer_are_clamped_and_stepped_before_backward_reaches_it():
+    loss_of = small_gpt_loss()
+    expected = _gpt_after_each_step(loss_of, "value", steps=2)
+    model, optimizer, handle, transport = _gpt_on_simulated_gpu("value")
+    host_copies = optimizer.param_groups[0]["params"]  # the embedding's weight first
+    seen = []
+
+    def look():
+        handle.wait_for_host_step()
+        seen.append([host.detach().clone() for host in host_copies])
+
+    _at_the_last_node(model, look)
+    for step in range(2):
+        loss_of(model).backward()
+        (at_last_node,) = seen
+        seen.clear()
+        assert torch.equal(at_last_node[0], expected[step][0])  # the embedding: its gradient is not final yet
+        for index in range(1, len(at_last_node)):
+            assert torch.equal(at_last_node[index], expected[step + 1][index]), f"parameter {index}"
+        optimizer.step()
+        optimizer.zero_grad()
+    handle.close()
+    assert all(torch.equal(param, value) for param, value in zip(model.parameters(), expected[2]))
+    assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
+    transport.close()
+
+
+def test_by_norm_norms_are_taken_as_gradients_land_and_the_step_starts_when_backward_ends(monkeypatch):
+    """Before backward's last node every other gradient's norm is taken and nothing is stepped;
+    once ``backward()`` has returned, the step of every parameter runs without ``optimizer.step()``."""
+    loss_of = small_gpt_loss()
+    expected = _gpt_after_each_step(loss_of, "norm", steps=2)
+    model, optimizer, handle, transport = _gpt_on_simulated_gpu("norm")
+    host_copies = optimizer.param_groups[0]["params"]
+    normed: list[int] = []  # id of each gradient whose norm was taken, in the order taken
+    norms_of = grad_clip.GradClip.norms
+
+    def norms_spy(self, grads):
+        normed.extend(map(id, grads))
+        return norms_of(self, grads)
+
+    monkeypatch.setattr(grad_clip.GradClip, "norms", norms_spy)
+    seen = []
+
+    def look():
+        handle.wait_for_host_step()
+        seen.append(([host.detach().clone() for host in host_copies], [id(host.grad) for host in host_copies], list(normed)))
+
+    _at_the_last_node(model, look)
+    for step in range(2):
+        normed.clear()
+        loss_of(model).backward()
+        (values, grads, normed_before) = seen.pop()
+        assert grads[0] not in normed_before and grads[0] == id(None)  # the embedding's gradient: not yet
+        assert sorted(normed_before) == sorted(grads[1:])  # every other norm: taken during backward
+        assert all(torch.equal(value, before) for value, before in zip(values, expected[step]))  # nothing stepped
+        handle.wait_for_host_step()  # no optimizer.step(): the step already runs
+        assert all(torch.equal(host, value) for host, value in zip(host_copies, expected[step + 1]))
+        optimizer.step()  # takes the step done: steps nothing more
+        optimizer.zero_grad()
+    assert handle.stats.overlapped_steps == 2
+    handle.close()
+    assert all(torch.equal(param, value) for param, value in zip(model.parameters(), expected[2]))
+    assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
+    transport.close()
+
+
+# -- what breaks the contract, and bad flags ----------------------------------------------------
+
+
+def _tiny(**flags):
+    torch.manual_seed(0)
+    model = tiny_net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, optimizer, offload_optimizer(model, optimizer, devices=("cpu",), **flags)
+
+
+def _backward(model):
+    inputs, targets = regression_batches(1)[0]
+    nn.functional.mse_loss(model(inputs), targets).backward()
+
+
+def test_clipping_again_by_hand_with_clip_grad_norm_set_is_raised_at_the_step():
+    model, optimizer, handle = _tiny(overlap_step=True, clip_grad_norm=1e-3)
+    _backward(model)
+    torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], 1e-3)
+    with pytest.raises(RuntimeError, match=r"since then the gradients of 6 parameters \(clipped, unscaled"):
+        optimizer.step()
+    optimizer.zero_grad()
+    handle.close()
+
+
+def test_accumulating_after_a_backward_that_steps_is_raised():
+    model, optimizer, handle = _tiny(overlap_step=True)
+    _backward(model)
+    with pytest.raises(RuntimeError, match=r"accumulating\(\) came after a backward whose gradients were being stepped"):
+        with handle.accumulating():
+            pass
+    handle.close()
+
+
+def test_accumulating_without_overlap_changes_nothing():
+    runs = []
+    for inside in (False, True):
+        model, optimizer, handle = _tiny()
+        torch.manual_seed(2)  # dropout
+        with handle.accumulating() if inside else contextlib.nullcontext():
+            _backward(model)
+        _backward(model)
+        optimizer.step()
+        handle.close()
+        runs.append(model.state_dict())
+    assert_same(*runs, "state_dict")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            {"clip_grad_norm": 1.0, "clip_grad_value": 1.0},
+            "offload_optimizer(clip_grad_norm=...) and offload_optimizer(clip_grad_value=...): choose one way to "
+            "clip; got both",
+        ),
+        (
+            {"clip_grad_norm": 0},
+            "offload_optimizer(clip_grad_norm=...): expected a positive finite number (the largest norm or "
+            "value); got 0",
+        ),
+        (
+            {"clip_grad_value": float("inf")},
+            "offload_optimizer(clip_grad_value=...): expected a positive finite number (the largest norm or "
+            "value); got inf",
+        ),
+        (
+            {"clip_grad_norm": "1"},
+            "offload_optimizer(clip_grad_norm=...): expected a positive finite number (the largest norm or "
+            "value); got '1'",
+        ),
+    ],
+)
+def test_bad_clipping_flags_fail_at_construction(flags, message):
+    model = tiny_net()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError) as error:
+        offload_optimizer(model, optimizer, devices=("cpu",), **flags)
+    assert str(error.value) == message
+
+
+# -- under Lightning: gradient_clip_val applied as gradients land ---------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam", "adamw-decay"])
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_a_fit_with_clipping_and_accumulation_overlaps_bitwise(optimizer, algorithm, optimizer_offload_transport, caplog):
+    clip_val = CLIPS[algorithm][1]
+    settings = dict(accumulate_grad_batches=2, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm, optimizer=optimizer)
+    expected = fit_tiny(None, **settings)
+    callback = offloading_optimizer()
+    with caplog.at_level("INFO"):
+        actual = fit_tiny(callback, **settings)
+    assert f"; host step overlapped with backward, clipping by {algorithm} {clip_val:g} as gradients land)." in caplog.text
+    (stats,) = callback.optimizer_offload_stats
+    assert (stats.steps, stats.overlapped_steps) == (4, 3)  # the first step watches, after backward
+    assert_same_fit(expected, actual)
+
+
+def test_either_lightning_package_clips_in_the_overlapped_step(lightning_package):
+    settings = dict(accumulate_grad_batches=2, gradient_clip_val=0.05)
+    expected = fit_tiny(None, lightning_package, **settings)
+    callback = offloading_optimizer()
+    actual = fit_tiny(callback, lightning_package, **settings)
+    assert callback.optimizer_offload_stats[0].overlapped_steps == 3
+    assert_same_fit(expected, actual)
+
+
+class _ChangesClipping(LitTiny):
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == 2:
+            self.trainer.gradient_clip_val = 0.5
+
+
+def test_clipping_changed_mid_fit_is_raised_at_lightnings_clipping():
+    with pytest.raises(RuntimeError) as error:
+        fit_tiny(offloading_optimizer(), module_class=_ChangesClipping, gradient_clip_val=0.05)
+    assert str(error.value) == (
+        "LightMem(offload_overlap_step=...): 6 parameters were stepped on the host as their gradients landed "
+        "with clipping by norm 0.05 (the Trainer's gradient_clip_val and gradient_clip_algorithm at fit start), "
+        "and this step asks for clipping by norm 0.5: they keep the step taken. Keep the clipping of a fit "
+        "fixed, or turn offload_overlap_step off"
+    )
+
+
+def test_a_precision_plugin_that_clips_its_own_way_keeps_the_step_after_backward(caplog):
+    from pytorch_lightning.plugins.precision import Precision
+
+    class OwnClipping(Precision):
+        def clip_grad_by_norm(self, optimizer, clip_val):
+            super().clip_grad_by_norm(optimizer, clip_val)
+
+    settings = dict(gradient_clip_val=0.05, plugins=[OwnClipping()])
+    expected = fit_tiny(None, **settings)
+    callback = offloading_optimizer()
+    with caplog.at_level("INFO"):
+        actual = fit_tiny(callback, **settings)
+    assert "; host step after backward: precision plugin OwnClipping has its own clip_grad_by_norm)." in caplog.text
+    assert callback.optimizer_offload_stats[0].overlapped_steps == 0
+    assert_same_fit(expected, actual)
