@@ -11,10 +11,16 @@ wall time (work runs on two threads), medians and minimums in ms:
 - ``backward``: ``loss.backward()``, the overlapped host steps running beside it;
 - ``optimizer.step()``: what the training thread still waits for after backward (without the
   overlap: the whole host step and the copy back; with it: the steps not done yet, the checks,
-  the copy back);
+  the copy back); with clipping after backward, ``clip_grad_norm_`` / ``clip_grad_value_`` over
+  the host gradients is timed in it too;
 - ``backward + step``; the training thread's CPU time for the two (``time.thread_time``: the
   work the overlap moves to its worker leaves it); and the share of parameter bytes whose host
   step was over when backward ended (``stats.overlapped_bytes``).
+
+Clipping: by norm (max norm 1.0) after backward (``clip_grad_norm_`` by hand, then the step)
+against ``offload_optimizer(..., overlap_step=True, clip_grad_norm=1.0)``, where each gradient's
+norm is taken as it lands and the step of every parameter starts when backward ends; by value
+(0.01) the same way, where each gradient is clamped and stepped as it lands.
 
 On this CPU path backward itself runs on the host, so the overlap needs a second core: torch runs
 on ``--threads`` intra-op threads (default 1), backward on the training thread's and the step
@@ -43,9 +49,22 @@ GPT_4M = dict(vocab=4096, dim=256, depth=2, heads=4, seq=256)
 BATCHES = [("8 tokens", (1, 9)), ("256 tokens", (2, 129))]  # (batch, sequence + 1)
 
 
-def _trainer(model: torch.nn.Module, overlap: bool):
+CLIP_NORM, CLIP_VALUE = 1.0, 0.01
+VARIANTS = [
+    ("after backward", False, None),
+    ("overlapped", True, None),
+    ("after backward, clip_grad_norm_", False, "norm"),
+    ("overlapped, clip_grad_norm=1.0", True, "norm"),
+    ("after backward, clip_grad_value_", False, "value"),
+    ("overlapped, clip_grad_value=0.01", True, "value"),
+]
+
+
+def _trainer(model: torch.nn.Module, overlap: bool, clip: str | None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    offloader = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=overlap)
+    flags = {"norm": {"clip_grad_norm": CLIP_NORM}, "value": {"clip_grad_value": CLIP_VALUE}}.get(clip, {})
+    offloader = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=overlap, **(flags if overlap else {}))
+    host_params = [param for group in optimizer.param_groups for param in group["params"]]
     times: dict[str, list[float]] = {
         "backward": [], "optimizer.step()": [], "backward + step": [], "training thread CPU": [], "hidden": [],
     }  # fmt: skip
@@ -56,6 +75,10 @@ def _trainer(model: torch.nn.Module, overlap: bool):
         start, start_cpu = time.perf_counter(), time.thread_time()
         loss.backward()
         backward_end = time.perf_counter()
+        if clip == "norm" and not overlap:
+            torch.nn.utils.clip_grad_norm_(host_params, CLIP_NORM)
+        elif clip == "value" and not overlap:
+            torch.nn.utils.clip_grad_value_(host_params, CLIP_VALUE)
         optimizer.step()
         end, end_cpu = time.perf_counter(), time.thread_time()
         optimizer.zero_grad()
@@ -81,7 +104,7 @@ def main() -> None:
     millions = sum(param.numel() for param in base.parameters()) / 1e6
     for label, shape in BATCHES:
         tokens = torch.randint(0, GPT_4M["vocab"], shape, generator=torch.Generator().manual_seed(1))
-        variants = {name: _trainer(copy.deepcopy(base), overlap) for name, overlap in (("after backward", False), ("overlapped", True))}
+        variants = {name: _trainer(copy.deepcopy(base), overlap, clip) for name, overlap, clip in VARIANTS}
         for step, _, _ in variants.values():
             for _ in range(3):
                 step(tokens, record=False)

@@ -264,6 +264,37 @@ def test_accumulating_without_overlap_changes_nothing():
     assert_same(*runs, "state_dict")
 
 
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FloatingPointError("backward failed halfway")
+
+
+def test_by_norm_a_backward_that_raises_steps_nothing_and_the_loop_goes_on():
+    runs = []
+    for fails in (False, True):
+        torch.manual_seed(0)
+        first, last = nn.Linear(8, 16), nn.Linear(16, 1)
+        model = nn.Sequential(first, last)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        handle = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=True, clip_grad_norm=1e-3)
+        inputs, targets = regression_batches(1)[0]
+        if fails:
+            with pytest.raises(FloatingPointError):
+                nn.functional.mse_loss(last(_FailsInBackward.apply(first(inputs))), targets).backward()
+            optimizer.zero_grad()  # the last layer's gradient landed, and nothing was stepped: no error
+        _backward(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        handle.close()
+        runs.append((model.state_dict(), optimizer.state_dict()))
+    assert_same(*runs, "training state")
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -781,6 +781,8 @@ class OptimizerOffloader:
         overlap.idle()
         stepped = len(overlap.stepped)
         self._end_overlap()
+        if not stepped:  # by norm the step waits for the end of backward: a backward that raised stepped nothing
+            return
         raise RuntimeError(
             f"{self.settings.flag('overlap_step')}: {what} came after a backward whose gradients were "
             f"being stepped on the host as they landed ({stepped} parameters stepped), before "
