@@ -8,6 +8,7 @@ compute stream and keep large gradients in flight to give races a chance to show
 
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 import torch
@@ -59,19 +60,23 @@ def _reference(optimizer_name, steps, accumulate, delay, clip=True):
     return model, optimizer
 
 
-def _offloaded(optimizer_name, steps, accumulate, delay, max_grad_inflight_bytes="64MiB", overlap_step=False):
+def _offloaded(
+    optimizer_name, steps, accumulate, delay, max_grad_inflight_bytes="64MiB", overlap_step=False, clip_grad_norm=None
+):
     model = _model()
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     off = offload_optimizer(
-        model, optimizer, max_grad_inflight_bytes=max_grad_inflight_bytes, overlap_step=overlap_step
-    )
+        model, optimizer, max_grad_inflight_bytes=max_grad_inflight_bytes, overlap_step=overlap_step,
+        clip_grad_norm=clip_grad_norm,
+    )  # fmt: skip
     assert isinstance(off.transport, CudaTransport)
     batches = iter(_batches(steps * accumulate))
     for _ in range(steps):
-        for _ in range(accumulate):
-            _backward(model, *next(batches), accumulate, delay)
+        for index in range(accumulate):
+            with off.accumulating() if index < accumulate - 1 else contextlib.nullcontext():
+                _backward(model, *next(batches), accumulate, delay)
             assert all(p.grad is None for p in model.parameters())
-        if not overlap_step:  # the overlap's contract: nothing changes a gradient before the step
+        if not overlap_step and clip_grad_norm is None:  # else the offloader clips
             torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
         optimizer.step()
         optimizer.zero_grad()
@@ -96,6 +101,16 @@ def test_the_step_overlapped_with_backward_equals_the_same_optimizer_stepping_on
     # The worker thread waits for each gradient's copy event and steps while backward is queued.
     expected_model, expected_opt = _reference(optimizer_name, steps=3, accumulate=1, delay=delay, clip=False)
     model, state, stats = _offloaded(optimizer_name, steps=3, accumulate=1, delay=delay, overlap_step=True)
+    _assert_equal(expected_model, expected_opt, model, state)
+    assert (stats.steps, stats.overlapped_steps) == (3, 3)
+
+
+@pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("delay", [False, True], ids=["plain", "compute-delayed"])
+def test_clipping_by_norm_as_gradients_land_with_accumulation_equals_the_same_optimizer_stepping_on_cpu(optimizer_name, delay):
+    # Each gradient's norm is taken as its copy lands; the step of all starts when backward ends.
+    expected_model, expected_opt = _reference(optimizer_name, steps=3, accumulate=2, delay=delay)
+    model, state, stats = _offloaded(optimizer_name, steps=3, accumulate=2, delay=delay, overlap_step=True, clip_grad_norm=1.0)
     _assert_equal(expected_model, expected_opt, model, state)
     assert (stats.steps, stats.overlapped_steps) == (3, 3)
 
