@@ -145,3 +145,26 @@ def assert_same_fit(expected, actual):
     schedulers = [[c.scheduler.state_dict() for c in t.lr_scheduler_configs] for t in (trainer_a, trainer_b)]
     assert_same(*schedulers, "LR schedulers")
     assert_same(rng_a, rng_b, "RNG state")
+
+
+class SharedUnderReentrantCheckpoint(nn.Module):
+    """One layer applied twice, each time in a reentrant checkpoint: its post-accumulate-grad hook
+    fires once per nested backward, the first time with half its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.shared, self.last = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        hidden = self.first(x)
+        for _ in range(2):
+            hidden = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.shared(t)), hidden, use_reentrant=True)
+        return self.last(hidden)
+
+
+class LitSharedReentrant(LitTiny):
+    """LitTiny on ``SharedUnderReentrantCheckpoint``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net = SharedUnderReentrantCheckpoint()

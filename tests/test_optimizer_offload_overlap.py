@@ -12,6 +12,7 @@ from exact import assert_same, assert_state_equal
 from optimizer_models import (
     HOST_KERNEL,
     OPTIMIZERS,
+    LitSharedReentrant,
     LitTiny,
     SmallGPT,
     assert_given_back,
@@ -24,6 +25,7 @@ from optimizer_models import (
 )
 from torch import nn
 
+import lightmem.config
 from lightmem import LightMem, offload_optimizer
 from lightmem.testing.simulated import SimulatedAsyncTransport
 
@@ -378,31 +380,11 @@ def test_bad_overlap_flags_fail_at_construction(flags, message):
     assert str(error.value) == message
 
 
-class _SharedUnderReentrantCheckpoint(nn.Module):
-    """One layer applied twice, each time in a reentrant checkpoint: its post-accumulate-grad hook
-    fires once per nested backward, the first time with half its gradient."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.shared, self.last = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
-
-    def forward(self, x):
-        hidden = self.first(x)
-        for _ in range(2):
-            hidden = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.shared(t)), hidden, use_reentrant=True)
-        return self.last(hidden)
-
-
-class _LitSharedReentrant(LitTiny):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.net = _SharedUnderReentrantCheckpoint()
-
-
-def test_under_lightning_a_first_step_with_reentrant_checkpointing_keeps_the_step_after_backward():
-    expected = fit_tiny(None, module_class=_LitSharedReentrant)
+def test_under_lightning_a_first_step_with_reentrant_checkpointing_keeps_the_step_after_backward(monkeypatch):
+    monkeypatch.setattr(lightmem.config, "_warned", set())  # warned once per process: maybe by another test
+    expected = fit_tiny(None, module_class=LitSharedReentrant)
     callback = offloading_optimizer()
     with pytest.warns(UserWarning, match="off from now on, the first step showed nested backward passes"):
-        actual = fit_tiny(callback, module_class=_LitSharedReentrant)
+        actual = fit_tiny(callback, module_class=LitSharedReentrant)
     assert callback.optimizer_offload_stats[0].overlapped_steps == 0
     assert_same_fit(expected, actual)

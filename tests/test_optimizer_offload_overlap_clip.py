@@ -8,6 +8,7 @@ after backward, in a plain loop and under Lightning."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from exact import assert_same
 from optimizer_models import (
     HOST_KERNEL,
     OPTIMIZERS,
+    LitSharedReentrant,
     LitTiny,
+    SharedUnderReentrantCheckpoint,
     SmallGPT,
     assert_given_back,
     assert_same_fit,
@@ -28,6 +31,8 @@ from optimizer_models import (
 from torch import nn
 
 import lightmem.offload.grad_clip as grad_clip
+import lightmem.offload.optimizer as optimizer_offload
+import lightmem.offload.overlap as overlap_module
 from lightmem import offload_optimizer
 from lightmem.testing.simulated import SimulatedAsyncTransport
 
@@ -105,6 +110,151 @@ def test_on_the_simulated_gpu_with_held_copies(algorithm):
     assert_given_back(model_a, model_b, opt_a, opt_b)
     assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
     transport.close()
+
+
+class _Mixed(nn.Module):
+    """fp32 and bf16 layers, a layer used only by the accumulating backward, one never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.narrow = nn.Linear(16, 16).to(torch.bfloat16)
+        self.last = nn.Linear(16, 16)
+        self.side = nn.Linear(8, 16)
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x, side=False):
+        hidden = self.last(self.narrow(torch.relu(self.first(x)).to(torch.bfloat16)).float())
+        return (hidden + self.side(x) if side else hidden).sum(-1)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_mixed_dtypes_groups_in_reverse_and_a_gradient_only_from_the_accumulating_backward(algorithm):
+    """torch groups norms by dtype and device; ``side`` gets its gradient only from the backward
+    inside ``accumulating()``, so the overlapped step never sees it land and must still clip it."""
+    runs = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = _Mixed()
+        params = list(model.parameters())
+        groups = [{"params": params[4:][::-1]}, {"params": params[:4][::-1], "lr": 0.02}]
+        optimizer = torch.optim.Adam(groups, lr=0.01, foreach=False)
+        flag, value = CLIPS[algorithm]
+        handle = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=True, **{flag: value}) if offload else None
+        generator = torch.Generator().manual_seed(1)
+        norms = []
+        for _ in range(3):
+            inputs = torch.randn(4, 8, generator=generator)
+            with handle.accumulating() if offload else contextlib.nullcontext():
+                (model(inputs, side=True) ** 2).mean().backward()
+            (model(inputs * 2) ** 2).mean().backward()
+            norm = None if offload else _clip_by_torch(optimizer, algorithm)
+            optimizer.step()
+            norms.append(handle.grad_norm.clone() if offload and algorithm == "norm" else norm)
+            optimizer.zero_grad()
+        if offload:
+            assert handle.stats.overlapped_steps == 3
+            handle.close()
+        runs.append((model.state_dict(), optimizer.state_dict(), norms))
+    assert_same(*runs, "training state and global norms")
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FloatingPointError("backward failed halfway")
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last, self.side = nn.Linear(8, 16), nn.Linear(16, 1), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.last(torch.relu(self.first(x)))
+
+
+def _after_a_backward_that_raised(offload, accumulating, slow_landing=None):
+    """``side``'s gradient lands from a backward that then raises; then (``accumulating``) a whole
+    backward and the step, or (not) the step at once. Returns the state and the global norm."""
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, **({} if offload else HOST_KERNEL))
+    handle = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=True, clip_grad_norm=0.05) if offload else None
+    generator = torch.Generator().manual_seed(1)
+    inputs, targets = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
+    failing = torch.randn(4, 8, generator=generator).requires_grad_()
+    with handle.accumulating() if offload and accumulating else contextlib.nullcontext():
+        with pytest.raises(FloatingPointError):
+            (model.side(_FailsInBackward.apply(failing)) ** 2).sum().backward()
+    if accumulating:
+        nn.functional.mse_loss(model(inputs), targets).backward()
+    norm = None if offload else _clip_by_torch(optimizer, "norm")
+    optimizer.step()
+    if offload:
+        norm = handle.grad_norm.clone()
+        handle.close()
+    return model.state_dict(), optimizer.state_dict()["state"], norm
+
+
+@pytest.mark.parametrize("accumulating", [True, False], ids=["then-a-whole-backward", "then-the-step"])
+def test_by_norm_after_a_backward_that_raised_the_step_clips_every_gradient(accumulating, monkeypatch):
+    """The gradients of a backward that raised land only at the next backward or step: the norm
+    counts them (the landing is slowed so the worker would win a race), and a step with no
+    whole backward before it still clips."""
+    landing = optimizer_offload.OptimizerOffloader._land_all
+
+    def slow_land_all(self):
+        if self._landing:
+            time.sleep(0.05)
+        landing(self)
+
+    expected = _after_a_backward_that_raised(False, accumulating)
+    monkeypatch.setattr(optimizer_offload.OptimizerOffloader, "_land_all", slow_land_all)
+    actual = _after_a_backward_that_raised(True, accumulating)
+    assert_same(expected, actual, "training state and global norm")
+
+
+def test_by_norm_a_parameter_shared_across_reentrant_segments_adds_as_without_the_overlap():
+    # Its hook fires once per nested backward: by norm nothing was stepped yet, so the second
+    # gradient adds to the first and the norms start over, instead of raising.
+    runs = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = SharedUnderReentrantCheckpoint()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, **({} if offload else HOST_KERNEL))
+        handle = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=True, clip_grad_norm=0.05) if offload else None
+        norms = []
+        for inputs, targets in regression_batches(3):
+            nn.functional.mse_loss(model(inputs), targets).backward()
+            norm = None if offload else _clip_by_torch(optimizer, "norm")
+            optimizer.step()
+            norms.append(handle.grad_norm.clone() if offload else norm)
+            optimizer.zero_grad()
+        if offload:
+            handle.close()
+        runs.append((model.state_dict(), optimizer.state_dict()["state"], norms))
+    assert_same(*runs, "training state and global norms")
+
+
+def test_by_norm_an_error_in_the_step_at_the_end_of_backward_is_raised_by_zero_grad(monkeypatch):
+    def fails(self, subsets):
+        raise MemoryError("no host memory for the step")
+
+    model, optimizer, handle = _tiny(overlap_step=True, clip_grad_norm=0.05)
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_step_subsets", fails)
+    _backward(model)
+    with pytest.raises(RuntimeError, match=r"the host step overlapped with backward failed: MemoryError\('no host memory"):
+        optimizer.zero_grad()
+    monkeypatch.undo()
+    optimizer.zero_grad()
+    _backward(model)
+    optimizer.step()  # the loop goes on
+    handle.close()
 
 
 # -- the order of events on the simulated GPU ---------------------------------------------------
@@ -264,16 +414,6 @@ def test_accumulating_without_overlap_changes_nothing():
     assert_same(*runs, "state_dict")
 
 
-class _FailsInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise FloatingPointError("backward failed halfway")
-
-
 def test_by_norm_a_backward_that_raises_steps_nothing_and_the_loop_goes_on():
     runs = []
     for fails in (False, True):
@@ -386,4 +526,39 @@ def test_a_precision_plugin_that_clips_its_own_way_keeps_the_step_after_backward
         actual = fit_tiny(callback, **settings)
     assert "; host step after backward: precision plugin OwnClipping has its own clip_grad_by_norm)." in caplog.text
     assert callback.optimizer_offload_stats[0].overlapped_steps == 0
+    assert_same_fit(expected, actual)
+
+
+def test_a_fit_whose_first_step_turns_the_overlap_off_clips_once(caplog):
+    # Reentrant checkpointing turns the overlap off after the first step: Lightning clips from then
+    # on, and nothing else does.
+    settings = dict(gradient_clip_val=0.05, module_class=LitSharedReentrant)
+    expected = fit_tiny(None, **settings)
+    clip_calls = []
+    clip_grad_norm = torch.nn.utils.clip_grad_norm_
+
+    def counted(*args, **kwargs):
+        clip_calls.append(1)
+        return clip_grad_norm(*args, **kwargs)
+
+    callback = offloading_optimizer()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.utils, "clip_grad_norm_", counted)
+        actual = fit_tiny(callback, **settings)
+    assert (callback.optimizer_offload_stats[0].overlapped_steps, len(clip_calls)) == (0, 4)
+    assert_same_fit(expected, actual)
+
+
+def test_a_precision_plugin_with_its_own_clipping_keeps_the_step_after_backward_without_gradient_clip_val(caplog):
+    from pytorch_lightning.plugins.precision import Precision
+
+    class AlwaysClips(Precision):
+        def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None):
+            torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], 0.05)
+
+    expected = fit_tiny(None, plugins=[AlwaysClips()])
+    callback = offloading_optimizer()
+    with caplog.at_level("INFO"):
+        actual = fit_tiny(callback, plugins=[AlwaysClips()])
+    assert "; host step after backward: precision plugin AlwaysClips has its own clip_gradients)." in caplog.text
     assert_same_fit(expected, actual)

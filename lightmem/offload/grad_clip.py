@@ -122,5 +122,7 @@ class GradClip:
 
     def clamp(self, params: list[torch.Tensor]) -> None:
         """By value: each gradient of ``params`` into ``[-value, value]``, as ``clip_grad_value_``."""
+        if all(param.grad is None for param in params):
+            return  # torch's grouping refuses an empty list
         torch.nn.utils.clip_grad_value_(params, self.value)
 

@@ -330,7 +330,7 @@ class OptimizerOffloader:
         # Plain loop: clipping this offloader applies before every step (in the overlapped step as
         # gradients land). "step-closure" (Lightning): the clipping Lightning asks for, which the
         # overlapped step applies while Lightning's own call is taken as done (``takes_clipping``).
-        self._clip = clip
+        self._clip = clip if overlap != "step-closure" else None  # applied here when no step overlaps
         self._grad_norm: torch.Tensor | None = None
         self._accumulating = False
         self.overlap_note = "host step overlapped with backward" if overlap else "host step after backward"
@@ -634,8 +634,9 @@ class OptimizerOffloader:
             self._stats.overlapped_bytes = overlap.stepped_bytes if overlap.pending else 0
             if overlap.pending:
                 overlap.land_now()  # every host gradient in place after backward, as without overlap
-                overlap.end_backward()  # by norm: the worker clips and steps them all from here
         self._land_all()
+        if overlap is not None and overlap.pending:
+            overlap.end_backward()  # by norm: every gradient is in place; the worker clips and steps them all
 
     def _land_all(self) -> None:
         """Every gradient copy has run: accumulate on the host exactly as autograd would on the device."""
@@ -721,7 +722,9 @@ class OptimizerOffloader:
         the step (torch's optimizers skip a parameter without one) until it is over."""
         overlap = self._overlap
         assert overlap is not None
+        clip = overlap.clip
         try:
+            overlap.end_backward()  # by norm, after a backward that raised before its end: clip and step what landed
             overlap.join()
             changes = overlap.changes()
         except BaseException:
@@ -737,8 +740,11 @@ class OptimizerOffloader:
                 "backward and optimizer.step() changes gradients or param groups (clipping: give it to "
                 "clip_grad_norm or clip_grad_value instead; a GradScaler; an LR change)"
             )
-        if overlap.clip is not None and overlap.clip.by_norm:
+        if clip is not None and clip.by_norm:
             self._grad_norm = overlap.grad_norm
+        elif clip is not None:  # by value: gradients that did not land in this backward (accumulated) too
+            stepped = {id(master) for master, _, _ in overlap.stepped}
+            clip.clamp([param for param in _optimized_params(self.optimizer) if id(param) not in stepped])
         with torch.no_grad():
             for master, grad, _ in overlap.stepped:
                 master.grad = None
@@ -778,9 +784,11 @@ class OptimizerOffloader:
         overlap = self._overlap
         if overlap is None or not overlap.pending:
             return
-        overlap.idle()
-        stepped = len(overlap.stepped)
-        self._end_overlap()
+        try:
+            overlap.join()  # raises what the worker raised
+        finally:
+            stepped = len(overlap.stepped)
+            self._end_overlap()
         if not stepped:  # by norm the step waits for the end of backward: a backward that raised stepped nothing
             return
         raise RuntimeError(
@@ -798,11 +806,11 @@ class OptimizerOffloader:
         follows, overlaps its step. Without ``overlap_step`` it changes nothing."""
         if self._overlap is not None and self._overlap.pending:
             self._refuse_pending_overlap("accumulating()")
-        self._accumulating = True
+        outer, self._accumulating = self._accumulating, True
         try:
             yield
         finally:
-            self._accumulating = False
+            self._accumulating = outer
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
@@ -825,7 +833,7 @@ class OptimizerOffloader:
         clip = overlap.clip
         asked = GradClip.lightning(clip_val, algorithm)
         if asked == clip:
-            return True
+            return clip is not None  # no clipping asked nor done: Lightning's call does nothing either
         overlap.idle()
         stepped = len(overlap.stepped)
         self._end_overlap()

@@ -140,6 +140,7 @@ class OverlappedStep:
         self._end_of_backward = False  # by norm: every gradient handed over; clip and step them
         self.grad_norm: torch.Tensor | None = None
         """By norm: the global norm of the last step's gradients (what ``clip_grad_norm_`` returns)."""
+        self._backward_ended = False  # end_backward() ran for this step
         self._device = device  # the training device: the worker's current CUDA device
         # Each call of the step costs tens of microseconds of Python holding the GIL, which
         # backward's hooks want too: the worker is woken per ``batch_bytes`` handed over, not per
@@ -196,11 +197,14 @@ class OverlappedStep:
 
     def end_backward(self) -> None:
         """After ``land_now()``: every gradient of the step is handed over. By norm, the worker
-        clips and steps them all now (otherwise each batch was stepped as it landed)."""
+        clips and steps them all now (otherwise each batch was stepped as it landed). Once per
+        step: ``optimizer.step()`` calls it too, for a backward that raised before its end."""
         if self.clip is None or not self.clip.by_norm:
             return
         with self._cond:
-            self._end_of_backward = True
+            if self._backward_ended:
+                return
+            self._backward_ended = self._end_of_backward = True
             self._cond.notify_all()
 
     def land_now(self) -> None:
@@ -271,6 +275,7 @@ class OverlappedStep:
         self._after = None
         self._norms.clear()
         self._landed.clear()
+        self._backward_ended = False
 
     def close(self) -> None:
         with self._cond:
@@ -348,15 +353,15 @@ class OverlappedStep:
         clip = self.clip
         assert clip is not None
         params = [param for group in self.optimizer.param_groups for param in group["params"]]
-        grads = [param.grad for param in params if param.grad is not None]
-        missing = [grad for grad in grads if id(grad) not in self._norms]
-        if missing:
-            self._norms.update(clip.norms(missing))
-        self.grad_norm = clip.total(grads, self._norms)
         with_grads = [param for param in params if param.grad is not None]
+        grads = [param.grad for param in with_grads]
         # Each gradient's version when it landed this backward, or now (an earlier backward's).
         landed_at = {id(landing.master): landing.version for landing in self._landed}
         versions = [landed_at.get(id(param), param.grad._version) for param in with_grads]  # type: ignore[union-attr]
+        missing = [grad for grad in grads if id(grad) not in self._norms]
+        if missing:
+            self._norms.update(clip.norms(missing))  # type: ignore[arg-type]
+        self.grad_norm = clip.total(grads, self._norms)  # type: ignore[arg-type]
         clip.scale(params, self.grad_norm)
         subsets = {
             index: [param for param in group["params"] if param.grad is not None]

@@ -161,8 +161,7 @@ def _why_no_overlap(
     precision = trainer.precision_plugin
     if _defined_by_user(precision, "optimizer_step"):
         return f"precision plugin {type(precision).__name__} has its own optimizer_step"
-    if trainer.gradient_clip_val:
-        for name in _PRECISION_CLIPPING:
-            if _defined_by_user(precision, name):
-                return f"precision plugin {type(precision).__name__} has its own {name}"
+    for name in _PRECISION_CLIPPING:  # called after the closure even without gradient_clip_val
+        if _defined_by_user(precision, name):
+            return f"precision plugin {type(precision).__name__} has its own {name}"
     return overlap_refusal(optimizer)
