@@ -117,6 +117,12 @@ class _Slot:
     landing: str | None = None  # "direct" (into grad_buffer) or "staged" (to add) while a copy runs
     group: int = 0  # index of its param group
     overlapped: bool = False  # handed to the overlapped step since the last optimizer.step()
+    seen: tuple[int, int] = (-1, 0)  # the device parameter's (version, data_ptr) when lightmem last wrote or read it
+
+
+def _written(param: torch.Tensor) -> tuple[int, int]:
+    """What changes when anything writes ``param`` in place (its version) or replaces its ``.data``."""
+    return param._version, param.data_ptr()
 
 
 _ALIGN_BYTES = 64  # each tensor of an arena starts on a cache line (vector loads of the host kernels)
@@ -368,12 +374,14 @@ class OptimizerOffloader:
             self._handles += [put_masters, take_loaded]
             device_dtype.cast_device_params()  # after every refusal: nothing raises past here
         for slot in self._slots.values():
+            slot.seen = _written(slot.param)
+        for slot in self._slots.values():
             if slot.param.requires_grad:
                 self._handles.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_final))
         # Any forward of the model, on whichever stream is current, reads the parameters only after
         # their copies back (one wait per stream and step; the step waits on its own stream).
         self._handles.append(model.register_forward_pre_hook(lambda *args: self.wait_for_params(), prepend=True))
-        self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_for_params()))
+        self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self._before_state_dict()))
         self._handles.append(model._register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait_for_params()))
         self._handles.append(model.register_load_state_dict_post_hook(lambda *args: self.refresh_host_params()))
         # Gradients of a backward that raised never reach its end-of-backward callback: they land
@@ -458,19 +466,44 @@ class OptimizerOffloader:
         self._ordered_streams.append(compute)
 
     def refresh_host_params(self) -> None:
-        """Copy the device parameters into the host copies the optimizer steps (done for you after
-        ``model.load_state_dict``; call it after writing the parameters any other way). With
-        ``device_dtype`` a ``model.load_state_dict`` sets the fp32 masters to the checkpoint's values
-        exactly; otherwise the masters take the device's bf16 values."""
+        """Copy every device parameter into the host copy the optimizer steps. Done for you: after
+        ``model.load_state_dict``, and before each step for the parameters written since lightmem
+        last did (``take_device_writes``). With ``device_dtype`` a ``model.load_state_dict`` sets
+        the fp32 masters to the checkpoint's values exactly; otherwise the masters take the
+        device's bf16 values."""
         if self._overlap is not None:
             self._overlap.idle()  # no step of the host copies still running
         self._host_wait_params()  # every copy to the device has run: nothing left for compute to wait on
         if self._device_dtype is not None:
             self._device_dtype.refresh_masters()
-            return
+        else:
+            with torch.no_grad():
+                for slot in self._slots.values():
+                    slot.master.copy_(slot.param.detach())
+        for slot in self._slots.values():
+            slot.seen = _written(slot.param)
+
+    def take_device_writes(self) -> int:
+        """The device parameters written since lightmem last wrote them (an in-place write, e.g.
+        weight clipping after a step or ``reset_parameters()``, or ``.data`` replaced) are copied
+        into their host copies, so the next step starts from them, as it would without lightmem
+        (with ``device_dtype``: their bf16 values, widened). Runs by itself before each step (with
+        ``overlap_step``, at the first gradient of the backward), before ``model.state_dict()``
+        and at ``close()``. Returns how many were taken."""
+        written = [slot for slot in self._slots.values() if _written(slot.param) != slot.seen]
+        if not written:
+            return 0
+        self._host_wait_params()  # the host copies are rewritten: the copies from them have run
         with torch.no_grad():
-            for slot in self._slots.values():
+            for slot in written:
                 slot.master.copy_(slot.param.detach())
+                slot.seen = _written(slot.param)
+        return len(written)
+
+    def _before_state_dict(self) -> None:
+        self.wait_for_params()
+        if self._device_dtype is not None and not (self._overlap is not None and self._overlap.pending):
+            self.take_device_writes()  # the state dict holds the masters
 
     # -- backward: gradients out --------------------------------------------------------------
 
@@ -560,6 +593,7 @@ class OptimizerOffloader:
         if overlapping:
             slot.overlapped = True
             if not overlap.pending:  # type: ignore[union-attr]
+                self.take_device_writes()  # before the worker steps any host copy
                 overlap.begin(self._copies_back)  # type: ignore[union-attr]
         else:
             self._landing.append(slot)
@@ -711,7 +745,9 @@ class OptimizerOffloader:
         self._host_wait_params()
         if self._overlap is not None and self._overlap.pending:
             self._take_overlapped()
-        elif self._clip is not None and self._overlap_mode != "step-closure":
+            return
+        self.take_device_writes()
+        if self._clip is not None and self._overlap_mode != "step-closure":
             self._grad_norm = self._clip.clip(_optimized_params(self.optimizer))
 
     # -- the step overlapped with backward (overlap.py) ----------------------------------------
@@ -881,6 +917,8 @@ class OptimizerOffloader:
                 # reading a child's weight, a parametrization, weight averaging, load_state_dict)
                 # runs after the copies: a wait on the device, so the host runs on.
                 self.wait_for_params()
+        for slot in stepped:
+            slot.seen = _written(slot.param)  # the copy bumped the version as it was queued
         moved = sum(slot.param.nbytes for slot in stepped)
         stats.param_bytes_in = moved
         stats.total_param_bytes_in += moved
@@ -984,6 +1022,7 @@ class OptimizerOffloader:
         if self._landing or self._unlanded:
             self._land_all()
         self._host_wait_params()
+        self.take_device_writes()  # with device_dtype the parameters are given back from the masters
         by_master = {id(slot.master): slot for slot in self._slots.values()}
         for handle in self._handles:
             handle.remove()
