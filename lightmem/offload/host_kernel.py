@@ -99,8 +99,8 @@ class HostKernel:
     """The implementation that runs ``optimizer``'s step on host tensors, per param group.
 
     ``select()`` sets every group that left the choice unset to the fastest implementation on CPU
-    (``fused=True`` or ``foreach=True``; see the module docstring; the defaults are left alone, so a
-    group added later keeps its own choice), at offload start, and after
+    (``fused=True`` or ``foreach=True``; see the module docstring; the defaults are left alone), at
+    offload start, for a group added while offloaded (``select(added=index)``), and after
     ``load_state_dict``, whose groups are the checkpoint's: a choice written there is kept.
     ``restore()`` puts ``None`` back in the groups it set (``name`` and ``str()`` go on naming what
     stepped). ``name`` is what runs (``"fused"``, ``"foreach"``, ``"for-loop"``, ``"custom"`` for
@@ -113,13 +113,17 @@ class HostKernel:
         self._switched: dict[int, str] = {}  # group index -> the flag set to True here
         self._ran: tuple[str, str] | None = None  # after restore(): (name, str) of what stepped
 
-    def select(self) -> None:
+    def select(self, added: int | None = None) -> None:
+        """Every group (``added``: only the group of that index, just added while offloaded)."""
         optimizer = self.optimizer
-        self._switched = {}  # after load_state_dict the groups are the checkpoint's, with its choice
+        if added is None:
+            self._switched = {}  # after load_state_dict the groups are the checkpoint's, with its choice
         kernel = host_choice(optimizer)
         if kernel is None:
             return
         for index, group in enumerate(optimizer.param_groups):
+            if added is not None and index != added:
+                continue
             if _unset(group) and _eligible(group, kernel):
                 group[kernel] = True
                 self._switched[index] = kernel

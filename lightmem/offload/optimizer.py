@@ -307,6 +307,7 @@ class OptimizerOffloader:
         self._copies_back: Any = None  # event of the last copy of the parameters to the device
         self._ordered_streams: list[Any] = []  # compute streams ordered after those copies
         self._params_arena = _HostArena(params, self.transport, self.device)
+        self._added_arenas: list[_HostArena] = []  # host copies of param groups added while offloaded
         self._grads_arena: _HostArena | None = None
         self._staging_arena: _HostArena | None = None
         self._slots: dict[int, _Slot] = {}
@@ -397,6 +398,14 @@ class OptimizerOffloader:
 
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
         self._handles.append(_InstanceAttribute(optimizer, "zero_grad"))
+        users_add_param_group = optimizer.add_param_group
+
+        def add_param_group(param_group: dict[str, Any]) -> None:
+            users_add_param_group(self._offload_added_group(param_group))
+            self.host_kernel.select(added=len(optimizer.param_groups) - 1)
+
+        optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
+        self._handles.append(_InstanceAttribute(optimizer, "add_param_group"))
         # First among the step hooks: a hook the user registered earlier (weight averaging, logging
         # the weights after a step) must see the host step's parameters back on the device.
         for register, hooks, hook in (
@@ -422,6 +431,86 @@ class OptimizerOffloader:
             self._device_dtype_arenas[0].nbytes if self._device_dtype_arenas else 0
         )
 
+    def _offload_added_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
+        """``optimizer.add_param_group`` while offloaded (Lightning's ``BackboneFinetuning``
+        unfreezing a backbone): its parameters are offloaded as those at the start were, and the
+        group torch adds holds their host copies."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        held = [param for param in params if id(param) in self._slots]
+        if held:
+            raise ValueError(
+                f"{self.settings.flag('enabled')}: add_param_group got {len(held)} parameter(s) the optimizer "
+                "already holds (while offloaded its groups hold their host copies, so a check for parameters "
+                "already in the optimizer does not find them); leave them out of the new group"
+            )
+        masters = {id(slot.master) for slot in self._slots.values()}
+        new = [param for param in params if id(param) not in masters]  # a host copy again: torch refuses it
+        if not new or len(set(map(id, new))) != len(new):
+            return param_group  # nothing to offload, or duplicates torch refuses with its own message
+        swapped = self._offload_new(new, len(self.optimizer.param_groups))
+        return {**param_group, "params": [swapped.get(id(param), param) for param in params]}
+
+    def _adopt_groups(self) -> None:
+        """Parameters put in the param groups behind the offloader's back (groups assigned, as
+        Lightning's ``BaseFinetuning`` does when it restores its groups on resume): a device
+        parameter of ours becomes its host copy again, any other is offloaded as an added group's
+        is, and optimizer state kept for either moves to the host copy. Before each step and at
+        ``close()``."""
+        masters = {id(slot.master) for slot in self._slots.values()}
+        state = self.optimizer.state
+        for index, group in enumerate(self.optimizer.param_groups):
+            if all(id(param) in masters for param in group["params"]):
+                continue
+            new = [param for param in group["params"] if id(param) not in masters and id(param) not in self._slots]
+            swapped = self._offload_new(new, index) if new else {}
+            swapped.update({id(param): self._slots[id(param)].master for param in group["params"] if id(param) in self._slots})
+            for param in group["params"]:
+                if param in state and id(param) in swapped:
+                    state[swapped[id(param)]] = {
+                        name: value.to(_HOST) if isinstance(value, torch.Tensor) else value
+                        for name, value in state.pop(param).items()
+                    }
+            group["params"] = [swapped.get(id(param), param) for param in group["params"]]
+            masters.update(id(master) for master in swapped.values())
+            self.host_kernel.select(added=index)
+
+    def _offload_new(self, params: list[nn.Parameter], index: int) -> dict[int, nn.Parameter]:
+        """Host copies, gradient hooks and slots for ``params`` of param group ``index``, joining
+        while offloaded; returns each one's host copy by ``id``."""
+        flag = self.settings.flag("enabled")
+        if self._device_dtype is not None:
+            raise ValueError(
+                f"{flag}: add_param_group while offloaded with {self.settings.flag('device_dtype')}: add every "
+                "param group before offload starts"
+            )
+        _check_params([*params, next(iter(self._slots.values())).param], self.settings, flag)
+        _refuse_sparse_gradients(self.model, params, flag)
+        if self._overlap is not None:
+            self._overlap.idle()  # no step of the host copies running while the groups change
+        arena = _HostArena(params, self.transport, self.device)
+        self._added_arenas.append(arena)
+        self._stats.host_param_bytes += arena.nbytes
+        swapped = {}
+        with torch.no_grad():
+            for param, host in zip(params, arena.tensors):
+                host.copy_(param.detach())
+                master = nn.Parameter(host, requires_grad=param.requires_grad)
+                slot = self._slots[id(param)] = _Slot(param, master, group=index, seen=_written(param))
+                swapped[id(param)] = master
+                if param.grad is not None:  # a gradient already there goes where the step reads it
+                    master.grad, param.grad = param.grad.to(_HOST, copy=True), None
+                if param.requires_grad:
+                    self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_final))
+                else:
+                    self._frozen.append(slot)
+        return swapped
+
+    def host_copies(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """``(parameter, its host copy)`` for every parameter offloaded: the param groups hold the
+        host copies while offloaded."""
+        return [(slot.param, slot.master) for slot in self._slots.values()]
+
     def remove_at_close(self, handle: Any) -> None:
         """``handle.remove()`` runs when this offloader closes (a hook set on its behalf elsewhere)."""
         self._handles.append(handle)
@@ -431,9 +520,18 @@ class OptimizerOffloader:
     @property
     def stats(self) -> OptimizerOffloadStats:
         """Host bytes held now, and the traffic of the last step (see ``OptimizerOffloadStats``)."""
-        self._stats.host_grad_bytes = sum(
-            arena.nbytes for arena in (self._grads_arena, self._staging_arena) if arena is not None
-        ) + sum(arena.nbytes for arena in self._device_dtype_arenas[1:])
+        arenas = [arena for arena in (self._grads_arena, self._staging_arena) if arena is not None]
+        carved = {id(tensor) for arena in arenas for tensor in arena.tensors}
+        # Buffers of their own: a gradient unlike its parameter, a parameter of a group added later.
+        loose = sum(
+            buffer.nbytes
+            for slot in self._slots.values()
+            for buffer in (slot.grad_buffer, slot.staging)
+            if buffer is not None and id(buffer) not in carved
+        )
+        self._stats.host_grad_bytes = (
+            sum(arena.nbytes for arena in arenas) + loose + sum(arena.nbytes for arena in self._device_dtype_arenas[1:])
+        )
         # list(): the overlapped step may add state entries from its thread while backward runs
         self._stats.host_state_bytes = sum(
             value.nbytes
@@ -705,6 +803,7 @@ class OptimizerOffloader:
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         self._restore_hidden()
+        self._adopt_groups()
         self._rehost_state()
         # ``args`` starts with the optimizer itself (torch passes the step's own arguments).
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -957,7 +1056,9 @@ class OptimizerOffloader:
         by_id.update({id(slot.master): slot for slot in self._slots.values()})
 
         def swapped(tensor: torch.Tensor) -> torch.Tensor:
-            slot = by_id[id(tensor)]
+            slot = by_id.get(id(tensor))  # None: put in a group since the last step, never ours
+            if slot is None:
+                return tensor
             return slot.master if to_host else slot.param
 
         beside_param: dict[int, bool] = {}  # fused/capturable keep "step" beside the parameter
@@ -966,7 +1067,7 @@ class OptimizerOffloader:
                 beside_param[id(param)] = bool(group.get("fused") or group.get("capturable"))
         new_state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
         for key, state in self.optimizer.state.items():
-            if id(key) not in by_id:
+            if id(key) not in by_id or swapped(key) is key:
                 new_state[key] = state
                 continue
             target = swapped(key)
@@ -998,7 +1099,9 @@ class OptimizerOffloader:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
-            for arena in (self._params_arena, self._grads_arena, self._staging_arena, *self._device_dtype_arenas):
+            for arena in (
+                self._params_arena, self._grads_arena, self._staging_arena, *self._added_arenas, *self._device_dtype_arenas,
+            ):  # fmt: skip
                 if arena is not None:
                     arena.close()  # page-locked memory goes back now, not when the last view dies
             self._closed = True

@@ -86,7 +86,31 @@ def offload_trainer_optimizers(
     if offloaders:
         _keep_restored_state_on_host(trainer.strategy, offloaders[0])
         _clip_in_the_overlapped_step(trainer.precision_plugin, offloaders)
+        for callback in trainer.callbacks:
+            _name_groups_by_device_params(callback, offloaders)
     return offloaders, None
+
+
+def _name_groups_by_device_params(callback: Any, offloaders: list[OptimizerOffloader]) -> None:
+    """Lightning's ``BaseFinetuning`` (``BackboneFinetuning``) names the parameters of the param
+    groups by looking them up in ``named_parameters()``, and on resume puts the module's parameters
+    back into the groups it saved. While offloaded the groups hold host copies: its lookups see the
+    device parameter of each, and the groups it restores get the host copies back (a parameter
+    offloaded later is taken at the next step, ``OptimizerOffloader._adopt_groups``)."""
+    if not any(cls.__name__ == "BaseFinetuning" for cls in type(callback).__mro__):
+        return
+    lightnings = callback._apply_mapping_to_param_groups
+
+    def apply_mapping_to_param_groups(param_groups: list[dict[str, Any]], mapping: dict) -> list[dict[str, Any]]:
+        pairs = [pair for offloader in offloaders for pair in offloader.host_copies()]
+        to_device = {id(host): param for param, host in pairs}
+        to_host = {id(param): host for param, host in pairs}
+        groups = [{**group, "params": [to_device.get(id(p), p) for p in group["params"]]} for group in param_groups]
+        mapped = lightnings(groups, mapping)
+        return [{**group, "params": [to_host.get(id(p), p) for p in group["params"]]} for group in mapped]
+
+    callback._apply_mapping_to_param_groups = apply_mapping_to_param_groups
+    offloaders[0].remove_at_close(_InstanceAttribute(callback, "_apply_mapping_to_param_groups"))
 
 
 def _clip_in_the_overlapped_step(precision: Any, offloaders: list[OptimizerOffloader]) -> None:

@@ -1,0 +1,171 @@
+"""A param group added while offloaded (``optimizer.add_param_group``: Lightning's
+``BackboneFinetuning`` unfreezing a backbone) is offloaded like the groups at the start: its
+gradients, state and step on the host, bitwise the training without lightmem, and ``close()``
+gives every group back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from exact import assert_same
+from lit_models import cpu_trainer
+from optimizer_models import HOST_KERNEL, assert_given_back, regression_batches, regression_loader
+from torch import nn
+
+from lightmem import LightMem, offload_optimizer
+from lightmem.testing.simulated import SimulatedAsyncTransport
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning"
+)
+
+
+def _aligned_bytes(module):
+    """Host bytes of ``module``'s parameters in an arena: each starts on a 64-byte line."""
+    return sum(-(-param.nbytes // 64) * 64 for param in module.parameters())
+
+
+def _net():
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _train(offload=None, steps=5, unfreeze_after=2, **flags):
+    """The body frozen and out of the optimizer, added as a param group of its own after
+    ``unfreeze_after`` steps (with an LR of its own). Without ``offload`` the reference."""
+    torch.manual_seed(0)
+    model = _net()
+    body = list(model[:2].parameters())
+    for param in body:
+        param.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model[3].parameters(), lr=0.01, weight_decay=0.1, **({} if offload else HOST_KERNEL))
+    handle = offload(model, optimizer, **flags) if offload else None
+    host_bytes = []
+    for step, (inputs, targets) in enumerate(regression_batches(steps)):
+        if step == unfreeze_after:
+            for param in body:
+                param.requires_grad_(True)
+            optimizer.add_param_group({"params": body, "lr": 0.001})
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if handle is not None:
+            host_bytes.append(handle.stats.host_param_bytes)
+    return model, optimizer, handle, host_bytes
+
+
+def _offloading(transport=None):
+    return lambda model, optimizer, **flags: offload_optimizer(model, optimizer, devices=("cpu",), transport=transport, **flags)
+
+
+@pytest.mark.parametrize("mode", ["sync", "simulated", "overlap"])
+def test_a_group_added_while_offloaded_is_offloaded_and_bitwise(mode):
+    transport = SimulatedAsyncTransport(seed=2, max_delay_s=0.001) if mode == "simulated" else None
+    model_a, opt_a, _, _ = _train()
+    model_b, opt_b, handle, host_bytes = _train(_offloading(transport), overlap_step=mode == "overlap")
+    assert host_bytes[2] - host_bytes[1] == _aligned_bytes(model_b[:2])  # the body's host copies, from the step it joined
+    assert all(param.device.type == "cpu" and param is not device for group in opt_b.param_groups for param, device in zip(group["params"], model_b.parameters()))
+    assert opt_b.param_groups[1]["fused"] is True  # the host kernel chosen for the new group too
+    handle.wait_for_params()
+    assert_given_back(model_a, model_b, opt_a, opt_b)  # state_dict while offloaded
+    handle.close()
+    assert_given_back(model_a, model_b, opt_a, opt_b)
+    assert [id(param) for param in opt_b.param_groups[1]["params"]] == [id(param) for param in model_b[:2].parameters()]
+    if transport is not None:
+        assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
+        transport.close()
+
+
+def test_adding_a_parameter_the_optimizer_already_holds_is_refused():
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    handle = offload_optimizer(model, optimizer, devices=("cpu",))
+    with pytest.raises(ValueError) as error:
+        optimizer.add_param_group({"params": list(model[0].parameters())})
+    assert str(error.value) == (
+        "offload_optimizer: add_param_group got 2 parameter(s) the optimizer already holds (while offloaded "
+        "its groups hold their host copies, so a check for parameters already in the optimizer does not "
+        "find them); leave them out of the new group"
+    )
+    handle.close()
+
+
+def test_adding_a_group_with_bf16_device_parameters_is_refused():
+    model = _net()
+    optimizer = torch.optim.AdamW(model[3].parameters(), lr=0.01)
+    handle = offload_optimizer(model, optimizer, devices=("cpu",), device_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"add_param_group while offloaded with offload_optimizer\(device_dtype=...\)"):
+        optimizer.add_param_group({"params": list(model[0].parameters())})
+    handle.close()
+
+
+# -- under Lightning: BackboneFinetuning ---------------------------------------------------------
+
+
+def _lit_backbone_class(package):
+    class LitBackbone(package.LightningModule):
+        def __init__(self, kernel=None):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+            self.head = nn.Linear(16, 1)
+            self.kernel = kernel or {}
+
+        def training_step(self, batch, batch_idx):
+            inputs, targets = batch
+            return nn.functional.mse_loss(self.head(self.backbone(inputs)), targets)
+
+        def configure_optimizers(self):
+            # As BackboneFinetuning asks: only what is trainable when the fit starts.
+            return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01, **self.kernel)
+
+    return LitBackbone
+
+
+def _fit(package, callbacks, kernel):
+    package.seed_everything(0, verbose=False)
+    module = _lit_backbone_class(package)(kernel)
+    finetuning = package.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+    trainer = cpu_trainer([finetuning, *callbacks], package, max_steps=-1, max_epochs=3)
+    trainer.fit(module, regression_loader(batches=3))
+    return module, trainer, torch.get_rng_state()
+
+
+def test_backbone_finetuning_offloads_the_unfrozen_backbone(lightning_package):
+    module_a, trainer_a, rng_a = _fit(lightning_package, [], HOST_KERNEL)
+    callback = LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])
+    module_b, trainer_b, rng_b = _fit(lightning_package, [callback], None)
+    (stats,) = callback.optimizer_offload_stats
+    assert stats.host_param_bytes == _aligned_bytes(module_b.head) + _aligned_bytes(module_b.backbone)
+    assert len(trainer_b.optimizers[0].param_groups) == 2
+    assert_given_back(module_a, module_b, trainer_a.optimizers[0], trainer_b.optimizers[0])
+    assert_same(rng_a, rng_b, "RNG state")
+
+
+def _fit_and_resume(package, tmp_path, lightmem, kernel):
+    """Two epochs (the backbone joins at the second), a checkpoint, then a third epoch resumed
+    from it in a new Trainer: BaseFinetuning restores its two param groups at fit start."""
+
+    def callbacks():
+        finetuning = package.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+        offload = [LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])] if lightmem else []
+        return [*offload, finetuning]  # LightMem first: it offloads before BaseFinetuning restores its groups
+
+    package.seed_everything(0, verbose=False)
+    module = _lit_backbone_class(package)(kernel)
+    first = cpu_trainer(callbacks(), package, max_steps=-1, max_epochs=2, default_root_dir=tmp_path)
+    first.fit(module, regression_loader(batches=3))
+    path = tmp_path / "two_epochs.ckpt"
+    first.save_checkpoint(path)
+    module = _lit_backbone_class(package)(kernel)
+    second = cpu_trainer(callbacks(), package, max_steps=-1, max_epochs=3, default_root_dir=tmp_path)
+    second.fit(module, regression_loader(batches=3), ckpt_path=path)
+    return module, second
+
+
+def test_backbone_finetuning_resumes_with_both_groups_offloaded(lightning_package, tmp_path):
+    module_a, trainer_a = _fit_and_resume(lightning_package, tmp_path / "a", False, HOST_KERNEL)
+    module_b, trainer_b = _fit_and_resume(lightning_package, tmp_path / "b", True, None)
+    assert len(trainer_b.optimizers[0].param_groups) == 2
+    (callback,) = [callback for callback in trainer_b.callbacks if isinstance(callback, LightMem)]
+    (stats,) = callback.optimizer_offload_stats
+    assert stats.host_param_bytes == _aligned_bytes(module_b.head) + _aligned_bytes(module_b.backbone)
+    assert_given_back(module_a, module_b, trainer_a.optimizers[0], trainer_b.optimizers[0])
