@@ -5,6 +5,8 @@ gives every group back."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from exact import assert_same
@@ -75,6 +77,55 @@ def test_a_group_added_while_offloaded_is_offloaded_and_bitwise(mode):
         transport.close()
 
 
+def _unfrozen_mid_training(offload=None, steps=4, accumulate=2, **flags):
+    """A bias frozen in the optimizer from the start, unfrozen after the first step; two backward
+    passes per step. Without ``offload`` the reference."""
+    torch.manual_seed(0)
+    model = _net()
+    model[0].bias.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, **({} if offload else HOST_KERNEL))
+    handle = offload(model, optimizer, **flags) if offload else None
+    batches = iter(regression_batches(steps * accumulate))
+    for step in range(steps):
+        if step == 1:
+            model[0].bias.requires_grad_(True)
+        for index in range(accumulate):
+            inputs, targets = next(batches)
+            accumulating = handle is not None and flags.get("overlap_step") and index < accumulate - 1
+            with handle.accumulating() if accumulating else contextlib.nullcontext():
+                nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer, handle
+
+
+@pytest.mark.parametrize("mode", ["sync", "simulated", "overlap"])
+def test_a_parameter_frozen_at_the_start_and_unfrozen_later_is_stepped_bitwise(mode):
+    # Its first gradients come while it has no hook: they land from the device at the end of that
+    # backward (by then accumulated there), and the hook takes it from the next backward on.
+    transport = SimulatedAsyncTransport(seed=6, max_delay_s=0.001) if mode == "simulated" else None
+    model_a, opt_a, _ = _unfrozen_mid_training()
+    model_b, opt_b, handle = _unfrozen_mid_training(_offloading(transport), overlap_step=mode == "overlap")
+    handle.close()
+    assert_given_back(model_a, model_b, opt_a, opt_b)
+    if transport is not None:
+        assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
+        transport.close()
+
+
+def test_a_group_torch_refuses_leaves_nothing_offloaded():
+    model = _net()
+    optimizer = torch.optim.AdamW(model[3].parameters(), lr=0.01)
+    handle = offload_optimizer(model, optimizer, devices=("cpu",))
+    host_bytes = handle.stats.host_param_bytes
+    with pytest.raises(ValueError, match="all optimizer param groups should be with/without names"):
+        optimizer.add_param_group({"params": list(model[0].parameters()), "param_names": ["weight", "bias"]})
+    assert (handle.stats.host_param_bytes, len(handle.host_copies())) == (host_bytes, 2)
+    optimizer.add_param_group({"params": list(model[0].parameters())})  # the same group, valid: taken
+    assert len(handle.host_copies()) == 4
+    handle.close()
+
+
 def test_adding_a_parameter_the_optimizer_already_holds_is_refused():
     model = _net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -140,13 +191,13 @@ def test_backbone_finetuning_offloads_the_unfrozen_backbone(lightning_package):
     assert_same(rng_a, rng_b, "RNG state")
 
 
-def _fit_and_resume(package, tmp_path, lightmem, kernel):
+def _fit_and_resume(package, tmp_path, lightmem, kernel, offload_class=LightMem):
     """Two epochs (the backbone joins at the second), a checkpoint, then a third epoch resumed
     from it in a new Trainer: BaseFinetuning restores its two param groups at fit start."""
 
     def callbacks():
         finetuning = package.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1)
-        offload = [LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])] if lightmem else []
+        offload = [offload_class(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])] if lightmem else []
         return [*offload, finetuning]  # LightMem first: it offloads before BaseFinetuning restores its groups
 
     package.seed_everything(0, verbose=False)
@@ -161,11 +212,79 @@ def _fit_and_resume(package, tmp_path, lightmem, kernel):
     return module, second
 
 
-def test_backbone_finetuning_resumes_with_both_groups_offloaded(lightning_package, tmp_path):
+def test_backbone_finetuning_resumes_with_both_groups_offloaded(lightning_package, tmp_path, monkeypatch):
     module_a, trainer_a = _fit_and_resume(lightning_package, tmp_path / "a", False, HOST_KERNEL)
-    module_b, trainer_b = _fit_and_resume(lightning_package, tmp_path / "b", True, None)
+    device_params: set[int] = set()
+    loaded_into_device_params = []
+    load_state_dict = torch.optim.Optimizer.load_state_dict
+
+    def recording_load(optimizer, state):
+        groups = optimizer.param_groups
+        loaded_into_device_params.append(any(id(p) in device_params for group in groups for p in group["params"]))
+        load_state_dict(optimizer, state)
+
+    class Recording(LightMem):
+        def on_fit_start(self, trainer, pl_module):
+            device_params.update(map(id, pl_module.parameters()))
+            super().on_fit_start(trainer, pl_module)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "load_state_dict", recording_load)
+    module_b, trainer_b = _fit_and_resume(lightning_package, tmp_path / "b", True, None, Recording)
+    # The checkpoint's state loaded into host copies only: the restored backbone group was offloaded first.
+    assert loaded_into_device_params == [False]
     assert len(trainer_b.optimizers[0].param_groups) == 2
     (callback,) = [callback for callback in trainer_b.callbacks if isinstance(callback, LightMem)]
     (stats,) = callback.optimizer_offload_stats
     assert stats.host_param_bytes == _aligned_bytes(module_b.head) + _aligned_bytes(module_b.backbone)
     assert_given_back(module_a, module_b, trainer_a.optimizers[0], trainer_b.optimizers[0])
+
+
+def _two_group_run(offload, change, steps=3):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    groups = [{"params": list(model[0].parameters()), "lr": 0.1}, {"params": list(model[1].parameters()), "lr": 0.001}]
+    optimizer = torch.optim.AdamW(groups if change == "reverse" else groups[1:], **({} if offload else HOST_KERNEL))
+    handle = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=True) if offload else None
+    inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    for step in range(steps):
+        if step == 1 and change == "reverse":
+            optimizer.param_groups.reverse()  # the same groups, the other order
+        elif step == 1:  # assigned behind the optimizer's back, as BaseFinetuning's restore does
+            optimizer.param_groups.append({**optimizer.defaults, **groups[0]})
+        model(inputs).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if handle is not None:
+        handle.close()
+    return model.state_dict(), optimizer.state_dict()["state"]
+
+
+@pytest.mark.parametrize("change", ["reverse", "append"])
+def test_with_the_overlap_groups_reordered_or_assigned_step_with_their_own_settings(change):
+    # The overlapped step reads each parameter's group by index: taken from the groups as they are
+    # at each backward's first gradient; an appended group is offloaded then, its kernel chosen
+    # before the step's settings are taken (no "changed" error).
+    assert_same(_two_group_run(False, change), _two_group_run(True, change), "training state")
+
+
+def test_backbone_finetuning_compares_device_parameters_only(lightning_package, monkeypatch):
+    # BaseFinetuning.filter_on_optimizer compares the parameters to add with those in the groups
+    # (torch.equal): a host copy there would meet a CUDA parameter, which torch refuses. Here a
+    # comparison with anything but the module's own parameters fails as it would on CUDA.
+    module_params: set[int] = set()
+    equal = torch.equal
+
+    def equal_on_one_device(a, b):
+        if not (id(a) in module_params and id(b) in module_params):
+            raise RuntimeError("Cannot compare two tensors on different devices")
+        return equal(a, b)
+
+    class Recording(LightMem):
+        def on_fit_start(self, trainer, pl_module):
+            module_params.update(map(id, pl_module.parameters()))
+            super().on_fit_start(trainer, pl_module)
+
+    monkeypatch.setattr(torch, "equal", equal_on_one_device)
+    callback = Recording(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])
+    module, trainer, _ = _fit(lightning_package, [callback], None)
+    assert len(trainer.optimizers[0].param_groups) == 2

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
 from lightmem.offload.device_dtype import DeviceDtype, refuse_device_dtype
@@ -117,12 +118,31 @@ class _Slot:
     landing: str | None = None  # "direct" (into grad_buffer) or "staged" (to add) while a copy runs
     group: int = 0  # index of its param group
     overlapped: bool = False  # handed to the overlapped step since the last optimizer.step()
-    seen: tuple[int, int] = (-1, 0)  # the device parameter's (version, data_ptr) when lightmem last wrote or read it
+    seen: _Written | None = None  # the device parameter as lightmem last wrote or read it
 
 
-def _written(param: torch.Tensor) -> tuple[int, int]:
-    """What changes when anything writes ``param`` in place (its version) or replaces its ``.data``."""
-    return param._version, param.data_ptr()
+class _Written:
+    """A parameter's version, data pointer and storage (weakly): anything that writes it in place
+    bumps the version, and replacing its ``.data`` changes the storage, even where the new one
+    lands at the old address (the weak reference keeps the old storage's identity taken)."""
+
+    __slots__ = ("version", "data_ptr", "storage")
+
+    def __init__(self, param: torch.Tensor) -> None:
+        self.version, self.data_ptr = param._version, param.data_ptr()
+        self.storage = StorageWeakRef(param.untyped_storage())
+
+    def still(self, param: torch.Tensor) -> bool:
+        storage = self.storage
+        return (
+            param._version == self.version
+            and param.data_ptr() == self.data_ptr
+            and not storage.expired()
+            and storage.cdata == param.untyped_storage()._cdata
+        )
+
+
+_written = _Written
 
 
 _ALIGN_BYTES = 64  # each tensor of an arena starts on a cache line (vector loads of the host kernels)
@@ -401,7 +421,12 @@ class OptimizerOffloader:
         users_add_param_group = optimizer.add_param_group
 
         def add_param_group(param_group: dict[str, Any]) -> None:
-            users_add_param_group(self._offload_added_group(param_group))
+            undo = self._undo_point()
+            try:
+                users_add_param_group(self._offload_added_group(param_group))
+            except BaseException:
+                self._undo_to(undo)  # torch refused the group: nothing of it stays offloaded
+                raise
             self.host_kernel.select(added=len(optimizer.param_groups) - 1)
 
         optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
@@ -436,6 +461,8 @@ class OptimizerOffloader:
         unfreezing a backbone): its parameters are offloaded as those at the start were, and the
         group torch adds holds their host copies."""
         params = param_group["params"]
+        if isinstance(params, set):
+            return param_group  # torch refuses a set (its order is not kept) with its own message
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         held = [param for param in params if id(param) in self._slots]
         if held:
@@ -445,35 +472,52 @@ class OptimizerOffloader:
                 "already in the optimizer does not find them); leave them out of the new group"
             )
         masters = {id(slot.master) for slot in self._slots.values()}
-        new = [param for param in params if id(param) not in masters]  # a host copy again: torch refuses it
-        if not new or len(set(map(id, new))) != len(new):
-            return param_group  # nothing to offload, or duplicates torch refuses with its own message
+        # A host copy given again is left to torch, which refuses it; a parameter given twice in the
+        # group gets one host copy, there twice (torch warns and steps it twice, as it would).
+        new = list({id(param): param for param in params if id(param) not in masters}.values())
+        if not new:
+            return param_group
         swapped = self._offload_new(new, len(self.optimizer.param_groups))
         return {**param_group, "params": [swapped.get(id(param), param) for param in params]}
 
-    def _adopt_groups(self) -> None:
+    def adopt_param_groups(self) -> None:
         """Parameters put in the param groups behind the offloader's back (groups assigned, as
         Lightning's ``BaseFinetuning`` does when it restores its groups on resume): a device
         parameter of ours becomes its host copy again, any other is offloaded as an added group's
-        is, and optimizer state kept for either moves to the host copy. Before each step and at
-        ``close()``."""
-        masters = {id(slot.master) for slot in self._slots.values()}
+        is, and optimizer state kept for either moves to the host copy. Each parameter's group
+        index follows the groups' order. At the first gradient of each backward, before each step
+        and before a checkpoint's optimizer state is loaded under Lightning."""
+        masters = {id(slot.master): slot for slot in self._slots.values()}
         state = self.optimizer.state
+        moved = False
         for index, group in enumerate(self.optimizer.param_groups):
             if all(id(param) in masters for param in group["params"]):
+                for param in group["params"]:
+                    masters[id(param)].group = index
                 continue
-            new = [param for param in group["params"] if id(param) not in masters and id(param) not in self._slots]
-            swapped = self._offload_new(new, index) if new else {}
+            new = {
+                id(param): param for param in group["params"] if id(param) not in masters and id(param) not in self._slots
+            }
+            swapped = self._offload_new(list(new.values()), index) if new else {}
             swapped.update({id(param): self._slots[id(param)].master for param in group["params"] if id(param) in self._slots})
             for param in group["params"]:
                 if param in state and id(param) in swapped:
+                    moved = True
                     state[swapped[id(param)]] = {
                         name: value.to(_HOST) if isinstance(value, torch.Tensor) else value
                         for name, value in state.pop(param).items()
                     }
             group["params"] = [swapped.get(id(param), param) for param in group["params"]]
-            masters.update(id(master) for master in swapped.values())
+            for param in group["params"]:
+                if id(param) in masters:
+                    masters[id(param)].group = index
+            masters.update({id(master): self._slots[key] for key, master in swapped.items()})
             self.host_kernel.select(added=index)
+        if moved:  # state in the groups' order, as one step over them (or a load) puts it
+            order = {id(param): position for position, param in enumerate(_optimized_params(self.optimizer))}
+            entries = sorted(state.items(), key=lambda entry: order.get(id(entry[0]), len(order)))
+            state.clear()
+            state.update(entries)
 
     def _offload_new(self, params: list[nn.Parameter], index: int) -> dict[int, nn.Parameter]:
         """Host copies, gradient hooks and slots for ``params`` of param group ``index``, joining
@@ -498,13 +542,52 @@ class OptimizerOffloader:
                 master = nn.Parameter(host, requires_grad=param.requires_grad)
                 slot = self._slots[id(param)] = _Slot(param, master, group=index, seen=_written(param))
                 swapped[id(param)] = master
-                if param.grad is not None:  # a gradient already there goes where the step reads it
-                    master.grad, param.grad = param.grad.to(_HOST, copy=True), None
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_final))
                 else:
                     self._frozen.append(slot)
+        self._land_device_grads()  # a gradient already there goes where the step reads it
         return swapped
+
+    def _land_device_grads(self) -> None:
+        """Gradients left on the device by parameters lightmem had no hook on when their backward
+        ran (a parameter unfrozen or added since) join the host gradients, added as autograd
+        would; an unfrozen parameter gets its hook for the backward passes to come."""
+        for slot in [slot for slot in self._frozen if slot.param.requires_grad]:
+            self._frozen.remove(slot)
+            slot.master.requires_grad_(True)
+            self._handles.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_final))
+        left = [slot for slot in self._slots.values() if slot.param.grad is not None and slot.landing is None]
+        if not left:
+            return
+        self._host_wait_params()
+        with torch.no_grad():
+            for slot in left:
+                grad, slot.param.grad = slot.param.grad, None
+                if slot.master.grad is None:
+                    slot.master.grad = grad.to(_HOST, copy=True)
+                else:
+                    slot.master.grad.add_(grad.to(_HOST))
+
+    def _undo_point(self) -> tuple[set[int], int, int, int]:
+        return set(self._slots), len(self._handles), len(self._frozen), len(self._added_arenas)
+
+    def _undo_to(self, point: tuple[set[int], int, int, int]) -> None:
+        """Forget the parameters offloaded since ``point`` (their gradients back on the device)."""
+        slots, handles, frozen, arenas = point
+        with torch.no_grad():
+            for key in set(self._slots) - slots:
+                slot = self._slots.pop(key)
+                if slot.master.grad is not None:
+                    slot.param.grad = slot.master.grad.to(slot.param.device, copy=True)
+        for handle in self._handles[handles:]:
+            handle.remove()
+        del self._handles[handles:]
+        del self._frozen[frozen:]
+        for arena in self._added_arenas[arenas:]:
+            self._stats.host_param_bytes -= arena.nbytes
+            arena.close()
+        del self._added_arenas[arenas:]
 
     def host_copies(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """``(parameter, its host copy)`` for every parameter offloaded: the param groups hold the
@@ -587,8 +670,10 @@ class OptimizerOffloader:
         into their host copies, so the next step starts from them, as it would without lightmem
         (with ``device_dtype``: their bf16 values, widened). Runs by itself before each step (with
         ``overlap_step``, at the first gradient of the backward), before ``model.state_dict()``
-        and at ``close()``. Returns how many were taken."""
-        written = [slot for slot in self._slots.values() if _written(slot.param) != slot.seen]
+        and at ``close()``; not while an overlapped step is pending. Returns how many were taken."""
+        if self._overlap is not None and self._overlap.pending:
+            return 0  # the worker may be stepping the host copies; a write now breaks overlap_step's contract
+        written = [slot for slot in self._slots.values() if slot.seen is None or not slot.seen.still(slot.param)]
         if not written:
             return 0
         self._host_wait_params()  # the host copies are rewritten: the copies from them have run
@@ -692,6 +777,7 @@ class OptimizerOffloader:
             slot.overlapped = True
             if not overlap.pending:  # type: ignore[union-attr]
                 self.take_device_writes()  # before the worker steps any host copy
+                self.adopt_param_groups()  # and with each parameter's group index as the groups are now
                 overlap.begin(self._copies_back)  # type: ignore[union-attr]
         else:
             self._landing.append(slot)
@@ -767,6 +853,7 @@ class OptimizerOffloader:
             if overlap.pending:
                 overlap.land_now()  # every host gradient in place after backward, as without overlap
         self._land_all()
+        self._land_device_grads()  # into the clipping's norm too
         if overlap is not None and overlap.pending:
             overlap.end_backward()  # by norm: every gradient is in place; the worker clips and steps them all
 
@@ -803,7 +890,7 @@ class OptimizerOffloader:
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         self._restore_hidden()
-        self._adopt_groups()
+        self.adopt_param_groups()
         self._rehost_state()
         # ``args`` starts with the optimizer itself (torch passes the step's own arguments).
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -834,13 +921,7 @@ class OptimizerOffloader:
         if self._landing or self._unlanded:  # a backward that raised never reached its callback
             self._land_all()
         self._callback_task = None
-        for slot in self._frozen:
-            if slot.param.grad is not None:
-                raise ValueError(
-                    f"{self.settings.flag('enabled')}: a parameter of shape {list(slot.param.shape)} was "
-                    "frozen (requires_grad=False) when optimizer offload started and has a gradient now; "
-                    "unfreeze parameters before offload_optimizer(...) (LightMem: before fit) or keep them frozen"
-                )
+        self._land_device_grads()
         self._host_wait_params()
         if self._overlap is not None and self._overlap.pending:
             self._take_overlapped()

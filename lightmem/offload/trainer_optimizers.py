@@ -84,7 +84,7 @@ def offload_trainer_optimizers(
         )
         offloaders.append(offloader)
     if offloaders:
-        _keep_restored_state_on_host(trainer.strategy, offloaders[0])
+        _keep_restored_state_on_host(trainer.strategy, offloaders)
         _clip_in_the_overlapped_step(trainer.precision_plugin, offloaders)
         for callback in trainer.callbacks:
             _name_groups_by_device_params(callback, offloaders)
@@ -94,9 +94,12 @@ def offload_trainer_optimizers(
 def _name_groups_by_device_params(callback: Any, offloaders: list[OptimizerOffloader]) -> None:
     """Lightning's ``BaseFinetuning`` (``BackboneFinetuning``) names the parameters of the param
     groups by looking them up in ``named_parameters()``, and on resume puts the module's parameters
-    back into the groups it saved. While offloaded the groups hold host copies: its lookups see the
-    device parameter of each, and the groups it restores get the host copies back (a parameter
-    offloaded later is taken at the next step, ``OptimizerOffloader._adopt_groups``)."""
+    back into the groups it saved; before it adds a group it compares the parameters to add with
+    those in the groups (``filter_on_optimizer``: ``torch.equal``, which raises across devices).
+    While offloaded the groups hold host copies: its lookups and comparisons see the device
+    parameter of each, and the groups it restores get the host copies back (a parameter not
+    offloaded yet is taken before the checkpoint's state loads or the next step,
+    ``OptimizerOffloader.adopt_param_groups``)."""
     if not any(cls.__name__ == "BaseFinetuning" for cls in type(callback).__mro__):
         return
     lightnings = callback._apply_mapping_to_param_groups
@@ -109,8 +112,24 @@ def _name_groups_by_device_params(callback: Any, offloaders: list[OptimizerOfflo
         mapped = lightnings(groups, mapping)
         return [{**group, "params": [to_host.get(id(p), p) for p in group["params"]]} for group in mapped]
 
+    lightnings_unfreeze = callback.unfreeze_and_add_param_group
+
+    def unfreeze_and_add_param_group(modules: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        groups = optimizer.param_groups
+        kept = [group["params"] for group in groups]
+        to_device = {id(host): param for offloader in offloaders for param, host in offloader.host_copies()}
+        try:
+            for group in groups:
+                group["params"] = [to_device.get(id(p), p) for p in group["params"]]
+            lightnings_unfreeze(modules, optimizer, *args, **kwargs)  # adds its group through lightmem's
+        finally:
+            for group, params in zip(groups, kept):
+                group["params"] = params
+
     callback._apply_mapping_to_param_groups = apply_mapping_to_param_groups
-    offloaders[0].remove_at_close(_InstanceAttribute(callback, "_apply_mapping_to_param_groups"))
+    callback.unfreeze_and_add_param_group = unfreeze_and_add_param_group
+    for name in ("_apply_mapping_to_param_groups", "unfreeze_and_add_param_group"):
+        offloaders[0].remove_at_close(_InstanceAttribute(callback, name))
 
 
 def _clip_in_the_overlapped_step(precision: Any, offloaders: list[OptimizerOffloader]) -> None:
@@ -131,18 +150,21 @@ def _clip_in_the_overlapped_step(precision: Any, offloaders: list[OptimizerOfflo
     offloaders[0].remove_at_close(_InstanceAttribute(precision, "clip_gradients"))
 
 
-def _keep_restored_state_on_host(strategy: Any, offloader: OptimizerOffloader) -> None:
+def _keep_restored_state_on_host(strategy: Any, offloaders: list[OptimizerOffloader]) -> None:
     """On ``fit(ckpt_path=...)`` Lightning loads each optimizer's state and then moves it to the
     device (``Strategy.load_optimizer_state_dict``), which would hold the whole state there until
     the first step moved it back: the memory this option exists to save. While offloaded, the state
-    is only loaded: ``load_state_dict`` puts it beside the host copies the groups hold."""
+    is only loaded: ``load_state_dict`` puts it beside the host copies the groups hold (groups
+    restored since with device parameters, by ``BaseFinetuning``, are offloaded first)."""
 
     def load_optimizer_state_dict(checkpoint: Any) -> None:
+        for offloader in offloaders:
+            offloader.adopt_param_groups()
         for optimizer, state in zip(strategy.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
 
     strategy.load_optimizer_state_dict = load_optimizer_state_dict
-    offloader.remove_at_close(_InstanceAttribute(strategy, "load_optimizer_state_dict"))
+    offloaders[0].remove_at_close(_InstanceAttribute(strategy, "load_optimizer_state_dict"))
 
 
 # Hooks that run between the backward of an optimizer step's closure and the step: overridden,
