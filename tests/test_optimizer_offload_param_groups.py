@@ -288,3 +288,17 @@ def test_backbone_finetuning_compares_device_parameters_only(lightning_package, 
     callback = Recording(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])
     module, trainer, _ = _fit(lightning_package, [callback], None)
     assert len(trainer.optimizers[0].param_groups) == 2
+
+
+def test_groups_reordered_while_offloaded_keep_their_own_kernel_flags():
+    # lightmem sets fused=True only where the user left it unset, and gives back None there, by
+    # group, wherever the group has moved.
+    model = _net()
+    optimizer = torch.optim.AdamW(
+        [{"params": list(model[0].parameters()), "fused": False}, {"params": list(model[3].parameters())}], lr=0.01
+    )
+    handle = offload_optimizer(model, optimizer, devices=("cpu",))
+    optimizer.param_groups.reverse()
+    assert [group["fused"] for group in optimizer.state_dict()["param_groups"]] == [None, False]
+    handle.close()
+    assert [group["fused"] for group in optimizer.param_groups] == [None, False]

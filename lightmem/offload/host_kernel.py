@@ -110,7 +110,9 @@ class HostKernel:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._switched: dict[int, str] = {}  # group index -> the flag set to True here
+        # id(group) -> (the group, the flag set to True here): by the group itself, which keeps it
+        # through groups reordered (the group is held, so its id is not reused)
+        self._switched: dict[int, tuple[dict[str, Any], str]] = {}
         self._ran: tuple[str, str] | None = None  # after restore(): (name, str) of what stepped
 
     def select(self, added: int | None = None) -> None:
@@ -126,7 +128,7 @@ class HostKernel:
                 continue
             if _unset(group) and _eligible(group, kernel):
                 group[kernel] = True
-                self._switched[index] = kernel
+                self._switched[id(group)] = (group, kernel)
                 for param in group["params"] if kernel == FUSED else ():
                     step = optimizer.state.get(param, {}).get("step")
                     if isinstance(step, torch.Tensor):  # fused kernels keep a float32 counter
@@ -134,18 +136,17 @@ class HostKernel:
 
     def restore(self) -> None:
         self._ran = (self.name, str(self))
-        groups = self.optimizer.param_groups
-        for index, kernel in self._switched.items():
-            if index < len(groups):
-                groups[index][kernel] = None
+        for group, kernel in self._switched.values():
+            group[kernel] = None
         self._switched = {}
 
     def in_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
         """A ``state_dict`` post-hook: the groups switched here say ``None`` in the saved state."""
-        groups = state.get("param_groups", [])
-        for index, kernel in self._switched.items():
-            if index < len(groups):
-                groups[index][kernel] = None
+        saved = state.get("param_groups", [])
+        for index, group in enumerate(self.optimizer.param_groups):
+            switched = self._switched.get(id(group))
+            if switched is not None and index < len(saved):
+                saved[index][switched[1]] = None
         return state
 
     def _kernels(self) -> list[tuple[str, str]]:
@@ -155,9 +156,10 @@ class HostKernel:
             return [(CUSTOM, f"{name}'s own step, as constructed")] * len(self.optimizer.param_groups)
         choice = host_choice(self.optimizer)
         kernels = []
-        for index, group in enumerate(self.optimizer.param_groups):
-            if index in self._switched:
-                kernels.append((self._switched[index], _WHY[self._switched[index]]))
+        for group in self.optimizer.param_groups:
+            switched = self._switched.get(id(group))
+            if switched is not None:
+                kernels.append((switched[1], _WHY[switched[1]]))
             elif group.get("fused"):
                 kernels.append((FUSED, "fused=True in its param groups"))
             elif group.get("foreach"):
