@@ -132,6 +132,13 @@ class _Written:
         self.version, self.data_ptr = param._version, param.data_ptr()
         self.storage = StorageWeakRef(param.untyped_storage())
 
+    def after_own_write(self, param: torch.Tensor) -> None:
+        """lightmem wrote ``param`` in place (its copy back): the storage seen stays, the version moves."""
+        if param.data_ptr() == self.data_ptr:
+            self.version = param._version
+        else:  # replaced since it was last seen (a write that broke overlap_step's contract)
+            self.__init__(param)  # type: ignore[misc]
+
     def still(self, param: torch.Tensor) -> bool:
         storage = self.storage
         return (
@@ -337,6 +344,7 @@ class OptimizerOffloader:
                 host.copy_(param.detach())
             master = nn.Parameter(host, requires_grad=param.requires_grad)
             self._slots[id(param)] = _Slot(param, master, group=group_of[id(param)])
+        self._slot_of_master = {id(slot.master): slot for slot in self._slots.values()}  # the groups hold the masters
         # A parameter frozen now gets no hook (autograd refuses one); it must stay frozen.
         self._frozen = [slot for slot in self._slots.values() if not slot.param.requires_grad]
         self._device_dtype: DeviceDtype | None = None
@@ -487,13 +495,16 @@ class OptimizerOffloader:
         is, and optimizer state kept for either moves to the host copy. Each parameter's group
         index follows the groups' order. At the first gradient of each backward, before each step
         and before a checkpoint's optimizer state is loaded under Lightning."""
-        masters = {id(slot.master): slot for slot in self._slots.values()}
+        masters = self._slot_of_master
         state = self.optimizer.state
         moved = False
         for index, group in enumerate(self.optimizer.param_groups):
-            if all(id(param) in masters for param in group["params"]):
-                for param in group["params"]:
-                    masters[id(param)].group = index
+            for param in group["params"]:
+                slot = masters.get(id(param))
+                if slot is None:
+                    break
+                slot.group = index
+            else:
                 continue
             new = {
                 id(param): param for param in group["params"] if id(param) not in masters and id(param) not in self._slots
@@ -511,7 +522,6 @@ class OptimizerOffloader:
             for param in group["params"]:
                 if id(param) in masters:
                     masters[id(param)].group = index
-            masters.update({id(master): self._slots[key] for key, master in swapped.items()})
             self.host_kernel.select(added=index)
         if moved:  # state in the groups' order, as one step over them (or a load) puts it
             order = {id(param): position for position, param in enumerate(_optimized_params(self.optimizer))}
@@ -541,6 +551,7 @@ class OptimizerOffloader:
                 host.copy_(param.detach())
                 master = nn.Parameter(host, requires_grad=param.requires_grad)
                 slot = self._slots[id(param)] = _Slot(param, master, group=index, seen=_written(param))
+                self._slot_of_master[id(master)] = slot
                 swapped[id(param)] = master
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_final))
@@ -578,6 +589,7 @@ class OptimizerOffloader:
         with torch.no_grad():
             for key in set(self._slots) - slots:
                 slot = self._slots.pop(key)
+                del self._slot_of_master[id(slot.master)]
                 if slot.master.grad is not None:
                     slot.param.grad = slot.master.grad.to(slot.param.device, copy=True)
         for handle in self._handles[handles:]:
@@ -1097,8 +1109,11 @@ class OptimizerOffloader:
                 # reading a child's weight, a parametrization, weight averaging, load_state_dict)
                 # runs after the copies: a wait on the device, so the host runs on.
                 self.wait_for_params()
-        for slot in stepped:
-            slot.seen = _written(slot.param)  # the copy bumped the version as it was queued
+        for slot in stepped:  # the copy bumped the version as it was queued
+            if slot.seen is None:
+                slot.seen = _written(slot.param)
+            else:
+                slot.seen.after_own_write(slot.param)
         moved = sum(slot.param.nbytes for slot in stepped)
         stats.param_bytes_in = moved
         stats.total_param_bytes_in += moved
