@@ -6,6 +6,11 @@ gives every group back."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,3 +307,99 @@ def test_groups_reordered_while_offloaded_keep_their_own_kernel_flags():
     assert [group["fused"] for group in optimizer.state_dict()["param_groups"]] == [None, False]
     handle.close()
     assert [group["fused"] for group in optimizer.param_groups] == [None, False]
+
+
+def test_under_ddp_with_no_sync_added_groups_unfrozen_parameters_and_zero_grad_match_ddp(tmp_path):
+    # One launch of tests/optimizer_ddp_groups_script.py (2 CPU processes, gloo).
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, str(tests / "optimizer_ddp_groups_script.py"), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    each = {"equal_per_rank": [True, True], "ranks_agree": True}
+    assert report == {variant: each for variant in ("plain", "add_mid", "unfreeze", "zero_mid")}
+
+
+def test_zero_grad_clears_a_gradient_left_on_the_device_by_an_unfrozen_parameter():
+    # A backward that reaches only a parameter unfrozen since the start (no hook yet, so no landing
+    # at its end), then zero_grad: without lightmem that gradient is gone too.
+    runs = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        model[1].bias.requires_grad_(False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, **({} if offload else HOST_KERNEL))
+        handle = offload_optimizer(model, optimizer, devices=("cpu",)) if offload else None
+        model[1].bias.requires_grad_(True)
+        (model[1].bias * 5).sum().backward()
+        optimizer.zero_grad()
+        model(torch.randn(2, 4, generator=torch.Generator().manual_seed(1))).sum().backward()
+        optimizer.step()
+        if handle is not None:
+            handle.close()
+        runs.append(model.state_dict())
+    assert_same(*runs, "state_dict")
+
+
+def test_with_bf16_device_parameters_an_unfrozen_parameter_lands_as_a_hooked_one():
+    # Its first gradient lands from the device (bf16 widened into the fp32 master's gradient):
+    # bitwise what the gradient hook does for a parameter unfrozen from the start.
+    runs = []
+    for frozen_at_start in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 1))
+        model[0].weight.requires_grad_(not frozen_at_start)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        handle = offload_optimizer(model, optimizer, devices=("cpu",), device_dtype=torch.bfloat16)
+        model[0].weight.requires_grad_(True)
+        for inputs, targets in regression_batches(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(model(inputs).float(), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        handle.close()
+        runs.append((model.state_dict(), optimizer.state_dict()["state"]))
+    assert_same(*runs, "training state")
+
+
+def test_a_gradient_set_by_hand_on_a_device_parameter_is_refused_at_the_step():
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    handle = offload_optimizer(model, optimizer, devices=("cpu",))
+    inputs, targets = regression_batches(1)[0]
+    nn.functional.mse_loss(model(inputs), targets).backward()
+    model[3].weight.grad = torch.ones_like(model[3].weight)
+    with pytest.raises(ValueError) as error:
+        optimizer.step()
+    assert str(error.value) == (
+        "offload_optimizer: 1 parameter(s) of shape [1, 16] have a gradient on the device that lightmem did "
+        "not put there (set by hand after backward?); while offloaded the step reads the gradient of each "
+        "parameter's host copy: set `.grad` of the tensors in optimizer.param_groups instead"
+    )
+    handle.close()
+
+
+def test_with_the_overlap_a_group_added_or_a_weight_written_between_backward_and_step_is_raised():
+    for change, message in (
+        (
+            lambda model, optimizer: optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]}),
+            r"optimizer.add_param_group\(\) came after a backward whose gradients were being stepped",
+        ),
+        (
+            lambda model, optimizer: torch.nn.init.zeros_(model[3].weight),
+            r"since then the device values of 1 parameters \(written after backward\) changed",
+        ),
+    ):
+        model = _net()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        handle = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=True)
+        inputs, targets = regression_batches(1)[0]
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        with pytest.raises(RuntimeError, match=message):
+            change(model, optimizer)
+            optimizer.step()
+        handle.close()

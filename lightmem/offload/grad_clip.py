@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
+
 @dataclass(frozen=True)
 class GradClip:
     """Clip by global norm (``clip_grad_norm_(params, value, norm_type)``) or by value

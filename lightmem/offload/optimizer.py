@@ -421,6 +421,7 @@ class OptimizerOffloader:
             self._refuse_pending_overlap("optimizer.zero_grad()")
             if self._landing or self._unlanded:
                 self._land_all()
+            self._land_device_grads()  # cleared with the host gradients, as the device's would be
             self._callback_task = None
             users_zero_grad(*args, **kwargs)
 
@@ -429,6 +430,7 @@ class OptimizerOffloader:
         users_add_param_group = optimizer.add_param_group
 
         def add_param_group(param_group: dict[str, Any]) -> None:
+            self._refuse_pending_overlap("optimizer.add_param_group()")
             undo = self._undo_point()
             try:
                 users_add_param_group(self._offload_added_group(param_group))
@@ -506,6 +508,7 @@ class OptimizerOffloader:
                 slot.group = index
             else:
                 continue
+            self._refuse_pending_overlap("a param group put in the optimizer")
             new = {
                 id(param): param for param in group["params"] if id(param) not in masters and id(param) not in self._slots
             }
@@ -553,17 +556,29 @@ class OptimizerOffloader:
                 slot = self._slots[id(param)] = _Slot(param, master, group=index, seen=_written(param))
                 self._slot_of_master[id(master)] = slot
                 swapped[id(param)] = master
+                if param.grad is not None and self._reducer is None:  # goes where the step reads it
+                    # (under DDP it stays: no_sync may be adding to it; the reduced one is sent)
+                    master.grad, param.grad = param.grad.to(_HOST, copy=True), None
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_final))
                 else:
                     self._frozen.append(slot)
-        self._land_device_grads()  # a gradient already there goes where the step reads it
         return swapped
 
     def _land_device_grads(self) -> None:
         """Gradients left on the device by parameters lightmem had no hook on when their backward
-        ran (a parameter unfrozen or added since) join the host gradients, added as autograd
-        would; an unfrozen parameter gets its hook for the backward passes to come."""
+        ran (a parameter frozen when offload started, unfrozen since) join the host gradients,
+        added as autograd would; an unfrozen parameter gets its hook for the backward passes to
+        come. Under DDP the gradients ``no_sync`` keeps on the device land too (a step or a
+        ``zero_grad`` inside the window). At the end of each backward, before each step and
+        ``zero_grad``.
+
+        Raises:
+            ValueError: a gradient set on a device parameter lightmem hooks (``p.grad = ...``
+                after backward): the step reads the host copy's gradient, which it would not
+                replace.
+        """
+        unhooked = {id(slot) for slot in self._frozen}
         for slot in [slot for slot in self._frozen if slot.param.requires_grad]:
             self._frozen.remove(slot)
             slot.master.requires_grad_(True)
@@ -571,19 +586,28 @@ class OptimizerOffloader:
         left = [slot for slot in self._slots.values() if slot.param.grad is not None and slot.landing is None]
         if not left:
             return
+        stray = [slot for slot in left if id(slot) not in unhooked] if self._reducer is None else []
+        if stray:
+            raise ValueError(
+                f"{self.settings.flag('enabled')}: {len(stray)} parameter(s) of shape "
+                f"{list(stray[0].param.shape)}{' and others' if len(stray) > 1 else ''} have a gradient on the "
+                "device that lightmem did not put there (set by hand after backward?); while offloaded the step "
+                "reads the gradient of each parameter's host copy: set `.grad` of the tensors in "
+                "optimizer.param_groups instead"
+            )
         self._host_wait_params()
         with torch.no_grad():
             for slot in left:
                 grad, slot.param.grad = slot.param.grad, None
-                if slot.master.grad is None:
-                    slot.master.grad = grad.to(_HOST, copy=True)
+                if slot.master.grad is None:  # in the host copy's dtype (bf16 widened exactly)
+                    slot.master.grad = grad.to(_HOST, dtype=slot.master.dtype, copy=True)
                 else:
                     slot.master.grad.add_(grad.to(_HOST))
 
-    def _undo_point(self) -> tuple[set[int], int, int, int]:
-        return set(self._slots), len(self._handles), len(self._frozen), len(self._added_arenas)
+    def _undo_point(self) -> tuple[set[int], int, list[_Slot], int]:
+        return set(self._slots), len(self._handles), list(self._frozen), len(self._added_arenas)
 
-    def _undo_to(self, point: tuple[set[int], int, int, int]) -> None:
+    def _undo_to(self, point: tuple[set[int], int, list[_Slot], int]) -> None:
         """Forget the parameters offloaded since ``point`` (their gradients back on the device)."""
         slots, handles, frozen, arenas = point
         with torch.no_grad():
@@ -595,7 +619,7 @@ class OptimizerOffloader:
         for handle in self._handles[handles:]:
             handle.remove()
         del self._handles[handles:]
-        del self._frozen[frozen:]
+        self._frozen[:] = frozen
         for arena in self._added_arenas[arenas:]:
             self._stats.host_param_bytes -= arena.nbytes
             arena.close()
@@ -708,12 +732,12 @@ class OptimizerOffloader:
         if self._reducer is not None:
             self._await_reduction()
             return
-        grad = param.grad
-        if grad is None:
+        grad, slot = param.grad, self._slots.get(id(param))
+        if grad is None or slot is None:  # slot None: a hook left by a group torch refused
             return
         param.grad = None
         self._queue_landing()
-        self._send(self._slots[id(param)], grad)
+        self._send(slot, grad)
 
     def _queue_landing(self) -> None:
         """Once per backward, queue the landing of its gradients for when the whole backward is over.
@@ -955,6 +979,9 @@ class OptimizerOffloader:
             overlap.end_backward()  # by norm, after a backward that raised before its end: clip and step what landed
             overlap.join()
             changes = overlap.changes()
+            written = sum(slot.seen is not None and not slot.seen.still(slot.param) for slot in self._slots.values())
+            if written:  # the copy back would write over them
+                changes.append(f"the device values of {written} parameters (written after backward)")
         except BaseException:
             self._end_overlap()
             raise

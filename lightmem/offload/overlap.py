@@ -158,6 +158,7 @@ class OverlappedStep:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._groups: list[dict[str, Any]] | None = None  # hyperparameters at begin()
+        self._params: list[list[torch.nn.Parameter]] = []  # each group's parameters at begin()
         self._after: Any = None  # event the host copies must be read by before the first step
         self.stepped: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []  # (master, grad, its version)
         self.stepped_bytes = 0
@@ -175,6 +176,7 @@ class OverlappedStep:
             {name: _kept(value) for name, value in group.items() if name != "params"}
             for group in self.optimizer.param_groups
         ]
+        self._params = [list(group["params"]) for group in self.optimizer.param_groups]  # what the step covers
         self._after = copies_back
         self._state_entries = len(self.optimizer.state)
         if self._thread is None:
@@ -242,6 +244,8 @@ class OverlappedStep:
     def changes(self) -> list[str]:
         """What changed since the parameters were stepped: hyperparameters, gradients (after ``join``)."""
         changed = []
+        if self._groups is not None and len(self._groups) != len(self.optimizer.param_groups):
+            changed.append(f"the number of param groups ({len(self._groups)} -> {len(self.optimizer.param_groups)})")
         for index, (group, seen) in enumerate(zip(self.optimizer.param_groups, self._groups or [])):
             for name, value in seen.items():
                 if not _same(value, group.get(name)):
@@ -272,6 +276,7 @@ class OverlappedStep:
         self.stepped = []
         self.stepped_bytes = 0
         self._groups = None
+        self._params = []
         self._after = None
         self._norms.clear()
         self._landed.clear()
@@ -352,7 +357,7 @@ class OverlappedStep:
         has its norm taken now), every gradient scaled by it, every parameter stepped."""
         clip = self.clip
         assert clip is not None
-        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        params = [param for group in self._params for param in group]
         with_grads = [param for param in params if param.grad is not None]
         grads = [param.grad for param in with_grads]
         # Each gradient's version when it landed this backward, or now (an earlier backward's).
@@ -363,10 +368,7 @@ class OverlappedStep:
             self._norms.update(clip.norms(missing))  # type: ignore[arg-type]
         self.grad_norm = clip.total(grads, self._norms)  # type: ignore[arg-type]
         clip.scale(params, self.grad_norm)
-        subsets = {
-            index: [param for param in group["params"] if param.grad is not None]
-            for index, group in enumerate(self.optimizer.param_groups)
-        }
+        subsets = {index: [param for param in group if param.grad is not None] for index, group in enumerate(self._params)}
         self._step_subsets({index: subset for index, subset in subsets.items() if subset})
         for param, version in zip(with_grads, versions):
             self._stepped(param, version + clip.writes)
