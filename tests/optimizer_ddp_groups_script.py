@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from process_group import leave
 from torch import nn
 
 VARIANTS = ("plain", "add_mid", "unfreeze", "zero_mid")
@@ -65,8 +66,7 @@ def worker(rank: int, port: str, out: str) -> None:
         report[variant] = {"equal_per_rank": [g[1] for g in gathered], "ranks_agree": gathered[0][0] == gathered[1][0]}
     if rank == 0:
         (Path(out) / "report.json").write_text(json.dumps(report))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()  # the DDP wrappers' reducers freed first: gloo's threads must not outlive the group
 
 
 if __name__ == "__main__":
