@@ -403,3 +403,72 @@ def test_with_the_overlap_a_group_added_or_a_weight_written_between_backward_and
             change(model, optimizer)
             optimizer.step()
         handle.close()
+
+
+@pytest.mark.parametrize("flags", [{}, {"overlap_step": True}], ids=["after-backward", "overlap"])
+def test_gradients_there_before_offload_and_model_zero_grad_are_as_without_it(flags):
+    # A backward before offload starts (a sanity pass) leaves gradients the first step takes; the
+    # loop then clears with model.zero_grad(), which must clear the host gradients too.
+    runs = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, **({} if offload else HOST_KERNEL))
+        generator = torch.Generator().manual_seed(1)
+        model(torch.randn(2, 4, generator=generator)).sum().backward()
+        handle = offload_optimizer(model, optimizer, devices=("cpu",), **flags) if offload else None
+        optimizer.step()
+        for _ in range(3):
+            model.zero_grad()
+            model(torch.randn(2, 4, generator=generator)).sum().backward()
+            optimizer.step()
+        if handle is not None:
+            handle.close()
+        runs.append(model.state_dict())
+    assert_same(*runs, "state_dict")
+
+
+def _lit_gan_class(package):
+    class LitGAN(package.LightningModule):
+        """Manual optimization with two optimizers and toggle_optimizer, Lightning's GAN pattern."""
+
+        def __init__(self, kernel=None):
+            super().__init__()
+            self.generator, self.discriminator = nn.Linear(8, 8), nn.Linear(8, 1)
+            self.kernel = kernel or {}
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            real = batch[0]
+            for optimizer, loss_of in zip(
+                self.optimizers(),
+                (
+                    lambda: -self.discriminator(self.generator(real)).mean(),
+                    lambda: self.discriminator(self.generator(real).detach()).mean() - self.discriminator(real).mean(),
+                ),
+            ):
+                self.toggle_optimizer(optimizer)
+                self.manual_backward(loss_of())
+                optimizer.step()
+                optimizer.zero_grad()
+                self.untoggle_optimizer(optimizer)
+
+        def configure_optimizers(self):
+            return (
+                torch.optim.Adam(self.generator.parameters(), lr=0.1, **self.kernel),
+                torch.optim.Adam(self.discriminator.parameters(), lr=0.1, **self.kernel),
+            )
+
+    return LitGAN
+
+
+def test_toggle_optimizer_freezes_the_device_parameters_of_the_other_optimizer(lightning_package):
+    # Without the toggle acting on the device parameters the discriminator would collect
+    # gradients in the generator's backward and add them in its own step.
+    runs = []
+    for callbacks in ([], [LightMem(offload=False, offload_optimizer=True, offload_devices=["cpu"], metrics=[])]):
+        lightning_package.seed_everything(0, verbose=False)
+        module = _lit_gan_class(lightning_package)(None if callbacks else HOST_KERNEL)
+        cpu_trainer(callbacks, lightning_package, max_steps=6).fit(module, regression_loader(batches=3))
+        runs.append(module.state_dict())
+    assert_same(*runs, "state_dict")

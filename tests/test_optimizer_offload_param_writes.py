@@ -105,3 +105,24 @@ def test_under_lightning_weights_clamped_after_each_batch_stay_clamped(overlap):
     assert_same(
         [param.abs().max() <= 0.05 for param in module_b.parameters()], [torch.tensor(True)] * 6, "clamped weights"
     )
+
+
+def test_with_the_overlap_a_write_to_a_parameter_without_a_gradient_waits_for_the_next_step():
+    # Only parameters with a gradient are copied back after a step: a write to another one between
+    # backward and the step is taken at the next backward, as without lightmem.
+    runs = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 1), nn.Linear(3, 3))  # the last one unused
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, **({} if offload else HOST_KERNEL))
+        handle = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=True) if offload else None
+        for inputs, targets in regression_batches(3):
+            nn.functional.mse_loss(model[1](model[0](inputs)), targets).backward()
+            with torch.no_grad():
+                model[2].weight.mul_(0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        if handle is not None:
+            handle.close()
+        runs.append(model.state_dict())
+    assert_same(*runs, "state_dict")

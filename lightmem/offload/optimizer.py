@@ -98,13 +98,17 @@ class OptimizerOffloadStats:
 
 
 class _InstanceAttribute:
-    """A handle whose ``remove()`` deletes an attribute set on one object (its class's comes back)."""
+    """A handle whose ``remove()`` deletes an attribute set on one object (its class's comes back),
+    or puts back the one set there before (``previous``: another offloader's, still open)."""
 
-    def __init__(self, owner: Any, name: str) -> None:
-        self.owner, self.name = owner, name
+    def __init__(self, owner: Any, name: str, previous: Any = None) -> None:
+        self.owner, self.name, self.previous = owner, name, previous
 
     def remove(self) -> None:
-        self.owner.__dict__.pop(self.name, None)
+        if self.previous is not None:
+            self.owner.__dict__[self.name] = self.previous
+        else:
+            self.owner.__dict__.pop(self.name, None)
 
 
 @dataclass
@@ -395,6 +399,11 @@ class OptimizerOffloader:
         self.host_kernel.select()  # before the swap: "step" counters go where the kernel keeps them
         self._swap_optimizer(to_host=True)
         self._handles: list[Any] = []
+        if reducer is None:  # gradients already there (a backward before offload) go where the step reads them
+            with torch.no_grad():
+                for slot in self._slots.values():
+                    if slot.param.grad is not None:
+                        slot.master.grad, slot.param.grad = slot.param.grad.to(_HOST, copy=True), None
         device_dtype = self._device_dtype
         if device_dtype is not None:
             # The state dict holds the fp32 masters; a load sets them (hooks take functions, not methods).
@@ -427,6 +436,15 @@ class OptimizerOffloader:
 
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
         self._handles.append(_InstanceAttribute(optimizer, "zero_grad"))
+        # model.zero_grad() clears the gradients of the model's parameters: theirs are on the host.
+        users_model_zero_grad, previous = model.zero_grad, model.__dict__.get("zero_grad")
+
+        def model_zero_grad(set_to_none: bool = True) -> None:
+            users_model_zero_grad(set_to_none)
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+        model.zero_grad = model_zero_grad  # type: ignore[method-assign]
+        self._handles.append(_InstanceAttribute(model, "zero_grad", previous))
         users_add_param_group = optimizer.add_param_group
 
         def add_param_group(param_group: dict[str, Any]) -> None:
@@ -979,7 +997,10 @@ class OptimizerOffloader:
             overlap.end_backward()  # by norm, after a backward that raised before its end: clip and step what landed
             overlap.join()
             changes = overlap.changes()
-            written = sum(slot.seen is not None and not slot.seen.still(slot.param) for slot in self._slots.values())
+            written = sum(  # of parameters the copy back rewrites: those with a gradient
+                slot.master.grad is not None and slot.seen is not None and not slot.seen.still(slot.param)
+                for slot in self._slots.values()
+            )
             if written:  # the copy back would write over them
                 changes.append(f"the device values of {written} parameters (written after backward)")
         except BaseException:

@@ -6,6 +6,8 @@ whether the host step may overlap backward there, and a restored state kept on t
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -88,7 +90,40 @@ def offload_trainer_optimizers(
         _clip_in_the_overlapped_step(trainer.precision_plugin, offloaders)
         for callback in trainer.callbacks:
             _name_groups_by_device_params(callback, offloaders)
+        _toggle_device_params(model, trainer, offloaders)
     return offloaders, None
+
+
+@contextlib.contextmanager
+def _device_params_in_groups(offloaders: list[OptimizerOffloader], optimizers: list[Any]) -> Iterator[None]:
+    """For the duration, ``optimizers``' param groups hold the device parameters in place of their
+    host copies (a group added meanwhile keeps what it holds): for Lightning code that reads or
+    sets the parameters through the groups."""
+    to_device = {id(host): param for offloader in offloaders for param, host in offloader.host_copies()}
+    kept = [(group, group["params"]) for optimizer in optimizers for group in optimizer.param_groups]
+    try:
+        for group, params in kept:
+            group["params"] = [to_device.get(id(param), param) for param in params]
+        yield
+    finally:
+        for group, params in kept:
+            group["params"] = params
+
+
+def _toggle_device_params(module: Any, trainer: Any, offloaders: list[OptimizerOffloader]) -> None:
+    """``LightningModule.toggle_optimizer`` (manual optimization with several optimizers, as GANs
+    do) turns off ``requires_grad`` of the parameters in the other optimizers' groups, and
+    ``untoggle_optimizer`` restores it. While offloaded the groups hold host copies: the toggle
+    acts on the device parameters, which are the ones backward sees."""
+    for name in ("toggle_optimizer", "untoggle_optimizer"):
+        lightnings = getattr(module, name)
+
+        def toggled(optimizer: Any, lightnings: Any = lightnings) -> Any:
+            with _device_params_in_groups(offloaders, list(trainer.optimizers)):
+                return lightnings(optimizer)
+
+        setattr(module, name, toggled)
+        offloaders[0].remove_at_close(_InstanceAttribute(module, name))
 
 
 def _name_groups_by_device_params(callback: Any, offloaders: list[OptimizerOffloader]) -> None:
@@ -115,16 +150,8 @@ def _name_groups_by_device_params(callback: Any, offloaders: list[OptimizerOfflo
     lightnings_unfreeze = callback.unfreeze_and_add_param_group
 
     def unfreeze_and_add_param_group(modules: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        groups = optimizer.param_groups
-        kept = [group["params"] for group in groups]
-        to_device = {id(host): param for offloader in offloaders for param, host in offloader.host_copies()}
-        try:
-            for group in groups:
-                group["params"] = [to_device.get(id(p), p) for p in group["params"]]
+        with _device_params_in_groups(offloaders, [optimizer]):
             lightnings_unfreeze(modules, optimizer, *args, **kwargs)  # adds its group through lightmem's
-        finally:
-            for group, params in zip(groups, kept):
-                group["params"] = params
 
     callback._apply_mapping_to_param_groups = apply_mapping_to_param_groups
     callback.unfreeze_and_add_param_group = unfreeze_and_add_param_group
