@@ -562,3 +562,30 @@ def test_a_precision_plugin_with_its_own_clipping_keeps_the_step_after_backward_
         actual = fit_tiny(callback, plugins=[AlwaysClips()])
     assert "; host step after backward: precision plugin AlwaysClips has its own clip_gradients)." in caplog.text
     assert_same_fit(expected, actual)
+
+
+def test_norms_taken_in_any_batches_give_clip_grad_norms_bits():
+    # 50 random sets of 12 gradients (fp32 and fp64 mixed), their norms taken in random batches as
+    # if landing: the total and the scaled gradients are bitwise clip_grad_norm_'s.
+    clip = grad_clip.GradClip("norm", 0.7)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        expected, actual = [], []
+        for _ in range(12):
+            shape = tuple(torch.randint(1, 40, (int(torch.randint(1, 3, (), generator=generator)),), generator=generator).tolist())
+            dtype = torch.float64 if torch.rand((), generator=generator) < 0.2 else torch.float32
+            param = nn.Parameter(torch.randn(shape, dtype=dtype, generator=generator))
+            param.grad = torch.randn(shape, dtype=dtype, generator=generator) * 10
+            twin = nn.Parameter(param.detach().clone())
+            twin.grad = param.grad.clone()
+            expected.append(param)
+            actual.append(twin)
+        total_expected = torch.nn.utils.clip_grad_norm_(expected, 0.7)
+        norms: dict = {}
+        order = torch.randperm(12, generator=generator).tolist()
+        for start in range(0, 12, 5):
+            norms.update(clip.norms([actual[index].grad for index in order[start : start + 5]]))
+        total = clip.total([param.grad for param in actual], norms)
+        clip.scale(actual, total)
+        assert_same(total_expected, total, "global norm")
+        assert_same([p.grad for p in expected], [p.grad for p in actual], "clipped gradients")
