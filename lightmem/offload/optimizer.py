@@ -153,8 +153,6 @@ class _Written:
         )
 
 
-_written = _Written
-
 
 _ALIGN_BYTES = 64  # each tensor of an arena starts on a cache line (vector loads of the host kernels)
 
@@ -342,15 +340,10 @@ class OptimizerOffloader:
         self._grads_arena: _HostArena | None = None
         self._staging_arena: _HostArena | None = None
         self._slots: dict[int, _Slot] = {}
+        self._slot_of_master: dict[int, _Slot] = {}  # the groups hold the masters
+        self._frozen: list[_Slot] = []  # no gradient hook (autograd refuses one) until unfrozen
         group_of = {id(param): index for index, group in enumerate(optimizer.param_groups) for param in group["params"]}
-        for param, host in zip(params, self._params_arena.tensors):
-            with torch.no_grad():
-                host.copy_(param.detach())
-            master = nn.Parameter(host, requires_grad=param.requires_grad)
-            self._slots[id(param)] = _Slot(param, master, group=group_of[id(param)])
-        self._slot_of_master = {id(slot.master): slot for slot in self._slots.values()}  # the groups hold the masters
-        # A parameter frozen now gets no hook (autograd refuses one); it must stay frozen.
-        self._frozen = [slot for slot in self._slots.values() if not slot.param.requires_grad]
+        self._add_host_copies(params, self._params_arena, group_of)
         self._device_dtype: DeviceDtype | None = None
         self._device_dtype_arenas: list[_HostArena] = []
         if settings.device_dtype is not None:
@@ -400,10 +393,8 @@ class OptimizerOffloader:
         self._swap_optimizer(to_host=True)
         self._handles: list[Any] = []
         if reducer is None:  # gradients already there (a backward before offload) go where the step reads them
-            with torch.no_grad():
-                for slot in self._slots.values():
-                    if slot.param.grad is not None:
-                        slot.master.grad, slot.param.grad = slot.param.grad.to(_HOST, copy=True), None
+            for slot in self._slots.values():
+                self._take_device_grad(slot)
         device_dtype = self._device_dtype
         if device_dtype is not None:
             # The state dict holds the fp32 masters; a load sets them (hooks take functions, not methods).
@@ -412,10 +403,8 @@ class OptimizerOffloader:
             self._handles += [put_masters, take_loaded]
             device_dtype.cast_device_params()  # after every refusal: nothing raises past here
         for slot in self._slots.values():
-            slot.seen = _written(slot.param)
-        for slot in self._slots.values():
-            if slot.param.requires_grad:
-                self._handles.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_final))
+            slot.seen = _Written(slot.param)  # the device parameters as lightmem leaves them
+            self._watch(slot)
         # Any forward of the model, on whichever stream is current, reads the parameters only after
         # their copies back (one wait per stream and step; the step waits on its own stream).
         self._handles.append(model.register_forward_pre_hook(lambda *args: self.wait_for_params(), prepend=True))
@@ -566,22 +555,44 @@ class OptimizerOffloader:
         arena = _HostArena(params, self.transport, self.device)
         self._added_arenas.append(arena)
         self._stats.host_param_bytes += arena.nbytes
-        swapped = {}
+        slots = self._add_host_copies(params, arena, dict.fromkeys(map(id, params), index))
+        for slot in slots:
+            if self._reducer is None:  # under DDP it stays: no_sync may be adding to it; the reduced one is sent
+                self._take_device_grad(slot)
+            slot.seen = _Written(slot.param)
+            self._watch(slot)
+        return {id(slot.param): slot.master for slot in slots}
+
+    def _add_host_copies(self, params: list[nn.Parameter], arena: _HostArena, group_of: dict[int, int]) -> list[_Slot]:
+        """A slot per parameter: its host copy carved from ``arena``, with its value, in group ``group_of[id]``."""
+        slots = []
         with torch.no_grad():
             for param, host in zip(params, arena.tensors):
                 host.copy_(param.detach())
                 master = nn.Parameter(host, requires_grad=param.requires_grad)
-                slot = self._slots[id(param)] = _Slot(param, master, group=index, seen=_written(param))
-                self._slot_of_master[id(master)] = slot
-                swapped[id(param)] = master
-                if param.grad is not None and self._reducer is None:  # goes where the step reads it
-                    # (under DDP it stays: no_sync may be adding to it; the reduced one is sent)
-                    master.grad, param.grad = param.grad.to(_HOST, copy=True), None
-                if param.requires_grad:
-                    self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_final))
-                else:
-                    self._frozen.append(slot)
-        return swapped
+                slot = self._slots[id(param)] = self._slot_of_master[id(master)] = _Slot(param, master, group=group_of[id(param)])
+                slots.append(slot)
+        return slots
+
+    def _watch(self, slot: _Slot) -> None:
+        """From now on ``slot``'s final gradient goes to the host through a hook, or, frozen, once
+        it is unfrozen (``_land_device_grads``)."""
+        if slot.param.requires_grad:
+            self._handles.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_final))
+        else:
+            self._frozen.append(slot)
+
+    def _take_device_grad(self, slot: _Slot) -> None:
+        """The gradient on ``slot``'s device parameter joins its host copy's, in its dtype (a bf16
+        one widened exactly), added as autograd would."""
+        grad, slot.param.grad = slot.param.grad, None
+        if grad is None:
+            return
+        with torch.no_grad():
+            if slot.master.grad is None:
+                slot.master.grad = grad.to(_HOST, dtype=slot.master.dtype, copy=True)
+            else:
+                slot.master.grad.add_(grad.to(_HOST))
 
     def _land_device_grads(self) -> None:
         """Gradients left on the device by parameters lightmem had no hook on when their backward
@@ -600,7 +611,7 @@ class OptimizerOffloader:
         for slot in [slot for slot in self._frozen if slot.param.requires_grad]:
             self._frozen.remove(slot)
             slot.master.requires_grad_(True)
-            self._handles.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_final))
+            self._watch(slot)
         left = [slot for slot in self._slots.values() if slot.param.grad is not None and slot.landing is None]
         if not left:
             return
@@ -614,13 +625,8 @@ class OptimizerOffloader:
                 "optimizer.param_groups instead"
             )
         self._host_wait_params()
-        with torch.no_grad():
-            for slot in left:
-                grad, slot.param.grad = slot.param.grad, None
-                if slot.master.grad is None:  # in the host copy's dtype (bf16 widened exactly)
-                    slot.master.grad = grad.to(_HOST, dtype=slot.master.dtype, copy=True)
-                else:
-                    slot.master.grad.add_(grad.to(_HOST))
+        for slot in left:
+            self._take_device_grad(slot)
 
     def _undo_point(self) -> tuple[set[int], int, list[_Slot], int]:
         return set(self._slots), len(self._handles), list(self._frozen), len(self._added_arenas)
@@ -716,7 +722,7 @@ class OptimizerOffloader:
                 for slot in self._slots.values():
                     slot.master.copy_(slot.param.detach())
         for slot in self._slots.values():
-            slot.seen = _written(slot.param)
+            slot.seen = _Written(slot.param)
 
     def take_device_writes(self) -> int:
         """The device parameters written since lightmem last wrote them (an in-place write, e.g.
@@ -734,7 +740,7 @@ class OptimizerOffloader:
         with torch.no_grad():
             for slot in written:
                 slot.master.copy_(slot.param.detach())
-                slot.seen = _written(slot.param)
+                slot.seen = _Written(slot.param)
         return len(written)
 
     def _before_state_dict(self) -> None:
@@ -1159,7 +1165,7 @@ class OptimizerOffloader:
                 self.wait_for_params()
         for slot in stepped:  # the copy bumped the version as it was queued
             if slot.seen is None:
-                slot.seen = _written(slot.param)
+                slot.seen = _Written(slot.param)
             else:
                 slot.seen.after_own_write(slot.param)
         moved = sum(slot.param.nbytes for slot in stepped)
