@@ -168,3 +168,44 @@ class LitSharedReentrant(LitTiny):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.net = SharedUnderReentrantCheckpoint()
+
+
+class FailsInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises halfway through the model's backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FloatingPointError("backward failed halfway")
+
+
+def assert_no_hazards_then_close(transport) -> None:
+    """A simulated GPU (or None: synchronous copies) saw no stale read, reuse hazard or unordered
+    free; it is closed either way."""
+    if transport is None:
+        return
+    hazards = (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees)
+    transport.close()
+    assert hazards == (0, 0, 0)
+
+
+def run_two_process_script(name: str, out) -> dict:
+    """Launch ``tests/<name>`` (it starts its own 2 CPU processes on gloo) writing into ``out``;
+    returns the ``report.json`` it wrote there."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])}
+    env.pop("MASTER_PORT", None)
+    result = subprocess.run(
+        [sys.executable, str(tests / name), str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((Path(out) / "report.json").read_text())

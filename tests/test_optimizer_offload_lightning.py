@@ -5,11 +5,6 @@ ways, and what cannot work is refused by name."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +12,13 @@ import pytorch_lightning as pl
 import torch
 from exact import assert_same, assert_state_equal
 from lit_models import cpu_trainer
-from optimizer_models import HOST_KERNEL, LitTiny, assert_given_back, regression_loader
+from optimizer_models import (
+    HOST_KERNEL,
+    LitTiny,
+    assert_given_back,
+    regression_loader,
+    run_two_process_script,
+)
 
 from lightmem import LightMem
 from lightmem.config import LIGHTMEM, OptimizerOffloadSettings
@@ -169,15 +170,7 @@ def test_ddp_with_gradients_as_bucket_views_is_refused():
 def test_ddp_each_rank_steps_on_the_averaged_gradients_bitwise_like_ddp_without_lightmem(tmp_path):
     # 2 CPU processes (gloo), one launch of tests/optimizer_ddp_script.py: AdamW, accumulation 2
     # (no_sync micro-batches), clipping by norm, StepLR; the same fit without lightmem as reference.
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
-    env.pop("MASTER_PORT", None)
-    result = subprocess.run(
-        [sys.executable, str(tests / "optimizer_ddp_script.py"), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = run_two_process_script("optimizer_ddp_script.py", tmp_path)
     assert report == {"equal_per_rank": [True, True], "steps_per_rank": [3, 3], "ranks_agree": True}
 
 

@@ -12,10 +12,12 @@ from exact import assert_same, assert_state_equal
 from optimizer_models import (
     HOST_KERNEL,
     OPTIMIZERS,
+    FailsInBackward,
     LitSharedReentrant,
     LitTiny,
     SmallGPT,
     assert_given_back,
+    assert_no_hazards_then_close,
     assert_same_fit,
     fit_tiny,
     offloading_optimizer,
@@ -67,9 +69,7 @@ def test_stepping_during_backward_is_bitwise_one_step_after_backward(optimizer, 
     handle.close()
     assert_given_back(model_a, model_b, opt_a, opt_b)
     assert_same(rng_a, rng_b, "RNG state")
-    if simulated is not None:
-        assert (simulated.stale_reads, simulated.reuse_hazards, simulated.unordered_source_frees) == (0, 0, 0)
-        simulated.close()
+    assert_no_hazards_then_close(simulated)
 
 
 def test_a_subset_step_is_bitwise_the_whole_step_for_every_kernel():
@@ -142,8 +142,7 @@ def test_on_the_simulated_gpu_all_but_the_first_layer_are_stepped_before_backwar
         optimizer.zero_grad()
     handle.close()
     assert all(torch.equal(param, value) for param, value in zip(model.parameters(), expected[2]))
-    assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
-    transport.close()
+    assert_no_hazards_then_close(transport)
 
 
 # -- what breaks the contract is raised, never silent -------------------------------------------
@@ -211,16 +210,6 @@ def test_a_second_backward_before_the_step_is_raised_in_it():
     handle.close()
 
 
-class _FailsInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise FloatingPointError("backward failed halfway")
-
-
 def test_a_backward_that_raises_after_some_steps_is_said_at_the_next_zero_grad():
     torch.manual_seed(0)
     first, last = nn.Linear(8, 16), nn.Linear(16, 1)
@@ -229,7 +218,7 @@ def test_a_backward_that_raises_after_some_steps_is_said_at_the_next_zero_grad()
     handle = offload_optimizer(model, optimizer, devices=("cpu",), overlap_step=True)
     inputs, targets = regression_batches(1)[0]
     with pytest.raises(FloatingPointError):
-        nn.functional.mse_loss(last(_FailsInBackward.apply(first(inputs))), targets).backward()
+        nn.functional.mse_loss(last(FailsInBackward.apply(first(inputs))), targets).backward()
     with pytest.raises(RuntimeError, match=r"optimizer.zero_grad\(\) came after a backward .* \(2 parameters stepped\)"):
         optimizer.zero_grad()
     _backward(model)  # the loop goes on: the next step is a whole one

@@ -16,11 +16,13 @@ from exact import assert_same
 from optimizer_models import (
     HOST_KERNEL,
     OPTIMIZERS,
+    FailsInBackward,
     LitSharedReentrant,
     LitTiny,
     SharedUnderReentrantCheckpoint,
     SmallGPT,
     assert_given_back,
+    assert_no_hazards_then_close,
     assert_same_fit,
     fit_tiny,
     offloading_optimizer,
@@ -108,8 +110,7 @@ def test_on_the_simulated_gpu_with_held_copies(algorithm):
     assert_same(norms_a, norms_b, "global norms")
     handle.close()
     assert_given_back(model_a, model_b, opt_a, opt_b)
-    assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
-    transport.close()
+    assert_no_hazards_then_close(transport)
 
 
 class _Mixed(nn.Module):
@@ -159,16 +160,6 @@ def test_mixed_dtypes_groups_in_reverse_and_a_gradient_only_from_the_accumulatin
     assert_same(*runs, "training state and global norms")
 
 
-class _FailsInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise FloatingPointError("backward failed halfway")
-
-
 class _TwoLayers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -190,7 +181,7 @@ def _after_a_backward_that_raised(offload, accumulating, slow_landing=None):
     failing = torch.randn(4, 8, generator=generator).requires_grad_()
     with handle.accumulating() if offload and accumulating else contextlib.nullcontext():
         with pytest.raises(FloatingPointError):
-            (model.side(_FailsInBackward.apply(failing)) ** 2).sum().backward()
+            (model.side(FailsInBackward.apply(failing)) ** 2).sum().backward()
     if accumulating:
         nn.functional.mse_loss(model(inputs), targets).backward()
     norm = None if offload else _clip_by_torch(optimizer, "norm")
@@ -322,8 +313,7 @@ def test_by_value_all_but_the_first_layer_are_clamped_and_stepped_before_backwar
         optimizer.zero_grad()
     handle.close()
     assert all(torch.equal(param, value) for param, value in zip(model.parameters(), expected[2]))
-    assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
-    transport.close()
+    assert_no_hazards_then_close(transport)
 
 
 def test_by_norm_norms_are_taken_as_gradients_land_and_the_step_starts_when_backward_ends(monkeypatch):
@@ -362,8 +352,7 @@ def test_by_norm_norms_are_taken_as_gradients_land_and_the_step_starts_when_back
     assert handle.stats.overlapped_steps == 2
     handle.close()
     assert all(torch.equal(param, value) for param, value in zip(model.parameters(), expected[2]))
-    assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
-    transport.close()
+    assert_no_hazards_then_close(transport)
 
 
 # -- what breaks the contract, and bad flags ----------------------------------------------------
@@ -425,7 +414,7 @@ def test_by_norm_a_backward_that_raises_steps_nothing_and_the_loop_goes_on():
         inputs, targets = regression_batches(1)[0]
         if fails:
             with pytest.raises(FloatingPointError):
-                nn.functional.mse_loss(last(_FailsInBackward.apply(first(inputs))), targets).backward()
+                nn.functional.mse_loss(last(FailsInBackward.apply(first(inputs))), targets).backward()
             optimizer.zero_grad()  # the last layer's gradient landed, and nothing was stepped: no error
         _backward(model)
         optimizer.step()

@@ -6,17 +6,19 @@ gives every group back."""
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from exact import assert_same
 from lit_models import cpu_trainer
-from optimizer_models import HOST_KERNEL, assert_given_back, regression_batches, regression_loader
+from optimizer_models import (
+    HOST_KERNEL,
+    assert_given_back,
+    assert_no_hazards_then_close,
+    regression_batches,
+    regression_loader,
+    run_two_process_script,
+)
 from torch import nn
 
 from lightmem import LightMem, offload_optimizer
@@ -77,9 +79,7 @@ def test_a_group_added_while_offloaded_is_offloaded_and_bitwise(mode):
     handle.close()
     assert_given_back(model_a, model_b, opt_a, opt_b)
     assert [id(param) for param in opt_b.param_groups[1]["params"]] == [id(param) for param in model_b[:2].parameters()]
-    if transport is not None:
-        assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
-        transport.close()
+    assert_no_hazards_then_close(transport)
 
 
 def _unfrozen_mid_training(offload=None, steps=4, accumulate=2, **flags):
@@ -113,9 +113,7 @@ def test_a_parameter_frozen_at_the_start_and_unfrozen_later_is_stepped_bitwise(m
     model_b, opt_b, handle = _unfrozen_mid_training(_offloading(transport), overlap_step=mode == "overlap")
     handle.close()
     assert_given_back(model_a, model_b, opt_a, opt_b)
-    if transport is not None:
-        assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
-        transport.close()
+    assert_no_hazards_then_close(transport)
 
 
 def test_a_group_torch_refuses_leaves_nothing_offloaded():
@@ -311,14 +309,7 @@ def test_groups_reordered_while_offloaded_keep_their_own_kernel_flags():
 
 def test_under_ddp_with_no_sync_added_groups_unfrozen_parameters_and_zero_grad_match_ddp(tmp_path):
     # One launch of tests/optimizer_ddp_groups_script.py (2 CPU processes, gloo).
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
-        [sys.executable, str(tests / "optimizer_ddp_groups_script.py"), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = run_two_process_script("optimizer_ddp_groups_script.py", tmp_path)
     each = {"equal_per_rank": [True, True], "ranks_agree": True}
     assert report == {variant: each for variant in ("plain", "add_mid", "unfreeze", "zero_mid")}
 

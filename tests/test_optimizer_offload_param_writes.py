@@ -9,7 +9,15 @@ import pytest
 import torch
 from exact import assert_same
 from lit_models import cpu_trainer
-from optimizer_models import HOST_KERNEL, LitTiny, assert_given_back, regression_batches, regression_loader, tiny_net
+from optimizer_models import (
+    HOST_KERNEL,
+    LitTiny,
+    assert_given_back,
+    assert_no_hazards_then_close,
+    regression_batches,
+    regression_loader,
+    tiny_net,
+)
 from torch import nn
 
 from lightmem import LightMem, offload_optimizer
@@ -64,9 +72,7 @@ def test_a_write_to_the_device_parameters_is_kept(write, mode):
     model_b, opt_b, handle = _train(WRITES[write], offload=True, transport=transport, overlap_step=mode == "overlap")
     handle.close()
     assert_given_back(model_a, model_b, opt_a, opt_b)
-    if transport is not None:
-        assert (transport.stale_reads, transport.reuse_hazards, transport.unordered_source_frees) == (0, 0, 0)
-        transport.close()
+    assert_no_hazards_then_close(transport)
 
 
 def test_with_bf16_device_parameters_a_write_reaches_the_masters_and_the_state_dict():
