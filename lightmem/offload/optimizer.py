@@ -649,6 +649,11 @@ class OptimizerOffloader:
             arena.close()
         del self._added_arenas[arenas:]
 
+    @property
+    def _overlap_pending(self) -> bool:
+        """Parameters were handed to the overlapped step since the last ``optimizer.step()``."""
+        return self._overlap is not None and self._overlap.pending
+
     def host_copies(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """``(parameter, its host copy)`` for every parameter offloaded: the param groups hold the
         host copies while offloaded."""
@@ -731,7 +736,7 @@ class OptimizerOffloader:
         (with ``device_dtype``: their bf16 values, widened). Runs by itself before each step (with
         ``overlap_step``, at the first gradient of the backward), before ``model.state_dict()``
         and at ``close()``; not while an overlapped step is pending. Returns how many were taken."""
-        if self._overlap is not None and self._overlap.pending:
+        if self._overlap_pending:
             return 0  # the worker may be stepping the host copies; a write now breaks overlap_step's contract
         written = [slot for slot in self._slots.values() if slot.seen is None or not slot.seen.still(slot.param)]
         if not written:
@@ -745,7 +750,7 @@ class OptimizerOffloader:
 
     def _before_state_dict(self) -> None:
         self.wait_for_params()
-        if self._device_dtype is not None and not (self._overlap is not None and self._overlap.pending):
+        if self._device_dtype is not None and not self._overlap_pending:
             self.take_device_writes()  # the state dict holds the masters
 
     # -- backward: gradients out --------------------------------------------------------------
@@ -983,7 +988,7 @@ class OptimizerOffloader:
         self._callback_task = None
         self._land_device_grads()
         self._host_wait_params()
-        if self._overlap is not None and self._overlap.pending:
+        if self._overlap_pending:
             self._take_overlapped()
             return
         self.take_device_writes()
@@ -1086,7 +1091,7 @@ class OptimizerOffloader:
         """With ``overlap_step``: the backward passes inside add to the host gradients and step
         nothing (gradient accumulation); the backward after them, the one ``optimizer.step()``
         follows, overlaps its step. Without ``overlap_step`` it changes nothing."""
-        if self._overlap is not None and self._overlap.pending:
+        if self._overlap_pending:
             self._refuse_pending_overlap("accumulating()")
         outer, self._accumulating = self._accumulating, True
         try:
@@ -1131,7 +1136,7 @@ class OptimizerOffloader:
         """With ``overlap_step``: block until every parameter whose gradient was handed to the
         overlapped step so far is stepped (``optimizer.step()`` does this itself; profiling and
         tests use it to see what ran during backward). Raises what that step raised."""
-        if self._overlap is not None and self._overlap.pending:
+        if self._overlap_pending:
             self._overlap.join()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
