@@ -89,7 +89,7 @@ def offload_trainer_optimizers(
         _keep_restored_state_on_host(trainer.strategy, offloaders)
         _clip_in_the_overlapped_step(trainer.precision_plugin, offloaders)
         for callback in trainer.callbacks:
-            _name_groups_by_device_params(callback, offloaders)
+            _finetuning_sees_device_params(callback, offloaders)
         _toggle_device_params(model, trainer, offloaders)
     return offloaders, None
 
@@ -126,7 +126,7 @@ def _toggle_device_params(module: Any, trainer: Any, offloaders: list[OptimizerO
         offloaders[0].remove_at_close(_InstanceAttribute(module, name))
 
 
-def _name_groups_by_device_params(callback: Any, offloaders: list[OptimizerOffloader]) -> None:
+def _finetuning_sees_device_params(callback: Any, offloaders: list[OptimizerOffloader]) -> None:
     """Lightning's ``BaseFinetuning`` (``BackboneFinetuning``) names the parameters of the param
     groups by looking them up in ``named_parameters()``, and on resume puts the module's parameters
     back into the groups it saved; before it adds a group it compares the parameters to add with
