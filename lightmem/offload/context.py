@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 
 import torch
@@ -50,7 +50,8 @@ class ActivationOffloader:
         devices: device types whose saved tensors move to host. ``("cpu",)`` drives the whole
             path on a CPU-only machine (useful for tests; it saves nothing there).
         include: glob patterns (or class names) of modules; when given, only tensors saved while
-            one of them runs are offloaded.
+            one of them runs are offloaded. A dict ``{pattern: min_bytes}`` gives each module a
+            threshold of its own (never below ``min_bytes``).
         exclude: glob patterns (or class names) of modules whose saved tensors stay on the device.
             The innermost matching module decides; ``exclude`` wins over ``include``.
         host_budget: hard cap on host bytes held: bytes, a size string, or a fraction of the RAM
@@ -92,7 +93,7 @@ class ActivationOffloader:
         *,
         min_bytes: int | str = DEFAULT_MIN_BYTES,
         devices: Iterable[str] = ("cuda",),
-        include: Iterable[str] | None = None,
+        include: Iterable[str] | Mapping[str, int | str] | None = None,
         exclude: Iterable[str] | None = None,
         host_budget: int | float | str | None = DEFAULT_HOST_BUDGET,
         prefetch: int | str = DEFAULT_PREFETCH,
@@ -140,6 +141,7 @@ class ActivationOffloader:
                 exclude,
                 include_flag=flag("include"),
                 exclude_flag=flag("exclude"),
+                include_min_bytes=settings.include_min_bytes,
             )
         if transport is None:
             transport = default_transport(self.devices)

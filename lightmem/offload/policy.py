@@ -15,7 +15,8 @@ For one saved tensor, in this order:
 2. A storage already saved in this forward by the same tensor (or a view of it) at the same
    version is not decided again: the earlier decision holds (``same_save``).
 3. Kept on the device (``KEEP``): the storage it keeps alive is under ``min_bytes``, the module
-   scope (``include`` / ``exclude``) forbids it, it is complex, or it is an autocast (``.to()``)
+   scope (``include`` / ``exclude``, and the module's own threshold where ``include`` gives one)
+   forbids it, it is complex, or it is an autocast (``.to()``)
    copy of a parameter (moving it every step would move the weights; it is device memory the
    graph holds, so it counts as kept).
 4. Otherwise moved (``MOVE``), if the host budget has room for its host block
@@ -120,7 +121,7 @@ class OffloadPolicy:
         if nbytes < self.min_bytes:
             return (KEEP, alias, storage, nbytes, key)
         scope = self.scope
-        if (scope is None or scope.allowed) and not tensor.is_complex():
+        if (scope is None or nbytes >= scope.threshold) and not tensor.is_complex():
             # Read last: a tensor's grad_fn is a new Python object on most reads (its node's wrapper).
             grad_fn = alias.grad_fn
             if type(grad_fn) is not _TO_COPY_BACKWARD or not self._is_parameter_copy(grad_fn):
