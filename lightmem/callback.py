@@ -40,7 +40,8 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         offload: move saved activations to host memory during each training forward.
         offload_min_bytes: only offload saved tensors whose storage is at least this big.
         offload_include: module-name globs (or class names); when given, only tensors saved inside
-            them are offloaded.
+            them are offloaded. A dict ``{"blocks.3": "16MiB", ...}`` gives each its own threshold
+            (what ``plan`` chooses for a partial offload: a block's largest tensors only).
         offload_exclude: module-name globs (or class names) whose saved tensors stay on the device.
         offload_devices: device types whose saved tensors move (default ``["cuda"]``).
         host_budget: hard cap on host bytes for offload: bytes, a size string, or a fraction of
@@ -125,7 +126,7 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         self,
         offload: bool = True,
         offload_min_bytes: int | str = DEFAULT_MIN_BYTES,
-        offload_include: list[str] | None = None,
+        offload_include: list[str] | dict[str, int | str] | None = None,
         offload_exclude: list[str] | None = None,
         offload_devices: Sequence[str] = ("cuda",),
         host_budget: int | float | str = DEFAULT_HOST_BUDGET,

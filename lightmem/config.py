@@ -16,7 +16,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -342,6 +342,9 @@ class OffloadSettings:
     host_min_available_bytes: int
     max_inflight_bytes: int = 256 << 20
     spelling: Spelling = OFFLOAD_ACTIVATIONS
+    include_min_bytes: tuple[int, ...] | None = None
+    """Per ``include`` pattern, the size a saved tensor needs to move while that module runs (a
+    plan's partial offload: a block's largest tensors only); None: ``min_bytes`` everywhere."""
 
     @classmethod
     def parse(
@@ -349,7 +352,7 @@ class OffloadSettings:
         *,
         min_bytes: int | str = DEFAULT_MIN_BYTES,
         devices: Iterable[str] | str = ("cuda",),
-        include: Iterable[str] | str | None = None,
+        include: Iterable[str] | Mapping[str, int | str] | str | None = None,
         exclude: Iterable[str] | str | None = None,
         host_budget: int | float | str | None = DEFAULT_HOST_BUDGET,
         prefetch: int | str = DEFAULT_PREFETCH,
@@ -362,6 +365,10 @@ class OffloadSettings:
         flag = spelling.flag
         if host_budget is None:
             host_budget = DEFAULT_HOST_BUDGET
+        include_min_bytes = None
+        if isinstance(include, Mapping):  # {pattern: min_bytes}: each module its own threshold
+            include_min_bytes = tuple(parse_size(size, flag=f"{flag('include')}[{pattern!r}]") for pattern, size in include.items())
+            include = list(include)
         included = parse_patterns(include, flag=flag("include"))
         if included == ():
             raise ValueError(
@@ -385,6 +392,7 @@ class OffloadSettings:
                 fraction_name="total RAM",
             ),  # fmt: skip
             spelling=spelling,
+            include_min_bytes=include_min_bytes,
         )
 
     @classmethod
@@ -411,19 +419,32 @@ class OffloadSettings:
         )
         return replace(self, host_budget_bytes=budget)
 
+    def include_arg(self) -> list[str] | dict[str, int] | None:
+        """``include`` as ``offload_activations`` and ``LightMem(offload_include=...)`` take it:
+        the patterns, or {pattern: min_bytes} when modules have thresholds of their own."""
+        if self.include is None:
+            return None
+        if self.include_min_bytes is None:
+            return list(self.include)
+        return dict(zip(self.include, self.include_min_bytes))
+
     def to_dict(self) -> dict[str, Any]:
         """The estimator's view, JSON-ready, keyed as ``offload_activations``' arguments."""
         return {
             "min_bytes": self.min_bytes,
-            "include": list(self.include) if self.include is not None else None,
+            "include": self.include_arg(),
             "exclude": list(self.exclude) if self.exclude is not None else None,
             "prefetch": self.prefetch_bytes,
+            "max_inflight_bytes": self.max_inflight_bytes,
             "host_budget": self.host_budget_bytes,
         }
 
-    def with_choice(self, *, min_bytes: int, include: tuple[str, ...] | None) -> OffloadSettings:
-        """The same settings with a planner's threshold and modules."""
-        return replace(self, min_bytes=min_bytes, include=include)
+    def with_choice(
+        self, *, min_bytes: int, include: tuple[str, ...] | None, include_min_bytes: tuple[int, ...] | None = None
+    ) -> OffloadSettings:
+        """The same settings with a planner's threshold and modules (each with its own threshold
+        when ``include_min_bytes`` is given)."""
+        return replace(self, min_bytes=min_bytes, include=include, include_min_bytes=include_min_bytes)
 
 
 # -- optimizer (model-state) offload ------------------------------------------------------------
@@ -692,21 +713,24 @@ class PlanSettings:
 
 @dataclass(frozen=True)
 class PlanPrices:
-    """What the planner prices a step at: forward throughput (None: the device's default) and the
-    host link speed per second, each way (``plan(link_bytes_per_s=...)``, ``--link-bytes-per-s``)."""
+    """Prices given instead of the device's own: a matrix throughput for every dtype and the host
+    link speed per second, each way (``plan(flops_per_s=..., link_bytes_per_s=...)``,
+    ``--link-bytes-per-s``); None: the device's (``lightmem.estimate.devices``)."""
 
     flops_per_s: float | None
-    link_bytes_per_s: int
+    link_bytes_per_s: int | None
 
     @classmethod
     def parse(
-        cls, *, flops_per_s: float | None, link_bytes_per_s: int | str, spelling: Spelling
+        cls, *, flops_per_s: float | None, link_bytes_per_s: int | str | None, spelling: Spelling
     ) -> PlanPrices:
         """Validate both; ``ValueError`` names the flag as ``spelling`` spells it."""
         flag = spelling.flag
-        link = parse_size(link_bytes_per_s, flag=flag("link_bytes_per_s"))
-        if link <= 0:
-            raise ValueError(f"{flag('link_bytes_per_s')}: must be positive; got {link_bytes_per_s!r}")
+        link = None
+        if link_bytes_per_s is not None:
+            link = parse_size(link_bytes_per_s, flag=flag("link_bytes_per_s"))
+            if link <= 0:
+                raise ValueError(f"{flag('link_bytes_per_s')}: must be positive; got {link_bytes_per_s!r}")
         if flops_per_s is not None and (isinstance(flops_per_s, bool) or not float(flops_per_s) > 0):
             raise ValueError(f"{flag('flops_per_s')}: must be positive; got {flops_per_s!r}")
         return cls(flops_per_s=None if flops_per_s is None else float(flops_per_s), link_bytes_per_s=link)

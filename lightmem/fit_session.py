@@ -46,7 +46,7 @@ def offload_scope(offload: OffloadSettings | None) -> str:
     """A plan's offload scope in the log line: its modules, 'everywhere' (no include) or 'nothing'."""
     if offload is None:
         return "nothing"
-    return "everywhere" if offload.include is None else str(list(offload.include))
+    return "everywhere" if offload.include is None else str(offload.include_arg())
 
 
 class FitSession:

@@ -69,7 +69,7 @@ def test_forward_and_backward_matmuls_hold_one_cublas_workspace_each():
     # allowance (context, NCCL) stays apart.
     assert hopper.peak_bytes - default.peak_bytes == 2 * (32 * MiB - 8 * MiB - 128 * KiB)
     assert sum(hopper.breakdown.values()) == hopper.peak_bytes
-    assert hopper.total_bytes == hopper.peak_bytes + (1 << 30)
+    assert hopper.total_bytes == hopper.reserved_bytes + (1 << 30)
 
 
 def test_a_step_without_matmuls_holds_no_cublas_workspace():
@@ -91,6 +91,6 @@ def test_an_unknown_gpu_name_is_refused_with_the_accepted_names():
     with pytest.raises(ValueError) as error:
         estimate_memory(_linear_25mib(), torch.randn(8, 1280), _loss, device="cuda", gpu="k80")
     assert str(error.value) == (
-        "estimate_memory(gpu=...): unknown GPU 'k80'; accepted: hopper, sm90, h100, h200, h800, h20, "
-        "gh200, default, a100, a800, a10, a10g, a30, a40, a6000, l4, l40, l40s, v100, t4, rtx3090, rtx4090"
+        "estimate_memory(gpu=...): unknown GPU 'k80'; accepted: auto, hopper, sm90, h100, h800, h100pcie, h200, "
+        "h20, gh200, default, a100, a800, a10, a10g, a30, a40, a6000, l4, l40, l40s, v100, t4, rtx3090, rtx4090"
     )

@@ -15,7 +15,9 @@ from models import TinyGPT, gpt_loss
 from lightmem import LightMem, apply_checkpointing, estimate_memory, offload_activations, plan
 from lightmem.cli import main
 from lightmem.config import LIGHTMEM, OFFLOAD_ACTIVATIONS, OffloadSettings, OptimizerOffloadSettings
+from lightmem.device_memory import reserved_bytes
 from lightmem.estimate.settings import parse_offload
+from lightmem.estimate.step_time import WINDOW_GRAIN_BYTES
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -143,22 +145,27 @@ def test_a_checkpoint_policy_serves_a_plan_too():
 
 def test_a_plan_offloads_under_the_given_threshold_and_exclusions():
     base = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cuda", overhead_bytes=0)
-    budget = base.static_bytes + (base.peak_bytes - base.static_bytes) * 6 // 10
+    budget = reserved_bytes(base.static_bytes + (base.peak_bytes - base.static_bytes) * 6 // 10, base.fragmentation, base.static_bytes)
     offload = {"min_bytes": "16KiB", "exclude": ["lm_head"]}
     result = plan(
         TinyGPT(), _tokens(16), budget, gpt_loss, device="cuda", overhead_bytes=0, offload=offload,
         link_bytes_per_s="1000TB",  # a link so fast that offload is free: the plan offloads
     )  # fmt: skip
+    # The windows are sized to what the link moves while a block computes, at most what a block
+    # sends: on so fast a link, a block's offloaded bytes (rounded up to 64 KiB).
+    windows = {"prefetch": result.offload.prefetch_bytes, "max_inflight_bytes": result.offload.max_inflight_bytes}
+    block_sent = 2_719_744  # each Block's saved tensors of at least 16 KiB
+    assert windows["prefetch"] == windows["max_inflight_bytes"] == -(-block_sent // WINDOW_GRAIN_BYTES) * WINDOW_GRAIN_BYTES
     assert result.settings["offload"] == {
-        "min_bytes": 16 * 1024, "include": None, "exclude": ["lm_head"], "prefetch": 256 * 2**20, "host_budget": None
+        "min_bytes": 16 * 1024, "include": None, "exclude": ["lm_head"], **windows, "host_budget": None
     }  # fmt: skip
     assert result.fits and result.checkpoint == []
     assert (result.offload.include, result.offload.min_bytes, result.offload.exclude) == (
-        ("blocks.0", "blocks.1"), 16 * 1024, ("lm_head",)
+        ("blocks.0", "blocks.1", "blocks.2"), 16 * 1024, ("lm_head",)
     )  # fmt: skip
     assert result.lightmem_kwargs() == {
-        "offload": True, "offload_min_bytes": 16 * 1024, "offload_include": ["blocks.0", "blocks.1"],
-        "offload_exclude": ["lm_head"],
+        "offload": True, "offload_min_bytes": 16 * 1024, "offload_include": ["blocks.0", "blocks.1", "blocks.2"],
+        "offload_exclude": ["lm_head"], "prefetch_bytes": windows["prefetch"], "offload_max_inflight_bytes": windows["prefetch"],
     }  # fmt: skip
 
 
@@ -191,10 +198,12 @@ def test_cli_plan_json_reports_the_settings_it_searched_under_equal_to_the_flags
         "device": "cuda", "precision": "bf16-mixed", "optimizer": "sgd", "overhead_bytes": 0, "budget_bytes": 2**30,
     }  # fmt: skip
     assert searched["checkpoint_policy"] == "save_matmuls"
+    windows = {name: searched["offload"].pop(name) for name in ("prefetch", "max_inflight_bytes")}
     assert searched["offload"] == {
-        "min_bytes": 64 * 1024, "include": None, "exclude": ["lm_head", "blocks.3"], "prefetch": 256 * 2**20,
-        "host_budget": None,
+        "min_bytes": 64 * 1024, "include": None, "exclude": ["lm_head", "blocks.3"], "host_budget": None,
     }  # fmt: skip
+    # The windows are the plan's, sized to what the link moves while a block computes.
+    assert all(size >= WINDOW_GRAIN_BYTES and size % WINDOW_GRAIN_BYTES == 0 for size in windows.values())
     assert searched["offload_considered"] is True
     assert searched["offload_optimizer"] is False
 

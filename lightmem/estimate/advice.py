@@ -24,13 +24,12 @@ from collections import defaultdict
 from lightmem.config import format_bytes
 from lightmem.estimate.batch import BatchInfo
 from lightmem.estimate.report import Advice, MemoryEstimate, Plan, compact_names, natural_order
+from lightmem.estimate.logits import LOGITS_MIN_SHARE
 from lightmem.estimate.step import StepTrace
 
 QUADRATIC_MIN_SHARE = 0.05
 """Quadratic saved tensors must be at least this share of saved activations to be worth a word."""
 QUADRATIC_MIN_LENGTH = 16
-LOGITS_MIN_SHARE = 0.25
-"""The loss's logits must be at least this share of the peak to be worth a word..."""
 LOGITS_MIN_SAVING = 0.10
 """...and the chunked loss must take at least this share off the peak."""
 

@@ -19,23 +19,26 @@ from lightmem.config import (
     OptimizerOffloadSettings,
     Spelling,
     parse_checkpoint_policy,
+    PlanPrices,
     parse_optimizer_offload,
     parse_size,
 )
 from lightmem.estimate.batch import BatchInfo, inspect_batch
+from lightmem.estimate.devices import DeviceSpeeds, gpu_key, parse_gpu, resolve_gpu, speeds_for
 from lightmem.compiled import holds_compiled_modules
+from lightmem.device_memory import FRAGMENTATION, expandable_segments_on, reserved_bytes
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
 from lightmem.estimate.settings import (
     OptimizerChoice,
     Precision,
     parse_device,
-    parse_gpu,
     parse_optimizer,
     parse_overhead,
     parse_precision,
     parse_zero_grad,
 )
 from lightmem.estimate.step import MASTER_DTYPE, StepRequest, StepTrace, run_step
+from lightmem.estimate.step_time import configuration_time, costs_for
 from lightmem.lightning_packages import is_lightning_module
 
 LossFn = Callable[[nn.Module, Any], Any]
@@ -55,9 +58,25 @@ class EstimateSettings:
     checkpoint_policy: CheckpointPolicyArg = "full"
     """What checkpointed blocks keep: applied to ``checkpoint=...`` and priced by the planner."""
     gpu: str = "default"
-    """The GPU of a CUDA estimate (its cuBLAS workspace size)."""
+    """The GPU of a CUDA estimate, resolved (``"auto"`` is this machine's): its cuBLAS workspace
+    size and, unless measured ones are given, its speeds."""
     optimizer_offload: OptimizerOffloadSettings | None = None
     """Model-state offload asked for (gradients, optimizer state and step on the host); None: not."""
+    speeds: DeviceSpeeds | None = None
+    """What every op, re-run and transfer is priced at (``lightmem.estimate.devices``)."""
+    expandable_segments: bool = False
+    """The CUDA allocator's expandable segments are on: plans leave less for fragmentation
+    (``lightmem.device_memory.reserved_bytes``)."""
+
+    def reserved_bytes(self, allocated_bytes: int, static_bytes: int = 0) -> int:
+        """What the device's allocator reserves for a step whose allocated peak is ``allocated_bytes``,
+        ``static_bytes`` of them parameters, gradients, optimizer state and workspaces (on the CPU:
+        exactly the peak)."""
+        return reserved_bytes(allocated_bytes, self.fragmentation, static_bytes)
+
+    @property
+    def fragmentation(self) -> float:
+        return FRAGMENTATION[self.expandable_segments] if self.device == "cuda" else 0.0
 
     @property
     def offload_optimizer(self) -> bool:
@@ -76,10 +95,16 @@ def parse_settings(
     budget: int | str | None,
     zero_grad: str = "after_forward",
     checkpoint_policy: CheckpointPolicyArg = "full",
-    gpu: str = "default",
+    gpu: str | DeviceSpeeds = "auto",
     offload_optimizer: bool | OptimizerOffloadSettings = False,
+    flops_per_s: float | None = None,
+    link_bytes_per_s: int | str | None = None,
 ) -> EstimateSettings:
-    """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``."""
+    """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``.
+
+    ``gpu``: a name of ``devices.GPU_NAMES`` or speeds measured on the training device
+    (``devices.measure_device_speeds``); ``flops_per_s`` and ``link_bytes_per_s`` override its
+    matrix rates and its host link."""
     if not isinstance(model, nn.Module):
         raise ValueError(
             f"{fn_name}(model=...): expected an nn.Module or LightningModule; got {type(model).__name__}"
@@ -97,6 +122,14 @@ def parse_settings(
     )
     if model_state is not None:
         model_state.refuse_precision(parsed_precision.name)  # with device_dtype: bf16-mixed only
+    prices = PlanPrices.parse(flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s, spelling=Spelling(fn_name))
+    if isinstance(gpu, DeviceSpeeds):
+        key = "hopper" if gpu.hopper else gpu_key(gpu.name)
+        speeds = gpu if kind == "cuda" else speeds_for(kind, key)
+    else:
+        key = resolve_gpu(parse_gpu(gpu, flag=f"{fn_name}(gpu=...)"))
+        speeds = speeds_for(kind, key)
+    speeds = speeds.with_overrides(flops_per_s=prices.flops_per_s, link_bytes_per_s=prices.link_bytes_per_s)
     return EstimateSettings(
         device=kind,
         precision=parsed_precision,
@@ -106,8 +139,10 @@ def parse_settings(
         budget_bytes=None if budget is None else parse_size(budget, flag=f"{fn_name}(budget=...)"),
         zero_grad=parse_zero_grad(zero_grad, flag=f"{fn_name}(zero_grad=...)"),
         checkpoint_policy=parse_checkpoint_policy(checkpoint_policy, flag=f"{fn_name}(checkpoint_policy=...)"),
-        gpu=parse_gpu(gpu, flag=f"{fn_name}(gpu=...)"),
+        gpu=key,
         optimizer_offload=model_state,
+        speeds=speeds,
+        expandable_segments=expandable_segments_on(),
     )
 
 
@@ -121,9 +156,11 @@ def run_configuration(
     batch_size: int | None = None,
     info: BatchInfo | None = None,
     offload_optimizer: bool | None = None,
+    priced: bool = False,
 ) -> StepTrace:
     """One fake step of ``model`` with one lightmem configuration (the building block of the API).
-    ``offload_optimizer`` defaults to the settings' choice."""
+    ``offload_optimizer`` defaults to the settings' choice; ``priced``: every op priced at the
+    settings' speeds (the baseline's, which every configuration's time is built from)."""
     info = info or inspect_batch(batch)
     if offload_optimizer is None:
         offload_optimizer = settings.offload_optimizer
@@ -148,6 +185,7 @@ def run_configuration(
         gpu=settings.gpu,
         optimizer_offload=model_state if offload_optimizer else None,
         trainable_dtype=trainable_dtype,
+        speeds=settings.speeds if priced else None,
     )
     return run_step(model, batch, request)
 
@@ -175,7 +213,8 @@ def blocks_from(trace: StepTrace) -> dict[str, BlockMemory]:
         name: BlockMemory(
             name, usage.saved_bytes, usage.forward_flops, usage.input_bytes, list(usage.saved_sizes),
             kind=trace.block_kinds.get(name, ""), repeated=name in trace.repeated_blocks,
-            kept_bytes=usage.kept_bytes, recompute_flops=usage.recompute_flops,
+            kept_bytes=usage.kept_bytes, recompute_flops=usage.recompute_flops, forward_s=usage.forward_s,
+            backward_s=usage.backward_s, recompute_s=usage.recompute_s,
         )  # fmt: skip
         for name, usage in trace.blocks.items()
     }
@@ -222,10 +261,18 @@ def build_report(
             batch_size=batch_size,
             info=info,
             offload_optimizer=offload_model_state,
+            priced=name == "baseline",
         )
     scenarios = {name: scenario_from(name, trace) for name, trace in traces.items()}
     chosen = scenarios[configurations[-1][0]]
     baseline = traces["baseline"]
+    blocks = blocks_from(baseline)
+    for (name, offload_config, _, _), scenario in zip(configurations, scenarios.values()):
+        trace = traces[name]
+        costs = costs_for(settings, baseline, offload_config)
+        scenario.step_seconds = configuration_time(
+            blocks, costs, trace.checkpointed, trace.offloaded_by_block, trace.optimizer_link_bytes
+        ).step_s
     estimate = MemoryEstimate(
         peak_bytes=chosen.peak_bytes,
         breakdown=dict(chosen.breakdown),
@@ -241,8 +288,11 @@ def build_report(
         else "+".join(baseline.optimizers),
         batch_size=batch_size if batch_size is not None else info.batch_size,
         parameter_count=parameter_count(model),
-        blocks=blocks_from(baseline),
+        blocks=blocks,
         scenarios=scenarios,
+        step_seconds=chosen.step_seconds,
+        speeds=settings.speeds,
+        fragmentation=settings.fragmentation,
         not_modelled=list(NOT_MODELLED) + (list(CUDA_NOTES) if settings.device == "cuda" else []),
         inputs_bytes=baseline.peak.inputs_bytes,
         offload_optimizer=model_state,

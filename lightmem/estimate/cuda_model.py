@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from lightmem.estimate.devices import HOPPER_NAMES
+
 _LOW = (torch.float16, torch.bfloat16)
 
 # CUDA's fp32 policy (inputs cast to float32) for ops CPU autocast leaves alone.
@@ -250,12 +252,6 @@ def cuda_block_bytes(nbytes: int) -> int:
 # (2 x 4096 KiB + 8 x 16 KiB), or ":4096:8" (32 MiB) on a device of compute capability 9.0.
 DEFAULT_CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
 HOPPER_CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 8
-HOPPER_NAMES = ("hopper", "sm90", "h100", "h200", "h800", "h20", "gh200")
-OTHER_NAMES = (
-    "default", "a100", "a800", "a10", "a10g", "a30", "a40", "a6000", "l4", "l40", "l40s", "v100",
-    "t4", "rtx3090", "rtx4090",
-)  # fmt: skip
-
 _CUBLAS_OPS = {
     getattr(torch.ops.aten, name)
     for name in (
@@ -267,7 +263,7 @@ _CUBLAS_OPS = {
 
 
 def cublas_workspace_bytes(gpu: str) -> int:
-    """One cuBLAS workspace on ``gpu`` (a name from ``HOPPER_NAMES`` or ``OTHER_NAMES``)."""
+    """One cuBLAS workspace on ``gpu`` (a name of ``devices.GPU_TABLE``)."""
     return HOPPER_CUBLAS_WORKSPACE_BYTES if gpu in HOPPER_NAMES else DEFAULT_CUBLAS_WORKSPACE_BYTES
 
 

@@ -13,7 +13,7 @@ from lightmem.config import OffloadSettings, OptimizerOffloadSettings
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.configuration import EstimateSettings, LossFn, build_report, parse_settings
-from lightmem.estimate.planner import default_costs, search_plan
+from lightmem.estimate.planner import costs_for, search_plan
 from lightmem.estimate.report import MemoryEstimate
 from lightmem.estimate.settings import parse_checkpoint, parse_offload
 
@@ -124,6 +124,7 @@ def estimate_memory(
         ModuleScope(
             model, offload_config.include, offload_config.exclude,
             include_flag=offload_config.flag("include"), exclude_flag=offload_config.flag("exclude"),
+            include_min_bytes=offload_config.include_min_bytes,
         )  # fmt: skip
     targets = parse_checkpoint(checkpoint, flag="estimate_memory(checkpoint=...)")
     info = inspect_batch(batch)
@@ -147,7 +148,7 @@ def build_estimate(
     verified = None
     over_budget = estimate.budget_bytes is not None and not estimate.baseline_fits
     if over_budget and not estimate.static_exceeds_budget:
-        verified = search_plan(model, batch, settings, info, estimate, default_costs(settings.device))
+        verified = search_plan(model, batch, settings, info, estimate, costs_for(settings, baseline, parse_offload(True, flag="estimate_memory(offload=...)")))
     estimate.advice = advise(estimate, info, baseline, verified)
     estimate.seconds = time.perf_counter() - started
     return estimate

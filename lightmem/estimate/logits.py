@@ -20,6 +20,10 @@ import torch
 
 from lightmem.estimate.tracer import OTHER, PeakInfo, StorageTracer
 
+LOGITS_MIN_SHARE = 0.25
+"""The loss's logits must be at least this share of the peak to be worth a word (the advice, and
+the message of a batch no plan fits)..."""
+
 
 @dataclass(frozen=True)
 class LossLogits:

@@ -9,12 +9,19 @@ needs it, so the reload is counted where it happens. Which reload happens when (
 of saves, misses, the prefetch walk in reverse pack order within the window) is the engine's own
 protocol too (``lightmem.offload.protocol``); this module provides its reload action (a fake
 allocation the tracer counts).
+
+On a device whose copies to host run asynchronously (CUDA), a moved tensor stays on the device
+until its copy has run: the engine lets at most ``max_inflight_bytes`` of them wait (one larger
+than that alone), and compute waits for the oldest past it. The simulation holds each moved
+storage until later moves push it out of that window, as if copies ran no faster than the bound
+allows, and lets the last window go when backward starts.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -74,6 +81,8 @@ class SavedTensorHooks(Reloads):
         model: the model, for ``include`` / ``exclude`` module patterns.
         protected: ids of parameter and buffer storages (``id(tensor.untyped_storage())``),
             which are never offloaded.
+        asynchronous: copies to host run on a side stream (CUDA): moved storages wait on the device
+            within ``max_inflight_bytes`` (module docstring); False: copies are synchronous.
     """
 
     def __init__(
@@ -83,6 +92,7 @@ class SavedTensorHooks(Reloads):
         offload: OffloadSettings | None,
         model: nn.Module,
         protected: set[int],
+        asynchronous: bool = False,
     ) -> None:
         self.tracer = tracer
         self.block_of = block_of
@@ -99,6 +109,7 @@ class SavedTensorHooks(Reloads):
                 self.scope = self.policy.scope = ModuleScope(
                     model, offload.include, offload.exclude,
                     include_flag=offload.flag("include"), exclude_flag=offload.flag("exclude"),
+                    include_min_bytes=offload.include_min_bytes,
                 )  # fmt: skip
         self._by_storage: dict[int, _Entry | _KeptRecord] = {}
         self._session = Session()  # the protocol's entries, in pack order
@@ -106,7 +117,12 @@ class SavedTensorHooks(Reloads):
         self._lock = threading.RLock()
         self.stats = OffloadStats()  # the protocol's counters: reloads, prefetch hits and misses
         self._resident_bytes = 0  # reloaded storages the protocol holds (the tracer counts memory)
+        self._inflight: deque[tuple[Tensor, int]] = deque()
+        self._inflight_bytes = 0
+        self._inflight_limit = offload.max_inflight_bytes if offload is not None and asynchronous else None
         self.offloaded_bytes = 0
+        self.offloaded_by_block: dict[str | None, int] = {}
+        """Bytes moved to host by the block that saved them (None: outside every block)."""
         self.host_bytes = 0
         self.peak_host_bytes = 0
 
@@ -141,14 +157,31 @@ class SavedTensorHooks(Reloads):
                 return tensor
             entry = self._by_storage[key] = _Entry(self, nbytes, alias, version, block)
             self.offloaded_bytes += nbytes
+            self.offloaded_by_block[block] = self.offloaded_by_block.get(block, 0) + nbytes
             self.host_bytes += host_bytes(nbytes)
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
             entry.layout = _layout(tensor)
+            if self._inflight_limit is not None:
+                self._copy_in_flight(alias, nbytes)
             return entry  # the first save's handle, as in the engine
         elif type(entry) is _KeptRecord:
             self.tracer.mark_saved(tensor, block)
             return tensor
         return Handle(entry, version, _layout(tensor))
+
+    def _copy_in_flight(self, storage_owner: Tensor, nbytes: int) -> None:
+        """``storage_owner``'s storage waits on the device for its copy; the oldest copies are done
+        once the window would hold more than ``max_inflight_bytes`` (one alone may)."""
+        inflight = self._inflight
+        inflight.append((storage_owner, nbytes))
+        self._inflight_bytes += nbytes
+        while len(inflight) > 1 and self._inflight_bytes > self._inflight_limit:
+            self._inflight_bytes -= inflight.popleft()[1]
+
+    def forward_done(self) -> None:
+        """Backward starts: the copies still in flight have run."""
+        self._inflight.clear()
+        self._inflight_bytes = 0
 
     @property
     def reloaded_bytes(self) -> int:

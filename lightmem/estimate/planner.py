@@ -40,17 +40,18 @@ from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import (
+    DEFAULT_MAX_INFLIGHT,
     DEFAULT_MIN_BYTES,
+    DEFAULT_PREFETCH,
     OffloadSettings,
     OptimizerOffloadSettings,
-    PlanPrices,
-    Spelling,
     format_bytes,
     parse_size,
 )
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.configuration import EstimateSettings, build_report, parse_settings, run_configuration
+from lightmem.estimate.devices import DeviceSpeeds
 from lightmem.estimate.report import (
     BlockMemory,
     MemoryEstimate,
@@ -59,9 +60,10 @@ from lightmem.estimate.report import (
     compact_names,
     natural_order,
     policy_name,
+    static_part,
 )
 from lightmem.estimate.settings import parse_offload
-from lightmem.estimate.step import ROOT_BLOCK, StepTrace
+from lightmem.estimate.step import ROOT_BLOCK, StepTrace, dominant_part
 from lightmem.estimate.step_time import (
     BOTH,
     CHECKPOINT,
@@ -70,20 +72,19 @@ from lightmem.estimate.step_time import (
     Costs,
     StepTime,
     block_cost_s,
+    compute_s,
+    configuration_time,
+    costs_for,
     recompute_s,
     saves_bytes,
+    sized_windows,
     step_time,
 )
 
 __all__ = [
     "BOTH", "CHECKPOINT", "KEEP", "OFFLOAD", "Candidate", "Costs", "PlanSpace", "choose_actions",
-    "config_for", "default_costs", "plan", "plan_space", "recompute_s", "saves_bytes", "search_plan",
+    "config_for", "costs_for", "plan", "plan_space", "recompute_s", "saves_bytes", "search_plan",
 ]  # fmt: skip
-
-DEFAULT_LINK_BYTES_PER_S = "25GB"
-"""Host link bandwidth per second, each way (PCIe 4.0 x16 sustains about this)."""
-DEFAULT_FLOPS_PER_S = {"cuda": 100e12, "cpu": 0.2e12}
-"""Sustained forward throughput used to price re-computation; pass your device's own."""
 _RANK = {KEEP: 0, OFFLOAD: 1, CHECKPOINT: 2, BOTH: 3}  # a block only moves up this list
 _TRIES_PAST_FIRST_FIT = 3
 """Cheaper candidates verified past a family's first fit before settling on that fit."""
@@ -230,12 +231,17 @@ class Family:
 
 @dataclass(frozen=True)
 class Verified:
-    """A candidate's fake step: its peak, the host memory its offload holds, and (with model-state
-    offload) the bytes that moves over the link per step."""
+    """A candidate's fake step: its peak, the host memory its offload holds, (with model-state
+    offload) the bytes that moves over the link per step, the bytes each block sent to host, and
+    what dominated its peak (for the no-fit message)."""
 
     peak_bytes: int
     host_bytes: int
     link_bytes: int = 0
+    moved: tuple[tuple[str, int], ...] = ()
+    dominant: str = ""
+    static_bytes: int = 0
+    """Parameters, gradients, optimizer state and workspaces at the peak (what does not fragment)."""
 
 
 def _family(name: str, candidates: list[Candidate], blocks: Mapping[str, BlockMemory], costs: Costs) -> Family:
@@ -330,18 +336,26 @@ class PlanSpace:
                 checkpoint=tuple(candidate.checkpoint_names()) or None,
                 offload=candidate.offload_settings(self.offload), offload_optimizer=model_state,
             )  # fmt: skip
-            found = Verified(trace.peak.bytes, trace.host_bytes, trace.optimizer_link_bytes)
+            found = Verified(
+                trace.peak.bytes, trace.host_bytes, trace.optimizer_link_bytes,
+                tuple(trace.offloaded_by_block.items()), dominant_part(trace), static_part(trace.peak.breakdown),
+            )  # fmt: skip
             self.verified[(candidate, model_state)] = found
         return found
 
-    def model_state_peak(self) -> tuple[int, int]:
-        """The baseline step's peak with model-state offload (no activation technique), and the
+    def model_state_step(self) -> Verified:
+        """The baseline step with model-state offload (no activation technique): its peak and the
         bytes that offload moves over the link per step."""
         named = self.base.scenarios.get("offload_optimizer")
         if named is not None:  # run with the report, at the space's batch size
-            return named.peak_bytes, named.model_state_link_bytes
-        found = self.verify(Candidate(), model_state=True)
-        return found.peak_bytes, found.link_bytes
+            return Verified(
+                named.peak_bytes, named.host_bytes, named.model_state_link_bytes, static_bytes=static_part(named.breakdown)
+            )
+        return self.verify(Candidate(), model_state=True)
+
+    def reserved(self, verified: Verified) -> int:
+        """What the allocator reserves for a verified step: what must fit the budget."""
+        return self.settings.reserved_bytes(verified.peak_bytes, verified.static_bytes)
 
     def describe(self, candidate: Candidate) -> str:
         """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
@@ -365,7 +379,7 @@ class PlanSpace:
         offload raises the peak when a re-run materialises a large block in backward): when
         nothing after the start fits, the start itself (offload alone) is the answer if it fits.
         """
-        fits = lambda index: self.verify(family.candidates[index], model_state).peak_bytes <= available  # noqa: E731
+        fits = lambda index: self.reserved(self.verify(family.candidates[index], model_state)) <= available  # noqa: E731
         last = len(family.candidates) - 1
         guess = family.guess(need)
         step = 1
@@ -394,12 +408,17 @@ class PlanSpace:
     def plan(self, budget_bytes: int) -> Plan:
         """The fastest verified configuration within ``budget_bytes`` (overhead allowance included)."""
         settings, base, costs = self.settings, self.base, self.costs
+        # What must fit is what the allocator reserves for a verified (allocated) peak.
         available = budget_bytes - settings.overhead_bytes
         baseline_peak = base.scenarios["baseline"].peak_bytes
+        baseline_reserved = settings.reserved_bytes(baseline_peak, static_part(base.scenarios["baseline"].breakdown))
+        baseline_s = compute_s(base.blocks, costs)
         result = Plan(
             [], None, baseline_peak, settings.overhead_bytes, budget_bytes, False, "", estimate=base,
             checkpoint_policy=settings.checkpoint_policy, flops_per_s=costs.flops_per_s,
             link_bytes_per_s=costs.link_bytes_per_s, settings=_searched_under(settings, costs, self.searched_offload),
+            step_seconds=baseline_s, baseline_step_seconds=baseline_s, speeds=settings.speeds,
+            predicted_reserved_bytes=baseline_reserved,
         )  # fmt: skip
         result.estimate_kinds = base.block_kinds
         before = len(self.verified)
@@ -410,7 +429,8 @@ class PlanSpace:
             what = on_device if model_state else "parameters + gradients + optimizer state"
             result.reason = (
                 f"{what} alone take {format_bytes(base.static_bytes)} "
-                f"of the {format_bytes(available)} left after the {format_bytes(settings.overhead_bytes)} "
+                f"of the {format_bytes(budget_bytes - settings.overhead_bytes)} left after the "
+                f"{format_bytes(settings.overhead_bytes)} "
                 "overhead allowance; no activation technique helps (see the advice)"
             )
             return result
@@ -423,11 +443,15 @@ class PlanSpace:
             # The settings asked for, or (turned on here) the engine's defaults: run_configuration's rule.
             if settings.optimizer_offload is not None:
                 result.offload_optimizer_device_dtype = settings.optimizer_offload.device_dtype_name
-            baseline_peak, link_bytes = self.model_state_peak()
+            found = self.model_state_step()
+            baseline_peak, link_bytes = found.peak_bytes, found.link_bytes
+            baseline_reserved = self.reserved(found)
             model_state_s = model_state_transfer_s(link_bytes, costs)
             result.predicted_peak_bytes = baseline_peak
+            result.predicted_reserved_bytes = baseline_reserved
             result.exposed_transfer_s = model_state_s
-        if baseline_peak <= available:
+            result.step_seconds = configuration_time(base.blocks, costs, model_state_link_bytes=link_bytes).step_s
+        if baseline_reserved <= available:
             result.fits = True
             result.reason = (
                 f"with offload_optimizer the peak is {format_bytes(baseline_peak)} + overhead "
@@ -438,7 +462,7 @@ class PlanSpace:
             result.evaluations = len(self.verified) - before
             return result
 
-        need = baseline_peak - available
+        need = int((baseline_reserved - available) / (1 + settings.fragmentation))  # in allocated bytes
         best: tuple[StepTime, Family, int] | None = None
         fitted: dict[Candidate, tuple[StepTime, str]] = {}
         refused: list[PlanOption] = []
@@ -452,7 +476,7 @@ class PlanSpace:
             first = self._first_fit(family, available, need, model_state)
             if first is None:
                 last = len(family.candidates) - 1
-                refused.append(self._option(family.candidates[last], family.times[last], False, model_state, model_state_s))
+                refused.append(self._option(family.candidates[last], False, model_state))
                 continue
 
             def rank(index: int, family: Family = family) -> tuple[float, int, int]:
@@ -464,7 +488,7 @@ class PlanSpace:
             chosen = first
             for _ in range(_TRIES_PAST_FIRST_FIT):
                 cheaper = [i for i in range(chosen + 1, len(family.candidates)) if rank(i) < rank(chosen)]
-                if not cheaper or self.verify(family.candidates[cheaper[0]], model_state).peak_bytes > available:
+                if not cheaper or self.reserved(self.verify(family.candidates[cheaper[0]], model_state)) > available:
                     break
                 chosen = cheaper[0]
             fitted[family.candidates[chosen]] = (family.times[chosen], family.name)
@@ -479,13 +503,19 @@ class PlanSpace:
             return result
         if best is None:
             result.alternatives = refused
+            closest = min(refused, key=lambda option: option.predicted_total_bytes)
+            result.predicted_reserved_bytes = closest.predicted_total_bytes - settings.overhead_bytes
+            result.dominant = next(
+                self.verified[key].dominant for key in self.verified
+                if self.describe(key[0]) == closest.description and key[1] == model_state
+            )  # fmt: skip
             result.reason = "no configuration in the planner's space fits: " + "; ".join(
-                f"{option.description}: verified peak {format_bytes(option.predicted_total_bytes - settings.overhead_bytes)}"
+                f"{option.description}: {format_bytes(option.predicted_total_bytes - settings.overhead_bytes)} reserved"
                 for option in refused
             ) + (
-                f", over the {format_bytes(available)} available after the overhead allowance; what "
-                "remains is parameters, gradients, optimizer state, temporaries and the tensors "
-                "below the offload threshold"
+                f", over the {format_bytes(budget_bytes - settings.overhead_bytes)} available after the overhead "
+                f"allowance; what remains is parameters, gradients, optimizer state, temporaries and the tensors "
+                f"below the offload threshold (the closest peak is {result.dominant})"
             )
             return result
         times, family, index = best
@@ -499,30 +529,40 @@ class PlanSpace:
         }
         result.offload_everywhere = candidate.everywhere
         result.predicted_peak_bytes = verified.peak_bytes
+        result.predicted_reserved_bytes = self.reserved(verified)
         result.host_bytes = verified.host_bytes
-        result.recompute_s, result.exposed_transfer_s = times.recompute_s, times.exposed_transfer_s + model_state_s
+        price = self.step_of(candidate, verified)
+        result.recompute_s, result.exposed_transfer_s = price.recompute_s, price.exposed_transfer_s
+        result.step_seconds = price.step_s
         result.family = family.name
         others = [
-            self._option(other, price, True, model_state, model_state_s)
-            for other, (price, _) in fitted.items()
+            self._option(other, True, model_state)
+            for other in fitted
             if other != candidate
         ]
-        result.alternatives = sorted(others, key=lambda o: o.recompute_s + o.exposed_transfer_s) + refused
+        result.alternatives = sorted(others, key=lambda o: o.step_seconds) + refused
         result.reason = (
-            f"verified peak {format_bytes(verified.peak_bytes)} + overhead {format_bytes(settings.overhead_bytes)}"
+            f"verified peak {format_bytes(verified.peak_bytes)} allocated, "
+            f"{format_bytes(result.predicted_reserved_bytes)} reserved + overhead {format_bytes(settings.overhead_bytes)}"
         )
         return result
 
-    def _option(
-        self, candidate: Candidate, price: StepTime, fits: bool, model_state: bool, model_state_s: float
-    ) -> PlanOption:
-        """``candidate`` as an alternative the plan lists: verified peak with the overhead allowance,
-        and its price (``model_state_s``: the model-state transfer, with ``model_state``)."""
-        peak = self.verify(candidate, model_state).peak_bytes
+    def step_of(self, candidate: Candidate, verified: Verified) -> StepTime:
+        """A verified candidate's step: its re-runs and the bytes its fake step sent per block."""
+        return configuration_time(
+            self.base.blocks, self.costs, candidate.checkpoint_names(), dict(verified.moved), verified.link_bytes
+        )
+
+    def _option(self, candidate: Candidate, fits: bool, model_state: bool) -> PlanOption:
+        """``candidate`` as an alternative the plan lists: its reserved peak with the overhead
+        allowance, and its step priced from its verified fake step (with model-state offload's
+        transfer, with ``model_state``)."""
+        verified = self.verify(candidate, model_state)
         description = _describe(candidate, self.base.block_kinds, self.costs.min_bytes)
+        step = self.step_of(candidate, verified)
         return PlanOption(
-            description, fits, peak + self.settings.overhead_bytes, price.recompute_s,
-            price.exposed_transfer_s + model_state_s,
+            description, fits, self.reserved(verified) + self.settings.overhead_bytes,
+            step.recompute_s, step.exposed_transfer_s, step.step_s,
         )  # fmt: skip
 
 
@@ -546,10 +586,11 @@ def plan(
     optimizer: str | Callable[..., Any] | None = None,
     precision: str | int = "32-true",
     device: str = "cuda",
+    gpu: str | DeviceSpeeds = "auto",
     overhead_bytes: int | str | None = None,
     zero_grad: str = "after_forward",
     flops_per_s: float | None = None,
-    link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
+    link_bytes_per_s: int | str | None = None,
     offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
     checkpoint_policy: CheckpointPolicyArg = "full",
     offload_optimizer: bool | OptimizerOffloadSettings = False,
@@ -563,10 +604,13 @@ def plan(
 
     Args:
         budget: device memory for the whole step, overhead allowance included ("24GiB", bytes).
-        flops_per_s: sustained forward throughput used to price re-computation (default 100e12
-            on CUDA, 0.2e12 on CPU).
-        link_bytes_per_s: host link bandwidth per second, each way, used to price the transfer
-            compute does not hide ("25GB" by default: PCIe 4.0 x16).
+        gpu: the GPU whose speeds price every op, re-run and transfer, and whose cuBLAS
+            workspaces are counted: a name ("h100", "a100", ... ``lightmem.estimate.devices.GPU_NAMES``),
+            "auto" (this machine's CUDA device, else a generic A100-class GPU), or speeds measured
+            on the training device (``measure_device_speeds``).
+        flops_per_s: a matrix throughput to price every product at instead of the GPU's own.
+        link_bytes_per_s: a host link speed per second, each way, instead of the GPU's own
+            ("25GB", bytes).
         offload: the offload settings the plan searches under, as for :func:`estimate_memory`
             (a dict such as ``{"min_bytes": "4MiB", "exclude": ["lm_head"]}``, or
             ``OffloadSettings``); None: lightmem's defaults; False: plan checkpointing only. The
@@ -587,17 +631,17 @@ def plan(
     On "cpu" only checkpointing is planned (offloading CPU memory to CPU memory saves nothing).
 
     Returns:
-        A :class:`Plan`; ``describe()`` says what was chosen, what else fitted and why.
-        ``plan.fits`` is False with a ``reason`` when the parameters (and, unless they can go to
-        the host, gradients and optimizer state) alone exceed the budget or no configuration in
-        the space gets under it.
+        A :class:`Plan`; ``describe()`` says what was chosen, what else fitted and why;
+        ``step_seconds`` is its predicted step time. ``plan.fits`` is False with a ``reason`` when
+        the parameters (and, unless they can go to the host, gradients and optimizer state)
+        alone exceed the budget or no configuration in the space gets under it.
 
     Raises:
         ValueError: a bad argument (named in the message).
     """
     started = time.perf_counter()
     space = plan_space(
-        model, batch, loss_fn, budget=budget, optimizer=optimizer, precision=precision, device=device,
+        model, batch, loss_fn, budget=budget, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
         overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
         link_bytes_per_s=link_bytes_per_s, offload=offload, checkpoint_policy=checkpoint_policy, fn_name="plan",
         offload_optimizer=offload_optimizer,
@@ -618,10 +662,11 @@ def plan_space(
     optimizer: str | Callable[..., Any] | None = None,
     precision: str | int = "32-true",
     device: str = "cuda",
+    gpu: str | DeviceSpeeds = "auto",
     overhead_bytes: int | str | None = None,
     zero_grad: str = "after_forward",
     flops_per_s: float | None = None,
-    link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
+    link_bytes_per_s: int | str | None = None,
     offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
     checkpoint_policy: CheckpointPolicyArg = "full",
     batch_size: int | None = None,
@@ -632,56 +677,27 @@ def plan_space(
     baseline step run: ``space.plan(budget_bytes)`` answers for any budget, each configuration's
     fake step run at most once across them. Arguments as for :func:`plan`."""
     settings = parse_settings(
-        fn_name, model, loss_fn, optimizer=optimizer, precision=precision, device=device,
+        fn_name, model, loss_fn, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
-        offload_optimizer=offload_optimizer,
+        offload_optimizer=offload_optimizer, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
     )  # fmt: skip
     offload_settings = parse_offload(True if offload is None else offload, flag=f"{fn_name}(offload=...)")
     if offload_settings is not None and offload_settings.include is not None:
         raise ValueError(
             f"{offload_settings.flag('include')}: the plan chooses the modules to offload itself; leave it unset"
         )
-    costs = parse_costs(
-        fn_name, settings.device, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
-        min_bytes=offload_settings.min_bytes if offload_settings is not None else DEFAULT_MIN_BYTES,
-    )  # fmt: skip
-    if offload_settings is None:
-        costs = dataclasses.replace(costs, allow_offload=False)
     info = inspect_batch(batch)
     base, baseline = build_report(model, batch, settings, info, None, None, batch_size=batch_size)
+    costs = costs_for(settings, baseline, offload_settings)
+    if offload_settings is not None and costs.allow_offload:
+        # The windows the plan hands the engine are what its link moves while a block computes.
+        offload_settings = sized_windows(offload_settings, base.blocks, costs)
+        costs = dataclasses.replace(
+            costs, inflight_bytes=offload_settings.max_inflight_bytes, prefetch_bytes=offload_settings.prefetch_bytes
+        )
     return PlanSpace(
         model, batch, settings, info, base, costs, offload=offload_settings, batch_size=batch_size, baseline=baseline
     )
-
-
-def parse_costs(
-    fn_name: str,
-    device: str,
-    *,
-    flops_per_s: float | None,
-    link_bytes_per_s: int | str,
-    min_bytes: int,
-) -> Costs:
-    """Validate the prices (:meth:`PlanPrices.parse`); each ``ValueError`` names ``fn_name(argument=...)``."""
-    prices = PlanPrices.parse(flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s, spelling=Spelling(fn_name))
-    return default_costs(
-        device, flops_per_s=prices.flops_per_s, link_bytes_per_s=prices.link_bytes_per_s, min_bytes=min_bytes
-    )
-
-
-def default_costs(
-    device: str,
-    *,
-    flops_per_s: float | None = None,
-    link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
-    min_bytes: int | str = DEFAULT_MIN_BYTES,
-) -> Costs:
-    """The prices ``plan`` uses unless told otherwise (also those behind the estimate's advice)."""
-    throughput = DEFAULT_FLOPS_PER_S[device] if flops_per_s is None else float(flops_per_s)
-    return Costs(
-        throughput, float(parse_size(link_bytes_per_s, flag="link_bytes_per_s")),
-        parse_size(min_bytes, flag="offload_min_bytes"), allow_offload=device != "cpu",
-    )  # fmt: skip
 
 
 def search_plan(
@@ -718,6 +734,10 @@ def _searched_under(settings: EstimateSettings, costs: Costs, offload: OffloadSe
         "offload_optimizer_device_dtype": (
             settings.optimizer_offload.device_dtype_name if settings.optimizer_offload is not None else None
         ),
+        "gpu": settings.gpu,
+        "speeds": settings.speeds.to_dict() if settings.speeds is not None else None,
+        "expandable_segments": settings.expandable_segments,
+        "fragmentation": settings.fragmentation,
         "flops_per_s": costs.flops_per_s,
         "link_bytes_per_s": costs.link_bytes_per_s,
     }

@@ -16,6 +16,7 @@ from typing import Any
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, format_bytes
+from lightmem.device_memory import reserved_bytes
 from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.tracer import CATEGORIES
 from lightmem.tables import format_table
@@ -63,6 +64,12 @@ class BlockMemory:
     """Bytes of op outputs a checkpointed block keeps besides its input (op-level policies)."""
     recompute_flops: float | None = None
     """Forward FLOPs a checkpointed re-run repeats; None: all of ``forward_flops`` ("full")."""
+    forward_s: float = 0.0
+    """Predicted device seconds of its forward, priced op by op (0: not priced)."""
+    backward_s: float = 0.0
+    """Predicted device seconds of its backward."""
+    recompute_s: float | None = None
+    """Seconds a checkpointed re-run repeats; None: all of ``forward_s`` ("full")."""
 
     @property
     def label(self) -> str:
@@ -72,6 +79,15 @@ class BlockMemory:
     def offloadable_bytes(self, min_bytes: int) -> int:
         """Saved bytes in storages of at least ``min_bytes`` (what offload would move)."""
         return sum(size for size in self.saved_sizes if size >= min_bytes)
+
+
+STATIC_PARTS = ("parameters", "gradients", "optimizer_state", "workspaces")
+"""The parts of a step's memory that come back at the same sizes every step (the rest, activations
+and temporaries, is what fragments the allocator: ``lightmem.device_memory.FRAGMENTATION``)."""
+
+
+def static_part(breakdown: Mapping[str, int]) -> int:
+    return sum(breakdown.get(part, 0) for part in STATIC_PARTS)
 
 
 @dataclass
@@ -92,10 +108,14 @@ class StepMemory:
     """With model-state offload: bytes over the host link per step, gradients out and parameters
     back, in the device's dtype (halved by ``device_dtype="bf16"``); 0 without it."""
     seconds: float = 0.0
+    step_seconds: float = 0.0
+    """The predicted time of one step in this configuration on the estimate's device
+    (``lightmem.estimate.step_time``): compute, re-runs and transfer not hidden by compute."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "peak_bytes": self.peak_bytes,
+            "step_seconds": self.step_seconds,
             "breakdown": dict(self.breakdown),
             "peak": {"phase": self.peak_phase, "op": self.peak_op, "block": self.peak_block},
             "activations_at_forward_end_bytes": self.activations_at_forward_end,
@@ -128,8 +148,10 @@ class MemoryEstimate:
     ``breakdown`` has exactly the keys parameters, gradients, optimizer_state, activations,
     temporaries and workspaces (cuBLAS, CUDA only), summing to ``peak_bytes``: on CUDA the
     prediction of ``torch.cuda.max_memory_allocated``. ``overhead_bytes`` is the allowance for what
-    the caching allocator does not count (CUDA context, NCCL) and is never part of the breakdown;
-    ``total_bytes`` = peak + overhead.
+    the caching allocator does not count (CUDA context, NCCL) and is never part of the breakdown.
+    ``reserved_bytes`` is what the caching allocator reserves for the peak (its fragmentation
+    allowance, ``lightmem.device_memory.FRAGMENTATION``; the peak itself on the CPU), and
+    ``total_bytes`` = reserved + overhead: what must fit the budget.
     """
 
     peak_bytes: int
@@ -157,14 +179,25 @@ class MemoryEstimate:
     ("bf16"), in which the scenarios with it count parameters, gradients and link bytes."""
     compiled: bool = False
     """The model holds compiled modules: the report says how far its eager figures hold."""
+    step_seconds: float = 0.0
+    """The predicted time of one step of the configuration asked for (``scenarios[name].step_seconds``
+    for each one), at ``speeds``."""
+    speeds: Any = None
+    """The ``DeviceSpeeds`` every op and transfer was priced at (``lightmem.estimate.devices``)."""
+    fragmentation: float = 0.0
+    """What the device's allocator reserves beyond the allocated peak, as a share of it."""
+
+    @property
+    def reserved_bytes(self) -> int:
+        return reserved_bytes(self.peak_bytes, self.fragmentation, static_part(self.breakdown))
 
     @property
     def total_bytes(self) -> int:
-        return self.peak_bytes + self.overhead_bytes
+        return self.reserved_bytes + self.overhead_bytes
 
     @property
     def fits(self) -> bool | None:
-        """Whether peak + overhead fit the budget (None without a budget)."""
+        """Whether the reserved peak + overhead fit the budget (None without a budget)."""
         return None if self.budget_bytes is None else self.total_bytes <= self.budget_bytes
 
     @property
@@ -176,7 +209,9 @@ class MemoryEstimate:
     def baseline_fits(self) -> bool | None:
         """Whether the step without lightmem fits the budget (None without a budget)."""
         available = self.available_bytes
-        return None if available is None else self.scenarios["baseline"].peak_bytes <= available
+        baseline = self.scenarios["baseline"]
+        reserved = reserved_bytes(baseline.peak_bytes, self.fragmentation, static_part(baseline.breakdown))
+        return None if available is None else reserved <= available
 
     @property
     def static_exceeds_budget(self) -> bool:
@@ -216,9 +251,12 @@ class MemoryEstimate:
     def to_dict(self) -> dict[str, Any]:
         return {
             "peak_bytes": self.peak_bytes,
+            "step_seconds": self.step_seconds,
+            "speeds": self.speeds.to_dict() if self.speeds is not None else None,
             "breakdown": dict(self.breakdown),
             "peak": {"phase": self.peak_phase, "op": self.peak_op, "block": self.peak_block},
             "overhead_bytes": self.overhead_bytes,
+            "reserved_bytes": self.reserved_bytes,
             "total_bytes": self.total_bytes,
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
@@ -235,6 +273,8 @@ class MemoryEstimate:
                     "saved_bytes": block.saved_bytes,
                     "forward_flops": block.forward_flops,
                     "input_bytes": block.input_bytes,
+                    "forward_seconds": block.forward_s,
+                    "backward_seconds": block.backward_s,
                     "class": block.kind,
                     "repeated": block.repeated,
                 }
@@ -264,8 +304,11 @@ class MemoryEstimate:
             for category in CATEGORIES
             if category != "workspaces" or any(s.breakdown[category] for s in scenarios)
         ]
-        totals = [s.peak_bytes + self.overhead_bytes for s in scenarios]
+        reserved = [reserved_bytes(s.peak_bytes, self.fragmentation, static_part(s.breakdown)) for s in scenarios]
+        totals = [r + self.overhead_bytes for r in reserved]
         rows.append(["peak", *(format_bytes(s.peak_bytes) for s in scenarios)])
+        if self.fragmentation:
+            rows.append([f"reserved (+{self.fragmentation:.0%})", *(format_bytes(r) for r in reserved)])
         rows.append(["overhead", *(format_bytes(self.overhead_bytes) for _ in scenarios)])
         rows.append(["total", *(format_bytes(t) for t in totals)])
         if self.budget_bytes is not None:
@@ -279,6 +322,8 @@ class MemoryEstimate:
             rows.append(["host memory (offload)", *(format_bytes(s.host_bytes) for s in scenarios)])
         if any(s.model_state_link_bytes for s in scenarios):
             rows.append(["model state over the link per step", *(format_bytes(s.model_state_link_bytes) for s in scenarios)])
+        if any(s.step_seconds for s in scenarios):
+            rows.append(["step (predicted)", *(format_seconds(s.step_seconds) for s in scenarios)])
 
         total_saved = sum(block.saved_bytes for block in self.blocks.values()) or 1
         ranked = sorted(self.blocks.values(), key=lambda block: block.saved_bytes, reverse=True)
@@ -302,6 +347,8 @@ class MemoryEstimate:
 
     def _notes(self, verbose: bool) -> list[str]:
         lines = [COMPILED_NOTE] if self.compiled else []
+        if self.speeds is not None and self.step_seconds:
+            lines.append(f"Step times priced at {self.speeds.describe()}.")
         if self.advice:
             lines.append("Advice")
             lines.extend(f"- [{item.rule}] {item.message}" for item in self.advice)
@@ -368,14 +415,15 @@ class MemoryEstimate:
 
 @dataclass
 class PlanOption:
-    """A configuration the planner verified: ``fits`` or not, its predicted total (peak +
-    overhead) and its predicted cost per step."""
+    """A configuration the planner verified: ``fits`` or not, its predicted total (reserved peak +
+    overhead), its predicted cost per step and its whole predicted step."""
 
     description: str
     fits: bool
     predicted_total_bytes: int
     recompute_s: float
     exposed_transfer_s: float
+    step_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -384,6 +432,7 @@ class PlanOption:
             "predicted_total_bytes": self.predicted_total_bytes,
             "recompute_s": self.recompute_s,
             "exposed_transfer_s": self.exposed_transfer_s,
+            "step_seconds": self.step_seconds,
         }
 
 
@@ -393,9 +442,13 @@ class Plan:
 
     ``checkpoint`` lists the blocks to checkpoint; ``offload`` the offload settings (threshold, and
     the blocks in ``include``, or ``include=None`` when every saved tensor is offloaded) or None;
-    ``fits`` says whether the verified peak plus overhead is within the budget; ``reason`` says why
-    not when it is not. ``recompute_s`` and ``exposed_transfer_s`` are the predicted cost per step
-    at ``flops_per_s`` and ``link_bytes_per_s``; ``alternatives`` the other configurations the
+    ``fits`` says whether what the allocator reserves for the verified peak, plus the overhead
+    allowance, is within the budget; ``reason`` says why not when it is not.
+    ``predicted_peak_bytes`` is the verified allocated peak (``max_memory_allocated``),
+    ``predicted_reserved_bytes`` what the caching allocator reserves for it. ``step_seconds`` is
+    the predicted step with the plan, ``baseline_step_seconds`` without lightmem (the same batch,
+    whether it fits or not), both priced at ``speeds``; ``recompute_s`` and
+    ``exposed_transfer_s`` are what the plan adds; ``alternatives`` the other configurations the
     search verified (those that fitted, slower, and those that did not).
     """
 
@@ -435,10 +488,24 @@ class Plan:
     """Fake steps the search ran (besides the baseline)."""
     host_bytes: int = 0
     """Peak host memory the plan's offload holds (pinned), as the estimator's step predicts."""
+    predicted_reserved_bytes: int = 0
+    """What the caching allocator reserves for ``predicted_peak_bytes`` (fragmentation included)."""
+    step_seconds: float = 0.0
+    baseline_step_seconds: float = 0.0
+    speeds: Any = None
+    """The ``DeviceSpeeds`` the plan was priced at."""
+    dominant: str = ""
+    """When nothing fits: what dominates the peak of the configuration that came closest."""
 
     @property
     def predicted_total_bytes(self) -> int:
-        return self.predicted_peak_bytes + self.overhead_bytes
+        """What must fit the budget: the reserved peak and the overhead allowance."""
+        return max(self.predicted_reserved_bytes, self.predicted_peak_bytes) + self.overhead_bytes
+
+    @property
+    def slowdown(self) -> float:
+        """Predicted step time with the plan over the step without lightmem (1.0: free)."""
+        return self.step_seconds / self.baseline_step_seconds if self.baseline_step_seconds else 1.0
 
     def lightmem_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``LightMem(...)``: offload; when offloading, offload_min_bytes,
@@ -450,9 +517,12 @@ class Plan:
         if self.offload is not None:
             kwargs["offload_min_bytes"] = self.offload.min_bytes
             if self.offload.include:
-                kwargs["offload_include"] = list(self.offload.include)
+                kwargs["offload_include"] = self.offload.include_arg()
             if self.offload.exclude:
                 kwargs["offload_exclude"] = list(self.offload.exclude)
+            # The windows the plan sized (what the link moves while a block computes).
+            kwargs["prefetch_bytes"] = self.offload.prefetch_bytes
+            kwargs["offload_max_inflight_bytes"] = self.offload.max_inflight_bytes
         if self.checkpoint:
             kwargs["checkpoint"] = list(self.checkpoint)
             if self.checkpoint_policy != "full":
@@ -475,6 +545,11 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
             "reason": self.reason,
+            "predicted_reserved_bytes": self.predicted_reserved_bytes,
+            "step_seconds": self.step_seconds,
+            "baseline_step_seconds": self.baseline_step_seconds,
+            "slowdown": self.slowdown,
+            "speeds": self.speeds.to_dict() if self.speeds is not None else None,
             "offload_optimizer": self.offload_optimizer,
             "offload_optimizer_device_dtype": self.offload_optimizer_device_dtype,
             "family": self.family,
@@ -519,7 +594,9 @@ class Plan:
             return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
         if not self.checkpoint and self.offload is None and not self.offload_optimizer:
             return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
-        prices = f"host link {self.link_bytes_per_s / 1e9:g} GB/s, {self.flops_per_s / 1e12:g} TFLOP/s"
+        prices = self.speeds.describe() if self.speeds is not None else (
+            f"host link {self.link_bytes_per_s / 1e9:g} GB/s, {self.flops_per_s / 1e12:g} TFLOP/s"
+        )
         fitted = [option for option in self.alternatives if option.fits]
         refused = [option for option in self.alternatives if not option.fits]
         why = (
@@ -531,12 +608,13 @@ class Plan:
             f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
             + "; ".join(self.parts())
             + (f", holding {format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
-            + f" (about {format_seconds(self.recompute_s)} re-computation and "
-            f"{format_seconds(self.exposed_transfer_s)} exposed transfer per step at {prices}): {why}."
+            + f"; predicted step {format_seconds(self.step_seconds)}, {self.slowdown:.2f}x the "
+            f"{format_seconds(self.baseline_step_seconds)} without lightmem (about {format_seconds(self.recompute_s)} "
+            f"re-computation and {format_seconds(self.exposed_transfer_s)} exposed transfer; {prices}): {why}."
         ]
         lines.extend(
-            f"  also fits: {option.description}, {format_bytes(option.predicted_total_bytes)}, "
-            f"{format_seconds(option.recompute_s)} + {format_seconds(option.exposed_transfer_s)}"
+            f"  also fits: {option.description}, {format_bytes(option.predicted_total_bytes)}, step "
+            f"{format_seconds(option.step_seconds)}"
             for option in fitted
         )
         lines.extend(

@@ -21,8 +21,9 @@ from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings
 from lightmem.estimate.batch import inspect_batch
 from lightmem.estimate.configuration import parse_settings, run_configuration
-from lightmem.estimate.planner import DEFAULT_LINK_BYTES_PER_S, plan_space
-from lightmem.estimate.report import Plan
+from lightmem.estimate.devices import DeviceSpeeds
+from lightmem.estimate.planner import plan_space
+from lightmem.estimate.report import Plan, static_part
 from lightmem.estimate.settings import parse_checkpoint, parse_offload
 
 DEFAULT_LIMIT = 1 << 20
@@ -147,6 +148,7 @@ def max_batch_size(
     optimizer: str | Callable[..., Any] | None = None,
     precision: str | int = "32-true",
     device: str = "cuda",
+    gpu: str | DeviceSpeeds = "auto",
     offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
     checkpoint: Iterable[str | type] | str | None = None,
     overhead_bytes: int | str | None = None,
@@ -156,7 +158,7 @@ def max_batch_size(
     offload_optimizer: bool | OptimizerOffloadSettings = False,
     plan: bool = False,
     flops_per_s: float | None = None,
-    link_bytes_per_s: int | str = DEFAULT_LINK_BYTES_PER_S,
+    link_bytes_per_s: int | str | None = None,
 ) -> BatchSearch:
     """The largest batch size whose step fits ``budget``, without lightmem and with a configuration.
 
@@ -180,6 +182,8 @@ def max_batch_size(
             The plan searches under ``offload``'s settings less its ``include`` (the plan picks
             the modules), or lightmem's defaults when ``offload`` is None.
             With ``offload_optimizer`` the extremes and the plan run with model-state offload too.
+        gpu: the GPU estimated for, as for :func:`lightmem.plan` (its cuBLAS workspaces; with
+            ``plan=True`` also its speeds).
         flops_per_s, link_bytes_per_s: the planner's prices, as for :func:`lightmem.plan`
             (read with ``plan=True`` only).
         Other arguments: as for :func:`estimate_memory`.
@@ -191,7 +195,7 @@ def max_batch_size(
     settings = parse_settings(
         "max_batch_size", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
-        offload_optimizer=offload_optimizer,
+        offload_optimizer=offload_optimizer, gpu=gpu, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
     )  # fmt: skip
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"max_batch_size(limit=...): expected a positive int; got {limit!r}")
@@ -217,7 +221,7 @@ def max_batch_size(
                     model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info,
                     offload_optimizer=model_state,
                 )  # fmt: skip
-                seen[size] = trace.peak.bytes + settings.overhead_bytes
+                seen[size] = settings.reserved_bytes(trace.peak.bytes, static_part(trace.peak.breakdown)) + settings.overhead_bytes
             return seen[size]
 
         total.seen = seen  # type: ignore[attr-defined]
@@ -236,7 +240,7 @@ def max_batch_size(
         result.evaluations["configured"] = evals
     if plan:
         common = {
-            "optimizer": optimizer, "precision": precision, "device": device, "overhead_bytes": overhead_bytes,
+            "optimizer": optimizer, "precision": precision, "device": device, "gpu": gpu, "overhead_bytes": overhead_bytes,
             "zero_grad": zero_grad, "flops_per_s": flops_per_s, "link_bytes_per_s": link_bytes_per_s,
             "checkpoint_policy": checkpoint_policy, "fn_name": "max_batch_size",
             "offload_optimizer": settings.optimizer_offload or False,  # as parsed: device_dtype included

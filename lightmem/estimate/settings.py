@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lightmem.config import OffloadSettings, Spelling, parse_checkpoint_targets, parse_size
-from lightmem.estimate.cuda_model import HOPPER_NAMES, OTHER_NAMES, cuda_block_bytes
+from lightmem.estimate.cuda_model import cuda_block_bytes
 
 DEFAULT_CUDA_OVERHEAD = "1GiB"
 
@@ -153,19 +153,6 @@ def parse_overhead(value: int | str | None, device: str, *, flag: str) -> int:
 def allocation_rounding(device: str) -> Callable[[int], int] | None:
     """The bytes the device's allocator hands out for a request (None: exactly the request)."""
     return cuda_block_bytes if device == "cuda" else None
-
-
-GPU_NAMES = HOPPER_NAMES + OTHER_NAMES
-
-
-def parse_gpu(value: str, *, flag: str) -> str:
-    """The GPU the CUDA estimate is for, which sets the cuBLAS workspace size: a Hopper name
-    ("h100", "h200", "gh200", "hopper", ...) for 32 MiB, any other listed name or "default" for
-    torch's default of 8 MiB + 128 KiB."""
-    key = value.strip().lower().replace(" ", "").replace("-", "") if isinstance(value, str) else None
-    if key not in GPU_NAMES:
-        raise ValueError(f"{flag}: unknown GPU {value!r}; accepted: {', '.join(GPU_NAMES)}")
-    return key
 
 
 ZERO_GRAD_ORDERS = ("after_forward", "before_forward")

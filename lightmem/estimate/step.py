@@ -44,11 +44,12 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from lightmem.checkpoint import apply_checkpointing, op_policy
 from lightmem.blocks import Blocks, find_blocks
-from lightmem.config import OffloadSettings, OptimizerOffloadSettings
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
+from lightmem.estimate.devices import DeviceSpeeds
 from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
-from lightmem.estimate.logits import LossLogits, loss_logits
+from lightmem.estimate.logits import LOGITS_MIN_SHARE, LossLogits, loss_logits
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
@@ -78,7 +79,7 @@ class StepRequest:
     zero_grad: str = "after_forward"
     """When gradients are set to None: "after_forward" (Lightning) or "before_forward" (a plain loop)."""
     gpu: str = "default"
-    """The GPU a CUDA step runs on (``settings.parse_gpu``): sets the cuBLAS workspace size."""
+    """The GPU a CUDA step runs on (``devices.parse_gpu``, resolved): sets the cuBLAS workspace size."""
     optimizer_offload: OptimizerOffloadSettings | None = None
     """Model-state offload (``offload_optimizer``), as parsed: the gradient bytes that may wait on
     the device for their copy to host (``max_grad_inflight_bytes``) and the trainable parameters'
@@ -87,6 +88,8 @@ class StepRequest:
     trainable_dtype: torch.dtype | None = None
     """The trainable parameters' dtype on the device in this step; None: their own (or
     ``precision``'s). With ``optimizer_offload.device_dtype``: that dtype."""
+    speeds: DeviceSpeeds | None = None
+    """Price every op of the step at these speeds (``StepTrace.compute``); None: not priced."""
 
 
 @dataclass
@@ -109,6 +112,8 @@ class StepTrace:
     optimizer_state_bytes: int
     checkpointed: list[str] = field(default_factory=list)
     offloaded_bytes: int = 0
+    offloaded_by_block: dict[str, int] = field(default_factory=dict)
+    """Bytes moved to host per block that saved them (``ROOT_BLOCK``: outside every block)."""
     host_bytes: int = 0
     reloaded_bytes: int = 0
     optimizers: list[str] = field(default_factory=list)
@@ -124,6 +129,10 @@ class StepTrace:
     repeated_blocks: set[str] = field(default_factory=set)
     loss_logits: LossLogits | None = None
     """The cross-entropy's logits and the peak without them (``lightmem.estimate.logits``)."""
+    optimizer_s: float = 0.0
+    """Device seconds of the optimizer step, priced (0: not priced, or model-state offload)."""
+    priced_ops: int = 0
+    """Ops of the step that cost device time: the host launches each one."""
 
 
 class EstimateError(RuntimeError):
@@ -338,6 +347,7 @@ def _run(
     tracer.on_failure = failure.op_failed
     tracer.when_fake_refuses = real_output
     tracer.op_policy = op_policy(request.checkpoint_policy)
+    tracer.price = request.speeds
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         named, params, buffers = _fake_state(model, precision.param_dtype, fake_mode, request.trainable_dtype)
@@ -397,7 +407,9 @@ def _steady_step(
 
     block_names = {id(module): name for name, module in blocks.modules.items()}
     tracker = _BlockTracker(tracer, block_names, failure)
-    hooks = SavedTensorHooks(tracer, tracker.current, request.offload, model, protected)
+    hooks = SavedTensorHooks(
+        tracer, tracker.current, request.offload, model, protected, asynchronous=request.device == "cuda"
+    )
     precision = request.precision
 
     if request.zero_grad == "before_forward":  # a plain loop frees the old gradients first
@@ -426,6 +438,7 @@ def _steady_step(
     tracer.window.forward_end = tracer.now()
     usage, saved_list, activations = _forward_end_usage(tracer, tracker)
 
+    hooks.forward_done()
     tracer.set_phase("backward")
     if request.zero_grad == "after_forward":
         for optimizer in optimizers:
@@ -452,8 +465,13 @@ def _steady_step(
     _mark_state(tracer, optimizers, request.device)
 
     peak = tracer.peak()
+    for (phase, block), seconds in tracer.seconds.items():
+        if phase == "backward":
+            usage.setdefault(block or ROOT_BLOCK, BlockUsage()).backward_s += seconds
     return StepTrace(
         peak=peak,
+        optimizer_s=tracer.seconds.get(("optimizer", None), 0.0),
+        priced_ops=tracer.priced_ops,
         blocks=usage,
         block_kinds={name: blocks.kind(name) for name in blocks.modules},
         repeated_blocks=set(blocks.repeated),
@@ -470,6 +488,7 @@ def _steady_step(
             tracer.records[rid].nbytes for rid in _state_records(tracer, optimizers, request.device)
         ),
         offloaded_bytes=hooks.offloaded_bytes,
+        offloaded_by_block={block or ROOT_BLOCK: nbytes for block, nbytes in hooks.offloaded_by_block.items()},
         host_bytes=hooks.peak_host_bytes,
         reloaded_bytes=hooks.reloaded_bytes,
         optimizers=[type(optimizer).__name__ for optimizer in optimizers],
@@ -841,10 +860,32 @@ def _forward_end_usage(
         saved.append(SavedTensor(record.saved_shape or (), record.nbytes, block))
     for name, flops in tracer.block_flops.items():
         usage.setdefault(name or ROOT_BLOCK, BlockUsage()).forward_flops += flops
+    for (phase, block), seconds in tracer.seconds.items():
+        if phase == "forward":
+            usage.setdefault(block or ROOT_BLOCK, BlockUsage()).forward_s += seconds
     for name, nbytes in tracker.input_bytes.items():
         usage[name].input_bytes = nbytes
     if tracer.op_policy is not None:
         for name, entry in usage.items():
             entry.kept_bytes = tracer.block_kept_bytes.get(name, 0)
             entry.recompute_flops = tracer.block_recompute_flops.get(name, 0.0)
+            entry.recompute_s = tracer.block_recompute_s.get(name, 0.0)
     return usage, saved, total
+
+
+def dominant_part(trace: StepTrace) -> str:
+    """What dominates a traced step's peak, in words, for a message about a step that does not fit:
+    where the peak is, its largest part, and the loss's logits with what a chunked loss would
+    leave when they are a large share of it (``LOGITS_MIN_SHARE`` of the peak or more)."""
+    peak = trace.peak
+    part, part_bytes = max(peak.breakdown.items(), key=lambda item: item[1])
+    where = f"{peak.phase}: {peak.op}" + (f" in {peak.block}" if peak.block else "")
+    text = f"{format_bytes(peak.bytes)} at {where}, {part.replace('_', ' ')} {format_bytes(part_bytes)} of it"
+    logits = trace.loss_logits
+    if logits is not None and logits.bytes_at_peak >= LOGITS_MIN_SHARE * peak.bytes:
+        text += (
+            f"; the loss's logits ({logits.rows:,} x {logits.classes:,}), their float32 copies and gradients take "
+            f"{format_bytes(logits.bytes_at_peak)}: a chunked loss (torch.nn.functional.linear_cross_entropy) "
+            f"would bring the peak to about {format_bytes(logits.peak_bytes_chunked)}"
+        )
+    return text

@@ -1,53 +1,84 @@
-"""What a lightmem configuration adds to a step's time, as the planner prices it.
+"""What a step takes with a lightmem configuration, as the planner prices it.
 
-Two costs: re-running checkpointed blocks (their forward FLOPs, or the FLOPs their policy
-recomputes, over ``flops_per_s``) and the part of the host transfers that compute does not hide.
-Transfers are priced on a timeline of the step, block by block in execution order:
+The fake step prices each op by its class at the device's speeds (``lightmem.estimate.devices``):
+every block has its forward and backward seconds, and a checkpointed block's re-run costs the
+seconds of the forward ops its policy repeats. Transfers are priced on a timeline of the step,
+block by block in execution order, as the engine runs them:
 
-- forward: each block computes for ``forward_flops / flops_per_s``; the bytes it offloads join the
-  device-to-host queue when it ends, and the link drains that queue at ``link_bytes_per_s`` while
-  later blocks compute;
-- backward: blocks run in reverse, each for twice its forward time plus its re-run; a block's
-  bytes come back on the host-to-device queue (the link is full duplex), not before they have
-  left, and the block waits for them.
+- forward: each block computes for its forward seconds; the bytes it offloads join the
+  device-to-host queue when it ends and the link drains that queue while later blocks compute.
+  The device holds at most ``inflight_bytes`` of copies not yet made (``max_inflight_bytes``):
+  past it compute waits for the oldest copy;
+- backward: blocks run in reverse, each for its backward seconds plus its re-run; a block's bytes
+  come back on the host-to-device queue (the link is full duplex), not before they have left, and
+  the block waits for them. Reloads run ahead of compute within ``prefetch_bytes``: a block whose
+  reloads do not fit the window beside the ones before it starts its reloads only when the block
+  after it (in forward order) starts its backward;
+- then the optimizer step.
 
-Step time with lightmem minus the compute of the same step without it is the cost. The model is
-simple on purpose: it does not bound the bytes in flight (``max_inflight_bytes``, the prefetch
-window), so it is optimistic where a single block moves more than the window.
+The step takes at least the host's time to launch its ops (``DeviceSpeeds.host_op_s`` each): a
+step of many small ops waits on the host, not the device, and there transfers hide for free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from typing import TYPE_CHECKING
+
+from lightmem.config import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH, OffloadSettings, parse_size
 from lightmem.estimate.report import BlockMemory
+from lightmem.estimate.settings import parse_offload
+
+if TYPE_CHECKING:
+    from lightmem.estimate.configuration import EstimateSettings
+    from lightmem.estimate.step import StepTrace
 
 KEEP, OFFLOAD, CHECKPOINT, BOTH = "keep", "offload", "checkpoint", "checkpoint+offload"
+DEFAULT_WINDOW_BYTES = parse_size(DEFAULT_MAX_INFLIGHT, flag="max_inflight_bytes")
+assert DEFAULT_WINDOW_BYTES == parse_size(DEFAULT_PREFETCH, flag="prefetch")
 
 
 @dataclass(frozen=True)
 class Costs:
-    """The prices of one plan: device throughput, host link, and the offload threshold."""
+    """The prices of one plan and the parts of the step no configuration changes.
+
+    ``flops_per_s`` prices blocks the step did not price op by op (their ``forward_s`` is 0);
+    ``link_bytes_per_s`` is the host link each way. ``optimizer_s`` and ``host_s`` are the
+    optimizer step's device seconds and the host's launch time for the whole step.
+    """
 
     flops_per_s: float
     link_bytes_per_s: float
     min_bytes: int
     allow_offload: bool
+    optimizer_s: float = 0.0
+    host_s: float = 0.0
+    inflight_bytes: int = 256 << 20
+    prefetch_bytes: int = 256 << 20
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds a configuration adds to a step: re-computation and transfer not hidden by compute."""
+    """A configuration's predicted step: re-computation and transfer not hidden by compute, on top
+    of the step's compute (``compute_s``: forward, backward and optimizer step without lightmem)."""
 
     recompute_s: float
     exposed_transfer_s: float
     moved_bytes: int
     """Bytes sent to host (and back) per step."""
+    compute_s: float = 0.0
 
     @property
     def total_s(self) -> float:
+        """What the configuration adds to the step."""
         return self.recompute_s + self.exposed_transfer_s
+
+    @property
+    def step_s(self) -> float:
+        """The whole step's predicted seconds."""
+        return self.compute_s + self.total_s
 
 
 def _kept_input(block: BlockMemory, costs: Costs) -> int:
@@ -74,48 +105,174 @@ def moved_bytes(block: BlockMemory, action: str, costs: Costs) -> int:
     return 0
 
 
+def forward_s(block: BlockMemory, costs: Costs) -> float:
+    """The block's forward seconds: priced op by op, else its FLOPs at ``costs.flops_per_s``."""
+    return block.forward_s if block.forward_s else block.forward_flops / costs.flops_per_s
+
+
+def backward_s(block: BlockMemory, costs: Costs) -> float:
+    """The block's backward seconds: priced op by op, else twice its forward."""
+    return block.backward_s if block.backward_s else 2 * forward_s(block, costs)
+
+
 def recompute_s(block: BlockMemory, costs: Costs) -> float:
-    """Seconds a checkpointed block's re-run costs: the FLOPs its policy recomputes."""
+    """Seconds a checkpointed block's re-run costs: the forward ops its policy repeats."""
+    if block.forward_s:
+        return block.forward_s if block.recompute_s is None else block.recompute_s
     flops = block.forward_flops if block.recompute_flops is None else block.recompute_flops
     return flops / costs.flops_per_s
 
 
 def block_cost_s(block: BlockMemory, action: str, costs: Costs) -> float:
     """One block's cost seen alone: its re-run, and the transfer its own compute does not hide
-    (out while its forward runs, back while its backward, about twice as long, runs)."""
-    forward_s = block.forward_flops / costs.flops_per_s
+    (out while its forward runs, back while its backward runs)."""
     transfer_s = moved_bytes(block, action, costs) / costs.link_bytes_per_s
-    exposed = max(0.0, transfer_s - forward_s) + max(0.0, transfer_s - 2 * forward_s) if transfer_s else 0.0
+    exposed = (
+        max(0.0, transfer_s - forward_s(block, costs)) + max(0.0, transfer_s - backward_s(block, costs))
+        if transfer_s
+        else 0.0
+    )
     rerun = recompute_s(block, costs) if action in (CHECKPOINT, BOTH) else 0.0
     return rerun + exposed
 
 
-def step_time(blocks: Mapping[str, BlockMemory], actions: Mapping[str, str], costs: Costs) -> StepTime:
-    """The cost of ``actions`` (block name -> action; absent: keep) on the step's timeline.
+def compute_s(blocks: Mapping[str, BlockMemory], costs: Costs) -> float:
+    """The step without lightmem: every block's forward and backward, the optimizer step, and no
+    less than the host's time to launch them."""
+    device = sum(forward_s(b, costs) + backward_s(b, costs) for b in blocks.values()) + costs.optimizer_s
+    return max(device, costs.host_s)
+
+
+def step_time(
+    blocks: Mapping[str, BlockMemory],
+    actions: Mapping[str, str],
+    costs: Costs,
+    moved: Mapping[str, int] | None = None,
+) -> StepTime:
+    """The step with ``actions`` (block name -> action; absent: keep) on the step's timeline.
 
     ``blocks`` must be in execution order (the estimator reports them so, with what runs outside
-    every block last).
+    every block last). ``moved``: the bytes each block sends to host, when known from a verified
+    step (else predicted from the actions).
     """
-    compute_s = [block.forward_flops / costs.flops_per_s for block in blocks.values()]
-    moved = [moved_bytes(block, actions.get(name, KEEP), costs) for name, block in blocks.items()]
+    names = list(blocks)
+    forward = [forward_s(blocks[name], costs) for name in names]
+    backward = [backward_s(blocks[name], costs) for name in names]
+    if moved is None:
+        sent = [moved_bytes(blocks[name], actions.get(name, KEEP), costs) for name in names]
+    else:
+        sent = [moved.get(name, 0) for name in names]
     rerun = [
-        recompute_s(block, costs) if actions.get(name, KEEP) in (CHECKPOINT, BOTH) else 0.0
-        for name, block in blocks.items()
+        recompute_s(blocks[name], costs) if actions.get(name, KEEP) in (CHECKPOINT, BOTH) else 0.0 for name in names
     ]
+    link = costs.link_bytes_per_s
     now = link_out = 0.0
     out_done = []
-    for seconds, nbytes in zip(compute_s, moved):
+    for seconds, nbytes in zip(forward, sent):
         now += seconds
         if nbytes:
-            link_out = max(link_out, now) + nbytes / costs.link_bytes_per_s
+            link_out = max(link_out, now) + nbytes / link
+            # The device keeps at most inflight_bytes of copies not yet made: compute waits.
+            now = max(now, link_out - costs.inflight_bytes / link)
         out_done.append(link_out if nbytes else now)
-    forward_end = now
-    link_in = forward_end
-    for index in reversed(range(len(compute_s))):
+    link_in = now
+    started: dict[int, float] = {}
+    for index in reversed(range(len(names))):
         ready = now
-        if moved[index]:
-            link_in = max(link_in, out_done[index]) + moved[index] / costs.link_bytes_per_s
+        if sent[index]:
+            begin = max(link_in, out_done[index])
+            after = index + 1
+            while after < len(names) and not sent[after]:
+                after += 1
+            if after < len(names) and sent[index] + sent[after] > costs.prefetch_bytes:
+                begin = max(begin, started.get(after, begin))  # the window holds the next block's reloads
+            link_in = begin + sent[index] / link
             ready = link_in
-        now = max(now, ready) + rerun[index] + 2 * compute_s[index]
-    exposed = now - 3 * sum(compute_s) - sum(rerun)
-    return StepTime(sum(rerun), max(0.0, exposed), sum(moved))
+        start = max(now, ready)
+        started[index] = start
+        now = start + rerun[index] + backward[index]
+    base = compute_s(blocks, costs)
+    total = max(now + costs.optimizer_s, costs.host_s + sum(rerun))
+    exposed = total - base - sum(rerun)
+    return StepTime(sum(rerun), max(0.0, exposed), sum(sent), base)
+
+
+def configuration_time(
+    blocks: Mapping[str, BlockMemory],
+    costs: Costs,
+    checkpointed: list[str] | tuple[str, ...] = (),
+    moved: Mapping[str, int] | None = None,
+    model_state_link_bytes: int = 0,
+) -> StepTime:
+    """A verified configuration's step: ``checkpointed`` blocks re-run, ``moved`` bytes per block
+    over the link (from its fake step), and model-state offload's ``model_state_link_bytes`` priced
+    as not hidden by compute (an upper bound); its optimizer step then runs on the host, whose time
+    is not priced."""
+    moved = dict(moved or {})
+    actions = {name: CHECKPOINT for name in checkpointed if name in blocks}
+    for name, nbytes in moved.items():
+        if nbytes and name in blocks:
+            actions[name] = BOTH if name in actions else OFFLOAD
+    if model_state_link_bytes:
+        costs = replace(costs, optimizer_s=0.0)
+    price = step_time(blocks, actions, costs, moved)
+    exposed = price.exposed_transfer_s + model_state_link_bytes / costs.link_bytes_per_s
+    return StepTime(price.recompute_s, exposed, price.moved_bytes, price.compute_s)
+
+
+def costs_for(settings: EstimateSettings, baseline: StepTrace, offload: OffloadSettings | None) -> Costs:
+    """The prices a plan for ``settings`` uses: its device speeds, the baseline step's optimizer
+    and host launch time, and the offload windows and threshold (offload is not considered on
+    "cpu" or when ``offload`` is None)."""
+    speeds = settings.speeds
+    assert speeds is not None
+    flops = speeds.matmul_rate(_dtype_name(settings))
+    searched = offload if offload is not None else parse_offload(True, flag="plan(offload=...)")
+    assert searched is not None
+    return Costs(
+        flops, speeds.link_bytes_per_s, searched.min_bytes,
+        allow_offload=offload is not None and settings.device != "cpu", optimizer_s=baseline.optimizer_s,
+        host_s=baseline.priced_ops * speeds.host_op_s, inflight_bytes=searched.max_inflight_bytes,
+        prefetch_bytes=searched.prefetch_bytes,
+    )  # fmt: skip
+
+
+def _dtype_name(settings: EstimateSettings) -> str:
+    """The dtype the step's products run in, as ``DeviceSpeeds`` names it."""
+    dtype = settings.precision.autocast_dtype or settings.precision.param_dtype
+    return {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}.get(str(dtype), "fp32")
+
+
+WINDOW_GRAIN_BYTES = 64 << 10
+"""Windows are whole multiples of this (and at least one): the engine admits one copy past any window."""
+
+
+def window_bytes(link_bytes_per_s: float, seconds: float, block_bytes: int) -> int:
+    """The bytes the host link moves in ``seconds``, but no more than ``block_bytes`` (what one block
+    sends): a window that keeps the link busy while one block computes, and holds no more than the
+    block that is being copied. Rounded up to ``WINDOW_GRAIN_BYTES``."""
+    moved = min(link_bytes_per_s * max(seconds, 0.0), float(block_bytes))
+    return max(WINDOW_GRAIN_BYTES, -(-int(moved) // WINDOW_GRAIN_BYTES) * WINDOW_GRAIN_BYTES)
+
+
+def sized_windows(offload: OffloadSettings, blocks: Mapping[str, BlockMemory], costs: Costs) -> OffloadSettings:
+    """``offload`` with its in-flight window sized to what the link moves while a typical block
+    (the median repeated one) runs its forward, and its prefetch window to what it moves while that
+    block runs its backward, each at most what that block offloads; a window set to anything but
+    its default is kept as given."""
+    layers = [block for block in blocks.values() if block.repeated] or list(blocks.values())
+    if not layers:
+        return offload
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    forward = median([forward_s(block, costs) for block in layers])
+    backward = median([backward_s(block, costs) for block in layers])
+    sent = int(median([float(block.offloadable_bytes(costs.min_bytes)) for block in layers]))
+    inflight, prefetch = offload.max_inflight_bytes, offload.prefetch_bytes
+    if inflight == DEFAULT_WINDOW_BYTES:
+        inflight = window_bytes(costs.link_bytes_per_s, forward, sent)
+    if prefetch == DEFAULT_WINDOW_BYTES:
+        prefetch = window_bytes(costs.link_bytes_per_s, backward, sent)
+    return replace(offload, max_inflight_bytes=inflight, prefetch_bytes=prefetch)

@@ -19,7 +19,9 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from lightmem.estimate.devices import DeviceSpeeds, op_cost
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "workspaces")
 
@@ -83,7 +85,17 @@ def _cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any =
     return sdpa_flop_count(query.shape, key.shape, value.shape)
 
 
-_EXTRA_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+def _cpu_sdpa_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+_EXTRA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+}
+_PRICED_PHASES = ("forward", "backward", "optimizer")
+RECOMPUTE = "recompute"
+"""The phase key under which a checkpointed block's re-run in backward is priced."""
 _LOG_SOFTMAX = torch.ops.aten._log_softmax.default
 
 
@@ -135,6 +147,16 @@ class StorageTracer(TorchDispatchMode):
         """Called with (op, (args, kwargs), exception, what when_fake_refuses said) when an op raises."""
         self.log_softmax_inputs: list[tuple[tuple[int, ...], int]] = []
         """(shape, dim) of each log_softmax input of the forward: the loss's logits, usually."""
+        self.price: DeviceSpeeds | None = None
+        """With speeds, every op of the forward, backward and optimizer step is priced
+        (``devices.op_cost``) into ``seconds`` by (phase, block)."""
+        self.seconds: dict[tuple[str, str | None], float] = {}
+        """Device seconds by (phase, block): "forward", "backward", "optimizer", and "recompute"
+        for a checkpointed block's re-run in backward. Block None: outside every block."""
+        self.block_recompute_s: dict[str | None, float] = {}
+        """With an op policy: seconds of the forward ops a checkpointed re-run of each block repeats."""
+        self.priced_ops = 0
+        """Ops that cost device time (views and allocations are free), for the host's launch time."""
 
     # -- allocation tracking ---------------------------------------------------------------------
 
@@ -165,7 +187,7 @@ class StorageTracer(TorchDispatchMode):
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     self._see(leaf)
-        if self.count_flops:
+        if self.count_flops or self.price is not None:
             self._count_flops(func, out, args, kwargs or {})
         if self.workspaces is not None:
             self.workspaces.see(func, self.context.phase)
@@ -175,6 +197,22 @@ class StorageTracer(TorchDispatchMode):
         packet = func._overloadpacket
         counter = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
         flops = 0.0 if counter is None else counter(*args, **kwargs, out_val=out)
+        phase = self.context.phase
+        seconds = 0.0
+        if self.price is not None and phase in _PRICED_PHASES:
+            cost = op_cost(func, args, kwargs, out, flops)
+            if cost is not None:
+                seconds = self.price.op_seconds(*cost)
+                self.priced_ops += 1
+                if phase == "forward":
+                    key = (phase, self.forward_block)
+                elif phase == "backward":
+                    key = (RECOMPUTE, self.forward_block) if self.in_recompute else (phase, self.backward_block)
+                else:
+                    key = (phase, None)
+                self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+        if not self.count_flops:
+            return
         block = self.forward_block
         if counter is not None:
             self.block_flops[block] = self.block_flops.get(block, 0.0) + flops
@@ -184,8 +222,11 @@ class StorageTracer(TorchDispatchMode):
             storages = {id(leaf.untyped_storage()): leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)}
             kept = sum(self.record_of(leaf).nbytes for leaf in storages.values())
             self.block_kept_bytes[block] = self.block_kept_bytes.get(block, 0) + kept
-        elif flops:
-            self.block_recompute_flops[block] = self.block_recompute_flops.get(block, 0.0) + flops
+        else:
+            if flops:
+                self.block_recompute_flops[block] = self.block_recompute_flops.get(block, 0.0) + flops
+            if seconds:
+                self.block_recompute_s[block] = self.block_recompute_s.get(block, 0.0) + seconds
 
     def track(self, tensor: torch.Tensor, role: int = OTHER) -> int:
         """Register ``tensor``'s storage (if new) with ``role`` and return its record id."""
@@ -373,3 +414,9 @@ class BlockUsage:
     """Bytes of the op outputs op-level checkpointing keeps (0 under the "full" policy)."""
     recompute_flops: float | None = None
     """Forward FLOPs a checkpointed re-run repeats; None: all of them (the "full" policy)."""
+    forward_s: float = 0.0
+    """Device seconds of the block's forward, priced op by op (0: the step was not priced)."""
+    backward_s: float = 0.0
+    """Device seconds of the block's backward."""
+    recompute_s: float | None = None
+    """Seconds a checkpointed re-run repeats; None: all of ``forward_s`` (the "full" policy)."""

@@ -1,0 +1,387 @@
+"""How fast a training device computes and moves bytes: the prices of every plan and estimate.
+
+A step's time is priced op by op from the fake step's trace, each op by its class:
+
+- matrix products, convolutions and fused attention by their FLOPs, at the device's matrix rate
+  for the op's dtype (fp32 products at the fp32 rate unless TF32 is allowed, as torch decides:
+  ``torch.backends.cuda.matmul.allow_tf32`` for products, ``torch.backends.cudnn.allow_tf32`` for
+  convolutions), times an efficiency for the class;
+- every other op (norms, activations, dropout, residual adds, the optimizer's foreach kernels,
+  casts, the loss) by the bytes it reads and writes, at the device's memory bandwidth;
+- no kernel faster than ``kernel_s``; view ops cost nothing.
+
+The rates come from one of two places. ``gpu="h100"`` (and the other names of ``GPU_TABLE``)
+looks the device up: datasheet peaks times ``TABLE_EFFICIENCY``, and the host link as measured on
+that generation of PCIe. ``measure_device_speeds(device)`` measures the training device itself at
+fit start (a page-locked copy each way, a large matrix product per dtype, a device-to-device copy;
+well under a second): what ``LightMem(plan="auto")`` prices with. ``gpu="auto"`` (the default)
+is the CUDA device of this machine when there is one, else the generic ``default`` entry.
+
+The class efficiencies were calibrated once against two measured steps on one H100 80GB (PCIe Gen5,
+torch 2.11; ``../gpu-runs``, docs/planner.md): a 16-block GPT in bf16 (75.5 ms) and ResNet-50 in fp32
+(0.57 ms per image at batch 143). They are module constants, not per-model fits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+MATMUL, CONVOLUTION, ATTENTION, MEMORY = "matmul", "convolution", "attention", "memory"
+"""The op classes a step is priced by."""
+
+CLASS_EFFICIENCY = {MATMUL: 0.57, CONVOLUTION: 0.37, ATTENTION: 0.28}
+"""Share of the device's large-GEMM rate each class sustains in an eager training step (products
+of a model's sizes, fp32 convolutions in NCHW through cuDNN's TF32, fused attention forward and
+backward): calibrated, see the module docstring."""
+MEMORY_EFFICIENCY = 0.50
+"""Share of the memory bandwidth the memory-bound ops of an eager training step sustain
+(calibrated; eager kernels, and reductions such as BatchNorm's that read their input twice)."""
+TABLE_EFFICIENCY = 0.80
+"""Share of a datasheet's dense peak a large GEMM reaches (measured: 798 of 989 TFLOP/s on an H100)."""
+TABLE_MEMORY_EFFICIENCY = 0.90
+"""Share of a datasheet's memory bandwidth a large device-to-device copy reaches (3.0 of 3.35 TB/s on
+an H100, 4.3 of 4.8 on an H200, bytes read plus written)."""
+HOST_OP_S = 6e-6
+"""Host time to launch one op in eager PyTorch: a step of many small ops is bound by it."""
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DeviceSpeeds:
+    """The rates one device is priced at.
+
+    ``matmul_flops_per_s`` holds the rate of a large matrix product per dtype name ("fp32",
+    "tf32", "bf16", "fp16", "fp64"); ``memory_bytes_per_s`` the device memory's bandwidth (bytes
+    read plus written); ``to_host_bytes_per_s`` / ``to_device_bytes_per_s`` the page-locked host
+    link each way. ``source`` says where the figures came from, for reports.
+    """
+
+    name: str
+    matmul_flops_per_s: Mapping[str, float]
+    memory_bytes_per_s: float
+    to_host_bytes_per_s: float
+    to_device_bytes_per_s: float
+    kernel_s: float = 3e-6
+    host_op_s: float = HOST_OP_S
+    source: str = ""
+    hopper: bool = False
+    """Compute capability 9.0: cuBLAS keeps 32 MiB workspaces there (``cuda_model``)."""
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """The slower direction of the host link: what a transfer both ways is bound by."""
+        return min(self.to_host_bytes_per_s, self.to_device_bytes_per_s)
+
+    def with_overrides(self, *, flops_per_s: float | None = None, link_bytes_per_s: float | None = None) -> DeviceSpeeds:
+        """These speeds with every matrix rate set to ``flops_per_s`` and both link directions to
+        ``link_bytes_per_s`` (each when given): ``plan(flops_per_s=..., link_bytes_per_s=...)``."""
+        speeds = self
+        if flops_per_s is not None:
+            rates = dict.fromkeys(self.matmul_flops_per_s, float(flops_per_s))
+            speeds = replace(speeds, matmul_flops_per_s=rates, source=f"{speeds.source}; {flops_per_s:g} FLOP/s given")
+        if link_bytes_per_s is not None:
+            link = float(link_bytes_per_s)
+            speeds = replace(
+                speeds, to_host_bytes_per_s=link, to_device_bytes_per_s=link,
+                source=f"{speeds.source}; link {link / 1e9:g} GB/s given",
+            )  # fmt: skip
+        return speeds
+
+    def matmul_rate(self, dtype_name: str) -> float:
+        rates = self.matmul_flops_per_s
+        return rates.get(dtype_name) or rates.get("fp32") or min(rates.values())
+
+    def op_seconds(self, kind: str, dtype_name: str, flops: float, nbytes: int) -> float:
+        """One op's device time: its class's rate, never under its memory traffic or one kernel."""
+        memory_s = nbytes / (self.memory_bytes_per_s * MEMORY_EFFICIENCY)
+        if kind == MEMORY or not flops:
+            return max(memory_s, self.kernel_s)
+        compute_s = flops / (self.matmul_rate(dtype_name) * CLASS_EFFICIENCY[kind])
+        return max(compute_s, memory_s, self.kernel_s)
+
+    def describe(self) -> str:
+        """``H100 (table: ...): bf16 791 TFLOP/s, fp32 54 TFLOP/s, memory 2.68 TB/s, link 51.1/51.1 GiB/s``."""
+        rates = ", ".join(f"{name} {rate / 1e12:,.0f} TFLOP/s" for name, rate in self.matmul_flops_per_s.items())
+        return (
+            f"{self.name} ({self.source}): {rates}, memory {self.memory_bytes_per_s / 1e12:.2f} TB/s, host link "
+            f"{self.to_host_bytes_per_s / GIB:.1f} GiB/s to host, {self.to_device_bytes_per_s / GIB:.1f} GiB/s back"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "matmul_flops_per_s": dict(self.matmul_flops_per_s),
+            "memory_bytes_per_s": self.memory_bytes_per_s,
+            "to_host_bytes_per_s": self.to_host_bytes_per_s,
+            "to_device_bytes_per_s": self.to_device_bytes_per_s,
+        }
+
+
+@dataclass(frozen=True)
+class _Datasheet:
+    """Dense peaks (TFLOP/s), memory bandwidth (TB/s) and the host link (GB/s each way, as measured
+    on that link generation with page-locked memory)."""
+
+    title: str
+    fp32: float
+    tf32: float
+    bf16: float
+    fp16: float
+    memory_tb_s: float
+    link_gb_s: float
+    hopper: bool = False
+    names: tuple[str, ...] = field(default=())
+
+    def speeds(self) -> DeviceSpeeds:
+        rates = {
+            name: peak * 1e12 * TABLE_EFFICIENCY
+            for name, peak in (("fp32", self.fp32), ("tf32", self.tf32), ("bf16", self.bf16), ("fp16", self.fp16))
+        }
+        link = self.link_gb_s * 1e9
+        return DeviceSpeeds(
+            self.title, rates, self.memory_tb_s * 1e12 * TABLE_MEMORY_EFFICIENCY, link, link,
+            source="table: datasheet peaks", hopper=self.hopper,
+        )  # fmt: skip
+
+
+_PCIE5, _PCIE4, _PCIE3 = 54.9, 25.0, 12.0
+"""Page-locked copies each way: PCIe Gen5 x16 measured 51.1 GiB/s on an H100 here; Gen4 and Gen3
+at the same share of their line rate."""
+
+_SHEETS = (
+    _Datasheet("H100 SXM", 67, 495, 989, 989, 3.35, _PCIE5, True, ("hopper", "sm90", "h100", "h800")),
+    _Datasheet("H100 PCIe", 51, 378, 756, 756, 2.0, _PCIE5, True, ("h100pcie",)),
+    _Datasheet("H200", 67, 495, 989, 989, 4.8, _PCIE5, True, ("h200",)),
+    _Datasheet("H20", 44, 74, 148, 148, 4.0, _PCIE5, True, ("h20",)),
+    _Datasheet("GH200", 67, 495, 989, 989, 4.0, 450.0, True, ("gh200",)),
+    _Datasheet("A100-class GPU (no GPU named)", 19.5, 156, 312, 312, 2.0, _PCIE4, False, ("default",)),
+    _Datasheet("A100", 19.5, 156, 312, 312, 2.0, _PCIE4, False, ("a100", "a800")),
+    _Datasheet("A10", 31.2, 62.5, 125, 125, 0.6, _PCIE4, False, ("a10", "a10g")),
+    _Datasheet("A30", 10.3, 82, 165, 165, 0.93, _PCIE4, False, ("a30",)),
+    _Datasheet("A40", 37.4, 74.8, 150, 150, 0.7, _PCIE4, False, ("a40",)),
+    _Datasheet("RTX A6000", 38.7, 77, 155, 155, 0.77, _PCIE4, False, ("a6000",)),
+    _Datasheet("L4", 30.3, 60, 121, 121, 0.3, _PCIE4, False, ("l4",)),
+    _Datasheet("L40", 90.5, 90.5, 181, 181, 0.86, _PCIE4, False, ("l40",)),
+    _Datasheet("L40S", 91.6, 183, 362, 362, 0.86, _PCIE4, False, ("l40s",)),
+    # V100 and T4 have no bf16 units: torch runs bf16 products there near the fp32 rate.
+    _Datasheet("V100", 15.7, 15.7, 15.7, 125, 0.9, _PCIE3, False, ("v100",)),
+    _Datasheet("T4", 8.1, 8.1, 8.1, 65, 0.32, _PCIE3, False, ("t4",)),
+    _Datasheet("RTX 3090", 35.6, 35.6, 71, 71, 0.94, _PCIE4, False, ("rtx3090",)),
+    _Datasheet("RTX 4090", 82.6, 82.6, 165, 165, 1.0, _PCIE4, False, ("rtx4090",)),
+)
+GPU_TABLE: dict[str, DeviceSpeeds] = {name: sheet.speeds() for sheet in _SHEETS for name in sheet.names}
+"""Every GPU name ``gpu=`` accepts (after lower-casing and dropping spaces and dashes)."""
+GPU_NAMES = ("auto", *GPU_TABLE)
+HOPPER_NAMES = tuple(name for name, speeds in GPU_TABLE.items() if speeds.hopper)
+
+CPU_SPEEDS = DeviceSpeeds(
+    "CPU", {"fp32": 0.2e12, "tf32": 0.2e12, "bf16": 0.2e12, "fp16": 0.2e12}, 10e9, 10e9, 10e9,
+    kernel_s=1e-6, source="a generic server CPU",
+)  # fmt: skip
+"""A step on "cpu": its "host link" is a copy within host memory (model-state offload's copies there)."""
+
+
+def parse_gpu(value: Any, *, flag: str) -> str:
+    """A name of ``GPU_NAMES`` (``"H100"``, ``"h100-pcie"``, ``"auto"``); ``ValueError`` names ``flag``."""
+    key = value.strip().lower().replace(" ", "").replace("-", "") if isinstance(value, str) else None
+    if key not in GPU_NAMES:
+        raise ValueError(f"{flag}: unknown GPU {value!r}; accepted: {', '.join(GPU_NAMES)}")
+    return key
+
+
+def gpu_key(device_name: str, capability: tuple[int, int] | None = None) -> str:
+    """The table name of a CUDA device (``torch.cuda.get_device_name``): ``"NVIDIA H100 80GB HBM3"``
+    -> ``"h100"``; a device the table lacks is ``"hopper"`` on compute capability 9.x, else
+    ``"default"``."""
+    name = device_name.lower().replace(" ", "").replace("-", "").replace("nvidia", "").replace("geforce", "")
+    if "h100" in name:
+        return "h100pcie" if ("pcie" in name or "nvl" in name) else "h100"
+    for key in ("gh200", "h200", "h800", "h20", "a100", "a800", "l40s", "a6000", "rtx4090", "rtx3090"):
+        if key in name:
+            return key
+    for key in ("a10g", "a10", "a30", "a40", "l40", "l4", "v100", "t4"):
+        if key in name:
+            return key
+    if capability is not None and capability[0] == 9:
+        return "hopper"
+    return "default"
+
+
+def local_gpu_key() -> str | None:
+    """The table name of this machine's current CUDA device, or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device()
+    return gpu_key(torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
+
+
+def resolve_gpu(key: str) -> str:
+    """``"auto"``: this machine's GPU (``local_gpu_key``) or ``"default"``; any other name as it is."""
+    if key != "auto":
+        return key
+    return local_gpu_key() or "default"
+
+
+def speeds_for(device: str, gpu: str) -> DeviceSpeeds:
+    """The table's speeds for a parsed ``gpu`` name on ``device`` ("cuda" or "cpu")."""
+    if device != "cuda":
+        return CPU_SPEEDS
+    return GPU_TABLE[resolve_gpu(gpu)]
+
+
+# -- measuring the device -------------------------------------------------------------------------
+
+
+def _best_s(run: Any, repeats: int, device: torch.device) -> float:
+    """The fastest of ``repeats`` timings of ``run()`` with CUDA events, after one warm-up."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def measure_device_speeds(
+    device: torch.device | str, *, copy_bytes: int = 256 << 20, matmul_size: int = 4096, repeats: int = 3
+) -> DeviceSpeeds:
+    """The training device's own rates, measured now (about 0.1-0.3 s on a recent GPU).
+
+    A page-locked copy of ``copy_bytes`` each way, a device-to-device copy of twice that, and a
+    ``matmul_size``-cubed product in each of fp32, tf32 (when torch allows TF32 for products),
+    bf16 and fp16; the fastest of ``repeats`` each. What is not measured (the kernel floor, the
+    host's launch time) is taken from the table entry of the device's name.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device of this machine.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"measure_device_speeds(device=...): needs a CUDA device; got {str(device)!r}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    device = torch.device("cuda", index)
+    name = torch.cuda.get_device_name(index)
+    table = GPU_TABLE[gpu_key(name, torch.cuda.get_device_capability(index))]
+    started = time.perf_counter()
+    with torch.cuda.device(index):
+        host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+        to_device_s = _best_s(lambda: on_device.copy_(host, non_blocking=True), repeats, device)
+        to_host_s = _best_s(lambda: host.copy_(on_device, non_blocking=True), repeats, device)
+        other = torch.empty_like(on_device)
+        memory_s = _best_s(lambda: other.copy_(on_device), repeats, device)
+        del host, on_device, other
+        rates: dict[str, float] = {}
+        flops = 2.0 * matmul_size**3
+        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            a = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
+            b = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
+            if dtype is torch.float32:
+                allowed = torch.backends.cuda.matmul.allow_tf32
+                try:  # fp32 as torch runs it by default, then TF32
+                    torch.backends.cuda.matmul.allow_tf32 = False
+                    rates["fp32"] = flops / _best_s(lambda: a @ b, repeats, device)
+                    torch.backends.cuda.matmul.allow_tf32 = True
+                    rates["tf32"] = flops / _best_s(lambda: a @ b, repeats, device)
+                finally:
+                    torch.backends.cuda.matmul.allow_tf32 = allowed
+            else:
+                rates[dtype_name] = flops / _best_s(lambda: a @ b, repeats, device)
+            del a, b
+        torch.cuda.empty_cache()
+    took = time.perf_counter() - started
+    return DeviceSpeeds(
+        table.name if table.name != GPU_TABLE["default"].name else name, rates, 2 * copy_bytes / memory_s,
+        copy_bytes / to_host_s, copy_bytes / to_device_s, kernel_s=table.kernel_s, host_op_s=table.host_op_s,
+        source=f"measured on cuda:{index} ({name}) in {took:.2f} s", hopper=table.hopper,
+    )  # fmt: skip
+
+
+# -- pricing one op of a traced step ------------------------------------------------------------
+
+_ATTENTION_WORDS = ("attention",)
+_CONVOLUTION_WORDS = ("convolution", "conv2d", "conv3d", "conv1d")
+_FREE_FACTORIES = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh")
+_DTYPE_NAMES = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _OpInfo:
+    """What pricing needs to know of an op, once per op: its class, whether it is free (a view, an
+    allocation), and which arguments it writes in place (read and written: counted twice)."""
+
+    kind: str
+    free: bool
+    written: tuple[int, ...]
+
+
+_OP_INFO: dict[Any, _OpInfo] = {}
+
+
+def _op_info(func: Any) -> _OpInfo:
+    info = _OP_INFO.get(func)
+    if info is None:
+        packet = func._overloadpacket.__name__
+        if any(word in packet for word in _ATTENTION_WORDS):
+            kind = ATTENTION
+        elif any(word in packet for word in _CONVOLUTION_WORDS):
+            kind = CONVOLUTION
+        else:
+            kind = MATMUL
+        free = bool(getattr(func, "is_view", False)) or packet in _FREE_FACTORIES
+        written = tuple(
+            index for index, argument in enumerate(func._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write and not argument.kwarg_only
+        )  # fmt: skip
+        info = _OP_INFO[func] = _OpInfo(kind, free, written)
+    return info
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+def op_cost(func: Any, args: Any, kwargs: Any, out: Any, flops: float) -> tuple[str, str, float, int] | None:
+    """``(class, dtype name, flops, bytes)`` of one traced op, or None for a free one (a view, an
+    allocation). ``flops`` is torch's FLOP count of the op (0: not a matrix op); bytes are those it
+    reads and writes. fp32 products are named "tf32" where torch lets them use TF32."""
+    info = _op_info(func)
+    if info.free:
+        return None
+    written = 0
+    for index in info.written:
+        if index < len(args):
+            written += _tensor_bytes(args[index])
+    produced = _tensor_bytes(out)
+    if not produced and not written:  # a query (a tensor's device, size, a profiler mark): no kernel
+        return None
+    nbytes = _tensor_bytes(args) + _tensor_bytes(list(kwargs.values())) + produced + written
+    if not flops:
+        return MEMORY, "", 0.0, nbytes
+    first = next((value for value in args if isinstance(value, torch.Tensor)), None)
+    dtype_name = _DTYPE_NAMES.get(first.dtype, "fp32") if first is not None else "fp32"
+    if dtype_name == "fp32":
+        tf32 = (
+            torch.backends.cudnn.allow_tf32 if info.kind == CONVOLUTION
+            else info.kind == MATMUL and torch.backends.cuda.matmul.allow_tf32
+        )  # fmt: skip
+        if tf32:
+            dtype_name = "tf32"
+    return info.kind, dtype_name, flops, nbytes
