@@ -1,7 +1,8 @@
 """Optimizer offload of a Lightning Trainer: every optimizer of a fit, what its strategy allows,
 whether the host step may overlap backward there, and a restored state kept on the host.
 
-``pytorch_lightning`` and ``lightning.pytorch`` Trainers both work: nothing here checks their classes.
+``pytorch_lightning`` and ``lightning.pytorch`` Trainers both work: the strategy is recognised by the
+Lightning class it derives from, in either package (``lightmem.lightning_packages``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,21 @@ from typing import Any
 import torch
 
 from lightmem.config import OptimizerOffloadSettings
+from lightmem.lightning_packages import is_strategy
 from lightmem.offload.device_dtype import refuse_precision
 from lightmem.offload.grad_clip import GradClip
 from lightmem.offload.optimizer import OptimizerOffloader, _InstanceAttribute, _refuse_bucket_views
 from lightmem.offload.overlap import overlap_refusal
 from lightmem.offload.transport import Transport
 
+# Strategies that shard the model state and offload it their own way, by the Lightning class they
+# derive from; checked before DDP, from which DeepSpeedStrategy derives.
 _STRATEGY_REFUSALS = {
-    "FSDP": "FSDP shards the optimizer state itself and has its own CPU offload: use "
+    "FSDPStrategy": "FSDP shards the optimizer state itself and has its own CPU offload: use "
     "FSDPStrategy(cpu_offload=True) (FSDP2: CPUOffloadPolicy) instead",
-    "DeepSpeed": "DeepSpeed has its own: use DeepSpeedStrategy(offload_optimizer=True)",
+    "DeepSpeedStrategy": "DeepSpeed has its own: use DeepSpeedStrategy(offload_optimizer=True)",
+    "ModelParallelStrategy": "it shards parameters and optimizer state (FSDP2, tensor parallelism): "
+    "apply FSDP2's CPUOffloadPolicy in configure_model instead",
 }
 
 
@@ -33,29 +39,32 @@ def offload_trainer_optimizers(
 
     Returns the offloaders, or none and the reason the option is off (parameters on a device type
     ``settings.devices`` does not name, e.g. no CUDA). ``pytorch_lightning`` and
-    ``lightning.pytorch`` Trainers both work: nothing here checks their classes.
+    ``lightning.pytorch`` Trainers both work, and so does any subclass of their
+    ``SingleDeviceStrategy`` or ``DDPStrategy``.
 
     Under DDP each rank offloads its own copy; gradients leave once DDP has averaged them (at the
     end of each synchronised backward; under ``no_sync`` accumulation they stay on the device).
 
     Raises:
-        ValueError: naming ``settings.flag("enabled")``, under a strategy other than a single device
-            or DDP (FSDP and DeepSpeed point to their own offload), with DDP's
+        ValueError: naming ``settings.flag("enabled")``, under a strategy that does not derive from
+            ``SingleDeviceStrategy`` or ``DDPStrategy`` or shards the model state (FSDP, DeepSpeed and
+            ``ModelParallelStrategy`` point to their own offload), with DDP's
             ``gradient_as_bucket_view=True``, with a gradient scaler (16-mixed), or with
             ``device_dtype`` under a precision other than bf16-mixed.
     """
     flag = settings.flag("enabled")
-    strategy = type(trainer.strategy).__name__
-    for marker, why in _STRATEGY_REFUSALS.items():
-        if marker.lower() in strategy.lower():
-            raise ValueError(f"{flag}: not available under {strategy}: {why}")
+    strategy, name = trainer.strategy, type(trainer.strategy).__name__
+    for base, why in _STRATEGY_REFUSALS.items():
+        if is_strategy(strategy, base):
+            raise ValueError(f"{flag}: not available under {name}: {why}")
     reducer = None
-    if strategy == "DDPStrategy":
-        reducer = trainer.strategy.model  # the DistributedDataParallel wrapper
+    if is_strategy(strategy, "DDPStrategy"):
+        reducer = strategy.model  # the DistributedDataParallel wrapper
         _refuse_bucket_views(reducer, flag, "use DDPStrategy(gradient_as_bucket_view=False)")
-    elif strategy != "SingleDeviceStrategy":
+    elif not is_strategy(strategy, "SingleDeviceStrategy"):
         raise ValueError(
-            f"{flag}: works with one device per process (SingleDeviceStrategy, DDPStrategy); got {strategy}"
+            f"{flag}: works with one device per process, unsharded (SingleDeviceStrategy, DDPStrategy or a "
+            f"subclass of either); got {name}"
         )
     if getattr(trainer.precision_plugin, "scaler", None) is not None:
         raise ValueError(
