@@ -19,6 +19,7 @@ from optimizer_models import (
     assert_given_back,
     assert_same_fit,
     fit_tiny,
+    lit_tiny_class,
     offloading_optimizer,
     regression_loader,
     run_two_process_script,
@@ -108,6 +109,23 @@ def test_without_cuda_the_default_devices_leave_it_off_and_say_why(caplog):
     assert callback.optimizer_offload_stats == []
 
 
+def test_a_fit_without_an_optimizer_trains_and_the_line_says_nothing_is_offloaded(lightning_package, caplog):
+    class NoOptimizer(lit_tiny_class(lightning_package)):
+        def configure_optimizers(self):
+            return None
+
+    callback = offloading_optimizer()
+    with caplog.at_level("INFO"):
+        _, trainer, _ = fit_tiny(callback, lightning_package, module_class=NoOptimizer)
+    assert trainer.global_step == 4
+    assert callback.optimizer_offload_stats == []
+    line = (
+        "lightmem: on: nothing. Off: optimizer offload (configure_optimizers returned None: the fit has no "
+        "optimizer, nothing to offload)."
+    )
+    assert caplog.text.count(line) == 1
+
+
 @pytest.mark.parametrize(("first", "second"), [(True, False), (False, True)], ids=["offloaded-to-plain", "plain-to-offloaded"])
 def test_a_checkpoint_resumes_across_the_option_both_ways(tmp_path, first, second):
     def lightmem(on):
@@ -143,7 +161,8 @@ def test_a_resumed_fit_loads_the_optimizer_state_on_the_host_without_a_trip_to_t
 
 
 def _trainer_with(strategy, scaler=None):
-    return SimpleNamespace(strategy=strategy, precision_plugin=SimpleNamespace(scaler=scaler))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    return SimpleNamespace(strategy=strategy, precision_plugin=SimpleNamespace(scaler=scaler), optimizers=[optimizer])
 
 
 _SETTINGS = OptimizerOffloadSettings.parse(devices=("cpu",), spelling=LIGHTMEM)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lightmem.config import OptimizerOffloadSettings
-from lightmem.lightning_packages import is_strategy
+from lightmem.lightning_packages import is_mock_optimizer, is_strategy
 from lightmem.offload.device_dtype import refuse_precision
 from lightmem.offload.grad_clip import GradClip
 from lightmem.offload.optimizer import OptimizerOffloader, _InstanceAttribute, _refuse_bucket_views
@@ -37,10 +37,10 @@ def offload_trainer_optimizers(
 ) -> tuple[list[OptimizerOffloader], str | None]:
     """Offload every optimizer of a Lightning ``trainer`` (after its strategy set them up).
 
-    Returns the offloaders, or none and the reason the option is off (parameters on a device type
-    ``settings.devices`` does not name, e.g. no CUDA). ``pytorch_lightning`` and
-    ``lightning.pytorch`` Trainers both work, and so does any subclass of their
-    ``SingleDeviceStrategy`` or ``DDPStrategy``.
+    Returns the offloaders, or none and the reason the option is off (no optimizer:
+    ``configure_optimizers`` returned None; parameters on a device type ``settings.devices`` does
+    not name, e.g. no CUDA). ``pytorch_lightning`` and ``lightning.pytorch`` Trainers both work,
+    and so does any subclass of their ``SingleDeviceStrategy`` or ``DDPStrategy``.
 
     Under DDP each rank offloads its own copy; gradients leave once DDP has averaged them (at the
     end of each synchronised backward; under ``no_sync`` accumulation they stay on the device).
@@ -53,6 +53,9 @@ def offload_trainer_optimizers(
             ``device_dtype`` under a precision other than bf16-mixed.
     """
     flag = settings.flag("enabled")
+    optimizers = [optimizer for optimizer in trainer.optimizers if not is_mock_optimizer(optimizer)]
+    if not optimizers:
+        return [], "configure_optimizers returned None: the fit has no optimizer, nothing to offload"
     strategy, name = trainer.strategy, type(trainer.strategy).__name__
     for base, why in _STRATEGY_REFUSALS.items():
         if is_strategy(strategy, base):
@@ -79,7 +82,7 @@ def offload_trainer_optimizers(
         refuse_precision(trainer, settings)  # only where the option is on: a CPU-only run keeps going
     offloaders = []
     clip = GradClip.lightning(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-    for optimizer in trainer.optimizers:
+    for optimizer in optimizers:
         why_not = None if settings.overlap_step is False else _why_no_overlap(trainer, optimizer, reducer, settings)
         if why_not is not None and settings.overlap_step is True:
             raise ValueError(f"{settings.flag('overlap_step')}: not possible in this fit: {why_not}; leave it 'auto' or False")
