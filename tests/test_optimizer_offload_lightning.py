@@ -126,6 +126,23 @@ def test_a_fit_without_an_optimizer_trains_and_the_line_says_nothing_is_offloade
     assert caplog.text.count(line) == 1
 
 
+def test_the_modules_zero_grad_receives_the_callers_arguments(lightning_package):
+    class RecordsZeroGrad(lit_tiny_class(lightning_package)):
+        calls = []
+
+        def zero_grad(self, *args, **kwargs):
+            self.calls.append((args, kwargs))
+            super().zero_grad(*args, **kwargs)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if batch_idx == 0:
+                self.zero_grad(set_to_none=False)
+
+    fit_tiny(offloading_optimizer(), lightning_package, module_class=RecordsZeroGrad)
+    # Lightning's own call as a stage starts, then the module's.
+    assert RecordsZeroGrad.calls == [((), {}), ((), {"set_to_none": False})]
+
+
 @pytest.mark.parametrize(("first", "second"), [(True, False), (False, True)], ids=["offloaded-to-plain", "plain-to-offloaded"])
 def test_a_checkpoint_resumes_across_the_option_both_ways(tmp_path, first, second):
     def lightmem(on):

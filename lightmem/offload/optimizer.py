@@ -426,11 +426,13 @@ class OptimizerOffloader:
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
         self._handles.append(_InstanceAttribute(optimizer, "zero_grad"))
         # model.zero_grad() clears the gradients of the model's parameters: theirs are on the host.
+        # Called as the caller called it (set_to_none by keyword, by position or not at all): an
+        # override of the module's zero_grad, or a recorder of its calls, sees the call it expects.
         users_model_zero_grad, previous = model.zero_grad, model.__dict__.get("zero_grad")
 
-        def model_zero_grad(set_to_none: bool = True) -> None:
-            users_model_zero_grad(set_to_none)
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+        def model_zero_grad(*args: Any, **kwargs: Any) -> None:
+            users_model_zero_grad(*args, **kwargs)
+            self.optimizer.zero_grad(*args, **kwargs)
 
         model.zero_grad = model_zero_grad  # type: ignore[method-assign]
         self._handles.append(_InstanceAttribute(model, "zero_grad", previous))
