@@ -5,6 +5,7 @@ ways, and what cannot work is refused by name."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import SimpleNamespace
 
@@ -25,7 +26,7 @@ from optimizer_models import (
     run_two_process_script,
 )
 
-from lightmem import LightMem
+from lightmem import LightMem, named_grads
 from lightmem.config import LIGHTMEM, OptimizerOffloadSettings
 from lightmem.offload.trainer_optimizers import offload_trainer_optimizers
 
@@ -141,6 +142,37 @@ def test_the_modules_zero_grad_receives_the_callers_arguments(lightning_package)
     fit_tiny(offloading_optimizer(), lightning_package, module_class=RecordsZeroGrad)
     # Lightning's own call as a stage starts, then the module's.
     assert RecordsZeroGrad.calls == [((), {}), ((), {"set_to_none": False})]
+
+
+def _reads_gradients(package):
+    """LitTiny with its BatchNorm frozen (no gradient there), recording in on_before_optimizer_step
+    the gradients by name as ``named_grads`` reads them and as ``param.grad`` holds them, and
+    Lightning's ``grad_norm``."""
+    grad_norm = importlib.import_module(f"{package.__name__}.utilities").grad_norm
+
+    class ReadsGradients(lit_tiny_class(package)):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.net[1].requires_grad_(False)
+            self.seen = []
+
+        def on_before_optimizer_step(self, optimizer):
+            param_grads = {name: p.grad.clone() for name, p in self.named_parameters() if p.grad is not None}
+            named = {name: grad.clone() for name, grad in named_grads(self).items()}
+            self.seen.append((named, param_grads, grad_norm(self, norm_type=2)))
+
+    return ReadsGradients
+
+
+def test_named_grads_gives_the_host_gradients_under_the_names_lightnings_grad_norm_uses(lightning_package):
+    module_class = _reads_gradients(lightning_package)
+    reference, _, _ = fit_tiny(None, lightning_package, module_class=module_class, accumulate_grad_batches=2)
+    module, _, _ = fit_tiny(offloading_optimizer(), lightning_package, module_class=module_class, accumulate_grad_batches=2)
+    assert len(module.seen) == len(reference.seen) == 4
+    for (named, param_grads, norms), (_, expected, expected_norms) in zip(module.seen, reference.seen):
+        assert param_grads == {} and norms == {}  # what the model's parameters hold under optimizer offload
+        assert {f"grad_2.0_norm/{name}" for name in named} | {"grad_2.0_norm_total"} == set(expected_norms)
+        assert_same(expected, named, "gradients by name")
 
 
 @pytest.mark.parametrize(("first", "second"), [(True, False), (False, True)], ids=["offloaded-to-plain", "plain-to-offloaded"])

@@ -46,6 +46,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
+from lightmem.offload import host_grads
 from lightmem.offload.device_dtype import DeviceDtype, refuse_device_dtype
 from lightmem.offload.grad_clip import GradClip
 from lightmem.offload.host_kernel import HostKernel
@@ -291,8 +292,9 @@ class OptimizerOffloader:
 
     What changes for the user: ``param.grad`` of the model's parameters is ``None`` after backward
     (the gradient is on the host, in ``p.grad`` for ``p`` in ``optimizer.param_groups``); read the
-    parameters' gradients there. That host gradient is one buffer per parameter, rewritten by each
-    backward: clone it to keep a gradient beyond its step.
+    parameters' gradients there, or by name with ``lightmem.named_grads(model)``. That host
+    gradient is one buffer per parameter, rewritten by each backward: clone it to keep a gradient
+    beyond its step.
 
     ``host_kernel`` names what runs the step on the host (``.name``: "fused", "foreach",
     "for-loop" or "custom"; ``str()`` adds why), also in ``stats.host_kernel``.
@@ -574,6 +576,7 @@ class OptimizerOffloader:
                 master = nn.Parameter(host, requires_grad=param.requires_grad)
                 slot = self._slots[id(param)] = self._slot_of_master[id(master)] = _Slot(param, master, group=group_of[id(param)])
                 slots.append(slot)
+        host_grads.hold(params, self)
         return slots
 
     def _watch(self, slot: _Slot) -> None:
@@ -640,6 +643,7 @@ class OptimizerOffloader:
             for key in set(self._slots) - slots:
                 slot = self._slots.pop(key)
                 del self._slot_of_master[id(slot.master)]
+                host_grads.release([slot.param])
                 if slot.master.grad is not None:
                     slot.param.grad = slot.master.grad.to(slot.param.device, copy=True)
         for handle in self._handles[handles:]:
@@ -660,6 +664,18 @@ class OptimizerOffloader:
         """``(parameter, its host copy)`` for every parameter offloaded: the param groups hold the
         host copies while offloaded."""
         return [(slot.param, slot.master) for slot in self._slots.values()]
+
+    def host_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the step reads for the device parameter ``param`` (its host copy's), None
+        for none or a parameter not offloaded here; with a step overlapped with backward pending,
+        once the worker has done what it was handed (it may clip). ``lightmem.named_grads`` reads
+        the gradients of a module's parameters by name."""
+        slot = self._slots.get(id(param))
+        if slot is None:
+            return None
+        if self._overlap_pending:
+            self._overlap.idle()  # type: ignore[union-attr]
+        return slot.master.grad
 
     def remove_at_close(self, handle: Any) -> None:
         """``handle.remove()`` runs when this offloader closes (a hook set on its behalf elsewhere)."""
@@ -1253,6 +1269,7 @@ class OptimizerOffloader:
         try:
             self._give_back()
         finally:  # whatever failed (a device out of memory after an exception), nothing stays hooked or pinned
+            host_grads.release(slot.param for slot in self._slots.values())
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
