@@ -27,7 +27,7 @@ from lightmem.lightning_packages import is_barebones, logged_step
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
 from lightmem.offload.optimizer import OptimizerOffloader, OptimizerOffloadStats
-from lightmem.offload.trainer_optimizers import offload_trainer_optimizers
+from lightmem.offload.trainer_optimizers import gradient_readers, offload_trainer_optimizers
 from lightmem.offload.training import TrainingOffload
 
 # A Trainer and a LightningModule of either Lightning package: only their attributes are read.
@@ -141,11 +141,23 @@ class FitSession:
             self._optimizer_offloaders, self._optimizer_offload_off = offload_trainer_optimizers(
                 trainer, self.settings.optimizer_offload
             )
+            readers = gradient_readers(trainer) if self._optimizer_offloaders else []
+            if readers:
+                rank_zero_warn(self._gradients_elsewhere(readers))
         if self.settings.plan.auto:  # planned from the first training batch, then recording starts
             return
         if self.settings.offload_on:
             self._start_offload(pl_module, self.offload_settings)
         self._start_recording(trainer, pl_module)
+
+    def _gradients_elsewhere(self, readers: list[str]) -> str:
+        """The warning for user code that reads gradients where optimizer offload leaves ``param.grad`` None."""
+        flag = self.settings.optimizer_offload.flag("enabled")  # type: ignore[union-attr]
+        return (
+            f"lightmem: {flag}: param.grad of the model's parameters is None between backward and the optimizer "
+            f"step (the gradients are on the host), where {', '.join(readers)} {'runs' if len(readers) == 1 else 'run'}: "
+            f"read them with lightmem.named_grads(module), by the names grad_norm gives"
+        )
 
     def train_start(self, trainer: Trainer) -> None:
         if self.host_guard is not None:

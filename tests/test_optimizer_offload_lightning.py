@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -173,6 +174,56 @@ def test_named_grads_gives_the_host_gradients_under_the_names_lightnings_grad_no
         assert param_grads == {} and norms == {}  # what the model's parameters hold under optimizer offload
         assert {f"grad_2.0_norm/{name}" for name in named} | {"grad_2.0_norm_total"} == set(expected_norms)
         assert_same(expected, named, "gradients by name")
+
+
+def _fit_start_warnings(lightning_package, module_class, callbacks=()):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callback = offloading_optimizer()
+        lightning_package.seed_everything(0, verbose=False)
+        trainer = cpu_trainer([callback, *callbacks], lightning_package)
+        trainer.fit(module_class(), regression_loader())
+    return [str(warning.message) for warning in caught if "param.grad" in str(warning.message)]
+
+
+_GRADIENTS_ELSEWHERE = (
+    "lightmem: LightMem(offload_optimizer=...): param.grad of the model's parameters is None between backward "
+    "and the optimizer step (the gradients are on the host), where {} runs: read them with "
+    "lightmem.named_grads(module), by the names grad_norm gives"
+)
+
+
+def _overriding(base: type, name: str, hook: str) -> type:
+    """A subclass of ``base`` called ``name`` whose ``hook`` does what ``base``'s does."""
+
+    def override(self, *args, **kwargs):
+        return getattr(base, hook)(self, *args, **kwargs)
+
+    return type(name, (base,), {hook: override})
+
+
+@pytest.mark.parametrize("hook", ["on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping"])
+def test_the_fit_start_warning_names_the_modules_hook_that_would_read_gradients(lightning_package, hook):
+    module_class = _overriding(lit_tiny_class(lightning_package), "LogsGradients", hook)
+    assert _fit_start_warnings(lightning_package, module_class) == [_GRADIENTS_ELSEWHERE.format(f"LogsGradients.{hook}")]
+
+
+@pytest.mark.parametrize("hook", ["on_after_backward", "on_before_optimizer_step"])
+def test_the_fit_start_warning_names_the_callbacks_hook_that_would_read_gradients(lightning_package, hook):
+    callback = _overriding(lightning_package.Callback, "GradLogger", hook)()
+    warned = _fit_start_warnings(lightning_package, lit_tiny_class(lightning_package), [callback])
+    assert warned == [_GRADIENTS_ELSEWHERE.format(f"GradLogger.{hook}")]
+
+
+def test_the_fit_start_warning_names_training_step_under_manual_optimization(lightning_package):
+    base = lit_tiny_class(lightning_package)
+    module_class = type("ManualSteps", (base,), {"__init__": lambda self: base.__init__(self, manual=True)})
+    warned = _fit_start_warnings(lightning_package, module_class)
+    assert warned == [_GRADIENTS_ELSEWHERE.format("ManualSteps.training_step (manual optimization, after manual_backward)")]
+
+
+def test_no_fit_start_warning_where_nothing_reads_gradients_between_backward_and_the_step(lightning_package):
+    assert _fit_start_warnings(lightning_package, lit_tiny_class(lightning_package)) == []
 
 
 @pytest.mark.parametrize(("first", "second"), [(True, False), (False, True)], ids=["offloaded-to-plain", "plain-to-offloaded"])

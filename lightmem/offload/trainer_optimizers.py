@@ -216,6 +216,25 @@ _BETWEEN_BACKWARD_AND_STEP = (
 _PRECISION_CLIPPING = ("clip_gradients", "clip_grad_by_norm", "clip_grad_by_value")
 
 
+# Hooks that run between the backward of an optimizer step and the step, where user code reads
+# gradients (Lightning's grad_norm recipe, clipping of one's own): param.grad of the model is None there.
+_READ_GRADIENTS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
+
+
+def gradient_readers(trainer: Any) -> list[str]:
+    """Where user code runs between backward and the optimizer step, as ``Class.hook``: the
+    LightningModule's and the callbacks' overrides of ``on_after_backward``,
+    ``on_before_optimizer_step`` and ``configure_gradient_clipping``, and under manual optimization
+    the module's ``training_step``. Under optimizer offload ``param.grad`` of the model is None
+    there (``lightmem.named_grads`` reads the host gradients)."""
+    module = trainer.lightning_module
+    owners = [module, *trainer.callbacks]
+    found = [f"{type(owner).__name__}.{name}" for owner in owners for name in _READ_GRADIENTS if _defined_by_user(owner, name)]
+    if not module.automatic_optimization:
+        found.append(f"{type(module).__name__}.training_step (manual optimization, after manual_backward)")
+    return found
+
+
 def _defined_by_user(instance: Any, name: str) -> bool:
     """Whether ``name`` on ``instance`` comes from a class outside Lightning (either package)."""
     for cls in type(instance).__mro__:
