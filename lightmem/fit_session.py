@@ -24,6 +24,7 @@ from lightmem.estimate import Plan, plan
 from lightmem.estimate.batch import batch_shapes, with_shapes
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.lightning_packages import is_barebones, logged_step
+from lightmem.metrics.names import key
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
 from lightmem.offload.optimizer import OptimizerOffloader, OptimizerOffloadStats
@@ -139,7 +140,7 @@ class FitSession:
             oom.record_memory_history()
         if self.settings.optimizer_offload is not None:
             self._optimizer_offloaders, self._optimizer_offload_off = offload_trainer_optimizers(
-                trainer, self.settings.optimizer_offload
+                trainer, self.settings.optimizer_offload, grad_norm_wanted=lambda: self._reads_the_step_running(trainer)
             )
             readers = gradient_readers(trainer) if self._optimizer_offloaders else []
             if readers:
@@ -153,11 +154,19 @@ class FitSession:
     def _gradients_elsewhere(self, readers: list[str]) -> str:
         """The warning for user code that reads gradients where optimizer offload leaves ``param.grad`` None."""
         flag = self.settings.optimizer_offload.flag("enabled")  # type: ignore[union-attr]
+        norm = (
+            f"; their global norm is logged as {key('optimizer/grad_norm')}" if "lightmem" in self.settings.metrics.groups else ""
+        )
         return (
             f"lightmem: {flag}: param.grad of the model's parameters is None between backward and the optimizer "
             f"step (the gradients are on the host), where {', '.join(readers)} {'runs' if len(readers) == 1 else 'run'}: "
-            f"read them with lightmem.named_grads(module), by the names grad_norm gives"
+            f"read them with lightmem.named_grads(module), by the names grad_norm gives{norm}"
         )
+
+    def _reads_the_step_running(self, trainer: Trainer) -> bool:
+        """Whether the optimizer step now running logs the gradient norm (its figures are read)."""
+        recorder = self.recorder
+        return recorder is not None and recorder.optimizer_offload is not None and recorder.reads_the_step_running(trainer)
 
     def train_start(self, trainer: Trainer) -> None:
         if self.host_guard is not None:

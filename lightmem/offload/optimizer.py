@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -48,7 +48,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
 from lightmem.offload import host_grads
 from lightmem.offload.device_dtype import DeviceDtype, refuse_device_dtype
-from lightmem.offload.grad_clip import GradClip
+from lightmem.offload.grad_clip import GradClip, tensor_norms, total_norm
 from lightmem.offload.host_kernel import HostKernel
 from lightmem.offload.overlap import OverlappedStep, _Landing, overlap_refusal
 from lightmem.offload.pool import HostAllocationError, HostSlab
@@ -91,6 +91,10 @@ class OptimizerOffloadStats:
     """Optimizer steps (whole run) that took parameters stepped while backward ran."""
     host_kernel: str = ""
     """The implementation running the host step: "fused", "foreach", "for-loop" or "custom"."""
+    grad_norm: float | None = None
+    """The global 2-norm of the gradients the last step took (accumulated, before clipping),
+    bitwise ``torch.nn.utils.get_total_norm``, where it was taken for that step (``clip_grad_norm``;
+    under Lightning, a step whose metrics are read); None otherwise."""
 
     @property
     def host_bytes(self) -> int:
@@ -366,6 +370,10 @@ class OptimizerOffloader:
         # overlapped step applies while Lightning's own call is taken as done (``takes_clipping``).
         self._clip = clip if overlap != "step-closure" else None  # applied here when no step overlaps
         self._grad_norm: torch.Tensor | None = None
+        self._grad_norm_step = 0  # the step (counted from 1, as stats.steps) _grad_norm was taken for
+        self.grad_norm_wanted: Callable[[], bool] = lambda: False
+        """Whether the step now running takes the gradients' global norm (under Lightning: the steps
+        whose metrics are read); clipping by norm takes it every step anyway."""
         self._accumulating = False
         self.overlap_note = "host step overlapped with backward" if overlap else "host step after backward"
         """For the line at fit start: whether the host step overlaps backward, and why not."""
@@ -861,7 +869,7 @@ class OptimizerOffloader:
             if not overlap.pending:  # type: ignore[union-attr]
                 self.take_device_writes()  # before the worker steps any host copy
                 self.adopt_param_groups()  # and with each parameter's group index as the groups are now
-                overlap.begin(self._copies_back)  # type: ignore[union-attr]
+                overlap.begin(self._copies_back, take_norms=self.grad_norm_wanted())  # type: ignore[union-attr]
         else:
             self._landing.append(slot)
             slot.landing = "staged" if staged else "direct"
@@ -1011,7 +1019,9 @@ class OptimizerOffloader:
             return
         self.take_device_writes()
         if self._clip is not None and self._overlap_mode != "step-closure":
-            self._grad_norm = self._clip.clip(_optimized_params(self.optimizer))
+            self._took_grad_norm(self._clip.clip(_optimized_params(self.optimizer)))
+        else:
+            self.take_grad_norm()
 
     # -- the step overlapped with backward (overlap.py) ----------------------------------------
 
@@ -1045,11 +1055,14 @@ class OptimizerOffloader:
                 "backward and optimizer.step() changes gradients or param groups (clipping: give it to "
                 "clip_grad_norm or clip_grad_value instead; a GradScaler; an LR change)"
             )
+        params = _optimized_params(self.optimizer)
         if clip is not None and clip.by_norm:
-            self._grad_norm = overlap.grad_norm
-        elif clip is not None:  # by value: gradients that did not land in this backward (accumulated) too
+            self._took_grad_norm(overlap.grad_norm)
+        elif overlap.takes_norms:  # from the norms taken as gradients landed; before the clamp below
+            self._took_grad_norm(overlap.norm_of([param.grad for param in params if param.grad is not None]))  # type: ignore[misc]
+        if clip is not None and not clip.by_norm:  # by value: gradients that did not land in this backward (accumulated) too
             stepped = {id(master) for master, _, _ in overlap.stepped}
-            clip.clamp([param for param in _optimized_params(self.optimizer) if id(param) not in stepped])
+            clip.clamp([param for param in params if id(param) not in stepped])
         with torch.no_grad():
             for master, grad, _ in overlap.stepped:
                 master.grad = None
@@ -1120,8 +1133,23 @@ class OptimizerOffloader:
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """With ``clip_grad_norm``: the global norm of the gradients of the last step, before
-        clipping (what ``clip_grad_norm_`` returns); None before the first step."""
+        clipping (what ``clip_grad_norm_`` returns); None before the first step. Without it, that
+        of the last step that took one (``stats.grad_norm``)."""
         return self._grad_norm
+
+    def take_grad_norm(self) -> None:
+        """Take the global 2-norm of the step now running's gradients, if ``grad_norm_wanted()``
+        and not taken yet: once every gradient of the step is in place and before anything clips
+        them (under Lightning: at its clipping call, which comes after ``on_before_optimizer_step``,
+        or at the step). Bitwise ``torch.nn.utils.get_total_norm`` of the gradients in the param
+        groups' order. An overlapped step takes it as gradients land instead."""
+        if self._grad_norm_step > self._stats.steps or self._overlap_pending or not self.grad_norm_wanted():
+            return
+        grads = [param.grad for param in _optimized_params(self.optimizer) if param.grad is not None]
+        self._took_grad_norm(total_norm(grads, tensor_norms(grads)))  # type: ignore[arg-type]
+
+    def _took_grad_norm(self, norm: torch.Tensor | None) -> None:
+        self._grad_norm, self._grad_norm_step = norm, self._stats.steps + 1
 
     def takes_clipping(self, clip_val: float | None, algorithm: str | None) -> bool:
         """Under Lightning: whether the clipping Lightning is about to apply (``clip_val``: 0 or
@@ -1168,6 +1196,8 @@ class OptimizerOffloader:
         stepped = [slot for slot in self._slots.values() if slot.master.grad is not None]
         stats = self._stats
         stats.steps += 1
+        taken = self._grad_norm_step == stats.steps and self._grad_norm is not None
+        stats.grad_norm = float(self._grad_norm) if taken else None  # type: ignore[arg-type]
         stats.grad_bytes_out, self._step_grad_bytes = self._step_grad_bytes, 0
         stats.total_grad_bytes_out += stats.grad_bytes_out
         with torch.no_grad():

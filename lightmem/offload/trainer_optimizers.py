@@ -8,7 +8,7 @@ Lightning class it derives from, in either package (``lightmem.lightning_package
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,7 +33,10 @@ _STRATEGY_REFUSALS = {
 
 
 def offload_trainer_optimizers(
-    trainer: Any, settings: OptimizerOffloadSettings, transport: Transport | None = None
+    trainer: Any,
+    settings: OptimizerOffloadSettings,
+    transport: Transport | None = None,
+    grad_norm_wanted: Callable[[], bool] | None = None,
 ) -> tuple[list[OptimizerOffloader], str | None]:
     """Offload every optimizer of a Lightning ``trainer`` (after its strategy set them up).
 
@@ -44,6 +47,10 @@ def offload_trainer_optimizers(
 
     Under DDP each rank offloads its own copy; gradients leave once DDP has averaged them (at the
     end of each synchronised backward; under ``no_sync`` accumulation they stay on the device).
+
+    ``grad_norm_wanted()`` says, during a step, whether that step takes the global norm of its
+    gradients (``stats.grad_norm``): before Lightning clips them, or as they land where the step
+    overlaps backward.
 
     Raises:
         ValueError: naming ``settings.flag("enabled")``, under a strategy that does not derive from
@@ -91,6 +98,8 @@ def offload_trainer_optimizers(
             model, optimizer, settings=settings, transport=transport, reducer=reducer, overlap=overlap,
             clip=clip if overlap else None,
         )  # fmt: skip
+        if grad_norm_wanted is not None:
+            offloader.grad_norm_wanted = grad_norm_wanted
         offloader.overlap_note = (
             f"host step overlapped with backward{f', {clip} as gradients land' if clip else ''}"
             if overlap
@@ -172,14 +181,20 @@ def _finetuning_sees_device_params(callback: Any, offloaders: list[OptimizerOffl
 
 
 def _clip_in_the_overlapped_step(precision: Any, offloaders: list[OptimizerOffloader]) -> None:
-    """Lightning clips after the closure's backward, through ``precision.clip_gradients``. Where the
-    overlapped step already clipped (as gradients landed), that call is taken as done; anywhere
-    else (a step after backward, another optimizer) Lightning clips as usual."""
+    """Lightning clips after the closure's backward, through ``precision.clip_gradients`` (also
+    ``self.clip_gradients`` under manual optimization). The gradient norm, where the step takes
+    it, is taken before. Where the overlapped step already clipped (as gradients landed), that
+    call is taken as done; anywhere else (a step after backward, another optimizer) Lightning
+    clips as usual."""
     lightnings = precision.clip_gradients
 
     def clip_gradients(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None, **kwargs: Any) -> None:
+        stepped = getattr(optimizer, "_optimizer", optimizer)  # manual optimization passes a LightningOptimizer
         for offloader in offloaders:
-            if offloader.optimizer is optimizer and offloader.takes_clipping(clip_val, gradient_clip_algorithm):
+            if offloader.optimizer is not stepped:
+                continue
+            offloader.take_grad_norm()
+            if offloader.takes_clipping(clip_val, gradient_clip_algorithm):
                 return
         if gradient_clip_algorithm is not None:
             kwargs["gradient_clip_algorithm"] = gradient_clip_algorithm
