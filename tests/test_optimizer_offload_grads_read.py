@@ -124,7 +124,9 @@ _CLIPPING = {None: {}, "norm": {"gradient_clip_val": 0.5}, "value": {"gradient_c
 
 @pytest.mark.parametrize("clip", list(_CLIPPING), ids=["no-clipping", "clip-by-norm", "clip-by-value"])
 @pytest.mark.parametrize(("overlap", "overlapped_steps"), [("auto", 3), (False, 0)], ids=["overlapped", "after-backward"])
-def test_the_logged_gradient_norm_is_get_total_norm_of_the_gradients_without_lightmem(lightning_package, clip, overlap, overlapped_steps):
+def test_the_logged_gradient_norm_is_get_total_norm_of_the_gradients_without_lightmem(
+    lightning_package, clip, overlap, overlapped_steps, optimizer_offload_transport
+):
     settings = {"accumulate_grad_batches": 2, **_CLIPPING[clip]}
     reference, _, _ = fit_tiny(None, lightning_package, module_class=_records_norms(lightning_package), **settings)
     logger = MemoryLogger()
