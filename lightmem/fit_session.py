@@ -140,8 +140,9 @@ class FitSession:
             oom.record_memory_history()
         if self.settings.optimizer_offload is not None:
             self._optimizer_offloaders, self._optimizer_offload_off = offload_trainer_optimizers(
-                trainer, self.settings.optimizer_offload, grad_norm_wanted=lambda: self._reads_the_step_running(trainer)
-            )
+                trainer, self.settings.optimizer_offload,
+                grad_norm_wanted=lambda: self._reads_the_step_running(trainer),
+            )  # fmt: skip
             readers = gradient_readers(trainer) if self._optimizer_offloaders else []
             if readers:
                 rank_zero_warn(self._gradients_elsewhere(readers))
@@ -152,21 +153,24 @@ class FitSession:
         self._start_recording(trainer, pl_module)
 
     def _gradients_elsewhere(self, readers: list[str]) -> str:
-        """The warning for user code that reads gradients where optimizer offload leaves ``param.grad`` None."""
+        """The warning for user code that reads gradients where optimizer offload leaves ``param.grad``
+        None: ``readers`` name it (``gradient_readers``)."""
         flag = self.settings.optimizer_offload.flag("enabled")  # type: ignore[union-attr]
-        norm = (
-            f"; their global norm is logged as {key('optimizer/grad_norm')}" if "lightmem" in self.settings.metrics.groups else ""
-        )
+        logged = "lightmem" in self.settings.metrics.groups
+        norm = f"; their global norm is logged as {key('optimizer/grad_norm')}" if logged else ""
+        runs = "runs" if len(readers) == 1 else "run"
         return (
             f"lightmem: {flag}: param.grad of the model's parameters is None between backward and the optimizer "
-            f"step (the gradients are on the host), where {', '.join(readers)} {'runs' if len(readers) == 1 else 'run'}: "
-            f"read them with lightmem.named_grads(module), by the names grad_norm gives{norm}"
+            f"step (the gradients are on the host), where {', '.join(readers)} {runs}: read them with "
+            f"lightmem.named_grads(module), by the names grad_norm gives{norm}"
         )
 
     def _reads_the_step_running(self, trainer: Trainer) -> bool:
         """Whether the optimizer step now running logs the gradient norm (its figures are read)."""
         recorder = self.recorder
-        return recorder is not None and recorder.optimizer_offload is not None and recorder.reads_the_step_running(trainer)
+        if recorder is None or recorder.optimizer_offload is None:
+            return False
+        return recorder.reads_the_step_running(trainer)
 
     def train_start(self, trainer: Trainer) -> None:
         if self.host_guard is not None:

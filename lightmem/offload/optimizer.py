@@ -1059,8 +1059,10 @@ class OptimizerOffloader:
         if clip is not None and clip.by_norm:
             self._took_grad_norm(overlap.grad_norm)
         elif overlap.takes_norms:  # from the norms taken as gradients landed; before the clamp below
-            self._took_grad_norm(overlap.norm_of([param.grad for param in params if param.grad is not None]))  # type: ignore[misc]
-        if clip is not None and not clip.by_norm:  # by value: gradients that did not land in this backward (accumulated) too
+            grads = [param.grad for param in params if param.grad is not None]
+            self._took_grad_norm(overlap.norm_of(grads))  # type: ignore[arg-type]
+        if clip is not None and not clip.by_norm:
+            # By value: gradients that did not land in this backward (accumulated) too.
             stepped = {id(master) for master, _, _ in overlap.stepped}
             clip.clamp([param for param in params if id(param) not in stepped])
         with torch.no_grad():

@@ -243,8 +243,12 @@ def gradient_readers(trainer: Any) -> list[str]:
     the module's ``training_step``. Under optimizer offload ``param.grad`` of the model is None
     there (``lightmem.named_grads`` reads the host gradients)."""
     module = trainer.lightning_module
-    owners = [module, *trainer.callbacks]
-    found = [f"{type(owner).__name__}.{name}" for owner in owners for name in _READ_GRADIENTS if _defined_by_user(owner, name)]
+    found = [
+        f"{type(owner).__name__}.{name}"
+        for owner in (module, *trainer.callbacks)
+        for name in _READ_GRADIENTS
+        if _defined_by_user(owner, name)
+    ]
     if not module.automatic_optimization:
         found.append(f"{type(module).__name__}.training_step (manual optimization, after manual_backward)")
     return found
