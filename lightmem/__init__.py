@@ -4,6 +4,7 @@ from lightmem.callback import LightMem
 from lightmem.checkpoint import apply_checkpointing
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.offload import offload_activations
+from lightmem.offload.host_grads import named_grads
 from lightmem.offload.optimizer import offload_optimizer
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "apply_checkpointing",
     "estimate_memory",
     "max_batch_size",
+    "named_grads",
     "offload_activations",
     "offload_optimizer",
     "plan",

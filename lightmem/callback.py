@@ -90,6 +90,8 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         offload_optimizer: keep parameters on the device and move gradients, optimizer state and
             the optimizer step to host memory (see :func:`~lightmem.offload_optimizer`); uses
             ``offload_devices`` and ``offload_max_inflight_bytes`` (gradient bytes awaiting their copy).
+            ``param.grad`` of the model is then None after backward: :func:`~lightmem.named_grads`
+            reads the gradients by name, and the global norm is logged with the ``"lightmem"`` metrics.
         offload_overlap_step: with ``offload_optimizer``, step each parameter on the host as its
             gradient lands, while backward runs, on the backward whose optimizer step follows.
             ``"auto"``: wherever the fit shows nothing changes gradients between backward and the

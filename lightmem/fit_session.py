@@ -24,10 +24,11 @@ from lightmem.estimate import Plan, plan
 from lightmem.estimate.batch import batch_shapes, with_shapes
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.lightning_packages import is_barebones, logged_step
+from lightmem.metrics.names import key
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.offload.context import ActivationOffloader
 from lightmem.offload.optimizer import OptimizerOffloader, OptimizerOffloadStats
-from lightmem.offload.trainer_optimizers import offload_trainer_optimizers
+from lightmem.offload.trainer_optimizers import gradient_readers, offload_trainer_optimizers
 from lightmem.offload.training import TrainingOffload
 
 # A Trainer and a LightningModule of either Lightning package: only their attributes are read.
@@ -139,13 +140,37 @@ class FitSession:
             oom.record_memory_history()
         if self.settings.optimizer_offload is not None:
             self._optimizer_offloaders, self._optimizer_offload_off = offload_trainer_optimizers(
-                trainer, self.settings.optimizer_offload
-            )
+                trainer, self.settings.optimizer_offload,
+                grad_norm_wanted=lambda: self._reads_the_step_running(trainer),
+            )  # fmt: skip
+            readers = gradient_readers(trainer) if self._optimizer_offloaders else []
+            if readers:
+                rank_zero_warn(self._gradients_elsewhere(readers))
         if self.settings.plan.auto:  # planned from the first training batch, then recording starts
             return
         if self.settings.offload_on:
             self._start_offload(pl_module, self.offload_settings)
         self._start_recording(trainer, pl_module)
+
+    def _gradients_elsewhere(self, readers: list[str]) -> str:
+        """The warning for user code that reads gradients where optimizer offload leaves ``param.grad``
+        None: ``readers`` name it (``gradient_readers``)."""
+        flag = self.settings.optimizer_offload.flag("enabled")  # type: ignore[union-attr]
+        logged = "lightmem" in self.settings.metrics.groups
+        norm = f"; their global norm is logged as {key('optimizer/grad_norm')}" if logged else ""
+        runs = "runs" if len(readers) == 1 else "run"
+        return (
+            f"lightmem: {flag}: param.grad of the model's parameters is None between backward and the optimizer "
+            f"step (the gradients are on the host), where {', '.join(readers)} {runs}: read them with "
+            f"lightmem.named_grads(module), by the names grad_norm gives{norm}"
+        )
+
+    def _reads_the_step_running(self, trainer: Trainer) -> bool:
+        """Whether the optimizer step now running logs the gradient norm (its figures are read)."""
+        recorder = self.recorder
+        if recorder is None or recorder.optimizer_offload is None:
+            return False
+        return recorder.reads_the_step_running(trainer)
 
     def train_start(self, trainer: Trainer) -> None:
         if self.host_guard is not None:

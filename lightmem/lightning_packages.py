@@ -33,6 +33,18 @@ def is_lightning_module(obj: Any) -> bool:
     return isinstance(obj, imported_classes("", "LightningModule"))
 
 
+def is_strategy(strategy: Any, name: str) -> bool:
+    """Whether ``strategy`` is the strategy class ``name`` of either package (``"DDPStrategy"``), or
+    a subclass of it: a strategy is what it derives from, whatever its own class is called."""
+    return isinstance(strategy, imported_classes("strategies", name))
+
+
+def is_mock_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is what either package's Trainer holds when ``configure_optimizers``
+    returned ``None`` (a fit without an optimizer): an optimizer over no parameters."""
+    return isinstance(optimizer, imported_classes("core.optimizer", "_MockOptimizer"))
+
+
 def is_tensorboard_logger(logger: Any) -> bool:
     """Whether ``logger`` is the ``TensorBoardLogger`` of either package."""
     return isinstance(logger, imported_classes("loggers", "TensorBoardLogger"))

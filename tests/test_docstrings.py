@@ -9,10 +9,14 @@ import pytest
 import lightmem.checkpoint
 import lightmem.estimate.estimator
 import lightmem.offload.context
+import lightmem.offload.host_grads
 import lightmem.offload.optimizer
 
 
-@pytest.mark.parametrize("module", [lightmem.offload.context, lightmem.offload.optimizer, lightmem.checkpoint, lightmem.estimate.estimator])
+@pytest.mark.parametrize(
+    "module",
+    [lightmem.offload.context, lightmem.offload.optimizer, lightmem.offload.host_grads, lightmem.checkpoint, lightmem.estimate.estimator],
+)
 def test_docstring_examples(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -5,6 +5,7 @@ ways, and what cannot work is refused by name."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,10 @@ from optimizer_models import (
     HOST_KERNEL,
     LitTiny,
     assert_given_back,
+    assert_same_fit,
+    fit_tiny,
+    lit_tiny_class,
+    offloading_optimizer,
     regression_loader,
     run_two_process_script,
 )
@@ -104,6 +109,40 @@ def test_without_cuda_the_default_devices_leave_it_off_and_say_why(caplog):
     assert callback.optimizer_offload_stats == []
 
 
+def test_a_fit_without_an_optimizer_trains_and_the_line_says_nothing_is_offloaded(lightning_package, caplog):
+    class NoOptimizer(lit_tiny_class(lightning_package)):
+        def configure_optimizers(self):
+            return None
+
+    callback = offloading_optimizer()
+    with caplog.at_level("INFO"):
+        _, trainer, _ = fit_tiny(callback, lightning_package, module_class=NoOptimizer)
+    assert trainer.global_step == 4
+    assert callback.optimizer_offload_stats == []
+    line = (
+        "lightmem: on: nothing. Off: optimizer offload (configure_optimizers returned None: the fit has no "
+        "optimizer, nothing to offload)."
+    )
+    assert caplog.text.count(line) == 1
+
+
+def test_the_modules_zero_grad_receives_the_callers_arguments(lightning_package):
+    class RecordsZeroGrad(lit_tiny_class(lightning_package)):
+        calls = []
+
+        def zero_grad(self, *args, **kwargs):
+            self.calls.append((args, kwargs))
+            super().zero_grad(*args, **kwargs)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if batch_idx == 0:
+                self.zero_grad(set_to_none=False)
+
+    fit_tiny(offloading_optimizer(), lightning_package, module_class=RecordsZeroGrad)
+    # Lightning's own call as a stage starts, then the module's.
+    assert RecordsZeroGrad.calls == [((), {}), ((), {"set_to_none": False})]
+
+
 @pytest.mark.parametrize(("first", "second"), [(True, False), (False, True)], ids=["offloaded-to-plain", "plain-to-offloaded"])
 def test_a_checkpoint_resumes_across_the_option_both_ways(tmp_path, first, second):
     def lightmem(on):
@@ -138,33 +177,93 @@ def test_a_resumed_fit_loads_the_optimizer_state_on_the_host_without_a_trip_to_t
     assert len(moved) == 1
 
 
-def _trainer_like(strategy_class_name: str, scaler=None):
-    strategy_class = type(strategy_class_name, (), {})
-    return SimpleNamespace(strategy=strategy_class(), precision_plugin=SimpleNamespace(scaler=scaler))
+def _trainer_with(strategy, scaler=None):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    return SimpleNamespace(strategy=strategy, precision_plugin=SimpleNamespace(scaler=scaler), optimizers=[optimizer])
 
 
 _SETTINGS = OptimizerOffloadSettings.parse(devices=("cpu",), spelling=LIGHTMEM)
 
 
-def test_fsdp_is_pointed_to_its_own_cpu_offload():
+def test_a_subclass_of_fsdp_is_pointed_to_fsdps_own_cpu_offload(lightning_package):
+    class ShardedForUs(lightning_package.strategies.FSDPStrategy):
+        pass
+
     with pytest.raises(ValueError) as error:
-        offload_trainer_optimizers(_trainer_like("FSDPStrategy"), _SETTINGS)
+        offload_trainer_optimizers(_trainer_with(ShardedForUs()), _SETTINGS)
     assert str(error.value) == (
-        "LightMem(offload_optimizer=...): not available under FSDPStrategy: FSDP shards the optimizer "
+        "LightMem(offload_optimizer=...): not available under ShardedForUs: FSDP shards the optimizer "
         "state itself and has its own CPU offload: use FSDPStrategy(cpu_offload=True) (FSDP2: "
         "CPUOffloadPolicy) instead"
     )
 
 
-def test_ddp_with_gradients_as_bucket_views_is_refused():
-    trainer = _trainer_like("DDPStrategy")
-    trainer.strategy.model = SimpleNamespace(gradient_as_bucket_view=True)
+def test_deepspeed_is_pointed_to_its_own_offload_though_it_derives_from_ddp(lightning_package):
+    strategy = object.__new__(lightning_package.strategies.DeepSpeedStrategy)  # constructing it needs deepspeed
     with pytest.raises(ValueError) as error:
-        offload_trainer_optimizers(trainer, _SETTINGS)
+        offload_trainer_optimizers(_trainer_with(strategy), _SETTINGS)
+    assert str(error.value) == (
+        "LightMem(offload_optimizer=...): not available under DeepSpeedStrategy: DeepSpeed has its own: use "
+        "DeepSpeedStrategy(offload_optimizer=True)"
+    )
+
+
+def test_a_strategy_of_no_lightning_kind_is_refused_naming_what_works():
+    with pytest.raises(ValueError) as error:
+        offload_trainer_optimizers(_trainer_with(type("OwnStrategy", (), {})()), _SETTINGS)
+    assert str(error.value) == (
+        "LightMem(offload_optimizer=...): works with one device per process, unsharded (SingleDeviceStrategy, "
+        "DDPStrategy or a subclass of either); got OwnStrategy"
+    )
+
+
+def test_ddp_with_gradients_as_bucket_views_is_refused(lightning_package):
+    class OwnDDP(lightning_package.strategies.DDPStrategy):
+        pass
+
+    strategy = OwnDDP()
+    strategy.model = SimpleNamespace(gradient_as_bucket_view=True)
+    with pytest.raises(ValueError) as error:
+        offload_trainer_optimizers(_trainer_with(strategy), _SETTINGS)
     assert str(error.value) == (
         "LightMem(offload_optimizer=...): DDP's gradient_as_bucket_view=True makes gradients views of "
         "DDP's buckets, which must stay on the device; use DDPStrategy(gradient_as_bucket_view=False)"
     )
+
+
+def test_a_subclass_of_single_device_strategy_trains_bitwise_as_without_lightmem(lightning_package):
+    class TestPlugin(lightning_package.strategies.SingleDeviceStrategy):  # as Lightning's own tests name one
+        pass
+
+    callback = offloading_optimizer()
+    expected = fit_tiny(None, lightning_package, strategy=TestPlugin(device="cpu"))
+    actual = fit_tiny(callback, lightning_package, strategy=TestPlugin(device="cpu"))
+    assert_same_fit(expected, actual)
+    assert callback.optimizer_offload_stats[0].steps == 4
+
+
+@pytest.fixture
+def one_process_ddp():
+    """DDP fits in this process (world size 1, gloo); afterwards the process group, the environment
+    variables and the thread count Lightning set up for them are undone."""
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(threads)
+
+
+def test_a_subclass_of_ddp_strategy_trains_bitwise_as_without_lightmem(lightning_package, one_process_ddp):
+    class OwnDDP(lightning_package.strategies.DDPStrategy):
+        pass
+
+    callback = offloading_optimizer()
+    expected = fit_tiny(None, lightning_package, strategy=OwnDDP())
+    actual = fit_tiny(callback, lightning_package, strategy=OwnDDP())
+    assert_same_fit(expected, actual)
+    assert callback.optimizer_offload_stats[0].steps == 4
 
 
 def test_ddp_each_rank_steps_on_the_averaged_gradients_bitwise_like_ddp_without_lightmem(tmp_path):
@@ -176,7 +275,7 @@ def test_ddp_each_rank_steps_on_the_averaged_gradients_bitwise_like_ddp_without_
 
 def test_a_gradient_scaler_is_refused():
     with pytest.raises(ValueError) as error:
-        offload_trainer_optimizers(_trainer_like("SingleDeviceStrategy", scaler=object()), _SETTINGS)
+        offload_trainer_optimizers(_trainer_with(pl.strategies.SingleDeviceStrategy("cpu"), scaler=object()), _SETTINGS)
     assert str(error.value) == (
         "LightMem(offload_optimizer=...): a gradient scaler (precision='16-mixed') unscales and checks "
         "gradients per device and cannot run on host gradients; use precision='bf16-mixed', "
@@ -213,7 +312,10 @@ def test_metrics_and_summary_report_host_bytes_and_traffic_of_each_step():
         assert metrics["lightmem/memory/optimizer/grads_out_GiB"] == 2 * 193 * 4 / gib
         assert metrics["lightmem/memory/optimizer/params_in_GiB"] == 193 * 4 / gib
     charts = custom_scalars_layout(rows[0])["lightmem memory"]
-    assert set(charts) == {"Optimizer offload host memory (GiB)", "Optimizer offload traffic (GiB)", "Optimizer offload waits (ms)"}
+    assert set(charts) == {
+        "Optimizer offload host memory (GiB)", "Optimizer offload traffic (GiB)", "Optimizer offload waits (ms)",
+        "Gradient norm, global 2-norm",
+    }  # fmt: skip
     summary = callback.summary()  # reported only where a progress bar shows; this Trainer has none
     assert "optimizer offload: gradients to host per step" in summary
     assert "optimizer offload: host bytes held (peak)" in summary

@@ -68,6 +68,7 @@ METRICS: tuple[Metric, ...] = (
     _m("optimizer/grads_out_GiB", "lightmem", "GiB", "gradient bytes copied to host for the last optimizer step (all its micro-batches)", "Optimizer offload traffic (GiB)"),
     _m("optimizer/params_in_GiB", "lightmem", "GiB", "updated parameter bytes copied back to the device after the last optimizer step", "Optimizer offload traffic (GiB)"),
     _m("optimizer/wait_ms", "lightmem", "ms", "time training waited for gradient and parameter copies in the last optimizer step", "Optimizer offload waits (ms)"),
+    _m("optimizer/grad_norm", "lightmem", "norm", "global 2-norm of the gradients the last optimizer step took, summed over its micro-batches, before clipping: torch.nn.utils.get_total_norm, taken on the host", "Gradient norm, global 2-norm", reduce_max=False),
     _m("checkpoint/blocks", "lightmem", "count", "blocks recomputed in backward (selective checkpointing)", "Checkpointed blocks (count)", reduce_max=False),
     # plan="auto": what its plans predict beside what the device's allocator measured.
     _m("plan/predicted_peak_GiB", "lightmem", "GiB", "peak allocated memory plan='auto' predicts: the highest of the plans applied in this fit so far", "Plan: predicted and measured peak (GiB)"),

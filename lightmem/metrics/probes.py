@@ -6,6 +6,7 @@ construction with a one-line reason; the callback switches that group off and sa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -158,7 +159,8 @@ class HostProbe:
 
 class OptimizerOffloadProbe:
     """Model-state offload: host bytes held now and the last optimizer step's traffic and waits,
-    summed over the optimizers offloaded. ``stats`` returns their ``OptimizerOffloadStats``."""
+    summed over the optimizers offloaded, and the global gradient norm of the last step where it
+    was taken for it. ``stats`` returns their ``OptimizerOffloadStats``."""
 
     group = "lightmem"
     FIELDS = (
@@ -169,14 +171,15 @@ class OptimizerOffloadProbe:
     def __init__(self, stats: Callable[[], list[Any]]) -> None:
         self._stats = stats
 
-    def figures(self) -> dict[str, float]:
+    def figures(self, rows: list[Any] | None = None) -> dict[str, float]:
         """The raw sums (bytes and seconds), by field name."""
-        rows = self._stats()
+        rows = self._stats() if rows is None else rows
         return {name: sum(getattr(row, name) for row in rows) for name in self.FIELDS}
 
     def collect(self) -> dict[str, float]:
-        figures = self.figures()
-        return {
+        rows = self._stats()
+        figures = self.figures(rows)
+        values = {
             key("optimizer/host_state_GiB"): figures["host_state_bytes"] / GiB,
             key("optimizer/host_grads_GiB"): figures["host_grad_bytes"] / GiB,
             key("optimizer/host_params_GiB"): figures["host_param_bytes"] / GiB,
@@ -184,6 +187,11 @@ class OptimizerOffloadProbe:
             key("optimizer/params_in_GiB"): figures["param_bytes_in"] / GiB,
             key("optimizer/wait_ms"): figures["waited_s"] * 1e3,
         }
+        # Taken only for the steps that are read; several optimizers: over each one's last step.
+        norms = [row.grad_norm for row in rows if row.grad_norm is not None]
+        if norms:
+            values[key("optimizer/grad_norm")] = math.hypot(*norms)
+        return values
 
     def end_step(self) -> None:
         return None

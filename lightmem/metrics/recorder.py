@@ -218,10 +218,7 @@ class MetricsRecorder:
                 self._optimizer_totals[name] = self._optimizer_totals.get(name, 0.0) + figures[name]
             peak = max(self._optimizer_totals.get("peak_host_bytes", 0.0), figures["host_bytes"])
             self._optimizer_totals["peak_host_bytes"] = peak
-        if self.log_every_n_steps is not None:
-            logged = (trainer.global_step - 1) % self.log_every_n_steps == 0
-        else:
-            logged = lightning_logs_this_step(trainer)
+        logged = self._logs(trainer, trainer.global_step)
         # The fit's first step is read even when not logged: short fits and log_every_n_steps=0
         # still get its peaks in the summary and in last_metrics.
         read = logged or self._steps == 1
@@ -250,6 +247,18 @@ class MetricsRecorder:
         step = logged_step(trainer)
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)
+
+    def _logs(self, trainer: pl.Trainer, steps: int) -> bool:
+        """Whether the optimizer step that brings ``trainer.global_step`` to ``steps`` is logged."""
+        if self.log_every_n_steps is not None:
+            return (steps - 1) % self.log_every_n_steps == 0
+        return lightning_logs_this_step(trainer)
+
+    def reads_the_step_running(self, trainer: pl.Trainer) -> bool:
+        """During an optimizer step, before the Trainer counts it: whether the probes are read at
+        its batch's end (the step is logged, or it is the fit's first), so that a figure taken
+        during the step (the gradient norm) is taken only where it is read."""
+        return self._steps == 0 or self._logs(trainer, trainer.global_step + 1)
 
     # -- end of fit ----------------------------------------------------------------------------------
 

@@ -11,6 +11,10 @@ norm is taken as it lands (``norms``), and once the last has landed the total of
 (``total``) scales them all (``scale``) and the step starts. ``clip_grad_norm_`` computes the
 same per-tensor norms (on CPU, ``torch._foreach_norm`` is per tensor) and stacks them in the order
 ``total`` rebuilds, so the result is bitwise its own.
+
+The same two functions (``tensor_norms``, ``total_norm``) give the gradient norm lightmem logs under
+Lightning (``lightmem/memory/optimizer/grad_norm``), clipping or not: bitwise
+``torch.nn.utils.get_total_norm``, which ``clip_grad_norm_`` calls.
 """
 
 from __future__ import annotations
@@ -79,29 +83,11 @@ class GradClip:
 
     def norms(self, grads: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """Each gradient's norm (keyed by ``id``), computed as ``clip_grad_norm_`` computes it."""
-        result: dict[int, torch.Tensor] = {}
-        if not grads:
-            return result
-        for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items():
-            if _has_foreach_support(group, device):
-                group_norms = torch._foreach_norm(group, self.norm_type)
-            else:
-                group_norms = [torch.linalg.vector_norm(grad, self.norm_type) for grad in group]
-            result.update(zip(map(id, group), group_norms))
-        return result
+        return tensor_norms(grads, self.norm_type)
 
     def total(self, grads: list[torch.Tensor], norm_of: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The global norm of ``grads`` (every gradient of the step, in the parameters' order) from
-        their norms: stacked in the order ``clip_grad_norm_`` stacks them."""
-        if not grads:
-            return torch.tensor(0.0)
-        first_device = grads[0].device
-        norms = [
-            norm_of[id(grad)]
-            for (_, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items()
-            for grad in group
-        ]
-        return torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), self.norm_type)
+        """The global norm of ``grads`` from their norms (``total_norm``)."""
+        return total_norm(grads, norm_of, self.norm_type)
 
     def scale(self, params: list[torch.Tensor], total: torch.Tensor) -> None:
         """Scale every gradient of ``params`` by ``min(value / (total + 1e-6), 1)``, as ``clip_grad_norm_``."""
@@ -127,3 +113,34 @@ class GradClip:
             return  # torch's grouping refuses an empty list
         torch.nn.utils.clip_grad_value_(params, self.value)
 
+
+
+def tensor_norms(grads: list[torch.Tensor], norm_type: float = 2.0) -> dict[int, torch.Tensor]:
+    """Each gradient's norm (keyed by ``id``), computed as ``torch.nn.utils.get_total_norm`` (and
+    so ``clip_grad_norm_``) computes it: ``torch._foreach_norm`` per device and dtype where it runs,
+    which on CPU is per tensor, so any split of ``grads`` gives the same bits."""
+    result: dict[int, torch.Tensor] = {}
+    if not grads:
+        return result
+    for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items():
+        if _has_foreach_support(group, device):
+            group_norms = torch._foreach_norm(group, norm_type)
+        else:
+            group_norms = [torch.linalg.vector_norm(grad, norm_type) for grad in group]
+        result.update(zip(map(id, group), group_norms))
+    return result
+
+
+def total_norm(grads: list[torch.Tensor], norm_of: dict[int, torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The global norm of ``grads`` (every gradient of the step, in the parameters' order) from
+    their norms (``tensor_norms``): stacked in the order ``get_total_norm`` stacks them, so the
+    result is its bits."""
+    if not grads:
+        return torch.tensor(0.0)
+    first_device = grads[0].device
+    norms = [
+        norm_of[id(grad)]
+        for (_, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items()
+        for grad in group
+    ]
+    return torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -46,8 +46,9 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
+from lightmem.offload import host_grads
 from lightmem.offload.device_dtype import DeviceDtype, refuse_device_dtype
-from lightmem.offload.grad_clip import GradClip
+from lightmem.offload.grad_clip import GradClip, tensor_norms, total_norm
 from lightmem.offload.host_kernel import HostKernel
 from lightmem.offload.overlap import OverlappedStep, _Landing, overlap_refusal
 from lightmem.offload.pool import HostAllocationError, HostSlab
@@ -90,6 +91,10 @@ class OptimizerOffloadStats:
     """Optimizer steps (whole run) that took parameters stepped while backward ran."""
     host_kernel: str = ""
     """The implementation running the host step: "fused", "foreach", "for-loop" or "custom"."""
+    grad_norm: float | None = None
+    """The global 2-norm of the gradients the last step took (accumulated, before clipping),
+    bitwise ``torch.nn.utils.get_total_norm``, where it was taken for that step (``clip_grad_norm``;
+    under Lightning, a step whose metrics are read); None otherwise."""
 
     @property
     def host_bytes(self) -> int:
@@ -291,8 +296,9 @@ class OptimizerOffloader:
 
     What changes for the user: ``param.grad`` of the model's parameters is ``None`` after backward
     (the gradient is on the host, in ``p.grad`` for ``p`` in ``optimizer.param_groups``); read the
-    parameters' gradients there. That host gradient is one buffer per parameter, rewritten by each
-    backward: clone it to keep a gradient beyond its step.
+    parameters' gradients there, or by name with ``lightmem.named_grads(model)``. That host
+    gradient is one buffer per parameter, rewritten by each backward: clone it to keep a gradient
+    beyond its step.
 
     ``host_kernel`` names what runs the step on the host (``.name``: "fused", "foreach",
     "for-loop" or "custom"; ``str()`` adds why), also in ``stats.host_kernel``.
@@ -364,6 +370,10 @@ class OptimizerOffloader:
         # overlapped step applies while Lightning's own call is taken as done (``takes_clipping``).
         self._clip = clip if overlap != "step-closure" else None  # applied here when no step overlaps
         self._grad_norm: torch.Tensor | None = None
+        self._grad_norm_step = 0  # the step (counted from 1, as stats.steps) _grad_norm was taken for
+        self.grad_norm_wanted: Callable[[], bool] = lambda: False
+        """Whether the step now running takes the gradients' global norm (under Lightning: the steps
+        whose metrics are read); clipping by norm takes it every step anyway."""
         self._accumulating = False
         self.overlap_note = "host step overlapped with backward" if overlap else "host step after backward"
         """For the line at fit start: whether the host step overlaps backward, and why not."""
@@ -426,11 +436,13 @@ class OptimizerOffloader:
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
         self._handles.append(_InstanceAttribute(optimizer, "zero_grad"))
         # model.zero_grad() clears the gradients of the model's parameters: theirs are on the host.
+        # Called as the caller called it (set_to_none by keyword, by position or not at all): an
+        # override of the module's zero_grad, or a recorder of its calls, sees the call it expects.
         users_model_zero_grad, previous = model.zero_grad, model.__dict__.get("zero_grad")
 
-        def model_zero_grad(set_to_none: bool = True) -> None:
-            users_model_zero_grad(set_to_none)
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+        def model_zero_grad(*args: Any, **kwargs: Any) -> None:
+            users_model_zero_grad(*args, **kwargs)
+            self.optimizer.zero_grad(*args, **kwargs)
 
         model.zero_grad = model_zero_grad  # type: ignore[method-assign]
         self._handles.append(_InstanceAttribute(model, "zero_grad", previous))
@@ -572,6 +584,7 @@ class OptimizerOffloader:
                 master = nn.Parameter(host, requires_grad=param.requires_grad)
                 slot = self._slots[id(param)] = self._slot_of_master[id(master)] = _Slot(param, master, group=group_of[id(param)])
                 slots.append(slot)
+        host_grads.hold(params, self)
         return slots
 
     def _watch(self, slot: _Slot) -> None:
@@ -638,6 +651,7 @@ class OptimizerOffloader:
             for key in set(self._slots) - slots:
                 slot = self._slots.pop(key)
                 del self._slot_of_master[id(slot.master)]
+                host_grads.release([slot.param])
                 if slot.master.grad is not None:
                     slot.param.grad = slot.master.grad.to(slot.param.device, copy=True)
         for handle in self._handles[handles:]:
@@ -658,6 +672,18 @@ class OptimizerOffloader:
         """``(parameter, its host copy)`` for every parameter offloaded: the param groups hold the
         host copies while offloaded."""
         return [(slot.param, slot.master) for slot in self._slots.values()]
+
+    def host_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the step reads for the device parameter ``param`` (its host copy's), None
+        for none or a parameter not offloaded here; with a step overlapped with backward pending,
+        once the worker has done what it was handed (it may clip). ``lightmem.named_grads`` reads
+        the gradients of a module's parameters by name."""
+        slot = self._slots.get(id(param))
+        if slot is None:
+            return None
+        if self._overlap_pending:
+            self._overlap.idle()  # type: ignore[union-attr]
+        return slot.master.grad
 
     def remove_at_close(self, handle: Any) -> None:
         """``handle.remove()`` runs when this offloader closes (a hook set on its behalf elsewhere)."""
@@ -843,7 +869,7 @@ class OptimizerOffloader:
             if not overlap.pending:  # type: ignore[union-attr]
                 self.take_device_writes()  # before the worker steps any host copy
                 self.adopt_param_groups()  # and with each parameter's group index as the groups are now
-                overlap.begin(self._copies_back)  # type: ignore[union-attr]
+                overlap.begin(self._copies_back, take_norms=self.grad_norm_wanted())  # type: ignore[union-attr]
         else:
             self._landing.append(slot)
             slot.landing = "staged" if staged else "direct"
@@ -993,7 +1019,9 @@ class OptimizerOffloader:
             return
         self.take_device_writes()
         if self._clip is not None and self._overlap_mode != "step-closure":
-            self._grad_norm = self._clip.clip(_optimized_params(self.optimizer))
+            self._took_grad_norm(self._clip.clip(_optimized_params(self.optimizer)))
+        else:
+            self.take_grad_norm()
 
     # -- the step overlapped with backward (overlap.py) ----------------------------------------
 
@@ -1027,11 +1055,16 @@ class OptimizerOffloader:
                 "backward and optimizer.step() changes gradients or param groups (clipping: give it to "
                 "clip_grad_norm or clip_grad_value instead; a GradScaler; an LR change)"
             )
+        params = _optimized_params(self.optimizer)
         if clip is not None and clip.by_norm:
-            self._grad_norm = overlap.grad_norm
-        elif clip is not None:  # by value: gradients that did not land in this backward (accumulated) too
+            self._took_grad_norm(overlap.grad_norm)
+        elif overlap.takes_norms:  # from the norms taken as gradients landed; before the clamp below
+            grads = [param.grad for param in params if param.grad is not None]
+            self._took_grad_norm(overlap.norm_of(grads))  # type: ignore[arg-type]
+        if clip is not None and not clip.by_norm:
+            # By value: gradients that did not land in this backward (accumulated) too.
             stepped = {id(master) for master, _, _ in overlap.stepped}
-            clip.clamp([param for param in _optimized_params(self.optimizer) if id(param) not in stepped])
+            clip.clamp([param for param in params if id(param) not in stepped])
         with torch.no_grad():
             for master, grad, _ in overlap.stepped:
                 master.grad = None
@@ -1102,8 +1135,23 @@ class OptimizerOffloader:
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """With ``clip_grad_norm``: the global norm of the gradients of the last step, before
-        clipping (what ``clip_grad_norm_`` returns); None before the first step."""
+        clipping (what ``clip_grad_norm_`` returns); None before the first step. Without it, that
+        of the last step that took one (``stats.grad_norm``)."""
         return self._grad_norm
+
+    def take_grad_norm(self) -> None:
+        """Take the global 2-norm of the step now running's gradients, if ``grad_norm_wanted()``
+        and not taken yet: once every gradient of the step is in place and before anything clips
+        them (under Lightning: at its clipping call, which comes after ``on_before_optimizer_step``,
+        or at the step). Bitwise ``torch.nn.utils.get_total_norm`` of the gradients in the param
+        groups' order. An overlapped step takes it as gradients land instead."""
+        if self._grad_norm_step > self._stats.steps or self._overlap_pending or not self.grad_norm_wanted():
+            return
+        grads = [param.grad for param in _optimized_params(self.optimizer) if param.grad is not None]
+        self._took_grad_norm(total_norm(grads, tensor_norms(grads)))  # type: ignore[arg-type]
+
+    def _took_grad_norm(self, norm: torch.Tensor | None) -> None:
+        self._grad_norm, self._grad_norm_step = norm, self._stats.steps + 1
 
     def takes_clipping(self, clip_val: float | None, algorithm: str | None) -> bool:
         """Under Lightning: whether the clipping Lightning is about to apply (``clip_val``: 0 or
@@ -1150,6 +1198,8 @@ class OptimizerOffloader:
         stepped = [slot for slot in self._slots.values() if slot.master.grad is not None]
         stats = self._stats
         stats.steps += 1
+        taken = self._grad_norm_step == stats.steps and self._grad_norm is not None
+        stats.grad_norm = float(self._grad_norm) if taken else None  # type: ignore[arg-type]
         stats.grad_bytes_out, self._step_grad_bytes = self._step_grad_bytes, 0
         stats.total_grad_bytes_out += stats.grad_bytes_out
         with torch.no_grad():
@@ -1251,6 +1301,7 @@ class OptimizerOffloader:
         try:
             self._give_back()
         finally:  # whatever failed (a device out of memory after an exception), nothing stays hooked or pinned
+            host_grads.release(slot.param for slot in self._slots.values())
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()

@@ -6,6 +6,9 @@ each final gradient is handed to a worker thread, which waits for its copy to ho
 backward goes on (torch's CPU kernels release the GIL). ``optimizer.step()`` then steps only what
 is left.
 
+The gradient norm lightmem logs is taken the same way: each gradient's norm as it lands
+(``takes_norms``, before a clamp by value), their total once the step is taken (``norm_of``).
+
 With clipping (``GradClip``): by value, each gradient is clamped as it lands and stepped at once;
 by norm, each gradient's norm is taken as it lands, and at the end of backward (``end_backward()``)
 the worker scales every gradient by the total and steps them all, without waiting for
@@ -42,7 +45,7 @@ from typing import Any
 
 import torch
 
-from lightmem.offload.grad_clip import GradClip
+from lightmem.offload.grad_clip import GradClip, tensor_norms, total_norm
 
 OVERLAPPABLE = (
     "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop",
@@ -135,7 +138,9 @@ class OverlappedStep:
     ) -> None:  # fmt: skip
         self.optimizer = optimizer
         self.clip = clip
-        self._norms: dict[int, torch.Tensor] = {}  # by norm: id(gradient) -> its norm, as each lands
+        self._norms: dict[int, torch.Tensor] = {}  # id(gradient) -> its norm, as each lands (by norm, or takes_norms)
+        self.takes_norms = False
+        """This step takes each gradient's 2-norm as it lands, before any clipping (``norm_of``)."""
         self._landed: list[_Landing] = []  # by norm: landed this backward, stepped at its end
         self._end_of_backward = False  # by norm: every gradient handed over; clip and step them
         self.grad_norm: torch.Tensor | None = None
@@ -169,9 +174,11 @@ class OverlappedStep:
         """Gradients were handed over since the last commit (or a step already ran for them)."""
         return self._groups is not None
 
-    def begin(self, copies_back: Any) -> None:
+    def begin(self, copies_back: Any, take_norms: bool = False) -> None:
         """The first gradient of a backward whose step follows: the hyperparameters the step uses
-        are those the param groups hold now; ``copies_back`` is read before any host copy is rewritten."""
+        are those the param groups hold now; ``copies_back`` is read before any host copy is
+        rewritten; with ``take_norms`` each gradient's norm is taken as it lands (for ``norm_of``)."""
+        self.takes_norms = take_norms
         self._groups = [
             {name: _kept(value) for name, value in group.items() if name != "params"}
             for group in self.optimizer.param_groups
@@ -281,6 +288,7 @@ class OverlappedStep:
         self._norms.clear()
         self._landed.clear()
         self._backward_ended = False
+        self.takes_norms = False
 
     def close(self) -> None:
         with self._cond:
@@ -341,6 +349,8 @@ class OverlappedStep:
             if last:
                 self._clip_and_step_all()
             return
+        if self.takes_norms:  # before clipping by value writes them
+            self._norms.update(tensor_norms([landing.master.grad for landing in batch]))  # type: ignore[misc]
         if clip is not None:
             clip.clamp([landing.master for landing in batch])
         subsets: dict[int, list[torch.nn.Parameter]] = {}
@@ -363,15 +373,21 @@ class OverlappedStep:
         # Each gradient's version when it landed this backward, or now (an earlier backward's).
         landed_at = {id(landing.master): landing.version for landing in self._landed}
         versions = [landed_at.get(id(param), param.grad._version) for param in with_grads]  # type: ignore[union-attr]
-        missing = [grad for grad in grads if id(grad) not in self._norms]
-        if missing:
-            self._norms.update(clip.norms(missing))  # type: ignore[arg-type]
-        self.grad_norm = clip.total(grads, self._norms)  # type: ignore[arg-type]
+        self.grad_norm = self.norm_of(grads, clip.norm_type)  # type: ignore[arg-type]
         clip.scale(params, self.grad_norm)
         subsets = {index: [param for param in group if param.grad is not None] for index, group in enumerate(self._params)}
         self._step_subsets({index: subset for index, subset in subsets.items() if subset})
         for param, version in zip(with_grads, versions):
             self._stepped(param, version + clip.writes)
+
+    def norm_of(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+        """The global norm of ``grads`` (every gradient of the step, in the parameters' order) from
+        the norms taken as they landed; one not taken (landed by an earlier, accumulating backward
+        of the step) is taken now. Once the worker is idle, before anything clips those."""
+        missing = [grad for grad in grads if id(grad) not in self._norms]
+        if missing:
+            self._norms.update(tensor_norms(missing, norm_type))
+        return total_norm(grads, self._norms, norm_type)
 
     def _step_subsets(self, subsets: dict[int, list[torch.nn.Parameter]]) -> None:
         """The optimizer's own step over ``subsets`` (param group index -> its parameters to step),

@@ -1,61 +1,80 @@
 """Optimizer offload of a Lightning Trainer: every optimizer of a fit, what its strategy allows,
 whether the host step may overlap backward there, and a restored state kept on the host.
 
-``pytorch_lightning`` and ``lightning.pytorch`` Trainers both work: nothing here checks their classes.
+``pytorch_lightning`` and ``lightning.pytorch`` Trainers both work: the strategy is recognised by the
+Lightning class it derives from, in either package (``lightmem.lightning_packages``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from lightmem.config import OptimizerOffloadSettings
+from lightmem.lightning_packages import is_mock_optimizer, is_strategy
 from lightmem.offload.device_dtype import refuse_precision
 from lightmem.offload.grad_clip import GradClip
 from lightmem.offload.optimizer import OptimizerOffloader, _InstanceAttribute, _refuse_bucket_views
 from lightmem.offload.overlap import overlap_refusal
 from lightmem.offload.transport import Transport
 
+# Strategies that shard the model state and offload it their own way, by the Lightning class they
+# derive from; checked before DDP, from which DeepSpeedStrategy derives.
 _STRATEGY_REFUSALS = {
-    "FSDP": "FSDP shards the optimizer state itself and has its own CPU offload: use "
+    "FSDPStrategy": "FSDP shards the optimizer state itself and has its own CPU offload: use "
     "FSDPStrategy(cpu_offload=True) (FSDP2: CPUOffloadPolicy) instead",
-    "DeepSpeed": "DeepSpeed has its own: use DeepSpeedStrategy(offload_optimizer=True)",
+    "DeepSpeedStrategy": "DeepSpeed has its own: use DeepSpeedStrategy(offload_optimizer=True)",
+    "ModelParallelStrategy": "it shards parameters and optimizer state (FSDP2, tensor parallelism): "
+    "apply FSDP2's CPUOffloadPolicy in configure_model instead",
 }
 
 
 def offload_trainer_optimizers(
-    trainer: Any, settings: OptimizerOffloadSettings, transport: Transport | None = None
+    trainer: Any,
+    settings: OptimizerOffloadSettings,
+    transport: Transport | None = None,
+    grad_norm_wanted: Callable[[], bool] | None = None,
 ) -> tuple[list[OptimizerOffloader], str | None]:
     """Offload every optimizer of a Lightning ``trainer`` (after its strategy set them up).
 
-    Returns the offloaders, or none and the reason the option is off (parameters on a device type
-    ``settings.devices`` does not name, e.g. no CUDA). ``pytorch_lightning`` and
-    ``lightning.pytorch`` Trainers both work: nothing here checks their classes.
+    Returns the offloaders, or none and the reason the option is off (no optimizer:
+    ``configure_optimizers`` returned None; parameters on a device type ``settings.devices`` does
+    not name, e.g. no CUDA). ``pytorch_lightning`` and ``lightning.pytorch`` Trainers both work,
+    and so does any subclass of their ``SingleDeviceStrategy`` or ``DDPStrategy``.
 
     Under DDP each rank offloads its own copy; gradients leave once DDP has averaged them (at the
     end of each synchronised backward; under ``no_sync`` accumulation they stay on the device).
 
+    ``grad_norm_wanted()`` says, during a step, whether that step takes the global norm of its
+    gradients (``stats.grad_norm``): before Lightning clips them, or as they land where the step
+    overlaps backward.
+
     Raises:
-        ValueError: naming ``settings.flag("enabled")``, under a strategy other than a single device
-            or DDP (FSDP and DeepSpeed point to their own offload), with DDP's
+        ValueError: naming ``settings.flag("enabled")``, under a strategy that does not derive from
+            ``SingleDeviceStrategy`` or ``DDPStrategy`` or shards the model state (FSDP, DeepSpeed and
+            ``ModelParallelStrategy`` point to their own offload), with DDP's
             ``gradient_as_bucket_view=True``, with a gradient scaler (16-mixed), or with
             ``device_dtype`` under a precision other than bf16-mixed.
     """
     flag = settings.flag("enabled")
-    strategy = type(trainer.strategy).__name__
-    for marker, why in _STRATEGY_REFUSALS.items():
-        if marker.lower() in strategy.lower():
-            raise ValueError(f"{flag}: not available under {strategy}: {why}")
+    optimizers = [optimizer for optimizer in trainer.optimizers if not is_mock_optimizer(optimizer)]
+    if not optimizers:
+        return [], "configure_optimizers returned None: the fit has no optimizer, nothing to offload"
+    strategy, name = trainer.strategy, type(trainer.strategy).__name__
+    for base, why in _STRATEGY_REFUSALS.items():
+        if is_strategy(strategy, base):
+            raise ValueError(f"{flag}: not available under {name}: {why}")
     reducer = None
-    if strategy == "DDPStrategy":
-        reducer = trainer.strategy.model  # the DistributedDataParallel wrapper
+    if is_strategy(strategy, "DDPStrategy"):
+        reducer = strategy.model  # the DistributedDataParallel wrapper
         _refuse_bucket_views(reducer, flag, "use DDPStrategy(gradient_as_bucket_view=False)")
-    elif strategy != "SingleDeviceStrategy":
+    elif not is_strategy(strategy, "SingleDeviceStrategy"):
         raise ValueError(
-            f"{flag}: works with one device per process (SingleDeviceStrategy, DDPStrategy); got {strategy}"
+            f"{flag}: works with one device per process, unsharded (SingleDeviceStrategy, DDPStrategy or a "
+            f"subclass of either); got {name}"
         )
     if getattr(trainer.precision_plugin, "scaler", None) is not None:
         raise ValueError(
@@ -70,7 +89,7 @@ def offload_trainer_optimizers(
         refuse_precision(trainer, settings)  # only where the option is on: a CPU-only run keeps going
     offloaders = []
     clip = GradClip.lightning(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-    for optimizer in trainer.optimizers:
+    for optimizer in optimizers:
         why_not = None if settings.overlap_step is False else _why_no_overlap(trainer, optimizer, reducer, settings)
         if why_not is not None and settings.overlap_step is True:
             raise ValueError(f"{settings.flag('overlap_step')}: not possible in this fit: {why_not}; leave it 'auto' or False")
@@ -79,6 +98,8 @@ def offload_trainer_optimizers(
             model, optimizer, settings=settings, transport=transport, reducer=reducer, overlap=overlap,
             clip=clip if overlap else None,
         )  # fmt: skip
+        if grad_norm_wanted is not None:
+            offloader.grad_norm_wanted = grad_norm_wanted
         offloader.overlap_note = (
             f"host step overlapped with backward{f', {clip} as gradients land' if clip else ''}"
             if overlap
@@ -160,14 +181,20 @@ def _finetuning_sees_device_params(callback: Any, offloaders: list[OptimizerOffl
 
 
 def _clip_in_the_overlapped_step(precision: Any, offloaders: list[OptimizerOffloader]) -> None:
-    """Lightning clips after the closure's backward, through ``precision.clip_gradients``. Where the
-    overlapped step already clipped (as gradients landed), that call is taken as done; anywhere
-    else (a step after backward, another optimizer) Lightning clips as usual."""
+    """Lightning clips after the closure's backward, through ``precision.clip_gradients`` (also
+    ``self.clip_gradients`` under manual optimization). The gradient norm, where the step takes
+    it, is taken before. Where the overlapped step already clipped (as gradients landed), that
+    call is taken as done; anywhere else (a step after backward, another optimizer) Lightning
+    clips as usual."""
     lightnings = precision.clip_gradients
 
     def clip_gradients(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None, **kwargs: Any) -> None:
+        stepped = getattr(optimizer, "_optimizer", optimizer)  # manual optimization passes a LightningOptimizer
         for offloader in offloaders:
-            if offloader.optimizer is optimizer and offloader.takes_clipping(clip_val, gradient_clip_algorithm):
+            if offloader.optimizer is not stepped:
+                continue
+            offloader.take_grad_norm()
+            if offloader.takes_clipping(clip_val, gradient_clip_algorithm):
                 return
         if gradient_clip_algorithm is not None:
             kwargs["gradient_clip_algorithm"] = gradient_clip_algorithm
@@ -202,6 +229,29 @@ _BETWEEN_BACKWARD_AND_STEP = (
 )  # fmt: skip
 # The precision plugin's clipping, which the overlapped step replaces: overridden, it may clip otherwise.
 _PRECISION_CLIPPING = ("clip_gradients", "clip_grad_by_norm", "clip_grad_by_value")
+
+
+# Hooks that run between the backward of an optimizer step and the step, where user code reads
+# gradients (Lightning's grad_norm recipe, clipping of one's own): param.grad of the model is None there.
+_READ_GRADIENTS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
+
+
+def gradient_readers(trainer: Any) -> list[str]:
+    """Where user code runs between backward and the optimizer step, as ``Class.hook``: the
+    LightningModule's and the callbacks' overrides of ``on_after_backward``,
+    ``on_before_optimizer_step`` and ``configure_gradient_clipping``, and under manual optimization
+    the module's ``training_step``. Under optimizer offload ``param.grad`` of the model is None
+    there (``lightmem.named_grads`` reads the host gradients)."""
+    module = trainer.lightning_module
+    found = [
+        f"{type(owner).__name__}.{name}"
+        for owner in (module, *trainer.callbacks)
+        for name in _READ_GRADIENTS
+        if _defined_by_user(owner, name)
+    ]
+    if not module.automatic_optimization:
+        found.append(f"{type(module).__name__}.training_step (manual optimization, after manual_backward)")
+    return found
 
 
 def _defined_by_user(instance: Any, name: str) -> bool:
