@@ -147,6 +147,22 @@ def test_a_block_never_spans_two_chunks(gpu, monkeypatch):
     off.release_host_memory()
 
 
+def test_the_simulated_gpu_counts_a_copy_over_two_registrations_as_pageable(gpu):
+    # Two cudaHostRegister calls over adjacent ranges: CUDA does not promise that a copy spanning
+    # both is a page-locked copy, so the simulation never treats it as one.
+    host = torch.empty(2 * 4096, dtype=torch.uint8)
+    gpu.runtime.cudaHostRegister(host.data_ptr(), 4096, 0)
+    gpu.runtime.cudaHostRegister(host.data_ptr() + 4096, 4096, 0)
+    _, to_host, _ = gpu.streams(torch.device("cpu"))
+    source = torch.ones(2048, dtype=torch.uint8)
+    gpu.copy_to_host(host[1024:3072], source, to_host)  # inside the first registration
+    assert gpu.pageable_copies == 0
+    gpu.copy_to_host(host[3072:5120], source, to_host)  # over both
+    gpu.synchronize()
+    assert gpu.pageable_copies == 1
+    assert torch.equal(host[1024:5120], torch.ones(4096, dtype=torch.uint8))
+
+
 def test_prepare_host_stays_within_the_host_budget(gpu):
     off = _offloader(gpu, _Chain(), host_budget=300 * KiB)
     assert off.prepare_host(SAVES * NBYTES) == 300 * KiB
