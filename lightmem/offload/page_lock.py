@@ -1,10 +1,11 @@
 """Page-locking host memory with ``cudaHostRegister``: the calls, their errors and counters, and
 the chunks page-locked on background threads ahead of need (the warm start, docs/host-pool.md).
 
-A registration of fresh memory is mostly page population: one ``cudaHostRegister`` call faults
-every page in on one core (15.8 s for 51.6 GB on an H100 host, 3.3 GB/s, issue 37). So a chunk is
-made in three stages on a background thread: allocated, its pages touched from torch's intra-op
-threads (``PREFAULT``), then registered; ``REGISTER_THREADS`` chunks are made at once (ctypes
+One ``cudaHostRegister`` call of 51.6 GB of fresh memory took 15.8 s on an H100 host (3.3 GB/s,
+issue 37), on the training thread; much of that is expected to be page population, which one call
+does on one core (not measured yet: ``benchmarks/warm_start.py``). So a chunk is made in three
+stages on a background thread: allocated, its pages touched from torch's intra-op threads
+(``PREFAULT``), then registered; ``REGISTER_THREADS`` chunks are made at once (torch's binding
 releases the GIL during the call). A chunk is one registration, so a copy into any range of it is
 into page-locked memory; a range spanning two chunks is never assumed page-locked.
 
@@ -209,13 +210,14 @@ def prefault(buffer: torch.Tensor) -> None:
 class Chunk:
     """Host memory to page-lock in the background: ``tensor`` once registered, or ``error``."""
 
-    __slots__ = ("device", "error", "nbytes", "tensor")
+    __slots__ = ("device", "error", "generation", "nbytes", "tensor")
 
     def __init__(self, nbytes: int, device: torch.device | None) -> None:
         self.nbytes = nbytes
         self.device = device
         self.tensor: torch.Tensor | None = None
         self.error = ""
+        self.generation = 0  # the registrar's, when a thread took it
 
     def make(self) -> None:
         """Allocate, pre-fault and register; a failure is kept in ``error``, never raised."""
@@ -272,24 +274,37 @@ class ChunkRegistrar:
                 thread.start()
 
     def _work(self) -> None:
-        while True:
+        try:
+            while self._make_next():
+                pass
+        except BaseException:  # never a queue that no thread serves, nor a wait that never ends
             with self._lock:
-                if not self._queued:
-                    self._working -= 1
-                    self._changed.notify_all()
-                    return
-                chunk = self._queued.popleft()
-                self._running.append(chunk)
-                generation = self._generation
+                self._working -= 1
+                self._changed.notify_all()
+            raise
+
+    def _make_next(self) -> bool:
+        """Make the next queued chunk; False (this thread then ends) when none is queued."""
+        with self._lock:
+            if not self._queued:
+                self._working -= 1  # under the lock that saw the queue empty: submit starts another
+                self._changed.notify_all()
+                return False
+            chunk = self._queued.popleft()
+            chunk.generation = self._generation
+            self._running.append(chunk)
+        try:
             chunk.make()
+        finally:
             with self._lock:
                 self._running.remove(chunk)
-                wanted = generation == self._generation
+                wanted = chunk.generation == self._generation
                 if wanted:
                     self.done.append(chunk)
                 self._changed.notify_all()
             if not wanted:
                 chunk.give_back()
+        return True
 
     def queued_bytes(self) -> int:
         """Bytes of chunks not yet started (not yet allocated)."""
@@ -301,7 +316,8 @@ class ChunkRegistrar:
         return at once (False) when none could."""
         with self._lock:
             while not self.done:
-                if not any(chunk.nbytes >= nbytes for chunk in (*self._queued, *self._running)):
+                running = [chunk for chunk in self._running if chunk.generation == self._generation]
+                if not any(chunk.nbytes >= nbytes for chunk in (*self._queued, *running)):
                     return False
                 self._changed.wait()
             return True
@@ -313,7 +329,7 @@ class ChunkRegistrar:
             dropped = sum(chunk.nbytes for chunk in self._queued)
             self._queued.clear()
             if running:
-                dropped += sum(chunk.nbytes for chunk in self._running)
+                dropped += sum(chunk.nbytes for chunk in self._running if chunk.generation == self._generation)
                 self._generation += 1
             self._changed.notify_all()
         return dropped
