@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import importlib
 import os
 import sys
+import threading
 from contextlib import nullcontext
 
 import pytest
@@ -11,6 +13,22 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _page_locking_ends_with_its_test(monkeypatch):
+    """Host memory a test page-locked through a fake or simulated runtime is given back through
+    that runtime, before the test's monkeypatches are undone (this fixture needs ``monkeypatch``,
+    so it is torn down first): pools the test dropped are collected, and the background threads
+    page-locking chunks (lightmem.offload.page_lock) have ended."""
+    yield
+    from lightmem.offload import page_lock
+
+    threads = [thread for thread in threading.enumerate() if thread.name.startswith(page_lock.THREAD_NAME)]
+    if threads or page_lock.registration_stats().pinned_bytes:
+        gc.collect()
+        for thread in threads:
+            thread.join(timeout=30)
 
 
 def run_grads(model, loss_fn, context=None, autocast: bool = False, seed: int = 1234, before_backward=None):

@@ -3,7 +3,7 @@ rule behind it, for tests of page-locking on a machine without a GPU."""
 
 from __future__ import annotations
 
-from lightmem.offload import pool
+from lightmem.offload import page_lock
 
 TORCH_CUDART_BINDINGS = (
     "cudaGetErrorString", "cudaProfilerStart", "cudaProfilerStop", "cudaHostRegister",
@@ -92,15 +92,14 @@ class FakeDevice:
 
 
 def use_fake_runtime(monkeypatch, cudart):
-    monkeypatch.setattr(pool, "_cudart", lambda: cudart)
-    monkeypatch.setattr(pool, "_runtime_library", lambda: cudart.library)
-    monkeypatch.setattr(pool, "_cuda_bindings_runtime", lambda: None)
-
+    monkeypatch.setattr(page_lock, "_cudart", lambda: cudart)
+    monkeypatch.setattr(page_lock, "_runtime_library", lambda: cudart.library)
+    monkeypatch.setattr(page_lock, "_cuda_bindings_runtime", lambda: None)
 
 
 
 def use_simulated_runtime(monkeypatch, transport):
     """lightmem's page-locking calls reach the simulated GPU's runtime (``page_locking=True``)."""
-    monkeypatch.setattr(pool, "_cudart", lambda: transport.runtime)
-    monkeypatch.setattr(pool, "_runtime_library", lambda: None)
-    monkeypatch.setattr(pool, "_cuda_bindings_runtime", lambda: None)
+    monkeypatch.setattr(page_lock, "_cudart", lambda: transport.runtime)
+    monkeypatch.setattr(page_lock, "_runtime_library", lambda: None)
+    monkeypatch.setattr(page_lock, "_cuda_bindings_runtime", lambda: None)

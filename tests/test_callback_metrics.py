@@ -93,8 +93,8 @@ def test_metric_groups_can_be_chosen():
     logger = MemoryLogger()
     _fit(LightMem(offload=False, metrics=["host"], log_every_n_steps=1), logger, max_steps=1)
     (_, metrics), = _lightmem_rows(logger)
-    # offload is off: no host buffers of lightmem's to report
-    pool = {"lightmem/memory/host/pinned_GiB", "lightmem/memory/host/pinned_in_use_GiB"}
+    # offload is off: no host buffers of lightmem's to report, nor time page-locking them
+    pool = {f"lightmem/memory/host/{name}" for name in ("pinned_GiB", "pinned_in_use_GiB", "page_lock_ms", "page_lock_wait_ms")}
     assert set(metrics) == {m.key for m in METRICS if m.group == "host"} - pool
 
 
@@ -187,7 +187,7 @@ def test_no_summary_and_no_panels_for_features_that_are_off(tmp_path, capsys):
     accumulator = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
     accumulator.Reload()
     logged = {tag for tag in accumulator.Tags()["scalars"] if tag.startswith("lightmem/memory/")}
-    pool = {"lightmem/memory/host/pinned_GiB", "lightmem/memory/host/pinned_in_use_GiB"}
+    pool = {f"lightmem/memory/host/{name}" for name in ("pinned_GiB", "pinned_in_use_GiB", "page_lock_ms", "page_lock_wait_ms")}
     assert logged == {m.key for m in METRICS if m.group == "host"} - pool
     config = accumulator.Tensors("custom_scalars__config__")[0]
     (category,) = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0]).category

@@ -84,11 +84,22 @@ def _pinned_run(monkeypatch, cudart, model_case="transformer", steps=2, **kwargs
     return off, [w for w in caught if "could not be allocated or page-locked" in str(w.message)]
 
 
-def test_failed_registration_clears_cuda_error_and_keeps_tensors_on_the_device(monkeypatch):
+def test_failed_registration_clears_cuda_error_and_the_step_uses_pageable_memory(monkeypatch):
     cudart = FakeCudart(register_code=712)  # cudaErrorHostMemoryAlreadyRegistered
     off, warned = _pinned_run(monkeypatch, cudart)
-    stats = off.stats  # the second step: the boundary before it tried to page-lock its slab
+    stats = off.stats  # the second step: the boundary before it tried to page-lock its memory
     assert cudart.last_error == 0  # the next kernel launch would raise it otherwise
+    assert stats.host_alloc_failed_bytes == 0 and stats.budget_kept_bytes == 0
+    assert stats.offloaded_bytes + stats.kept_bytes == _eligible_bytes(make_case("transformer"))
+    assert len(warned) == 1 and "CUDA error 712" in str(warned[0].message)
+
+
+def test_without_the_warm_start_a_failed_registration_keeps_the_steps_tensors_on_the_device(monkeypatch):
+    monkeypatch.setattr(pool, "WARM_START", False)  # one slab page-locked at the boundary, as before
+    cudart = FakeCudart(register_code=712)
+    off, warned = _pinned_run(monkeypatch, cudart)
+    stats = off.stats
+    assert cudart.last_error == 0
     assert stats.offloaded_tensors == 0 and stats.budget_kept_bytes == 0
     assert stats.host_alloc_failed_bytes > 0
     assert stats.host_alloc_failed_bytes + stats.kept_bytes == _eligible_bytes(make_case("transformer"))
@@ -102,10 +113,15 @@ def _eligible_bytes(case) -> int:
     return off.stats.offloaded_bytes + off.stats.kept_bytes
 
 
-def test_registration_that_raises_is_not_raised_from_pack(monkeypatch):
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_registration_that_raises_is_not_raised_from_pack(monkeypatch, warm_start):
+    monkeypatch.setattr(pool, "WARM_START", warm_start)
     off, warned = _pinned_run(monkeypatch, FakeCudart(raises=True), model_case="cnn")
-    assert off.stats.offloaded_tensors == 0 and off.stats.host_alloc_failed_bytes > 0
-    assert off.stats.host_alloc_failed_bytes == _eligible_bytes(make_case("cnn")) - off.stats.kept_bytes
+    eligible = _eligible_bytes(make_case("cnn")) - off.stats.kept_bytes
+    if warm_start:  # the chunk failed in the background: the step used pageable memory
+        assert off.stats.offloaded_bytes == eligible and off.stats.host_alloc_failed_bytes == 0
+    else:  # the boundary's registration failed: the step kept its tensors on the device
+        assert off.stats.offloaded_tensors == 0 and off.stats.host_alloc_failed_bytes == eligible
     assert len(warned) == 1 and "cudaHostRegister" in str(warned[0].message)
 
 
@@ -130,14 +146,15 @@ def test_host_allocation_failure_is_not_raised_from_pack_and_retried_next_step(m
     assert off.stats.offloaded_bytes == SAVES * NBYTES and off.stats.host_alloc_failed_bytes == 0
 
 
-def test_first_step_registers_nothing_and_the_step_boundary_registers_one_slab(monkeypatch):
+def test_first_step_registers_nothing_and_the_step_boundary_page_locks_one_chunk(monkeypatch):
     cudart = FakeCudart()
     before = pool.registration_stats()
     off, warned = _pinned_run(monkeypatch, cudart, steps=1)
     assert off.stats.offloaded_tensors > 0 and not warned
     assert cudart.registered == {}  # no cudaHostRegister inside a saved-tensor hook
-    with off:  # the step boundary
+    with off:  # the step boundary: page-locking starts in the background
         pass
+    off.prepare_host(wait=True)
     assert len(cudart.registered) == 1
     after = pool.registration_stats()
     assert after.registrations - before.registrations == 1
@@ -174,7 +191,8 @@ def test_registration_runs_in_the_context_of_the_saved_tensors_device(monkeypatc
     on_cuda_1 = SimpleNamespace(device=torch.device("cuda", 1))  # a rank on cuda:1, no set_device
     block = host_pool.acquire(2**20, on_cuda_1)
     host_pool.release(block)
-    host_pool.end_step()  # page-locks the step's memory as one slab
+    host_pool.end_step()  # page-locks the step's memory as one chunk, in the background
+    host_pool.wait_for_chunks()
     assert list(cudart.registered.values()) == [1]
     assert FakeDevice.current is None
     host_pool.clear()
@@ -421,6 +439,7 @@ def test_step_boundary_page_locks_the_first_steps_memory_also_after_unconsumed_r
     for _ in range(2):
         with off:
             pass
+    off.prepare_host(wait=True)
     assert len(cudart.registered) == 1 and off.host_bytes_in_use == 0
     assert off.host_bytes_held == pool.registration_stats().pinned_bytes - pinned_before
     off.release_host_memory()
@@ -494,9 +513,10 @@ def test_slabs_are_page_locked_even_when_graphs_overlap_every_step_boundary(monk
     transport.synchronize()
     losses.pop().backward()
     # Step 1's copies to host are pageable, and so are their reloads in step 2. The boundary after
-    # step 1 page-locks a slab for one step; step 3 (two steps alive) overflows into a pageable
-    # one, the boundary after it page-locks one for both, and from step 4 on no copy is pageable.
-    assert pageable == [SAVES, 2 * SAVES, 3 * SAVES, 4 * SAVES, 4 * SAVES, 4 * SAVES]
+    # step 1 page-locks a chunk beside the slab still in use, which step 2's copies wait for; step 3
+    # (two steps alive) waits for the chunk the boundary after step 2 queued for the blocks it
+    # carried over. From step 2 on no copy to host is pageable.
+    assert pageable == [SAVES, 2 * SAVES, 2 * SAVES, 2 * SAVES, 2 * SAVES, 2 * SAVES]
     transport.synchronize()
     gc.collect()
     assert off.live_entries == 0

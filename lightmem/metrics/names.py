@@ -47,6 +47,8 @@ METRICS: tuple[Metric, ...] = (
     _m("host/swap_used_GiB", "host", "GiB", "swap in use on the machine", "Host memory, machine (GiB)"),
     _m("host/pinned_GiB", "host", "GiB", "host buffers held by lightmem's offload pool (page-locked on CUDA)", "Host memory, this process (GiB)"),
     _m("host/pinned_in_use_GiB", "host", "GiB", "peak of those buffers holding offloaded activations during the step's last forward and backward (the rest is cached)", "Host memory, this process (GiB)"),
+    _m("host/page_lock_ms", "host", "ms", "time spent page-locking host memory since the last logged step (touching pages and cudaHostRegister), summed over the threads doing it, background ones included", "Host page-locking (ms)"),
+    _m("host/page_lock_wait_ms", "host", "ms", "of that, time a thread needing host memory was held up: registrations on its own thread and waits for a chunk still being page-locked", "Host page-locking (ms)"),
     # The host memory guard (lightmem/host_guard.py): the limit the OOM killer enforces.
     _m("host/limit_GiB", "host", "GiB", "host memory limit of this process: the tightest of its cgroup limit and total RAM", "Host memory limit (GiB)", reduce_max=False),
     _m("host/headroom_GiB", "host", "GiB", "limit less what counts against it (cgroup usage less reclaimable file cache, or process and workers' RSS)", "Host memory limit (GiB)", reduce_max=False),

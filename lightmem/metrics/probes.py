@@ -14,6 +14,7 @@ import psutil
 import torch
 
 from lightmem.metrics.names import GiB, key
+from lightmem.offload import page_lock
 from lightmem.offload.stats import OffloadStats
 
 
@@ -131,7 +132,8 @@ def _bare_uuid(name: str | bytes) -> str:
 
 class HostProbe:
     """This process and this machine through psutil, plus the host buffers lightmem holds
-    (``pool_bytes``; None when offload is off: no such buffers, no such metric)."""
+    (``pool_bytes``; None when offload is off: no such buffers, no such metric) and the time
+    page-locking them took since the last reading (``lightmem.offload.page_lock``)."""
 
     group = "host"
 
@@ -141,6 +143,8 @@ class HostProbe:
         self._process = psutil.Process()
         self._pool_bytes = pool_bytes
         self._pool_in_use_bytes = pool_in_use_bytes
+        self._page_lock_s = 0.0  # the process's totals at the last reading
+        self._page_lock_wait_s = 0.0
 
     def collect(self) -> dict[str, float]:
         values = {
@@ -151,6 +155,11 @@ class HostProbe:
         if self._pool_bytes is not None:
             values[key("host/pinned_GiB")] = self._pool_bytes() / GiB
             values[key("host/pinned_in_use_GiB")] = self._pool_in_use_bytes() / GiB
+            registration = page_lock.registration_stats()
+            total_s = registration.registration_s + registration.prefault_s
+            values[key("host/page_lock_ms")] = (total_s - self._page_lock_s) * 1e3
+            values[key("host/page_lock_wait_ms")] = (registration.blocked_s - self._page_lock_wait_s) * 1e3
+            self._page_lock_s, self._page_lock_wait_s = total_s, registration.blocked_s
         return values
 
     def end_step(self) -> None:

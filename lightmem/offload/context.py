@@ -17,6 +17,7 @@ from lightmem.config import (
     DEFAULT_MIN_BYTES,
     DEFAULT_PREFETCH,
     OffloadSettings,
+    parse_size,
     warn_once,
 )
 from lightmem.offload.hooks import Offloader
@@ -315,8 +316,58 @@ class ActivationOffloader:
         return self._offloader.resident_bytes
 
     def release_host_memory(self) -> None:
-        """Give cached host buffers back to the OS (buffers still in use are kept)."""
+        """Give cached host buffers back to the OS (buffers still in use are kept); page-locking
+        under way is cancelled (a registration already in its call is waited for, then undone)."""
         self._pool.clear()
+
+    def prepare_host(
+        self, nbytes: int | str = 0, *, device: torch.device | int | str | None = None, wait: bool = False
+    ) -> int:
+        """Page-lock host memory for ``nbytes`` of offloaded activations ahead of need, on
+        background threads, so that the first steps copy into page-locked memory.
+
+        Without it the first step of a large offload copies into pageable memory (the CUDA
+        runtime stages those copies, synchronously) and the next step boundary page-locks it.
+        Call it before the first forward with the host bytes one step will hold: the planner's
+        prediction, or ``stats.peak_host_bytes`` of a step already run. The pool page-locks
+        ``HEADROOM`` (1.25) times that in chunks, within ``host_budget`` and
+        ``host_min_available``; requests of the first forward wait for a chunk under way rather
+        than take pageable memory. Memory the steps do not use goes back after
+        ``TRIM_WINDOW_STEPS`` (8) steps. Without CUDA it does nothing.
+
+        Args:
+            nbytes: host bytes one step holds: bytes or a size string (``"48GiB"``); 0 asks for
+                nothing more (with ``wait``: waits for what is under way).
+            device: the CUDA device whose context registers the memory (default: that of the
+                model's first CUDA parameter, else the current device).
+            wait: return only once every chunk is page-locked (a loop that would rather wait
+                here than in its first forward).
+
+        Returns:
+            The bytes queued for page-locking now: 0 without CUDA, or when the pool already
+            holds or is page-locking that much, or when the budget leaves no room.
+
+        Raises:
+            ValueError: ``nbytes`` is not a size.
+
+        Example::
+
+            >>> import torch
+            >>> from lightmem import offload_activations
+            >>> model = torch.nn.Linear(8, 8)
+            >>> off = offload_activations(model, devices=("cpu",))
+            >>> off.prepare_host("1GiB")  # nothing to page-lock without CUDA
+            0
+        """
+        wanted = parse_size(nbytes, flag="prepare_host(nbytes)")
+        if device is not None:
+            device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        elif self.model is not None:
+            device = next((p.device for p in self.model.parameters() if p.device.type == "cuda"), None)
+        queued = self._pool.prepare(wanted, device) if wanted else 0
+        if wait:
+            self._pool.wait_for_chunks()
+        return queued
 
 
 def _add_state_storages(module: nn.Module, protected: set[int]) -> None:

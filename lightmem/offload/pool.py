@@ -20,42 +20,63 @@ views into it. On CUDA a slab is ordinary host memory page-locked with ``cudaHos
 exact size (docs/offload-protocol.md says why not torch's pinned allocator), in the context of
 the device whose tensors it holds (a rank on ``cuda:k`` creates no context on GPU 0).
 
-Page-locking costs milliseconds per slab, so it never runs inside a saved-tensor hook: slabs made
-during a step (the first step, a step larger than any before) stay pageable, and copies into them
-are staged by the CUDA runtime (synchronous for that step only); at the next step boundary they are
-replaced by one slab, which is page-locked there, once. ``registration_stats()`` reports the
-page-locked bytes held in the process and the time registration took.
+Page-locking never runs on the training thread (the warm start, docs/host-pool.md). Memory is
+page-locked in chunks on background threads (``lightmem.offload.page_lock``), each chunk its own
+slab that joins the pool once registered, ahead of the slabs still pageable, so a block never
+spans two registrations:
+
+- ``prepare(nbytes)``, called by whoever knows the host bytes a step will need before its first
+  forward, queues ``HEADROOM`` times that (within the budget and the RAM floor); the window's
+  bound keeps room for it during ``TRIM_WINDOW_STEPS`` step boundaries;
+- at each step boundary, page-locked chunks are queued for what the last step took in pageable
+  memory (within the window's bound), and pageable slabs with nothing in use are given back.
+
+A request that finds no room waits for a chunk being page-locked that could hold it
+(``WAIT_FOR_CHUNKS``), rather than take fresh pageable memory, whose copies the CUDA runtime stages
+synchronously after faulting its pages in; where none could, it gets a pageable slab as before.
+``WARM_START = False`` restores the behaviour before: slabs made during a step stay pageable and
+are replaced at the next step boundary by one slab page-locked there, on the training thread.
+``registration_stats()`` reports the page-locked bytes held in the process, the time registration
+took and the time a thread waited for it.
 
 A slab that cannot be allocated or page-locked is never an error of the caller's: CUDA's last
-error is cleared (``cudaGetLastError`` through ``cuda.bindings`` where installed, else through the
-CUDA runtime library torch loaded: torch's own ``_cudart`` does not bind it), the request is
-refused (the tensor stays on the device, counted by the offloader), one warning says so, and the
-pool does not try again before the next step boundary.
+error is cleared, one warning says so, and the pool tries again at the next step boundary. A
+pageable slab that cannot be allocated refuses the request (the tensor stays on the device,
+counted by the offloader); a chunk that cannot be page-locked leaves its requests to pageable
+memory.
 
 Releases come from ``__del__`` finalizers that garbage collection may run on any thread, also
 inside ``acquire`` on the same thread. ``release`` therefore never blocks: it appends to a queue
 (``deque.append`` is atomic) and drains it only if the lock is free; whatever it could not drain
 is drained at the next ``acquire``, ``end_step`` or read of the byte counters. Memory still
 written by a queued copy is never given back: a dropped pool waits for its pending copies first.
+The background threads never take the pool's lock: a chunk they made waits in a queue of their
+own until the pool, under its lock, adopts it.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
-import ctypes
 import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightmem.compiled import never_traced
 from lightmem.config import available_ram_bytes
+from lightmem.offload.page_lock import (
+    ChunkRegistrar,
+    HostAllocationError,
+    RegistrationStats,
+    count,
+    page_locked_empty,
+    registration_stats,
+    unregister,
+)
 
 if TYPE_CHECKING:
     from lightmem.offload.transport import Transport
@@ -66,6 +87,22 @@ TRIM_WINDOW_STEPS = 8
 """Steps (offload context entries) whose peak the pool keeps room for after they have passed."""
 ALIGN_BYTES = 512
 """Every block starts and ends on this boundary."""
+WARM_START = True
+"""Page-lock in chunks on background threads (the module docstring); False: one slab page-locked at
+the step boundary on the training thread, as before (``benchmarks/warm_start.py`` compares them)."""
+WAIT_FOR_CHUNKS = True
+"""A request that finds no room waits for a chunk being page-locked that could hold it, rather
+than take fresh pageable memory (faulted in, then copied synchronously by the CUDA runtime)."""
+CHUNK_FIRST_BYTES = 256 * 2**20
+"""The first chunk queued at once: small, so page-locked memory is ready soon."""
+CHUNK_MAX_BYTES = 2 * 2**30
+"""Chunk sizes double from ``CHUNK_FIRST_BYTES`` up to this (or the largest request, if larger)."""
+
+__all__ = [
+    "ALIGN_BYTES", "CHUNK_FIRST_BYTES", "CHUNK_MAX_BYTES", "HEADROOM", "TRIM_WINDOW_STEPS",
+    "WAIT_FOR_CHUNKS", "WARM_START", "HostAllocationError", "HostBlock", "HostPool", "HostSlab",
+    "RegistrationStats", "chunk_sizes", "registration_stats", "size_class",
+]  # fmt: skip
 
 _POISON_BYTE = 0xFF  # every float dtype reads 0xFF.. bytes as NaN
 _PENDING_POLL_S = 1e-4
@@ -77,6 +114,23 @@ def size_class(nbytes: int) -> int:
     return max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
 
 
+def chunk_sizes(nbytes: int, at_least: int = 0) -> list[int]:
+    """Chunks for ``nbytes`` of page-locked memory: from ``CHUNK_FIRST_BYTES`` doubling up to
+    ``CHUNK_MAX_BYTES``, none under ``at_least`` (the largest request to hold); a rest smaller than
+    the first chunk joins the last one. Sizes are multiples of ``ALIGN_BYTES``."""
+    sizes: list[int] = []
+    remaining = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    size = CHUNK_FIRST_BYTES
+    while remaining > 0:
+        take = min(max(size, at_least), remaining)
+        if remaining - take < CHUNK_FIRST_BYTES:
+            take = remaining
+        sizes.append(take)
+        remaining -= take
+        size = min(2 * size, CHUNK_MAX_BYTES)
+    return sizes
+
+
 class HostSlab:
     """One host allocation of ``capacity`` bytes, carved into blocks; free ranges sorted by offset."""
 
@@ -86,13 +140,19 @@ class HostSlab:
 
     def __init__(
         self, capacity: int, pin: bool, poison: bool, on_free: Callable[[torch.Tensor], None] | None = None,
-        device: torch.device | None = None,
+        device: torch.device | None = None, page_locked: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
+        """``page_locked``: the slab's memory, already registered (a chunk made in the background)."""
         self.capacity = capacity
         self.device = device
         self.on_free = None
         self.registered = False
-        self.tensor = _pinned_empty(capacity, device) if pin else torch.empty(capacity, dtype=torch.uint8)
+        if page_locked is not None:
+            self.tensor = page_locked
+        elif pin:
+            self.tensor = page_locked_empty(capacity, device)
+        else:
+            self.tensor = torch.empty(capacity, dtype=torch.uint8)
         self.registered = pin
         self.on_free = on_free
         if poison:
@@ -156,7 +216,7 @@ class HostSlab:
             on_free(self.tensor)
         if self.registered:
             self.registered = False
-            _unregister(self.tensor, self.device)
+            unregister(self.tensor, self.device)
 
 
 class HostBlock:
@@ -199,131 +259,6 @@ class HostBlock:
     def tensor(self) -> torch.Tensor:
         """The block's bytes as a uint8 tensor."""
         return self.slab.tensor[self.offset : self.offset + self.capacity]
-
-
-class HostAllocationError(RuntimeError):
-    """Host memory for a slab could not be allocated or page-locked (CUDA's error already cleared)."""
-
-
-@dataclass
-class RegistrationStats:
-    """Page-locking in this process: what ``registration_stats()`` returns."""
-
-    pinned_bytes: int = 0
-    """Host bytes page-locked by lightmem's pools now."""
-    registrations: int = 0
-    registration_s: float = 0.0
-    """Seconds spent in ``cudaHostRegister`` (all at step boundaries, never inside a hook)."""
-    failures: int = 0
-    """Registrations and unregistrations CUDA refused (each error was cleared)."""
-
-
-_REGISTRATION = RegistrationStats()
-
-
-def registration_stats() -> RegistrationStats:
-    """A copy of the process's page-locking counters (``python -m lightmem.selfcheck`` reports them)."""
-    return RegistrationStats(**vars(_REGISTRATION))
-
-
-def _cudart() -> Any:
-    """torch's CUDA runtime binding (one indirection, so tests drive its failures on a CPU). It
-    binds cudaHostRegister/Unregister but not cudaGetLastError: see ``_clear_cuda_error``."""
-    return torch.cuda.cudart()
-
-
-_runtime_cache: list[Any] = []
-
-
-def _runtime_library() -> Any:
-    """The CUDA runtime shared library torch loaded (ctypes), or ``None`` where none is loaded."""
-    if not _runtime_cache:
-        library = None
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = {line.split()[-1] for line in maps if "libcudart" in line}
-            for path in sorted(paths):
-                library = ctypes.CDLL(path)
-                break
-        except OSError:
-            pass
-        _runtime_cache.append(library)
-    return _runtime_cache[0]
-
-
-def _cuda_bindings_runtime() -> Any:
-    """``cuda.bindings.runtime`` (NVIDIA's cuda-python) where installed, else ``None``."""
-    try:
-        from cuda.bindings import runtime
-    except Exception:
-        return None
-    return runtime
-
-
-def _clear_cuda_error() -> None:
-    """Reset CUDA's per-thread last error, which a failed runtime call leaves set: the next kernel
-    launch's check would raise it as an unrelated "CUDA error" far from here."""
-    runtime = _cuda_bindings_runtime()
-    if runtime is not None:
-        runtime.cudaGetLastError()
-        return
-    library = _runtime_library()
-    if library is not None:
-        library.cudaGetLastError()
-
-
-@contextlib.contextmanager
-def _device_context(device: torch.device | None) -> Iterator[None]:
-    """The CUDA context of ``device`` (registration runs in it; not the current device's)."""
-    if device is None or device.type != "cuda" or device.index is None:
-        yield
-        return
-    with torch.cuda.device(device.index):
-        yield
-
-
-def _pinned_empty(nbytes: int, device: torch.device | None = None) -> torch.Tensor:
-    """Exact-size host memory page-locked with ``cudaHostRegister`` in ``device``'s context.
-
-    Raises ``HostAllocationError`` when registration fails, after clearing the error the failed
-    call left in CUDA's per-thread last error.
-    """
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    start = time.perf_counter()
-    try:
-        cudart = _cudart()
-        with _device_context(device):
-            code = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
-    except Exception as error:  # no CUDA runtime, or the binding raised
-        _REGISTRATION.failures += 1
-        raise HostAllocationError(f"cudaHostRegister of {nbytes} bytes raised {error!r}") from None
-    finally:
-        _REGISTRATION.registration_s += time.perf_counter() - start
-    if code != 0:
-        _REGISTRATION.failures += 1
-        _clear_cuda_error()
-        raise HostAllocationError(f"cudaHostRegister of {nbytes} bytes returned CUDA error {code}")
-    _REGISTRATION.registrations += 1
-    _REGISTRATION.pinned_bytes += nbytes
-    return buffer
-
-
-def _unregister(buffer: torch.Tensor, device: torch.device | None) -> None:
-    """``cudaHostUnregister`` with its return checked: a failure is cleared and warned about once
-    (the memory is then still page-locked, and freeing it is CUDA's business)."""
-    _REGISTRATION.pinned_bytes -= buffer.nbytes
-    try:
-        with _device_context(device):
-            code = int(_cudart().cudaHostUnregister(buffer.data_ptr()))
-    except Exception as error:
-        code, detail = -1, repr(error)
-    else:
-        detail = f"CUDA error {code}"
-    if code != 0:
-        _REGISTRATION.failures += 1
-        if code > 0:
-            _clear_cuda_error()
-        warnings.warn(f"lightmem: cudaHostUnregister of {buffer.nbytes} bytes failed ({detail})", stacklevel=2)
 
 
 class HostPool:
@@ -386,6 +321,15 @@ class HostPool:
         self._done: Callable[[Any], bool] = transport.done
         # Test transports check that no queued copy touches memory that is reused or given back.
         self._on_free = transport.poison if transport.poison_released else None
+        # The warm start (module docstring): chunks page-locked in the background, counted in
+        # held bytes from when they are queued until adopted (or failed, or cancelled).
+        self._registrar = ChunkRegistrar() if self._pin else None
+        self._warming_bytes = 0
+        self._prepared_bytes = 0  # HEADROOM x what prepare() was told, kept room for ...
+        self._prepared_boundaries = 0  # ... during this many more step boundaries
+        self._pageable_bytes = 0  # in use in slabs that are not page-locked (with page-locking on)
+        self._step_pageable_peak = 0
+        self._step_pageable_largest = 0  # the largest block that went to pageable memory this step
 
     @property
     def held_bytes(self) -> int:
@@ -422,6 +366,8 @@ class HostPool:
             else:
                 if self._recent:
                     self._merge_recent()
+                if self._registrar is not None and self._registrar.done:
+                    self._adopt()
                 slabs = self._slabs
                 first = self._no_room_below.get(size, 0)
                 for index in range(first, len(slabs)):
@@ -442,6 +388,12 @@ class HostPool:
                 self._overflow_bytes += size
                 if self._overflow_bytes > self._step_overflow_peak:
                     self._step_overflow_peak = self._overflow_bytes
+            if self._pin and not block.slab.registered:
+                pageable = self._pageable_bytes = self._pageable_bytes + size
+                if pageable > self._step_pageable_peak:
+                    self._step_pageable_peak = pageable
+                if size > self._step_pageable_largest:
+                    self._step_pageable_largest = size
             block.requested = nbytes
             self._requested_bytes = requested
             if requested > self._step_peak_requested:
@@ -454,6 +406,10 @@ class HostPool:
     def _grow(self, size: int, requested: int, storage: torch.UntypedStorage | None) -> HostBlock | None:
         if storage is not None:
             self._device = storage.device
+        if self._registrar is not None and WAIT_FOR_CHUNKS:
+            block = self._wait_for_chunk(size)
+            if block is not None:
+                return block
         step_peak = max(self._step_peak_requested, requested)
         limit = max(self._limit_bytes, int(step_peak * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES)
         if self._held_bytes + size > limit:
@@ -463,6 +419,9 @@ class HostPool:
         excess = self._held_bytes + slab_bytes - self.budget_bytes
         if excess > 0:
             self._free_empty_slabs(excess)
+            if self._held_bytes + size > self.budget_bytes and self._registrar is not None:
+                # No chunk under way could hold it: chunks not yet started give it their budget.
+                self._release_reservation(self._registrar.cancel(running=False))
             if self._held_bytes + size > self.budget_bytes:
                 return None
             slab_bytes = max(size, self.budget_bytes - self._held_bytes)
@@ -481,16 +440,11 @@ class HostPool:
         try:
             slab = HostSlab(capacity, pin, self._poison, self._on_free, self._device)
         except Exception as error:  # host OOM or a failed registration: never the caller's error
-            self.alloc_failures += 1
             self.alloc_failed = True
-            self.alloc_error = str(error)
-            if self.alloc_failures == 1:  # one warning per pool, whatever the bytes asked each time
-                warnings.warn(
-                    "lightmem: host memory for offload could not be allocated or page-locked "
-                    f"({error}); saved tensors that needed more stay on the device (counted in "
-                    "OffloadStats.host_alloc_failed_bytes) and the pool tries again each step",
-                    stacklevel=2,
-                )
+            self._note_failure(
+                str(error), "saved tensors that needed more stay on the device (counted in "
+                "OffloadStats.host_alloc_failed_bytes) and the pool tries again each step",
+            )  # fmt: skip
             return None
         self._slabs.append(slab)
         self.allocations += 1
@@ -498,6 +452,130 @@ class HostPool:
         if self._held_bytes > self.peak_held_bytes:
             self.peak_held_bytes = self._held_bytes
         return slab
+
+    def prepare(self, nbytes: int, device: torch.device | None = None) -> int:
+        """Queue page-locking, in the background, for a step that will hold ``nbytes`` of blocks:
+        ``HEADROOM`` times that, less what is held page-locked or under way, within the budget
+        and the RAM floor. Returns the bytes queued (0 without page-locking or ``WARM_START``)."""
+        if self._registrar is None or not WARM_START:
+            return 0
+        with self._lock:
+            if device is not None:
+                self._device = device
+            if self._registrar.done:
+                self._adopt()
+            wanted = min(int(nbytes * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES, self.budget_bytes)
+            self._prepared_bytes = wanted
+            self._prepared_boundaries = TRIM_WINDOW_STEPS
+            self._limit_bytes = max(self._limit_bytes, wanted)
+            return self._warm(wanted - self._page_locked_bytes() - self._warming_bytes)
+
+    def wait_for_chunks(self) -> None:
+        """Block until every chunk queued has been page-locked (or has failed) and joined the pool."""
+        if self._registrar is None:
+            return
+        start = time.perf_counter()
+        self._registrar.join()
+        count(blocked_s=time.perf_counter() - start)
+        with self._lock:
+            self._adopt()
+
+    def _page_locked_bytes(self) -> int:
+        return sum(slab.capacity for slab in self._slabs if slab.registered)
+
+    def _warm(self, wanted: int, at_least: int = 0) -> int:
+        """Under the lock: queue chunks for ``wanted`` bytes (each at least ``at_least``) within
+        the budget and the RAM floor; they count as held from now on. Returns the bytes queued."""
+        assert self._registrar is not None
+        room = min(
+            self.budget_bytes - self._held_bytes,
+            available_ram_bytes() - self.min_available_bytes - self._registrar.queued_bytes(),
+        )
+        if wanted <= 0:
+            return 0
+        sizes = chunk_sizes(min(max(wanted, at_least), room), at_least)
+        if not sizes:
+            return 0
+        queued = sum(sizes)
+        self._warming_bytes += queued
+        self._held_bytes += queued
+        if self._held_bytes > self.peak_held_bytes:
+            self.peak_held_bytes = self._held_bytes
+        device = self._device
+        if device is not None and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # the background thread's is 0
+        self._registrar.submit(sizes, device)
+        return queued
+
+    def _adopt(self) -> list[HostSlab]:
+        """Under the lock: the chunks made since the last call join the pool, ahead of the
+        pageable slabs; returns them. A chunk that failed warns once and gives its bytes back."""
+        assert self._registrar is not None
+        adopted = []
+        done = self._registrar.done
+        while done:
+            chunk = done.popleft()
+            self._warming_bytes -= chunk.nbytes
+            if chunk.tensor is None:
+                self._held_bytes -= chunk.nbytes
+                self._note_failure(
+                    chunk.error, "saved tensors go to pageable host memory instead (copies there are staged "
+                    "and synchronous) and the pool tries again at each step boundary",
+                )  # fmt: skip
+                self._release_reservation(self._registrar.cancel())  # the rest would fail alike
+                continue
+            slab = HostSlab(
+                chunk.nbytes, True, self._poison, self._on_free, chunk.device, page_locked=chunk.tensor
+            )  # fmt: skip
+            chunk.tensor = None
+            slabs = self._slabs
+            index = next((i for i, other in enumerate(slabs) if not other.registered), len(slabs))
+            if index == 0 and slabs:  # the main slab changes: blocks in the old one count as overflow
+                if self._recent:
+                    self._merge_recent()
+                self._overflow_bytes += slabs[0].used
+            slabs.insert(index, slab)
+            self.allocations += 1
+            adopted.append(slab)
+        if adopted:
+            self._no_room_below = {}
+        return adopted
+
+    def _release_reservation(self, nbytes: int) -> None:
+        self._warming_bytes -= nbytes
+        self._held_bytes -= nbytes
+
+    def _wait_for_chunk(self, size: int) -> HostBlock | None:
+        """Under the lock, in ``acquire``: a block of ``size`` from a chunk page-locked in the
+        background, waiting for the chunks under way that could hold it; ``None`` when none can.
+        The background threads never take the pool's lock, so holding it while waiting is safe."""
+        registrar = self._registrar
+        assert registrar is not None
+        waited_s, waits = 0.0, 0
+        try:
+            while True:
+                for slab in self._adopt():
+                    block = slab.take(size)
+                    if block is not None:
+                        return block
+                start = time.perf_counter()
+                if not registrar.wait_for(size):
+                    return None
+                waited_s += time.perf_counter() - start
+                waits += 1
+        finally:
+            if waits:
+                count(blocked_s=waited_s, chunk_waits=waits)
+
+    def _note_failure(self, error: str, consequence: str) -> None:
+        self.alloc_failures += 1
+        self.alloc_error = error
+        if self.alloc_failures == 1:  # one warning per pool, whatever the bytes asked each time
+            warnings.warn(
+                "lightmem: host memory for offload could not be allocated or page-locked "
+                f"({error}); {consequence}",
+                stacklevel=3,
+            )
 
     def release(self, block: HostBlock, event: Any = None) -> None:
         """Return ``block`` once ``event`` has completed. Never blocks: safe from finalizers."""
@@ -526,10 +604,21 @@ class HostPool:
             self._window_bytes.append(max(self._step_peak_bytes, self._step_demand_bytes))
             self._step_demand_requested = self._step_demand_bytes = 0
             overflow_peak = self._step_overflow_peak
+            pageable_peak, pageable_largest = self._step_pageable_peak, self._step_pageable_largest
             # Blocks of graphs still alive carry over into the next step.
             self._step_peak_requested = self._requested_bytes
             self._step_peak_bytes = self._step_overflow_peak = self._in_use_bytes
-            self._limit_bytes = limit = int(max(self._window) * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES
+            self._step_pageable_peak, self._step_pageable_largest = self._pageable_bytes, 0
+            limit = int(max(self._window) * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES
+            if self._prepared_boundaries:
+                self._prepared_boundaries -= 1
+                limit = max(limit, self._prepared_bytes)
+            self._limit_bytes = limit
+            if self._registrar is not None and WARM_START:
+                self._warm_for_next_step(pageable_peak, pageable_largest, limit)
+                if not (self._in_use_bytes or self._pending):
+                    self._overflow_bytes = 0
+                return
             if self._pin and self._slabs and self._slabs[0].registered:
                 self._free_empty_pageable()
             if self._in_use_bytes or self._pending:
@@ -551,6 +640,24 @@ class HostPool:
                 if target and available_ram_bytes() - target >= self.min_available_bytes:
                     self._new_slab(target, pin=self._pin)
             self._overflow_bytes = 0
+
+    def _warm_for_next_step(self, pageable_peak: int, pageable_largest: int, limit: int) -> None:
+        """Under the lock, at a step boundary with the warm start: pageable slabs with nothing in
+        use go back (page-locked chunks take their bytes), page-locked ones past the window's
+        bound too; chunks are queued for what the last step needed in pageable memory, each
+        large enough for its largest block, within the bound."""
+        if self._registrar.done:  # type: ignore[union-attr]
+            self._adopt()
+        if self._recent:
+            self._merge_recent()
+        for slab in [slab for slab in self._slabs if slab.used == 0 and not slab.registered]:
+            self._slabs.remove(slab)
+            self._close(slab)
+        if self._held_bytes > limit:
+            self._free_empty_slabs(self._held_bytes - limit)
+        planned = self._page_locked_bytes() + self._warming_bytes
+        target = min(max(max(self._window_bytes), planned + pageable_peak), limit, self.budget_bytes)
+        self._warm(target - planned, pageable_largest)
 
     def _page_lock_beside(self, overflow_peak: int, limit: int) -> None:
         """Under the lock: a page-locked slab for the window's peak (the blocks carried over from
@@ -601,9 +708,17 @@ class HostPool:
         return self._held_bytes
 
     def clear(self) -> None:
-        """Give every slab with nothing in use back to the OS (blocks in use stay with their owners)."""
+        """Give every slab with nothing in use back to the OS (blocks in use stay with their owners);
+        page-locking under way is cancelled, and waited for where a registration is in a call."""
         with self._lock:
             self._drain()
+            if self._registrar is not None:
+                self._release_reservation(self._registrar.cancel())
+                start = time.perf_counter()
+                self._registrar.join()  # its threads give back what they were registering
+                count(blocked_s=time.perf_counter() - start)
+                self._adopt()  # chunks made before the cancel
+                self._prepared_boundaries = 0
             self._free_empty_slabs(self._held_bytes)
 
     def _try_drain(self) -> None:
@@ -637,6 +752,8 @@ class HostPool:
         size = block.capacity
         self._in_use_bytes -= size
         self._requested_bytes -= block.requested
+        if self._pin and not block.slab.registered:
+            self._pageable_bytes -= size
         if block.slab is not self._slabs[0]:
             self._overflow_bytes -= size
         recent = self._recent.get(size)
@@ -686,5 +803,10 @@ class HostPool:
             if event is not None:
                 while not self._done(event):
                     time.sleep(_PENDING_POLL_S)
+        registrar = self._registrar
+        if registrar is not None:  # its threads give back what they are registering, unwaited
+            registrar.cancel()
+            while registrar.done:
+                registrar.done.popleft().give_back()
         for slab in self._slabs:
             slab.close()  # also breaks the slab <-> cached block cycle, so the memory goes now

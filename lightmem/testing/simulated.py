@@ -373,13 +373,36 @@ class _PinnedAllocator:
 
 class _Runtime:
     """What lightmem calls of ``torch.cuda.cudart()`` to page-lock host memory, on the simulated GPU:
-    registrations are ranges the copies consult (``SimulatedAsyncTransport(page_locking=True)``)."""
+    registrations are ranges the copies consult (``SimulatedAsyncTransport(page_locking=True)``).
+
+    A registration takes effect when its call returns, as on CUDA. Tests order background
+    registrations without sleeping: ``hold_registrations()`` makes calls wait (``waiting`` is set
+    while one does) until ``release_registrations()``; ``register_threads`` lists the thread of
+    each call; ``register_error`` makes calls fail with that CUDA error code."""
 
     def __init__(self, transport: SimulatedAsyncTransport) -> None:
         self._transport = weakref.ref(transport)
         self.ranges: dict[int, int] = {}  # start address -> bytes
+        self.register_threads: list[int] = []
+        self.register_error = 0
+        self.waiting = threading.Event()
+        self._open = threading.Event()
+        self._open.set()
+
+    def hold_registrations(self) -> None:
+        """``cudaHostRegister`` calls from now on wait before they take effect, until released."""
+        self._open.clear()
+
+    def release_registrations(self) -> None:
+        self._open.set()
 
     def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:  # noqa: N802
+        self.register_threads.append(threading.get_ident())
+        if not self._open.is_set():
+            self.waiting.set()
+            self._open.wait()
+        if self.register_error:
+            return self.register_error
         self.ranges[pointer] = nbytes
         return 0
 
@@ -539,10 +562,14 @@ class SimulatedAsyncTransport:
         self._pinned.empty_cache()
 
     def is_page_locked(self, host: torch.Tensor) -> bool:
+        """Whether every byte of ``host`` lies in one registration: a range spanning two separate
+        ``cudaHostRegister`` calls is not assumed page-locked (CUDA does not promise it)."""
         if not self.page_locking:
             return True
         address = host.data_ptr()
-        return any(start <= address < start + size for start, size in list(self.runtime.ranges.items()))
+        end = address + host.nbytes
+        ranges = list(self.runtime.ranges.items())
+        return any(start <= address and end <= start + size for start, size in ranges)
 
     # -- hazards a test switches on ----------------------------------------------------------
 
