@@ -1,6 +1,8 @@
 """lightmem: train PyTorch Lightning models that do not fit in GPU memory, and see where every byte goes."""
 
+from lightmem.auto_plan import PlanDoesNotFit
 from lightmem.callback import LightMem
+from lightmem.devices import DeviceSpeeds, measure_device_speeds
 from lightmem.checkpoint import apply_checkpointing
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.offload import offload_activations
@@ -8,10 +10,13 @@ from lightmem.offload.host_grads import named_grads
 from lightmem.offload.optimizer import offload_optimizer
 
 __all__ = [
+    "DeviceSpeeds",
     "LightMem",
+    "PlanDoesNotFit",
     "apply_checkpointing",
     "estimate_memory",
     "max_batch_size",
+    "measure_device_speeds",
     "named_grads",
     "offload_activations",
     "offload_optimizer",

@@ -1,24 +1,32 @@
-"""``LightMem(plan="auto")`` over one fit: its budget, when a batch needs a new plan, and whether
-the plans' predicted peak held.
+"""``LightMem(plan="auto")`` over one fit: its budget and prices, when a batch needs a new plan,
+whether the plans held on the device, and the error for a batch no plan fits.
 
 The budget is ``device_budget`` or, without it, what the training device can give this process,
-measured once at fit start (:func:`lightmem.device_memory.measure_device_budget`). A plan covers the
-batch it was made for and every batch no larger in any dimension of any tensor; a batch it does not
-cover is planned for before its forward, together with every batch planned for so far: the next
-plan is made for the elementwise maximum of their shapes, so batches that take turns (a
-token-bucketed loader's [4, 33] and [8, 17]) are planned for once, as [8, 33], not at every turn.
+measured once at fit start (:func:`lightmem.device_memory.measure_device_budget`). The prices are
+the training device's own: on CUDA its link and compute are measured at fit start
+(:func:`lightmem.devices.measure_device_speeds`). A plan covers the batch it was made for
+and every batch no larger in any dimension of any tensor; a batch it does not cover is planned for
+before its forward, together with every batch planned for so far: the next plan is made for the
+elementwise maximum of their shapes, so batches that take turns (a token-bucketed loader's [4, 33]
+and [8, 17]) are planned for once, as [8, 33], not at every turn.
 
-After each training batch the peak it measured is compared with the highest peak the plans of this
-fit predict: both are highs of the fit's training batches so far, so a plan for a small batch is
-never held against the peak a larger one reached. The allocator's peak (``max_memory_allocated``)
-is a high of the whole process, which lightmem never resets; a training batch is measured when it
-raises that high, so what an earlier fit or a validation batch reached is never counted. A batch
-that stays under such an earlier high is not seen: until a training batch raises it, nothing is
-measured (0 logged, no ratio, no warning).
+A plan is made for what the allocator reserves (``Plan.predicted_reserved_bytes``). After each
+training batch the peaks it measured are compared with the highest peaks the plans of this fit
+predict: allocated (``max_memory_allocated``, for the metrics) and reserved (``max_memory_reserved``,
+what running out of memory is decided on). When the reserved peak passes the prediction by more than
+``REPLAN_MARGIN``, the next batch is planned again for a budget smaller by that overshoot. The
+allocator's peaks are highs of the whole process, which lightmem never resets; a training batch is
+measured when it raises that high, so what an earlier fit or a validation batch reached is never
+counted: until a training batch raises it, nothing is measured (0 logged, no ratio, no warning).
+
+Step times are held against the plan's prediction too (steps after the first, timed on the device):
+past ``REPLAN_MARGIN`` the next batch is planned again with the device's compute priced at the
+measured pace.
 """
 
 from __future__ import annotations
 
+import statistics
 import warnings
 from typing import Any
 
@@ -26,7 +34,6 @@ import torch
 
 from lightmem.config import PlanSettings, format_bytes
 from lightmem.device_memory import (
-    FRAGMENTATION_MARGIN,
     DeviceMemory,
     measure_device_budget,
     memory_to_measure,
@@ -35,8 +42,22 @@ from lightmem.device_memory import (
 )
 from lightmem.estimate import Plan
 from lightmem.estimate.batch import batch_shapes
+from lightmem.devices import DeviceSpeeds
+from lightmem.estimate.report import format_seconds
 
 Shapes = tuple[tuple[int, ...], ...]
+
+REPLAN_MARGIN = 0.15
+"""How far a measured peak (reserved) or step time may pass the plan's prediction before the next
+batch is planned again."""
+TIMED_STEPS = 3
+"""Steps after the first whose time is held against the prediction (the first pays warm-ups)."""
+
+
+class PlanDoesNotFit(RuntimeError):
+    """``plan="auto"`` found no configuration whose step fits the device budget for a batch: raised
+    before that batch's forward, with the budget, the closest plan's predicted peak, what dominates
+    it and the largest batch that fits."""
 
 
 def covers(planned: Shapes, shapes: Shapes) -> bool:
@@ -62,61 +83,121 @@ def format_shapes(shapes: Shapes) -> str:
     return ", ".join(str(list(shape)) for shape in shapes) or "no tensors"
 
 
+def no_fit_message(chosen: Plan, shapes: Shapes, largest: int | None, batch_size: int | None) -> str:
+    """What ``PlanDoesNotFit`` says: the budget, the closest plan's predicted peak and what
+    dominates it, and the largest batch a plan fits (``largest``; None: not searched)."""
+    closest = min((option for option in chosen.alternatives), key=lambda o: o.predicted_total_bytes, default=None)
+    parts = [
+        f"lightmem: plan='auto' found no configuration that fits the {format_bytes(chosen.budget_bytes)} device "
+        f"budget for batches of {format_shapes(shapes)}"
+    ]
+    if closest is not None:
+        parts.append(
+            f"; the closest, {closest.description}, needs {format_bytes(closest.predicted_total_bytes)} "
+            f"(the allocator's share and the {format_bytes(chosen.overhead_bytes)} overhead allowance included)"
+        )
+    elif chosen.reason:
+        parts.append(f": {chosen.reason}")
+    if chosen.dominant:
+        parts.append(f". Its peak is {chosen.dominant}")
+    if largest is not None and batch_size is not None:
+        parts.append(
+            f". The largest batch a plan fits is {largest} (this one: {batch_size})" if largest
+            else ". Not even a batch of 1 fits"
+        )  # fmt: skip
+    parts.append(". Training stopped before this batch's forward: lower the batch size, or raise device_budget.")
+    return "".join(parts)
+
+
 class AutoPlan:
     """The plan state of one fit; see the module docstring.
 
     Args:
         budget_bytes: the device budget every plan of this fit is made for.
-        memory: the training device's memory, whose allocator peak is checked against the
+        memory: the training device's memory, whose allocator peaks are checked against the
             prediction (None: not checked, e.g. a CPU device with a given ``device_budget``).
         budget_source: how the budget was measured, for the fit-start line (None: it was given).
         plan_overhead_bytes: what the plans set aside within the budget (None: the planner's
             default, for a given budget).
+        speeds: the training device's speeds, measured at fit start (None: the planner's
+            ``gpu="auto"``).
     """
 
     def __init__(
         self, budget_bytes: int, memory: DeviceMemory | None, budget_source: str | None = None,
-        plan_overhead_bytes: int | None = None,
+        plan_overhead_bytes: int | None = None, speeds: DeviceSpeeds | None = None,
     ) -> None:  # fmt: skip
         self.budget_bytes = budget_bytes
         self.memory = memory
         self.budget_source = budget_source
         self.plan_overhead_bytes = plan_overhead_bytes
         """The ``overhead_bytes`` every plan of this fit is made with (None: the planner's default)."""
+        self.speeds = speeds
+        """What the plans price steps at (measured at fit start, or corrected by measured steps)."""
         self.plan: Plan | None = None
         """The plan applied now (the last one made)."""
         self.planned_shapes: Shapes | None = None
         self.predicted_peak_bytes = 0
-        """The highest peak the plans applied in this fit predict (``Plan.predicted_peak_bytes``)."""
+        """The highest allocated peak the plans applied in this fit predict (``Plan.predicted_peak_bytes``)."""
+        self.predicted_reserved_bytes = 0
+        """The highest reserved peak they predict (``Plan.predicted_reserved_bytes``)."""
         self.worst_ratio: float | None = None
-        """The highest measured / predicted peak over the training batches so far."""
+        """The highest measured / predicted reserved peak over the training batches so far."""
         self.training_peak_bytes = 0
         """The highest the allocator's peak rose to within this fit's training batches (0: none raised it)."""
+        self.training_reserved_bytes = 0
+        """The same for its reserved peak."""
+        self.tighter_by_bytes = 0
+        """How far the budget the next plans are made for is below ``budget_bytes``: the overshoots
+        of the reserved peak measured so far."""
+        self.replan_reason: str | None = None
+        """Why the current plan is to be replaced before the next batch (None: it stands)."""
+        self.step_times_s: list[float] = []
+        """Device seconds of the steps timed since the current plan was applied (its first not counted)."""
+        self._first_step_of_plan = True
         self._peak_before_batch = 0
+        self._reserved_before_batch = 0
         self._warned = False
+        self._clock: Any = None
 
     @classmethod
-    def at_fit_start(cls, settings: PlanSettings, device: torch.device, world_size: int) -> AutoPlan:
+    def at_fit_start(
+        cls, settings: PlanSettings, device: torch.device, world_size: int, measure_speeds: bool = True
+    ) -> AutoPlan:
         """The given ``device_budget``, or the device's measured now (then the plans set aside only
-        what the measure could not see: ``overhead_for_measured_budget``).
+        what the measure could not see: ``overhead_for_measured_budget``); and the device's speeds.
 
         Raises:
             ValueError: no ``device_budget`` and the training device is not a CUDA device (nothing
                 to measure): the message says what to pass.
         """
+        memory = training_device_memory(device)
+        speeds = memory.speeds() if memory is not None and measure_speeds else None
         if settings.device_budget_bytes is not None:
-            return cls(settings.device_budget_bytes, training_device_memory(device))
+            return cls(settings.device_budget_bytes, memory, speeds=speeds)
         memory = memory_to_measure(
             device, flag=settings.flag("plan"), budget_flag="device_budget", subject="'auto'",
             device_named="the training device",
             example=f"{settings.spelling.entry}(plan='auto', device_budget='20GiB')",
         )  # fmt: skip
         budget = measure_device_budget(memory)
-        return cls(budget.budget_bytes, memory, budget.describe(), overhead_for_measured_budget(world_size))
+        return cls(
+            budget.budget_bytes, memory, budget.describe(), overhead_for_measured_budget(world_size), speeds=speeds
+        )
+
+    @property
+    def planning_budget_bytes(self) -> int:
+        """The budget the next plan is made for: ``budget_bytes`` less the overshoots measured."""
+        return self.budget_bytes - self.tighter_by_bytes
 
     def needs_plan(self, batch: Any) -> bool:
-        """True for the first batch and for any batch the current plan does not cover."""
-        return self.planned_shapes is None or not covers(self.planned_shapes, batch_shapes(batch))
+        """True for the first batch, for any batch the current plan does not cover, and after a
+        measured overshoot."""
+        return (
+            self.planned_shapes is None
+            or self.replan_reason is not None
+            or not covers(self.planned_shapes, batch_shapes(batch))
+        )
 
     def shapes_to_plan_for(self, batch: Any) -> Shapes:
         """What the next plan is made for: ``batch`` and every batch planned for so far."""
@@ -126,39 +207,92 @@ class AutoPlan:
         """``chosen``, made for batches of ``shapes``, is applied from the current batch on."""
         self.plan, self.planned_shapes = chosen, shapes
         self.predicted_peak_bytes = max(self.predicted_peak_bytes, chosen.predicted_peak_bytes)
+        self.predicted_reserved_bytes = max(self.predicted_reserved_bytes, chosen.predicted_reserved_bytes)
+        self.replan_reason = None
+        self.step_times_s = []
+        self._first_step_of_plan = True
 
     def batch_start(self) -> None:
-        """Right before a training batch's forward: the allocator's peak so far, which only a rise
-        within the batch gets past."""
+        """Right before a training batch's forward: the allocator's peaks so far, which only a rise
+        within the batch gets past; the batch's clock starts."""
         if self.memory is not None:
             self._peak_before_batch = self.memory.peak_allocated_bytes()
+            self._reserved_before_batch = self.memory.peak_reserved_bytes()
+            if self._clock is None:
+                self._clock = self.memory.step_clock()
+            if self._clock is not None:
+                self._clock.start()
 
     def measured_peak_bytes(self) -> int:
         return self.training_peak_bytes
 
+    def measured_reserved_bytes(self) -> int:
+        return self.training_reserved_bytes
+
+    def measured_step_s(self) -> float:
+        """The median of the steps timed since the plan was applied (0: none yet)."""
+        return statistics.median(self.step_times_s) if self.step_times_s else 0.0
+
     def check(self, step: int, batch: Any, rank: int | None = None) -> None:
-        """After a training batch: the worst ratio so far, and one warning the first time the
-        measured peak exceeds the prediction by more than ``FRAGMENTATION_MARGIN`` of it (the margin
-        the budget leaves for the allocator). ``rank``: named in the warning (each rank warns of its
-        own device); None with one process."""
-        if self.memory is None or self.plan is None or self.predicted_peak_bytes <= 0:
+        """After a training batch: the worst ratio so far; one warning the first time the measured
+        reserved peak exceeds the prediction by more than ``REPLAN_MARGIN``, which also asks for a
+        tighter plan before the next batch; and the step time held against the prediction.
+        ``rank``: named in the warning (each rank warns of its own device); None with one process."""
+        if self.memory is None or self.plan is None:
             return
         peak = self.memory.peak_allocated_bytes()
         if peak > self._peak_before_batch:
             self.training_peak_bytes = max(self.training_peak_bytes, peak)
-        measured = self.training_peak_bytes
-        if not measured:
+        reserved = self.memory.peak_reserved_bytes()
+        if reserved > self._reserved_before_batch:
+            self.training_reserved_bytes = max(self.training_reserved_bytes, reserved)
+        if self._clock is not None:
+            seconds = self._clock.stop()
+            if seconds is not None:
+                self._time_step(seconds)
+        predicted, measured = self.predicted_reserved_bytes, self.training_reserved_bytes
+        if not measured or predicted <= 0:
             return
-        ratio = measured / self.predicted_peak_bytes
+        ratio = measured / predicted
         self.worst_ratio = ratio if self.worst_ratio is None else max(self.worst_ratio, ratio)
-        if ratio > 1 + FRAGMENTATION_MARGIN and not self._warned:
+        if ratio <= 1 + REPLAN_MARGIN or measured - predicted <= self.tighter_by_bytes:
+            return
+        self.tighter_by_bytes = measured - predicted
+        where = f"step {step}" if rank is None else f"step {step} on rank {rank}"
+        self.replan_reason = (
+            f"the reserved peak measured at {where}, {format_bytes(measured)}, passed the predicted "
+            f"{format_bytes(predicted)} by more than {REPLAN_MARGIN:.0%}: planned again for a budget "
+            f"{format_bytes(self.tighter_by_bytes)} smaller"
+        )
+        if not self._warned:
             self._warned = True
-            where = f"step {step}" if rank is None else f"step {step} on rank {rank}"
             warnings.warn(
                 f"lightmem: at {where} (batch shape {format_shapes(batch_shapes(batch))}) the device's peak "
-                f"allocated memory, {format_bytes(measured)}, exceeds the peak plan='auto' predicted, "
-                f"{format_bytes(self.predicted_peak_bytes)}, by more than the {FRAGMENTATION_MARGIN:.0%} "
-                "margin left for the allocator's fragmentation: the plan may not hold on this device; a lower "
-                "device_budget leaves more room.",
+                f"reserved memory, {format_bytes(measured)}, exceeds the peak plan='auto' predicted, "
+                f"{format_bytes(predicted)}, by more than {REPLAN_MARGIN:.0%}: the next batch is planned again "
+                f"for a budget {format_bytes(self.tighter_by_bytes)} smaller.",
                 stacklevel=2,
             )
+
+    def _time_step(self, seconds: float) -> None:
+        """One step's device time. The first after a plan pays warm-ups and is not counted; once
+        ``TIMED_STEPS`` are timed their median is held against the prediction, once per plan."""
+        assert self.plan is not None
+        if self._first_step_of_plan:
+            self._first_step_of_plan = False
+            return
+        self.step_times_s.append(seconds)
+        if len(self.step_times_s) != TIMED_STEPS or self.speeds is None or self.plan.step_seconds <= 0:
+            return
+        measured, predicted = statistics.median(self.step_times_s), self.plan.step_seconds
+        if abs(measured / predicted - 1) <= REPLAN_MARGIN:
+            return
+        # The device computes at another pace than priced; what the link adds is taken as priced.
+        added = self.plan.exposed_transfer_s
+        pace = max(predicted - added, 1e-9) / max(measured - added, 1e-9)
+        pace = min(max(pace, 0.2), 5.0)
+        self.speeds = self.speeds.with_pace(pace, f"compute paced x{pace:.2f} by the measured step")
+        self.replan_reason = (
+            f"the measured step, {format_seconds(measured)}, is {measured / predicted:.2f}x the predicted "
+            f"{format_seconds(predicted)}: planned again with the device's compute priced at the measured pace"
+        )

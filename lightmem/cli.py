@@ -36,6 +36,7 @@ from lightmem.device_memory import (
     memory_to_measure,
     overhead_for_measured_budget,
 )
+from lightmem.devices import parse_gpu
 from lightmem.estimate import estimate_memory, max_batch_size, plan
 from lightmem.estimate.settings import parse_device, parse_optimizer, parse_overhead, parse_precision
 
@@ -116,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     estimate.add_argument(
+        "--gpu", default="auto",
+        help="the GPU to estimate and price for: h100, h200, a100, l4, ... (its speeds and cuBLAS workspaces); "
+        "auto (default): this machine's GPU, or a generic A100-class one without CUDA",
+    )  # fmt: skip
+    estimate.add_argument(
         "--overhead",
         default=None,
         help="allowance for what is not modelled (default 1GiB on cuda, 0 on cpu; 0 for a budget measured "
@@ -172,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     estimate.add_argument(
         "--link-bytes-per-s", default=None, metavar="SIZE",
-        help="host link speed per second, each way, that --plan prices transfers at (default 25GB)",
+        help="host link speed per second, each way, that --plan prices transfers at (default: the --gpu's own)",
     )  # fmt: skip
     estimate.add_argument("--json", action="store_true", help="print JSON instead of the table")
     estimate.add_argument(
@@ -210,6 +216,7 @@ def _check_flags(args: argparse.Namespace) -> _Flags:
     precision = parse_precision(args.precision, flag="--precision")
     parse_optimizer(args.optimizer, flag="--optimizer")
     parse_overhead(args.overhead, device, flag="--overhead")
+    parse_gpu(args.gpu, flag="--gpu")
     if args.budget is not None:
         parse_size(args.budget, flag="--budget")
     offload = None
@@ -269,6 +276,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         "overhead_bytes": overhead,
         "zero_grad": args.zero_grad,
         "offload_optimizer": flags.optimizer_offload or False,
+        "gpu": args.gpu,
     }
     policy = flags.checkpoint.policy
     result = estimate_memory(

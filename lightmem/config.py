@@ -715,7 +715,7 @@ class PlanSettings:
 class PlanPrices:
     """Prices given instead of the device's own: a matrix throughput for every dtype and the host
     link speed per second, each way (``plan(flops_per_s=..., link_bytes_per_s=...)``,
-    ``--link-bytes-per-s``); None: the device's (``lightmem.estimate.devices``)."""
+    ``--link-bytes-per-s``); None: the device's (``lightmem.devices``)."""
 
     flops_per_s: float | None
     link_bytes_per_s: int | None

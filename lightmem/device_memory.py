@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from lightmem.config import format_bytes
+from lightmem.devices import DeviceSpeeds, measure_device_speeds
 
 FRAGMENTATION = {True: 0.05, False: 0.35}
 """What the caching allocator reserves beyond a step's allocated peak, as a share of the step's
@@ -134,6 +135,37 @@ class DeviceMemory(Protocol):
         started or the user's last reset; lightmem never resets it, and measures a training batch
         by how far it raises it: ``lightmem.auto_plan``)."""
 
+    def peak_reserved_bytes(self) -> int:
+        """The allocator's peak of reserved bytes (``max_memory_reserved``), read the same way."""
+
+    def speeds(self) -> DeviceSpeeds | None:
+        """The device's speeds (measured, or from the table), or None."""
+
+    def step_clock(self) -> Any:
+        """A clock that times a step on the device (``start()``, then ``stop()`` -> seconds or
+        None when not ready), or None."""
+
+
+class CudaStepClock:
+    """Times a training step on the current CUDA stream with events; ``stop`` reads the previous
+    step's time, so it never waits for the GPU."""
+
+    def __init__(self) -> None:
+        self._pending: tuple[Any, Any] | None = None
+        self._start: Any = None
+
+    def start(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def stop(self) -> float | None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        previous, self._pending = self._pending, (self._start, end)
+        if previous is None or not previous[1].query():
+            return None
+        return previous[0].elapsed_time(previous[1]) / 1e3
+
 
 class CudaMemory:
     """A CUDA device, read through ``torch.cuda`` (host-side reads; none synchronises)."""
@@ -151,6 +183,15 @@ class CudaMemory:
 
     def peak_allocated_bytes(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.index))
+
+    def peak_reserved_bytes(self) -> int:
+        return int(torch.cuda.max_memory_reserved(self.index))
+
+    def speeds(self) -> DeviceSpeeds:
+        return measure_device_speeds(torch.device("cuda", self.index))
+
+    def step_clock(self) -> CudaStepClock:
+        return CudaStepClock()
 
 
 _simulated: DeviceMemory | None = None

@@ -17,10 +17,12 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightmem import oom
-from lightmem.auto_plan import AutoPlan, format_shapes
+from lightmem.auto_plan import AutoPlan, PlanDoesNotFit, format_shapes, no_fit_message
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
 from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
-from lightmem.estimate import Plan, plan
+from lightmem.device_memory import use_expandable_segments
+from lightmem.estimate import Plan, max_batch_size, plan
+from lightmem.estimate.report import format_seconds
 from lightmem.estimate.batch import batch_shapes, with_shapes
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.lightning_packages import is_barebones, logged_step
@@ -72,6 +74,11 @@ class FitSession:
         self._patched_module: Module | None = None
         self._optimizer_offloaders: list[OptimizerOffloader] = []
         self._optimizer_offload_off: str | None = None  # why offload_optimizer is off on this machine
+        # Plans fit what the allocator reserves; with expandable segments it strands least. Set
+        # here, at setup, before the strategy moves the model: every segment from now on can grow.
+        self._allocator_note = ""
+        if settings.plan.auto and trainer.strategy.root_device.type == "cuda":
+            self._allocator_note = use_expandable_segments()
 
     @property
     def chosen_plan(self) -> Plan | None:
@@ -134,6 +141,10 @@ class FitSession:
             measured = self.auto_plan.budget_source
             if measured is not None:
                 rank_zero_info(f"lightmem: plan='auto' device budget, measured at fit start: {measured}")
+            if self._allocator_note:
+                rank_zero_info(self._allocator_note)
+            if self.auto_plan.speeds is not None:
+                rank_zero_info(f"lightmem: plan='auto' prices steps at {self.auto_plan.speeds.describe()}")
         guard = self.settings.host_guard
         self.host_guard = HostGuard(guard.limit_bytes, guard.warn_at, guard.stop_at, self._all_host_bytes_held)
         if self.settings.metrics.oom_snapshot:
@@ -299,57 +310,89 @@ class FitSession:
         plan does not cover) and apply the choice before its forward; one line when it is new."""
         assert self.auto_plan is not None
         shapes = self.auto_plan.shapes_to_plan_for(batch)
-        # The dry run calls training_step on fake tensors; its self.log calls must not reach the
-        # Trainer's results.
-        pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
-        try:
-            with self._without_checkpointing(pl_module):  # the planner sees the model as the user wrote it
-                chosen = plan(
-                    pl_module, with_shapes(batch, shapes), self.auto_plan.budget_bytes,
-                    device=pl_module.device.type, precision=str(trainer.precision),
-                    offload=self.offload_settings if self.settings.offload_on else False,
-                    checkpoint_policy=self.settings.checkpoint.policy,
-                    offload_optimizer=self.settings.optimizer_offload if self._optimizer_offloaders else False,
-                    overhead_bytes=self.auto_plan.plan_overhead_bytes,
-                )  # fmt: skip
-        finally:
-            del pl_module.log, pl_module.log_dict
+        replanned_because = self.auto_plan.replan_reason
+        chosen = self._run_planner(trainer, pl_module, batch, shapes)
+        if not chosen.fits:
+            raise PlanDoesNotFit(self._no_fit(trainer, pl_module, batch, shapes, chosen))
+        if chosen.offload_optimizer and not self._optimizer_offloaders:
+            # The planner counted gradients and optimizer state on the host; this fit keeps them on
+            # the device, so the plan's peak is not what this run would reach.
+            raise PlanDoesNotFit(
+                f"lightmem: plan='auto' fits the {format_bytes(chosen.budget_bytes)} device budget for batches of "
+                f"{format_shapes(shapes)} only with gradients and optimizer state on the host, which this fit keeps "
+                "on the device: set LightMem(offload_optimizer=True). Training stopped before this batch's forward."
+            )
         previous = self.chosen_plan
         self.auto_plan.take(chosen, shapes)
         if previous is not None and previous.lightmem_kwargs() == chosen.lightmem_kwargs():
             return  # nothing to re-apply: checkpointed blocks and offloader stay as they are
         choice = (
-            f"checkpoint {chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}; "
-            f"predicted peak {format_bytes(chosen.predicted_total_bytes)}"
+            f"checkpoint {chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}; predicted peak "
+            f"{format_bytes(chosen.predicted_total_bytes)} (reserved, overhead allowance included), step "
+            f"{format_seconds(chosen.step_seconds)}: {chosen.slowdown:.2f}x the step without lightmem"
         )
         if previous is None:
             summary = f"lightmem: plan for a {format_bytes(chosen.budget_bytes)} device budget: {choice}"
         else:
             this_one = batch_shapes(batch)
-            planned_for = (
-                f"a larger batch ({format_shapes(shapes)})" if shapes == this_one
-                else f"batches up to {format_shapes(shapes)} (this one: {format_shapes(this_one)})"
-            )  # fmt: skip
+            if replanned_because is not None:
+                planned_for = f"the same batches ({replanned_because})"
+            elif shapes == this_one:
+                planned_for = f"a larger batch ({format_shapes(shapes)})"
+            else:
+                planned_for = f"batches up to {format_shapes(shapes)} (this one: {format_shapes(this_one)})"
             summary = (
                 f"lightmem: re-planned for {planned_for} at step {logged_step(trainer)}: {choice} (was: checkpoint "
                 f"{previous.checkpoint or 'nothing'}, offload {offload_scope(previous.offload)})"
             )
-        if chosen.offload_optimizer and not self._optimizer_offloaders:
-            # The planner counted gradients and optimizer state on the host; this fit keeps them on
-            # the device, so the plan's peak is not what this run will reach.
-            rank_zero_warn(
-                f"{summary}. The plan needs gradients and optimizer state on the host, which this fit "
-                "keeps on the device: set LightMem(offload_optimizer=True) for the plan to hold."
-            )
-        elif chosen.fits:
-            rank_zero_info(summary)
-        else:
-            rank_zero_warn(f"{summary}. It does not fit: {chosen.reason}")
+        rank_zero_info(summary)
         self._apply_plan(trainer, pl_module, previous, chosen)
+        if self.offloader is not None and chosen.host_bytes:
+            # Page-lock the host memory the plan's offload holds, in the background, before it is needed.
+            self.offloader.prepare_host(chosen.host_bytes)
         if previous is None:
             self._start_recording(trainer, pl_module)
         elif self.recorder is not None:
             self.recorder.use_probes(self._probes(trainer, pl_module)[0], self.checkpointed_blocks)
+
+    def _run_planner(
+        self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, *, search_up_to: int | None = None
+    ) -> Any:
+        """``plan`` (or, with ``search_up_to``, ``max_batch_size(plan=True)`` up to that batch size)
+        for batches of ``shapes``, with this fit's flags, budget and device speeds."""
+        assert self.auto_plan is not None
+        # The dry run calls training_step on fake tensors; its self.log calls must not reach the
+        # Trainer's results.
+        pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
+        common = {
+            "device": pl_module.device.type, "precision": str(trainer.precision),
+            "offload": self.offload_settings if self.settings.offload_on else False,
+            "checkpoint_policy": self.settings.checkpoint.policy,
+            "offload_optimizer": self.settings.optimizer_offload if self._optimizer_offloaders else False,
+            "overhead_bytes": self.auto_plan.plan_overhead_bytes,
+            "gpu": self.auto_plan.speeds if self.auto_plan.speeds is not None else "auto",
+        }  # fmt: skip
+        try:
+            with self._without_checkpointing(pl_module):  # the planner sees the model as the user wrote it
+                shaped = with_shapes(batch, shapes)
+                if search_up_to is not None:
+                    return max_batch_size(
+                        pl_module, shaped, self.auto_plan.planning_budget_bytes, plan=True, limit=search_up_to, **common
+                    )
+                return plan(pl_module, shaped, self.auto_plan.planning_budget_bytes, **common)
+        finally:
+            del pl_module.log, pl_module.log_dict
+
+    def _no_fit(self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, chosen: Plan) -> str:
+        """The message of ``PlanDoesNotFit``, with the largest batch a plan fits (searched now)."""
+        size = shapes[0][0] if shapes and shapes[0] else None
+        largest = None
+        if size is not None and size > 1:
+            try:
+                largest = self._run_planner(trainer, pl_module, batch, shapes, search_up_to=size - 1).planned
+            except ValueError:  # no batch dimension to scale
+                largest = None
+        return no_fit_message(chosen, shapes, largest, size)
 
     @contextlib.contextmanager
     def _without_checkpointing(self, pl_module: Module) -> Iterator[None]:

@@ -17,15 +17,17 @@ import torch
 from exact import assert_state_equal
 from lit_models import LitGPT, cpu_trainer, lit_gpt_class, token_loader
 from test_callback_metrics import MemoryLogger
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import DataLoader
 
-from lightmem import LightMem, plan
+from lightmem import LightMem, PlanDoesNotFit, max_batch_size, plan
 from lightmem import fit_session as fit_session_module
 from lightmem.auto_plan import AutoPlan, covers, format_shapes, shapes_covering
 from lightmem.checkpoint import is_checkpointed
 from lightmem.cli import main
 from lightmem.device_memory import FRAGMENTATION_MARGIN, NCCL_ALLOWANCE_BYTES, measure_device_budget
 from lightmem.estimate.batch import batch_shapes
+from lightmem.estimate.report import format_seconds
 from lightmem.metrics.names import GiB
 from lightmem.testing.device import SimulatedDeviceMemory, simulated_device
 
@@ -48,6 +50,14 @@ def growing_loader(shapes):
 
 def _lines(caplog):
     return [record.getMessage() for record in caplog.records if record.getMessage().startswith("lightmem: ")]
+
+
+def _predicted(chosen) -> str:
+    """How the line at fit start and the re-plan lines give a plan's prediction."""
+    return (
+        f"predicted peak {chosen.predicted_total_bytes / 2**20:.2f} MiB (reserved, overhead allowance included), "
+        f"step {format_seconds(chosen.step_seconds)}: {chosen.slowdown:.2f}x the step without lightmem"
+    )
 
 
 def test_the_budget_is_free_memory_plus_what_this_process_holds_less_the_fragmentation_margin():
@@ -177,12 +187,14 @@ def test_a_fit_whose_batches_grow_replans_exactly_when_needed_and_trains_as_the_
     final = callback.chosen_plan
     assert final.checkpoint == expected[(8, 33)]
     lines = [line for line in _lines(caplog) if line.startswith(("lightmem: plan for", "lightmem: re-planned"))]
+    plans = {shape: plan(LitGPT(), _tokens(*shape), BUDGET, device="cpu") for shape in ((4, 9), (4, 33), (8, 33))}
+    assert [plans[shape].predicted_total_bytes / 2**20 for shape in plans] == pytest.approx([3.05, 4.24, 4.16], abs=0.005)
     assert lines == [
-        "lightmem: plan for a 4.29 MiB device budget: checkpoint nothing, offload nothing; predicted peak 3.05 MiB",
+        f"lightmem: plan for a 4.29 MiB device budget: checkpoint nothing, offload nothing; {_predicted(plans[(4, 9)])}",
         f"lightmem: re-planned for a larger batch ([4, 33]) at step 3: checkpoint {expected[(4, 33)]}, offload "
-        "nothing; predicted peak 4.24 MiB (was: checkpoint nothing, offload nothing)",
+        f"nothing; {_predicted(plans[(4, 33)])} (was: checkpoint nothing, offload nothing)",
         f"lightmem: re-planned for a larger batch ([8, 33]) at step 5: checkpoint {expected[(8, 33)]}, offload "
-        f"nothing; predicted peak 4.16 MiB (was: checkpoint {expected[(4, 33)]}, offload nothing)",
+        f"nothing; {_predicted(plans[(8, 33)])} (was: checkpoint {expected[(4, 33)]}, offload nothing)",
     ]
     pl.seed_everything(0, verbose=False)
     reference = LitGPT()
@@ -222,7 +234,7 @@ def test_alternating_batch_shapes_are_planned_for_once_as_their_elementwise_maxi
     lines = [line for line in _lines(caplog) if line.startswith("lightmem: re-planned")]
     assert lines == [
         f"lightmem: re-planned for batches up to [8, 33] (this one: [8, 17]) at step 1: checkpoint {both}, "
-        "offload nothing; predicted peak 4.16 MiB (was: checkpoint ['model.blocks.0'], offload nothing)"
+        f"offload nothing; {_predicted(callback.chosen_plan)} (was: checkpoint ['model.blocks.0'], offload nothing)"
     ]
 
 
@@ -259,7 +271,7 @@ def test_predicted_and_measured_peaks_are_logged_each_step_and_the_worst_ratio_s
     assert [m["lightmem/memory/plan/predicted_peak_GiB"] for _, m in rows] == [p / GiB for p in highest]
     assert [m["lightmem/memory/plan/measured_peak_GiB"] for _, m in rows] == [p / GiB for p in measured_peaks]
     worst = max(m / p for m, p in zip(measured_peaks, highest))
-    assert callback.summary()["plan: worst measured / predicted peak"] == f"{worst:.2f}"
+    assert callback.summary()["plan: worst measured / predicted reserved peak"] == f"{worst:.2f}"
     assert memory.metrics[-1][1]["lightmem/summary/plan/worst_peak_ratio"] == worst
     accumulator = EventAccumulator(tensorboard.log_dir, size_guidance={"tensors": 0})
     accumulator.Reload()
@@ -271,26 +283,92 @@ def test_predicted_and_measured_peaks_are_logged_each_step_and_the_worst_ratio_s
     ]  # fmt: skip
 
 
-def test_a_measured_peak_over_the_prediction_is_warned_about_once_naming_the_step_and_batch_shape():
+def test_a_reserved_peak_over_the_prediction_warns_once_and_the_next_batch_is_planned_tighter(caplog):
+    # From the third batch on the device reserves 30% more than the plan predicted: the warning
+    # names the step and the batch, and the fourth batch gets a plan for a budget smaller by the
+    # overshoot, which checkpoints more.
     callback = LightMem(plan="auto", offload_devices=["cpu"])
+    overshoot = {}
 
-    class DeviceRuns(pl.Callback):  # from the third batch on, the device's peak is double the plan's
+    class DeviceRuns(pl.Callback):
         def on_before_backward(self, trainer, pl_module, loss):
-            if trainer.fit_loop.epoch_loop.batch_idx >= 2:
-                device.peak_bytes = 2 * callback.chosen_plan.predicted_peak_bytes
+            if trainer.fit_loop.epoch_loop.batch_idx == 2:
+                predicted = callback.chosen_plan.predicted_reserved_bytes
+                device.reserved_peak_bytes = int(1.3 * predicted)
+                overshoot["bytes"] = device.reserved_peak_bytes - predicted
 
-    with simulated_device(CAPACITY) as device, warnings.catch_warnings(record=True) as caught:
+    shapes = [(4, 9), (4, 9), (4, 17), (4, 17)]
+    with simulated_device(CAPACITY) as device, caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cpu_trainer([callback, DeviceRuns()], max_steps=4).fit(LitGPT(), growing_loader([(4, 9)] * 2 + [(4, 17)] * 2))
-    predicted = plan(LitGPT(), _tokens(4, 17), BUDGET, device="cpu").predicted_peak_bytes
+        cpu_trainer([callback, DeviceRuns()], max_steps=4).fit(LitGPT(), growing_loader(shapes))
+    first = plan(LitGPT(), _tokens(4, 17), BUDGET, device="cpu")
+    measured = first.predicted_reserved_bytes + overshoot["bytes"]
     messages = [str(w.message) for w in caught if "plan='auto' predicted" in str(w.message)]
     assert messages == [
-        f"lightmem: at step 2 (batch shape [4, 17]) the device's peak allocated memory, {2 * predicted / 2**20:.2f} "
-        f"MiB, exceeds the peak plan='auto' predicted, {predicted / 2**20:.2f} MiB, by more than the 5% margin "
-        "left for the allocator's fragmentation: the plan may not hold on this device; a lower device_budget "
-        "leaves more room."
+        f"lightmem: at step 2 (batch shape [4, 17]) the device's peak reserved memory, {measured / 2**20:.2f} MiB, "
+        f"exceeds the peak plan='auto' predicted, {first.predicted_reserved_bytes / 2**20:.2f} MiB, by more than 15%: "
+        f"the next batch is planned again for a budget {overshoot['bytes'] / 2**20:.2f} MiB smaller."
     ]
-    assert callback.summary()["plan: worst measured / predicted peak"] == "2.00"
+    tighter = plan(LitGPT(), _tokens(4, 17), BUDGET - overshoot["bytes"], device="cpu")
+    assert callback.chosen_plan.checkpoint == tighter.checkpoint and len(tighter.checkpoint) > len(first.checkpoint)
+    (line,) = [line for line in _lines(caplog) if line.startswith("lightmem: re-planned")]
+    assert line.startswith(
+        "lightmem: re-planned for the same batches (the reserved peak measured at step 2, "
+        f"{measured / 2**20:.2f} MiB, passed the predicted {first.predicted_reserved_bytes / 2**20:.2f} MiB by more "
+        f"than 15%: planned again for a budget {overshoot['bytes'] / 2**20:.2f} MiB smaller) at step 3: "
+        f"checkpoint {tighter.checkpoint}"
+    )
+    assert callback.summary()["plan: worst measured / predicted reserved peak"] == "1.30"
+
+
+def test_when_no_tighter_plan_fits_training_stops_before_the_next_batchs_forward():
+    callback = LightMem(plan="auto", offload_devices=["cpu"])
+    forwards = []
+
+    class DeviceRuns(pl.Callback):  # the second batch reserves twice the prediction
+        def on_before_backward(self, trainer, pl_module, loss):
+            forwards.append(trainer.fit_loop.epoch_loop.batch_idx)
+            if len(forwards) == 2:
+                device.reserved_peak_bytes = 2 * callback.chosen_plan.predicted_reserved_bytes
+
+    with simulated_device(CAPACITY) as device, pytest.raises(PlanDoesNotFit) as error:
+        cpu_trainer([callback, DeviceRuns()], max_steps=4).fit(LitGPT(), growing_loader([(4, 17)] * 4))
+    assert forwards == [0, 1]  # the third batch never ran its forward
+    assert str(error.value).startswith("lightmem: plan='auto' found no configuration that fits the ")
+    assert callback.fit_session is None  # the fit ended cleanly: hooks and wrappers removed
+
+
+def test_a_budget_no_plan_fits_stops_the_fit_before_the_first_forward_saying_why_and_what_fits():
+    # Issue 37: LightMem(plan="auto", device_budget="16KiB") trained to the end, with nothing on.
+    calls = []  # real forwards (the planner runs training_step on fake tensors)
+    module = LitGPT()
+    original = module.training_step
+    module.training_step = lambda batch, *args: calls.extend(
+        [] if isinstance(batch[0], FakeTensor) else [1]
+    ) or original(batch, *args)
+    callback = LightMem(plan="auto", device_budget="3.5MiB", offload_devices=["cpu"])
+    with pytest.raises(PlanDoesNotFit) as error:
+        cpu_trainer([callback], max_steps=2).fit(module, growing_loader([(8, 33)] * 2))
+    assert calls == []
+    chosen = plan(LitGPT(), _tokens(8, 33), "3.5MiB", device="cpu")
+    closest = min(chosen.alternatives, key=lambda option: option.predicted_total_bytes)
+    largest = max_batch_size(LitGPT(), _tokens(8, 33), "3.5MiB", device="cpu", plan=True, limit=7).planned
+    assert largest == 4
+    assert str(error.value) == (
+        "lightmem: plan='auto' found no configuration that fits the 3.50 MiB device budget for batches of [8, 33]; "
+        f"the closest, {closest.description}, needs {closest.predicted_total_bytes / 2**20:.2f} MiB (the allocator's "
+        f"share and the 0 B overhead allowance included). Its peak is {chosen.dominant}. The largest batch a plan "
+        f"fits is {largest} (this one: 8). Training stopped before this batch's forward: lower the batch size, or "
+        "raise device_budget."
+    )
+
+
+def test_the_tiniest_budget_says_not_even_a_batch_of_one_fits():
+    callback = LightMem(plan="auto", device_budget="16KiB", offload_devices=["cpu"])
+    with pytest.raises(PlanDoesNotFit) as error:
+        cpu_trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
+    assert "parameters + gradients + optimizer state alone take" in str(error.value)
+    assert ". Not even a batch of 1 fits. Training stopped before this batch's forward" in str(error.value)
 
 
 def test_with_several_ranks_the_over_prediction_warning_names_its_rank():
@@ -299,10 +377,11 @@ def test_with_several_ranks_the_over_prediction_warning_names_its_rank():
     auto_plan = AutoPlan(BUDGET, device)
     auto_plan.take(chosen, batch_shapes(_tokens(4, 17)))
     auto_plan.batch_start()
-    device.peak_bytes = 2 * chosen.predicted_peak_bytes
+    device.reserved_peak_bytes = 2 * chosen.predicted_reserved_bytes
     with pytest.warns(UserWarning) as caught:
         auto_plan.check(7, _tokens(4, 17), rank=1)
     assert str(caught[0].message).startswith("lightmem: at step 7 on rank 1 (batch shape [4, 17]) the device's peak")
+    assert auto_plan.replan_reason.startswith("the reserved peak measured at step 7 on rank 1, ")
 
 
 def test_peaks_reached_before_the_fit_or_in_validation_are_not_held_against_the_plan(tmp_path):
@@ -335,7 +414,7 @@ def test_peaks_reached_before_the_fit_or_in_validation_are_not_held_against_the_
     assert [str(w.message).split(" (batch")[0] for w in caught if "plan='auto' predicted" in str(w.message)] == [
         "lightmem: at step 3"
     ]
-    assert callback.summary()["plan: worst measured / predicted peak"] == "6.00"
+    assert callback.summary()["plan: worst measured / predicted reserved peak"] == "6.00"
 
 
 def test_a_replan_in_the_middle_of_gradient_accumulation_keeps_the_steps_traffic_exact(monkeypatch):

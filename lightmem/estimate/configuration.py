@@ -24,7 +24,7 @@ from lightmem.config import (
     parse_size,
 )
 from lightmem.estimate.batch import BatchInfo, inspect_batch
-from lightmem.estimate.devices import DeviceSpeeds, gpu_key, parse_gpu, resolve_gpu, speeds_for
+from lightmem.devices import DeviceSpeeds, gpu_key, parse_gpu, resolve_gpu, speeds_for
 from lightmem.compiled import holds_compiled_modules
 from lightmem.device_memory import FRAGMENTATION, expandable_segments_on, reserved_bytes
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
@@ -63,7 +63,7 @@ class EstimateSettings:
     optimizer_offload: OptimizerOffloadSettings | None = None
     """Model-state offload asked for (gradients, optimizer state and step on the host); None: not."""
     speeds: DeviceSpeeds | None = None
-    """What every op, re-run and transfer is priced at (``lightmem.estimate.devices``)."""
+    """What every op, re-run and transfer is priced at (``lightmem.devices``)."""
     expandable_segments: bool = False
     """The CUDA allocator's expandable segments are on: plans leave less for fragmentation
     (``lightmem.device_memory.reserved_bytes``)."""

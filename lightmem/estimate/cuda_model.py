@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from lightmem.estimate.devices import HOPPER_NAMES
+from lightmem.devices import HOPPER_NAMES
 
 _LOW = (torch.float16, torch.bfloat16)
 

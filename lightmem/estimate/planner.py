@@ -51,7 +51,7 @@ from lightmem.config import (
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.configuration import EstimateSettings, build_report, parse_settings, run_configuration
-from lightmem.estimate.devices import DeviceSpeeds
+from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.report import (
     BlockMemory,
     MemoryEstimate,
@@ -504,7 +504,6 @@ class PlanSpace:
         if best is None:
             result.alternatives = refused
             closest = min(refused, key=lambda option: option.predicted_total_bytes)
-            result.predicted_reserved_bytes = closest.predicted_total_bytes - settings.overhead_bytes
             result.dominant = next(
                 self.verified[key].dominant for key in self.verified
                 if self.describe(key[0]) == closest.description and key[1] == model_state
@@ -605,7 +604,7 @@ def plan(
     Args:
         budget: device memory for the whole step, overhead allowance included ("24GiB", bytes).
         gpu: the GPU whose speeds price every op, re-run and transfer, and whose cuBLAS
-            workspaces are counted: a name ("h100", "a100", ... ``lightmem.estimate.devices.GPU_NAMES``),
+            workspaces are counted: a name ("h100", "a100", ... ``lightmem.devices.GPU_NAMES``),
             "auto" (this machine's CUDA device, else a generic A100-class GPU), or speeds measured
             on the training device (``measure_device_speeds``).
         flops_per_s: a matrix throughput to price every product at instead of the GPU's own.

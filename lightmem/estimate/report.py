@@ -183,7 +183,7 @@ class MemoryEstimate:
     """The predicted time of one step of the configuration asked for (``scenarios[name].step_seconds``
     for each one), at ``speeds``."""
     speeds: Any = None
-    """The ``DeviceSpeeds`` every op and transfer was priced at (``lightmem.estimate.devices``)."""
+    """The ``DeviceSpeeds`` every op and transfer was priced at (``lightmem.devices``)."""
     fragmentation: float = 0.0
     """What the device's allocator reserves beyond the allocated peak, as a share of it."""
 

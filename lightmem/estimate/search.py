@@ -21,7 +21,7 @@ from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings
 from lightmem.estimate.batch import inspect_batch
 from lightmem.estimate.configuration import parse_settings, run_configuration
-from lightmem.estimate.devices import DeviceSpeeds
+from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.planner import plan_space
 from lightmem.estimate.report import Plan, static_part
 from lightmem.estimate.settings import parse_checkpoint, parse_offload

@@ -47,7 +47,7 @@ from lightmem.blocks import Blocks, find_blocks
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
-from lightmem.estimate.devices import DeviceSpeeds
+from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
 from lightmem.estimate.logits import LOGITS_MIN_SHARE, LossLogits, loss_logits
 from lightmem.estimate.offload_sim import SavedTensorHooks
@@ -79,7 +79,7 @@ class StepRequest:
     zero_grad: str = "after_forward"
     """When gradients are set to None: "after_forward" (Lightning) or "before_forward" (a plain loop)."""
     gpu: str = "default"
-    """The GPU a CUDA step runs on (``devices.parse_gpu``, resolved): sets the cuBLAS workspace size."""
+    """The GPU a CUDA step runs on (``lightmem.devices.parse_gpu``, resolved): sets the cuBLAS workspace size."""
     optimizer_offload: OptimizerOffloadSettings | None = None
     """Model-state offload (``offload_optimizer``), as parsed: the gradient bytes that may wait on
     the device for their copy to host (``max_grad_inflight_bytes``) and the trainable parameters'

@@ -1,6 +1,6 @@
 """What a step takes with a lightmem configuration, as the planner prices it.
 
-The fake step prices each op by its class at the device's speeds (``lightmem.estimate.devices``):
+The fake step prices each op by its class at the device's speeds (``lightmem.devices``):
 every block has its forward and backward seconds, and a checkpointed block's re-run costs the
 seconds of the forward ops its policy repeats. Transfers are priced on a timeline of the step,
 block by block in execution order, as the engine runs them:

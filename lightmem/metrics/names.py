@@ -75,6 +75,10 @@ METRICS: tuple[Metric, ...] = (
     # plan="auto": what its plans predict beside what the device's allocator measured.
     _m("plan/predicted_peak_GiB", "lightmem", "GiB", "peak allocated memory plan='auto' predicts: the highest of the plans applied in this fit so far", "Plan: predicted and measured peak (GiB)"),
     _m("plan/measured_peak_GiB", "lightmem", "GiB", "peak allocated memory the training batches of this fit raised the device's allocator to (max_memory_allocated), held against the prediction", "Plan: predicted and measured peak (GiB)"),
+    _m("plan/predicted_reserved_GiB", "lightmem", "GiB", "peak reserved memory plan='auto' predicts (the allocator's share included): what the plans are made to fit in the budget", "Plan: predicted and measured reserved (GiB)"),
+    _m("plan/measured_reserved_GiB", "lightmem", "GiB", "peak reserved memory the training batches of this fit raised the allocator to (max_memory_reserved); past the prediction by 15% the next batch is planned again, tighter", "Plan: predicted and measured reserved (GiB)"),
+    _m("plan/predicted_step_ms", "lightmem", "ms", "step time the current plan predicts at the device's measured speeds", "Plan: predicted and measured step (ms)", reduce_max=False),
+    _m("plan/measured_step_ms", "lightmem", "ms", "median device time of the steps timed since the current plan was applied (its first step not counted; 0: none yet)", "Plan: predicted and measured step (ms)"),
 )
 
 GROUPS: tuple[str, ...] = ("gpu", "device", "host", "lightmem")

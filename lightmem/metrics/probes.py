@@ -208,14 +208,21 @@ class OptimizerOffloadProbe:
 
 class PlanPeaks(Protocol):
     predicted_peak_bytes: int
+    predicted_reserved_bytes: int
     worst_ratio: float | None
+    plan: Any
 
     def measured_peak_bytes(self) -> int: ...
 
+    def measured_reserved_bytes(self) -> int: ...
+
+    def measured_step_s(self) -> float: ...
+
 
 class PlanProbe:
-    """``plan="auto"``: the peak its plans predict beside the peak the device's allocator measured,
-    and (for the summary) the worst ratio of the two (``lightmem.auto_plan.AutoPlan``)."""
+    """``plan="auto"``: the peaks (allocated and reserved) its plans predict beside those the
+    device's allocator measured, the step time beside the measured one, and (for the summary) the
+    worst ratio of the reserved peaks (``lightmem.auto_plan.AutoPlan``)."""
 
     group = "lightmem"
 
@@ -223,9 +230,14 @@ class PlanProbe:
         self.peaks = peaks
 
     def collect(self) -> dict[str, float]:
+        peaks = self.peaks
         return {
-            key("plan/predicted_peak_GiB"): self.peaks.predicted_peak_bytes / GiB,
-            key("plan/measured_peak_GiB"): self.peaks.measured_peak_bytes() / GiB,
+            key("plan/predicted_peak_GiB"): peaks.predicted_peak_bytes / GiB,
+            key("plan/measured_peak_GiB"): peaks.measured_peak_bytes() / GiB,
+            key("plan/predicted_reserved_GiB"): peaks.predicted_reserved_bytes / GiB,
+            key("plan/measured_reserved_GiB"): peaks.measured_reserved_bytes() / GiB,
+            key("plan/predicted_step_ms"): (peaks.plan.step_seconds if peaks.plan is not None else 0.0) * 1e3,
+            key("plan/measured_step_ms"): peaks.measured_step_s() * 1e3,
         }
 
     def end_step(self) -> None:

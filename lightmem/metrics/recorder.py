@@ -288,7 +288,7 @@ class MetricsRecorder:
             ]
         ratio = self.plan_peaks.worst_ratio if self.plan_peaks is not None else self._plan_worst_ratio
         if ratio is not None:
-            figures.append(SummaryFigure("plan: worst measured / predicted peak", "plan/worst_peak_ratio", ratio, "ratio"))
+            figures.append(SummaryFigure("plan: worst measured / predicted reserved peak", "plan/worst_peak_ratio", ratio, "ratio"))
         if self.checkpointed_blocks:
             blocks = float(self.checkpointed_blocks)
             figures.append(SummaryFigure("blocks checkpointed", "checkpointed_blocks", blocks, "count"))

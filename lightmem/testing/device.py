@@ -1,5 +1,9 @@
 """A simulated training device of a given capacity, for tests of ``plan="auto"`` without a GPU.
 
+Its reserved peak is ``reserved_peak_bytes`` (set by the test; 0: its allocated peak), its speeds
+those of ``gpu`` in the table of :mod:`lightmem.devices` (None: none, as a CPU), and its step clock
+returns ``step_seconds`` per step when set (None: no clock).
+
 Inside ``with simulated_device(capacity_bytes=...)`` every fit (``LightMem(plan="auto")`` without
 ``device_budget``) and ``lightmem estimate --plan`` without ``--budget`` read this device's memory
 instead of CUDA's, through the one budget rule of :mod:`lightmem.device_memory`. Its allocator peak
@@ -16,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightmem import device_memory
+from lightmem.devices import GPU_TABLE, DeviceSpeeds
 
 
 class SimulatedDeviceMemory:
@@ -24,12 +29,15 @@ class SimulatedDeviceMemory:
 
     def __init__(
         self, capacity_bytes: int, *, used_by_others_bytes: int = 0, held_bytes: int = 0, peak_bytes: int = 0,
-        transport: Any = None,
+        transport: Any = None, reserved_peak_bytes: int = 0, gpu: str | None = None, step_seconds: float | None = None,
     ) -> None:  # fmt: skip
         self.capacity_bytes = capacity_bytes
         self.used_by_others_bytes = used_by_others_bytes
         self.held = held_bytes
         self.peak_bytes = peak_bytes
+        self.reserved_peak_bytes = reserved_peak_bytes
+        self.gpu = gpu
+        self.step_seconds = step_seconds
         self.transport = transport
         self.source = f"simulated device of {capacity_bytes} bytes"
 
@@ -42,6 +50,28 @@ class SimulatedDeviceMemory:
     def peak_allocated_bytes(self) -> int:
         reload_peak = self.transport.memory_stats()["allocated_bytes.all.peak"] if self.transport is not None else 0
         return self.peak_bytes + reload_peak
+
+    def peak_reserved_bytes(self) -> int:
+        return max(self.reserved_peak_bytes, self.peak_allocated_bytes())
+
+    def speeds(self) -> DeviceSpeeds | None:
+        return GPU_TABLE[self.gpu] if self.gpu is not None else None
+
+    def step_clock(self) -> _FixedClock | None:
+        return _FixedClock(self) if self.step_seconds is not None else None
+
+
+class _FixedClock:
+    """A step clock that reads the simulated device's ``step_seconds`` at each stop."""
+
+    def __init__(self, device: SimulatedDeviceMemory) -> None:
+        self.device = device
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> float | None:
+        return self.device.step_seconds
 
 
 @contextlib.contextmanager

@@ -93,6 +93,15 @@ class DeviceSpeeds:
             )  # fmt: skip
         return speeds
 
+    def with_pace(self, pace: float, note: str) -> DeviceSpeeds:
+        """These speeds with the device's compute (matrix rates and memory bandwidth, not the host
+        link) ``pace`` times as fast: what a measured step says of the device."""
+        rates = {name: rate * pace for name, rate in self.matmul_flops_per_s.items()}
+        return replace(
+            self, matmul_flops_per_s=rates, memory_bytes_per_s=self.memory_bytes_per_s * pace,
+            source=f"{self.source}; {note}",
+        )  # fmt: skip
+
     def matmul_rate(self, dtype_name: str) -> float:
         rates = self.matmul_flops_per_s
         return rates.get(dtype_name) or rates.get("fp32") or min(rates.values())
