@@ -142,9 +142,10 @@ def test_sabotage_source_released_before_its_copy_ran_is_detected(monkeypatch):
     def careless_settle(self):  # lets go of saved tensors without asking whether their copy ran
         pending = self._pending
         while pending.entries:
-            entry = pending.entries.popleft()
-            pending.bytes -= entry.nbytes
-            entry.release_source()
+            entry = pending.entries.popleft()()
+            if entry is not None:
+                pending.bytes -= entry.nbytes
+                entry.release_source()
 
     monkeypatch.setattr(hooks.Offloader, "_settle", careless_settle)
     transport = SimulatedAsyncTransport(seed=1, max_delay_s=0.0)

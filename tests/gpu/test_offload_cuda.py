@@ -86,9 +86,10 @@ def test_offload_lowers_peak_device_memory_over_forward_and_backward():
 
     model, x = kit.make_model("cuda", depth=8), kit.make_input("cuda")
     kit.baseline_step(model, x)  # warm-up: cuBLAS workspace, gradients allocated once
+    prefetch = 2 * kit.ACTIVATION_BYTES
     peaks = {}
     for name in ("baseline", "offload"):
-        off = offload_activations(model, prefetch="128MiB") if name == "offload" else None
+        off = offload_activations(model, prefetch=prefetch) if name == "offload" else None
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -97,11 +98,20 @@ def test_offload_lowers_peak_device_memory_over_forward_and_backward():
         del loss
         torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated()
-    offloaded = off.stats.offloaded_bytes
+    stats = off.stats
+    offloaded = stats.offloaded_bytes
     assert offloaded == 17 * kit.ACTIVATION_BYTES
-    # Without offload all 17 activations are alive when backward starts; with it, only those in
-    # flight. Half of the offloaded bytes is a margin for copies in flight and the prefetch window.
-    assert peaks["offload"] <= peaks["baseline"] - offloaded // 2, peaks
+    # The documented device cost (docs/offload-protocol.md): offload frees every offloaded
+    # activation but x, which the caller holds (moving it frees nothing); it holds instead the
+    # copies in flight (max_inflight_bytes), the prefetch window and what the running backward
+    # node reads (a reload, and the reload of x, which duplicates the caller's x). The H100 peak
+    # before issue 39 was 1,746,435,072 against a baseline of 2,216,081,920: the in-flight window
+    # stayed allocated to the end of backward, beside every gradient, since the host (ahead of
+    # the GPU) never saw those copies complete; now it goes as backward reads it.
+    freed = offloaded - x.nbytes
+    held = off.max_inflight_bytes + prefetch + 2 * kit.ACTIVATION_BYTES
+    report = {**peaks, "inflight_waits": stats.inflight_waits, "inflight_served": stats.inflight_served}
+    assert peaks["offload"] <= peaks["baseline"] - freed + held, report
 
 
 def test_copies_to_host_run_on_a_side_stream():
