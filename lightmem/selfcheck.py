@@ -14,7 +14,7 @@ its own time limit (the limits add up to ``QUICK_BUDGET_S``):
 - ``step_time``: the step-time table (no hooks, lightmem's offload, ``save_on_cpu``), 3 rounds;
 - ``estimator``: ``estimate_memory``'s predicted peak against the measured one;
 - ``swap_row``: the swap-out/in paper's ResNet-50 (seed 001) at one batch under a 12 GB cap: the
-  plan's choice, its peak and step times (``benchmarks/swap_table.py``).
+  plan's choice and the paper's swap row, their peaks and step times (``benchmarks/swap_table.py``).
 
 Without ``--quick`` (``FULL_SECTIONS``): the same and more, unhurried: every GPU test, 10 rounds of
 step time, the largest batch of a GPT sized to the GPU with and without lightmem (search on OOM)
@@ -67,6 +67,8 @@ GPU_TESTS_TIMEOUT_S = 1800.0
 QUICK_TEST_TIMEOUT_S = 60
 """``--quick``: the most one GPU test may take (pytest-timeout's ``--timeout``)."""
 QUICK_ENV = "LIGHTMEM_SELFCHECK_QUICK"
+HEADER_LIMIT_S = 30
+"""The report's header (versions, the page-locked copy bandwidth) takes a second or two; its limit."""
 BANDWIDTH_BYTES = 256 * 2**20
 """The page-locked copy the report's header times each way."""
 
@@ -158,7 +160,7 @@ def run_report(
     time limit; print one verdict line per section to ``out`` (stdout). Returns whether a section
     was left running (a thread stuck in CUDA: the caller should ``os._exit``)."""
     out = out if out is not None else sys.stdout
-    head, _ = run_with_time_limit(_named(header, "header"), 60)
+    head, _ = run_with_time_limit(_named(header, "header"), HEADER_LIMIT_S)
     output.write_text(head)  # written as it goes: a hang still leaves a report
     hung = False
     for section in sections:
@@ -492,7 +494,7 @@ QUICK_SECTIONS: list[Section] = [
     Section("estimator", 40, lambda limit: estimate_vs_measured(),
             "estimate_memory's predicted peak against the measured one, without and with offload"),
     Section("swap_row", 90, swap_row,
-            "seed 001's ResNet-50 (fp32, SGD, 224x224) at batch 256 under a 12 GB cap: the plan's choice"),
+            "seed 001's ResNet-50 (fp32, SGD, 224x224) at batch 256 under a 12 GB cap: the plan's choice and offload"),
 ]  # fmt: skip
 """What ``--quick`` runs, in order. Their limits add up to ``QUICK_BUDGET_S``; with the header's
 bandwidth (seconds) and the start of Python and CUDA, the run stays within six minutes."""
