@@ -165,14 +165,14 @@ def run_report(
     hung = False
     for section in sections:
         started = time.perf_counter()
-        text, finished = run_with_time_limit(_named(lambda section=section: section.run(section.limit_s), section.name),
-                                             section.limit_s)  # fmt: skip
+        run = _named(lambda section=section: section.run(section.limit_s), section.name)
+        text, finished = run_with_time_limit(run, section.limit_s)
         hung = hung or not finished
         with output.open("a") as report:
             report.write("\n" + text)
         took = time.perf_counter() - started
-        print(f"lightmem selfcheck: {section.name}: {verdict_of(text, finished)} ({took:.0f} s of {section.limit_s:.0f} s)",
-              file=out, flush=True)  # fmt: skip
+        verdict = f"{verdict_of(text, finished)} ({took:.0f} s of {section.limit_s:.0f} s)"
+        print(f"lightmem selfcheck: {section.name}: {verdict}", file=out, flush=True)
         if finished and torch.cuda.is_available():
             gc.collect()
             torch.cuda.empty_cache()
@@ -524,7 +524,9 @@ def select_sections(sections: Sequence[Section], names: str | None) -> list[Sect
     known = [section.name for section in sections]
     unknown = [name for name in wanted if name not in known]
     if unknown:
-        raise SystemExit(f"lightmem selfcheck: --sections: no section {', '.join(unknown)}; this mode has {', '.join(known)}")
+        raise SystemExit(
+            f"lightmem selfcheck: --sections: no section {', '.join(unknown)}; this mode has {', '.join(known)}"
+        )
     return [section for section in sections if section.name in wanted]
 
 

@@ -32,6 +32,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightmem import offload_activations
+from lightmem.offload import hooks
+
 ROWS = WIDTH = 4096
 ACTIVATION_BYTES = ROWS * WIDTH * 4  # 64 MiB of float32
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at 1.5-2 GHz, far longer than copying 64 MiB
@@ -151,8 +154,6 @@ def baseline_step(model: nn.Module, x: torch.Tensor, backward_passes: int = 1) -
 def reloading_in_flight():
     """Inside, an entry whose copy to host still runs is reloaded from its host buffer when
     backward reaches it, instead of being served from the device tensor it holds."""
-    from lightmem.offload import hooks
-
     served_view = hooks.served_view
     hooks.served_view = lambda *args: None
     try:
@@ -212,8 +213,6 @@ def exposed_step(model: nn.Module, x: torch.Tensor, offloader: Any, exposure: Ex
 
 
 def exposed_offloader(model: nn.Module, exposure: Exposure) -> Any:
-    from lightmem import offload_activations
-
     return offload_activations(model, **exposure.flags)
 
 
