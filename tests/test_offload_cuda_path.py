@@ -205,7 +205,7 @@ def test_inflight_bound_holds_device_bytes_and_serves_in_flight_entries_without_
 def test_in_flight_device_memory_goes_once_backward_has_read_it_though_the_copies_still_run():
     # The host runs ahead of the GPU: it may see the window's copies complete only after backward.
     # Holding their device tensors until then kept max_inflight_bytes on the device beside every
-    # gradient at the end of backward (the H100 peak, issue 39). An entry that dies (its graph is
+    # gradient at the end of backward (found with issue 39). An entry that dies (its graph is
     # freed) with its copy still running makes its compute stream wait for the copy, and goes.
     model = _Chain()
     expected, _ = run_grads(model, _chain_loss)

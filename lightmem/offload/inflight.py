@@ -20,8 +20,8 @@ The entries are held weakly: one whose graph is freed (backward has read it, or 
 dropped) while its copy still runs is ``retire``d as it dies, the same way the bound lets go of
 the oldest (its compute stream waits for the copy, and the device tensor goes with the entry).
 Held strongly, the window stayed on the device until the host saw its copies complete, which a
-host running ahead of the GPU sees only after backward: on an H100 the 256 MiB window of the
-forward's last activations was still allocated at the end of backward, beside every gradient.
+host running ahead of the GPU may see only once backward is queued: up to ``max_bytes`` of the
+forward's last activations then stayed allocated to the end of backward, beside every gradient.
 """
 
 from __future__ import annotations
