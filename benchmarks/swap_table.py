@@ -13,7 +13,8 @@ lightmem's estimator the same question for each configuration: the largest batch
 ``selfcheck_section()`` is what ``python -m lightmem.selfcheck`` calls on a GPU: the same rows,
 each configuration's largest batch also found by real training steps (``measured_rows``: two per
 trial, out-of-memory as the verdict) with the caching allocator capped at the budget less the
-same overhead allowance.
+same overhead allowance. ``quick_selfcheck_section()`` is what ``--quick`` calls: one row at one
+batch (the plan's choice at ``QUICK_BATCH``), a few timed steps, within a time limit.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ sys.path.insert(0, str(CHECKOUT))
 
 from _common import hardware  # noqa: E402
 from examples.estimate_factories import ResNet, classification_loss, resnet50  # noqa: E402
-from lightmem import apply_checkpointing, max_batch_size, offload_activations  # noqa: E402
+from lightmem import apply_checkpointing, max_batch_size, offload_activations, plan  # noqa: E402
 from lightmem.config import format_bytes, parse_size  # noqa: E402
 from lightmem.estimate.search import largest_fitting  # noqa: E402
 from lightmem.tables import format_table  # noqa: E402
@@ -187,6 +188,121 @@ def selfcheck_section(budget: str = BUDGET) -> str:
     for row, batch in predicted:
         found, note = measured.get(row.name, ("-", ""))
         lines.append(f"| {row.name} | {PAPER.get(row.name, '-')} | {batch} | {found} | {row.what} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+QUICK_BATCH = 256
+"""The quick selfcheck's batch: above the 143 that fit a 12 GiB cap without lightmem on an H100
+(../shared/gpu-runs/2026-11-27), below the paper's 664 with swapping."""
+
+
+def _timed_steps(
+    row: Row, batch: int, steps: int, deadline: float, device: torch.device
+) -> tuple[list[float], str, dict[str, Any], str]:
+    """Up to ``steps`` real steps of ``row``'s configuration at ``batch``, each timed, stopping when
+    the next would pass ``deadline`` (``time.perf_counter()``): (step times, what stopped it, the
+    allocator's statistics, bytes offloaded per step)."""
+    torch.manual_seed(0)
+    model = ResNet().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = apply_checkpointing(model, list(row.checkpoint)) if row.checkpoint else None
+    offloader = offload_activations(model, min_bytes=MIN_BYTES, include=row.offload_include) if row.offload else None
+    times: list[float] = []
+    outcome = ""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        for step in range(steps):
+            if times and time.perf_counter() + times[-1] > deadline:
+                outcome = f"stopped after {step} steps (time limit)"
+                break
+            images = torch.randn(batch, 3, 224, 224, device=device)
+            labels = torch.randint(0, 1000, (batch,), device=device)
+            torch.cuda.synchronize(device)
+            begin = time.perf_counter()
+            with offloader if offloader is not None else contextlib.nullcontext():
+                loss = classification_loss(model, (images, labels))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - begin)
+            del images, labels, loss
+    except torch.cuda.OutOfMemoryError as error:
+        outcome = f"OUT OF MEMORY at step {len(times) + 1}: {str(error).splitlines()[0]}"
+    finally:
+        if handle is not None:
+            handle.remove()
+    stats = torch.cuda.memory_stats(device)
+    moved = format_bytes(offloader.stats.offloaded_bytes) if offloader is not None else "-"
+    del model, optimizer, offloader
+    gc.collect()
+    torch.cuda.empty_cache()
+    return times, outcome, stats, moved
+
+
+def quick_selfcheck_section(
+    batch: int = QUICK_BATCH, budget: str = BUDGET, steps: int = 4, time_limit_s: float = 80.0
+) -> str:
+    """One batch, for ``python -m lightmem.selfcheck --quick`` (CUDA only): the plan's choice for
+    ``batch`` on a ``budget`` GPU and the paper's swap row (offload every saved tensor of at least
+    ``MIN_BYTES``), each run for up to ``steps`` real steps with the caching allocator capped at
+    ``budget`` less the overhead allowance, each step timed (offload's first steps page-lock host
+    memory), while ``time_limit_s`` lasts; their device peaks and the bytes moved."""
+    started = time.perf_counter()
+    deadline = started + time_limit_s
+    meta_model, example, loss_fn = resnet50(batch)
+    chosen = plan(meta_model, example, budget, loss_fn, optimizer="sgd", device="cuda", overhead_bytes=OVERHEAD,
+                  offload={"min_bytes": MIN_BYTES})  # fmt: skip
+    planned_s = time.perf_counter() - started
+    rows = [ROWS[1]]  # the paper's swap row
+    if chosen.fits:
+        include = chosen.offload.include if chosen.offload is not None else None
+        rows.insert(0, Row("plan's choice", "; ".join(chosen.parts()) or "nothing", offload=chosen.offload is not None,
+                           checkpoint=tuple(chosen.checkpoint), offload_include=include))  # fmt: skip
+    device = torch.device("cuda")
+    cap = parse_size(budget, flag="budget") - parse_size(OVERHEAD, flag="overhead")
+    total = torch.cuda.get_device_properties(device).total_memory
+    table = [
+        "| configuration | steps (each) | peak allocated | peak reserved | num_alloc_retries | offloaded per step | outcome |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    verdicts = []
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    try:
+        for row in rows:
+            if time.perf_counter() > deadline - 20:  # an offloaded first step alone takes that long
+                table.append(f"| {row.name}: {row.what} | - | - | - | - | - | not run (time limit) |")
+                verdicts.append(f"{row.name} not run")
+                continue
+            times, outcome, stats, moved = _timed_steps(row, batch, steps, deadline, device)
+            step_times = ", ".join(f"{seconds:.2f} s" for seconds in times) or "-"
+            table.append(
+                f"| {row.name}: {row.what} | {step_times} | {format_bytes(stats.get('allocated_bytes.all.peak', 0))} | "
+                f"{format_bytes(stats.get('reserved_bytes.all.peak', 0))} | {stats.get('num_alloc_retries', 0)} | "
+                f"{moved} | {outcome or 'ran'} |"
+            )
+            failed = outcome.startswith("OUT OF MEMORY")
+            verdicts.append(f"{row.name} {'FAILED (out of memory)' if failed else f'ran {len(times)} steps'}")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    plan_line = (
+        f"the plan for batch {batch} within {budget} ({planned_s:.0f} s to plan): {'; '.join(chosen.parts()) or 'nothing'}, "
+        f"predicted peak {format_bytes(chosen.predicted_peak_bytes)}"
+        if chosen.fits else f"no plan fits batch {batch}: {chosen.reason}"
+    )  # fmt: skip
+    lines = [
+        f"## ResNet-50 at batch {batch} on a {budget} GPU (seed 001's row, quick)",
+        "",
+        f"**Verdict:** {'; '.join(verdicts)}",
+        "",
+        f"fp32, SGD, 224x224 (the layout torchvision uses); {plan_line}. Run on "
+        f"{torch.cuda.get_device_name(device)} with the caching allocator capped at {budget} less {OVERHEAD} "
+        f"({format_bytes(cap)}); the paper reached 664 with swapping, and 143 fit without lightmem on an H100.",
+        "",
+        *table,
+    ]
     return "\n".join(lines) + "\n"
 
 

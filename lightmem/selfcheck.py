@@ -1,26 +1,31 @@
 """``python -m lightmem.selfcheck``: lightmem's GPU tests and benchmarks on this machine's GPU.
 
-Writes a markdown report (default ``lightmem-selfcheck.md``) section by section as each finishes,
-and prints its path:
+Writes a markdown report (``--output``, default ``lightmem-selfcheck.md``) section by section as each
+finishes, prints each section's verdict line as it goes (a run killed midway still shows how far it
+got) and the report's path at the end. The report opens with the torch and CUDA versions, the GPU
+and the host's page-locked copy bandwidth each way.
 
-- ``tests/gpu`` (races forced with delayed streams, negative controls, the CUDA sanitizer, device
-  memory in the GPU's order of execution, two GPUs where there are two);
-- step time of a GPT with lightmem's offload, without hooks and with ``save_on_cpu``, the modes
-  interleaved round by round (median and spread); each mode's device memory as
-  ``max_memory_allocated``, ``max_memory_reserved``, ``active_bytes.all.peak`` and
-  ``num_alloc_retries``; lightmem's prefetch hits, misses and waits; page-locked host bytes held
-  and the time registration took;
-- the largest batch of a GPT sized to the GPU, with and without lightmem (search on OOM), and
-  several timed steps at that batch (a batch that fits only through the allocator's
-  free-and-retry shows its cost there);
-- ``estimate_memory``'s predicted peak against the measured one;
-- the swap-out/in paper's ResNet-50 table (``benchmarks/swap_table.py``): each configuration's
-  largest batch on a 12 GB budget as the paper measured it, as lightmem predicts it and as this
-  GPU gives it, and the plan's choice.
+``--quick`` (the default when ``LIGHTMEM_SELFCHECK_QUICK=1``) gives the verdict within about six
+minutes on an H100, for whoever has a GPU for a quarter of an hour: ``QUICK_SECTIONS``, each under
+its own time limit (the limits add up to ``QUICK_BUDGET_S``):
 
-Every section has a time limit (``--section-timeout-s``): one that hangs is reported as such and
-the report goes on. Run it from a lightmem checkout: the tests and the GPT live in ``tests/`` and
-``examples/``. Without CUDA it prints one line and exits 0.
+- ``gpu_tests``: ``pytest tests/gpu``, each test at most ``QUICK_TEST_TIMEOUT_S`` (pytest-timeout,
+  where installed);
+- ``step_time``: the step-time table (no hooks, lightmem's offload, ``save_on_cpu``), 3 rounds;
+- ``estimator``: ``estimate_memory``'s predicted peak against the measured one;
+- ``swap_row``: the swap-out/in paper's ResNet-50 (seed 001) at one batch under a 12 GB cap: the
+  plan's choice and the paper's swap row, their peaks and step times (``benchmarks/swap_table.py``).
+
+Without ``--quick`` (``FULL_SECTIONS``): the same and more, unhurried: every GPU test, 10 rounds of
+step time, the largest batch of a GPT sized to the GPU with and without lightmem (search on OOM)
+and several timed steps at it, and the paper's whole table (each row's largest batch measured).
+
+``--sections gpu_tests,swap_row`` runs only those (a failed part again). A section that hangs or
+fails is reported as such and the report goes on. Adding a section is one line: a ``Section``
+(name, time limit, function, what it shows) in ``QUICK_SECTIONS`` or ``FULL_SECTIONS``.
+
+Run it from a lightmem checkout: the tests and the GPT live in ``tests/`` and ``examples/``.
+Without CUDA it prints one line and exits 0.
 """
 
 from __future__ import annotations
@@ -28,15 +33,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +64,13 @@ BENCH_GPT = {"vocab": 8192, "dim": 1024, "depth": 8, "heads": 16, "seq": 1024, "
 BENCH_BATCH = 8
 SECTION_TIMEOUT_S = 1200.0
 GPU_TESTS_TIMEOUT_S = 1800.0
+QUICK_TEST_TIMEOUT_S = 60
+"""``--quick``: the most one GPU test may take (pytest-timeout's ``--timeout``)."""
+QUICK_ENV = "LIGHTMEM_SELFCHECK_QUICK"
+HEADER_LIMIT_S = 30
+"""The report's header (versions, the page-locked copy bandwidth) takes a second or two; its limit."""
+BANDWIDTH_BYTES = 256 * 2**20
+"""The page-locked copy the report's header times each way."""
 
 
 OUT_OF_MEMORY_BYTES = 1 << 62
@@ -106,6 +122,70 @@ def run_with_time_limit(section: Callable[[], str], limit_s: float) -> tuple[str
     if worker.is_alive():
         return f"## {section.__name__}\n\nDid not finish within {limit_s:.0f} s (time limit); skipped.\n", False
     return result[0], True
+
+
+@dataclass(frozen=True)
+class Section:
+    """One part of the report: ``run(limit_s)`` returns its markdown, within ``limit_s`` seconds.
+
+    Its markdown starts with a ``## `` title; a line ``**Verdict:** ...`` in it is also printed as
+    the section's verdict when it finishes (otherwise "done").
+    """
+
+    name: str
+    limit_s: float
+    run: Callable[[float], str]
+    what: str
+
+
+VERDICT = "**Verdict:** "
+
+
+def verdict_of(markdown: str, finished: bool) -> str:
+    """The line printed when a section ends: its ``**Verdict:**`` line, "done", or why it did not finish."""
+    if not finished:
+        return "did not finish within its time limit"
+    for line in markdown.splitlines():
+        if line.startswith(VERDICT):
+            return line[len(VERDICT) :]
+        if line.startswith("Failed: "):
+            return line
+    return "done"
+
+
+def run_report(
+    sections: Sequence[Section], output: Path, header: Callable[[], str], out: TextIO | None = None
+) -> bool:
+    """Write ``header()`` then each section's markdown to ``output`` as each finishes, each under its
+    time limit; print one verdict line per section to ``out`` (stdout). Returns whether a section
+    was left running (a thread stuck in CUDA: the caller should ``os._exit``)."""
+    out = out if out is not None else sys.stdout
+    head, _ = run_with_time_limit(_named(header, "header"), HEADER_LIMIT_S)
+    output.write_text(head)  # written as it goes: a hang still leaves a report
+    hung = False
+    for section in sections:
+        started = time.perf_counter()
+        run = _named(lambda section=section: section.run(section.limit_s), section.name)
+        text, finished = run_with_time_limit(run, section.limit_s)
+        hung = hung or not finished
+        with output.open("a") as report:
+            report.write("\n" + text)
+        took = time.perf_counter() - started
+        verdict = f"{verdict_of(text, finished)} ({took:.0f} s of {section.limit_s:.0f} s)"
+        print(f"lightmem selfcheck: {section.name}: {verdict}", file=out, flush=True)
+        if finished and torch.cuda.is_available():
+            gc.collect()
+            torch.cuda.empty_cache()
+    print(f"lightmem selfcheck: report written to {output.resolve()}", file=out, flush=True)
+    return hung
+
+
+def _named(function: Callable[[], str], name: str) -> Callable[[], str]:
+    def named() -> str:
+        return function()
+
+    named.__name__ = name
+    return named
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -318,65 +398,163 @@ def swap_table() -> str:
     return table.selfcheck_section()
 
 
-def gpu_tests(timeout_s: float = GPU_TESTS_TIMEOUT_S) -> str:
+def gpu_tests(timeout_s: float = GPU_TESTS_TIMEOUT_S, per_test_timeout_s: float | None = None) -> str:
+    """``pytest tests/gpu`` in a child process, killed at ``timeout_s``; with ``per_test_timeout_s``
+    each test is stopped at that (pytest-timeout, where installed). The output so far is kept."""
     tests = CHECKOUT / "tests" / "gpu"
     if not tests.is_dir():
         return "## GPU tests\n\nNot run: `tests/gpu` is not here (run the selfcheck from a lightmem checkout).\n"
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", str(tests)],
-            cwd=CHECKOUT, capture_output=True, text=True, timeout=timeout_s,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as expired:
-        output = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        tail = "\n".join(output.strip().splitlines()[-60:])
-        return f"## GPU tests\n\n`pytest tests/gpu`: **did not finish within {timeout_s:.0f} s**\n\n```\n{tail}\n```\n"
-    summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
-    tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-60:])
-    return f"## GPU tests\n\n`pytest tests/gpu`: **{summary}** (exit code {result.returncode})\n\n```\n{tail}\n```\n"
+    command = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
+    note = ""
+    if per_test_timeout_s is not None:
+        if importlib.util.find_spec("pytest_timeout") is not None:
+            command.append(f"--timeout={per_test_timeout_s:.0f}")
+            note = f" Each test at most {per_test_timeout_s:.0f} s (pytest-timeout)."
+        else:
+            note = " pytest-timeout is not installed: no limit per test, only the section's."
+    command.append(str(tests))
+    with tempfile.TemporaryFile(mode="w+") as log:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a killed run keeps what it printed
+        child = subprocess.Popen(command, cwd=CHECKOUT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True, env=env)  # fmt: skip
+        try:
+            returncode: int | None = child.wait(timeout=max(timeout_s - 5, 1))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)  # the tests' own children (the sanitizer runs) too
+            child.wait()
+            returncode = None
+        log.seek(0)
+        output = log.read()
+    lines = output.strip().splitlines() or ["(no output)"]
+    tail = "\n".join(lines[-60:])
+    if returncode is None:
+        verdict = f"did not finish within {timeout_s:.0f} s"
+    else:
+        verdict = f"{lines[-1]} (exit code {returncode})"
+    return f"## GPU tests\n\n{VERDICT}`pytest tests/gpu`: {verdict}\n\n{note.strip()}\n\n```\n{tail}\n```\n"
 
 
-def header() -> str:
+def page_locked_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> tuple[float, float]:
+    """Bytes per second of a page-locked host -> device and device -> host copy (the best of
+    ``repeats``, timed with CUDA events)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rates = []
+    for destination, source in ((device, host), (host, device)):
+        best = float("inf")
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            destination.copy_(source, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        rates.append(nbytes / best)
+    return rates[0], rates[1]
+
+
+def header(quick: bool = False, sections: Sequence[Section] = ()) -> str:
+    """The report's top: versions, the GPU, the page-locked copy bandwidth each way, and the
+    sections with their time limits."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    try:
+        to_device, to_host = page_locked_bandwidth()
+        link = f"{to_device / 2**30:.1f} GiB/s host to device, {to_host / 2**30:.1f} GiB/s device to host"
+    except Exception as error:  # the report goes on without it
+        link = f"not measured (`{type(error).__name__}: {error}`)"
+    limits = ", ".join(f"`{section.name}` {section.limit_s:.0f} s" for section in sections)
+    mode = "quick" if quick else "full"
     return (
         f"# lightmem selfcheck\n\nlightmem {lightmem.__version__}, torch {torch.__version__}, CUDA "
-        f"{torch.version.cuda}, {props.name} ({format_bytes(props.total_memory)}), "
-        f"{torch.cuda.device_count()} device(s); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n"
+        f"{torch.version.cuda}, Python {sys.version.split()[0]}; {props.name} "
+        f"({format_bytes(props.total_memory)}), {torch.cuda.device_count()} device(s); "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
+        f"Page-locked copies of {format_bytes(BANDWIDTH_BYTES)}: {link}.\n\n"
+        f"Mode: {mode}. Sections and their time limits: {limits} "
+        f"({sum(section.limit_s for section in sections):.0f} s in all).\n"
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def swap_row(limit_s: float) -> str:
+    """``benchmarks/swap_table.py``'s quick section: seed 001's ResNet-50 at one batch under a 12 GB cap."""
+    benchmarks = str(CHECKOUT / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import swap_table as table
+
+    return table.quick_selfcheck_section(time_limit_s=limit_s - 10)
+
+
+QUICK_SECTIONS: list[Section] = [
+    Section("gpu_tests", 140, lambda limit: gpu_tests(limit, QUICK_TEST_TIMEOUT_S),
+            f"pytest tests/gpu, each test at most {QUICK_TEST_TIMEOUT_S} s (90 s in all on an H100)"),
+    Section("step_time", 45, lambda limit: benchmark_steps(rounds=3),
+            "step time and device memory of the benchmark GPT: no hooks, lightmem, save_on_cpu; 3 rounds"),
+    Section("estimator", 40, lambda limit: estimate_vs_measured(),
+            "estimate_memory's predicted peak against the measured one, without and with offload"),
+    Section("swap_row", 90, swap_row,
+            "seed 001's ResNet-50 (fp32, SGD, 224x224) at batch 256 under a 12 GB cap: the plan's choice and offload"),
+]  # fmt: skip
+"""What ``--quick`` runs, in order. Their limits add up to ``QUICK_BUDGET_S``; with the header's
+bandwidth (seconds) and the start of Python and CUDA, the run stays within six minutes."""
+QUICK_BUDGET_S = 335
+"""The sum of ``QUICK_SECTIONS``' time limits may not exceed this (a test checks it): give a new
+section its limit out of another's, or raise this only knowing the run must fit a quarter hour."""
+
+
+def full_sections(rounds: int = 10, limit_s: float = SECTION_TIMEOUT_S) -> list[Section]:
+    """What a run without ``--quick`` does: every section unhurried."""
+    return [
+        Section("gpu_tests", GPU_TESTS_TIMEOUT_S, gpu_tests, "pytest tests/gpu"),
+        Section("step_time", limit_s, lambda limit: benchmark_steps(rounds),
+                f"step time and device memory of the benchmark GPT, {rounds} rounds"),
+        Section("largest_batch", limit_s, lambda limit: largest_batches(),
+                "the largest batch of a GPT sized to the GPU, with and without lightmem"),
+        Section("estimator", limit_s, lambda limit: estimate_vs_measured(), "estimate_memory against the device"),
+        Section("swap_table", limit_s, lambda limit: swap_table(), "the swap-out/in paper's ResNet-50 table"),
+    ]  # fmt: skip
+
+
+def select_sections(sections: Sequence[Section], names: str | None) -> list[Section]:
+    """``sections`` named in the comma-separated ``names`` (all when ``None``), in their order."""
+    if not names:
+        return list(sections)
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    known = [section.name for section in sections]
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        raise SystemExit(
+            f"lightmem selfcheck: --sections: no section {', '.join(unknown)}; this mode has {', '.join(known)}"
+        )
+    return [section for section in sections if section.name in wanted]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightmem.selfcheck", description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="lightmem-selfcheck.md", help="the markdown report to write")
+    parser.add_argument("--quick", action="store_true", default=os.environ.get(QUICK_ENV) == "1",
+                        help=f"the verdict in minutes: {', '.join(s.name for s in QUICK_SECTIONS)} "
+                        f"(default when {QUICK_ENV}=1)")  # fmt: skip
+    parser.add_argument("--sections", help="run only these sections (comma-separated names)")
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds (one step per mode each)")
     parser.add_argument(
-        "--section-timeout-s", type=float, default=SECTION_TIMEOUT_S, help="time limit of each section"
+        "--section-timeout-s", type=float, default=SECTION_TIMEOUT_S, help="time limit of each section (full mode)"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print(NO_CUDA)
         return 0
-    output = Path(args.output)
-    output.write_text(header())  # written as it goes: a hang still leaves a report
-    sections: list[Callable[[], str]] = []
-    if not args.skip_tests:
-        sections.append(lambda: gpu_tests(args.section_timeout_s))
-        sections[-1].__name__ = "gpu_tests"
-    timed = lambda: benchmark_steps(args.rounds)  # noqa: E731
-    timed.__name__ = "benchmark_steps"
-    sections += [timed, largest_batches, estimate_vs_measured, swap_table]
-    hung = False
-    for section in sections:
-        text, finished = run_with_time_limit(section, args.section_timeout_s + 60)
-        hung = hung or not finished
-        with output.open("a") as report:
-            report.write("\n" + text)
-        print(f"lightmem selfcheck: {section.__name__} {'done' if finished else 'timed out'}", flush=True)
-        if finished:
-            gc.collect()
-            torch.cuda.empty_cache()
-    print(f"lightmem selfcheck: report written to {output.resolve()}", flush=True)
+    sections = QUICK_SECTIONS if args.quick else full_sections(args.rounds, args.section_timeout_s)
+    sections = select_sections(sections, args.sections)
+    if args.skip_tests:
+        sections = [section for section in sections if section.name != "gpu_tests"]
+    hung = run_report(sections, Path(args.output), lambda: header(args.quick, sections))
     if hung:  # a thread stuck in CUDA would keep the interpreter from exiting
         os._exit(0)
     return 0

@@ -220,13 +220,49 @@ def test_inflight_bound_holds_device_bytes_and_serves_in_flight_entries_without_
     transport.close()
 
 
+def test_in_flight_device_memory_goes_once_backward_has_read_it_though_the_copies_still_run():
+    # The host runs ahead of the GPU: it may see the window's copies complete only after backward.
+    # Holding their device tensors until then kept max_inflight_bytes on the device beside every
+    # gradient at the end of backward (found with issue 39). An entry that dies (its graph is
+    # freed) with its copy still running makes its compute stream wait for the copy, and goes.
+    model = _Chain()
+    expected, _ = run_grads(model, _chain_loss)
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    transport.hold_copies_to_host()
+    actual, off = run_grads(model, _chain_loss, _offload_with(transport, max_inflight_bytes=3 * NBYTES))
+    gc.collect()
+    assert_bitwise_equal(expected, actual)
+    assert off.stats.inflight_served == 3
+    assert transport.held_source_bytes() == 0  # the copies are still held; their sources are gone
+    assert transport.unordered_source_frees == 0 and transport.stale_reads == 0
+    assert off._offloader._pending.bytes == 0
+    transport.release_copies_to_host()
+    transport.close()
+
+
+def test_sabotage_in_flight_memory_let_go_without_a_compute_wait_is_detected(monkeypatch):
+    def careless_retire(self, entry):
+        self.bytes -= entry.nbytes
+
+    monkeypatch.setattr(inflight.InflightCopies, "retire", careless_retire)
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
+    transport.hold_copies_to_host()
+    _, off = run_grads(_Chain(), _chain_loss, _offload_with(transport, max_inflight_bytes=3 * NBYTES))
+    gc.collect()
+    assert transport.unordered_source_frees == 3  # freed while the copy that reads them was queued
+    transport.release_copies_to_host()  # before the pool goes: it waits for the copies into its blocks
+    del off
+    transport.close()
+
+
 def test_sabotage_no_inflight_bound_is_detected(monkeypatch):
     monkeypatch.setattr(inflight.InflightCopies, "_bound", lambda self, stats: None)
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
     transport.hold_copies_to_host()
-    run_grads(_Chain(), _chain_loss, _offload_with(transport, max_inflight_bytes=3 * NBYTES))
+    _, off = run_grads(_Chain(), _chain_loss, _offload_with(transport, max_inflight_bytes=3 * NBYTES))
     assert transport.max_held_source_bytes == (SAVES - 1) * NBYTES  # every queued copy held
-    transport.release_copies_to_host()
+    transport.release_copies_to_host()  # before the pool goes: it waits for the copies into its blocks
+    del off
     transport.close()
 
 
@@ -282,11 +318,12 @@ def test_graph_capture_keeps_saved_tensors_in_place_and_queries_nothing():
 def test_sabotage_offloading_while_capturing_is_detected():
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
     transport.hold_copies_to_host()
-    with pytest.raises(RuntimeError, match="simulated CUDA graph capture"):
-        _capture_run(transport, sabotage=True)
+    with pytest.raises(RuntimeError, match="simulated CUDA graph capture") as raised:
+        _capture_run(transport, sabotage=True)  # its frames (and offloader) live in the traceback
     assert transport.capture_violations > 0
     transport.capturing_graph = False
-    transport.release_copies_to_host()
+    transport.release_copies_to_host()  # before the pool goes: it waits for the copies into its blocks
+    del raised
     transport.close()
 
 

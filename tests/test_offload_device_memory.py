@@ -167,9 +167,11 @@ def test_sabotage_cross_device_wait_on_the_newest_entrys_stream_is_detected(monk
     from lightmem.offload import inflight
 
     def bound_on_newest_stream(self, stats):  # the bound before issue 21: one stream for all
-        compute = self.entries[-1].streams[0]
+        compute = self.entries[-1]().streams[0]
         while self.entries and self.bytes > self.max_bytes:
-            oldest = self.entries.popleft()
+            oldest = self.entries.popleft()()
+            if oldest is None:
+                continue
             self.bytes -= oldest.nbytes
             if not self.transport.done(oldest.host_event):
                 self.transport.wait(compute, oldest.host_event)

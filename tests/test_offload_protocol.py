@@ -72,7 +72,7 @@ def test_gradients_bitwise_equal_under_bf16_autocast_and_retained_graph():
     transport.close()
 
 
-def _sabotaged_run(transport, hold_to_host=False, hold_to_device=False):
+def _sabotaged_run(transport, hold_to_host=False, hold_to_device=False, **flags):
     """True when the step gives gradients that differ from the reference (or garbage crashes it).
 
     ``hold_to_host``: copies to host run only when something waits for them (every entry is in
@@ -95,7 +95,7 @@ def _sabotaged_run(transport, hold_to_host=False, hold_to_device=False):
         transport.release_copies_to_device()
 
     try:
-        actual, _ = run_grads(model, loss_fn, _offload_with(transport), before_backward=before_backward)
+        actual, _ = run_grads(model, loss_fn, _offload_with(transport, **flags), before_backward=before_backward)
     except (IndexError, RuntimeError):  # NaN bytes read as token indices
         release()
         return True
@@ -142,9 +142,10 @@ def test_sabotage_source_released_before_its_copy_ran_is_detected(monkeypatch):
     def careless_settle(self):  # lets go of saved tensors without asking whether their copy ran
         pending = self._pending
         while pending.entries:
-            entry = pending.entries.popleft()
-            pending.bytes -= entry.nbytes
-            entry.release_source()
+            entry = pending.entries.popleft()()
+            if entry is not None:
+                pending.bytes -= entry.nbytes
+                entry.release_source()
 
     monkeypatch.setattr(hooks.Offloader, "_settle", careless_settle)
     transport = SimulatedAsyncTransport(seed=1, max_delay_s=0.0)
@@ -186,3 +187,80 @@ def _drop_graphs_while_reloads_are_queued(transport) -> int:
 
 def test_host_buffers_wait_for_their_last_copy_before_reuse():
     assert _drop_graphs_while_reloads_are_queued(SimulatedAsyncTransport(seed=3, max_delay_s=0.002)) == 0
+
+
+# -- the GPU's negative controls (tests/gpu/race_kit.py EXPOSING) on the simulated GPU -----------
+
+_ROLES = {"d2h": "to_host", "h2d": "to_device"}
+
+
+def _role(stream) -> str:
+    return "compute" if is_compute(stream) else _ROLES[stream.name]
+
+
+class _DroppingOneKind(SimulatedAsyncTransport):
+    """Drops every wait of one kind: (stream that waits, stream that recorded the event)."""
+
+    def __init__(self, kind, **kwargs):
+        super().__init__(seed=1, max_delay_s=0.0, **kwargs)
+        self.kind = kind
+        self.dropped = 0
+
+    def wait(self, stream, event):
+        if event is not None and (_role(stream), _role(event.stream)) == self.kind:
+            self.dropped += 1
+            return
+        super().wait(stream, event)
+
+
+def _reloads_while_compute_lags(transport) -> None:
+    """A chain of sines (64 KiB saved each), every copy to host done, backward with compute held
+    behind the host and one reload ahead: each reload reuses the block of one just read."""
+    weight = torch.nn.Parameter(torch.linspace(-2.0, 2.0, 16384))
+    with offload_activations(min_bytes=0, devices=("cpu",), transport=transport, prefetch="64KiB"):
+        x = weight.clone()
+        for _ in range(10):
+            x = x.sin()
+        loss = x.sum()
+    transport.synchronize()
+    transport.lag_compute()
+    loss.backward()
+    transport.catch_up_compute()
+
+
+# kind -> how the simulated GPU shows its absence, as the GPU kit's Exposure does on a real one
+_SIMULATED_EXPOSURES = {
+    # reloaded while their copies to host still run, with no compute wait for any copy
+    ("to_device", "to_host"): "reload_in_flight",
+    # the in-flight bound lets go of memory whose copy has not read it
+    ("compute", "to_host"): "small_inflight_bound",
+    ("compute", "to_device"): "hold_to_device",
+    ("to_device", "compute"): "compute_lags_backward",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_SIMULATED_EXPOSURES), ids="<-".join)
+def test_removing_one_kind_of_wait_is_noticed_on_the_simulated_gpu(kind, monkeypatch):
+    exposure = _SIMULATED_EXPOSURES[kind]
+    transport = _DroppingOneKind(kind)
+    if exposure == "compute_lags_backward":  # torch's kernels run when queued: only the ground truth shows it
+        _reloads_while_compute_lags(transport)
+        assert transport.device_reuse_hazards > 0
+    elif exposure == "reload_in_flight":
+        monkeypatch.setattr(hooks, "served_view", lambda *args: None)
+        assert _sabotaged_run(transport, hold_to_host=True, max_inflight_bytes="1GiB")
+    elif exposure == "small_inflight_bound":
+        assert _sabotaged_run(transport, hold_to_host=True, max_inflight_bytes="64KiB")
+        assert transport.unordered_source_frees > 0
+    else:
+        assert _sabotaged_run(transport, hold_to_device=True)
+    assert transport.dropped > 0
+    transport.close()
+
+
+def test_the_simulated_controls_are_the_gpu_controls_but_one():
+    # The copy to host not waiting for compute would read an activation before the kernel writing
+    # it ran; the simulation runs torch's kernels when queued, so only tests/gpu can show it.
+    from gpu import race_kit
+
+    assert set(race_kit.EXPOSING) == {*_SIMULATED_EXPOSURES, ("to_host", "compute")}

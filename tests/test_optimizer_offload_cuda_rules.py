@@ -215,6 +215,41 @@ def test_weight_averaging_between_steps_reads_the_stepped_parameters():
     transport.close()
 
 
+class _ScaledEncoder(_Encoder):
+    """The encoder and a parameter its root module reads in its own forward, outside every
+    submodule (tests/gpu/test_cuda_rules_cuda.py's model, small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return super().forward(x) * self.log_scale.exp()
+
+
+def test_weight_averaging_and_load_state_dict_between_steps_of_a_model_whose_root_reads_a_parameter():
+    # The H100 run of the GPU test differed in log_scale (the first key of the state dict): its
+    # reference stepped the host copies taken before the load and wrote them over the loaded
+    # weights. Loaded weights are what the next step starts from, here as on a plain optimizer.
+    torch.manual_seed(5)
+    loaded = _ScaledEncoder().state_dict()
+    averaged = {}
+
+    def between(model, step):
+        averaged.setdefault(id(model), torch.optim.swa_utils.AveragedModel(model)).update_parameters(model)
+        if step == 1:
+            model.load_state_dict(loaded)
+
+    transport = _simulated(hold_to_device=True, hold_to_host=True)
+    model_a, opt_a, _ = _train(_ScaledEncoder, between_steps=between)
+    model_b, opt_b, handle = _train(_ScaledEncoder, _on(transport), between_steps=between)
+    handle.close()
+    assert_given_back(model_a, model_b, opt_a, opt_b)
+    assert_state_equal(averaged[id(model_a)], averaged[id(model_b)])
+    assert torch.equal(model_b.log_scale, model_a.log_scale) and model_b.log_scale.item() != 0.0
+    transport.close()
+
+
 def test_a_step_post_hook_registered_before_offload_sees_the_stepped_parameters():
     # A user's hook on the optimizer (weight averaging, logging the weights), registered before
     # lightmem's: lightmem's copy back runs first, so the hook reads the stepped values.

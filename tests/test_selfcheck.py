@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import os
 import subprocess
 import sys
@@ -88,3 +90,105 @@ def test_spread_is_median_and_range_in_ms():
 
 def test_relative_is_a_signed_percentage():
     assert (relative(112.5, 100.0), relative(75.0, 100.0), relative(1.0, 1.0)) == ("+12.5%", "-25.0%", "+0.0%")
+
+
+# -- --quick: named sections, each time-boxed; the report is written as it goes ------------------
+
+
+def test_quick_sections_have_unique_names_and_their_limits_fit_the_quick_budget():
+    names = [section.name for section in selfcheck.QUICK_SECTIONS]
+    assert names == ["gpu_tests", "step_time", "estimator", "swap_row"]
+    assert len(set(names)) == len(names)
+    assert sum(section.limit_s for section in selfcheck.QUICK_SECTIONS) <= selfcheck.QUICK_BUDGET_S <= 360
+
+
+def test_a_section_that_hangs_leaves_the_report_written_and_the_next_sections_run(tmp_path):
+    release = threading.Event()
+
+    def hangs(limit_s):
+        release.wait()
+        return "never"
+
+    sections = [
+        selfcheck.Section("first", 5, lambda limit_s: "## First\n\n**Verdict:** 3 passed\n", "a quick one"),
+        selfcheck.Section("hangs", 0.2, hangs, "a stuck GPU call"),
+        selfcheck.Section("fails", 5, lambda limit_s: 1 / 0, "one that raises"),
+        selfcheck.Section("last", 5, lambda limit_s: "## Last\n\nno verdict line\n", "after the hang"),
+    ]
+    report, printed = tmp_path / "selfcheck.md", io.StringIO()
+    hung = selfcheck.run_report(sections, report, lambda: "# lightmem selfcheck\n", out=printed)
+    release.set()
+    assert hung
+    assert report.read_text() == (
+        "# lightmem selfcheck\n"
+        "\n## First\n\n**Verdict:** 3 passed\n"
+        "\n## hangs\n\nDid not finish within 0 s (time limit); skipped.\n"
+        "\n## fails\n\nFailed: `ZeroDivisionError: division by zero`\n"
+        "\n## Last\n\nno verdict line\n"
+    )
+    verdicts = [line.split(" (")[0] for line in printed.getvalue().splitlines()]
+    assert verdicts == [
+        "lightmem selfcheck: first: 3 passed",
+        "lightmem selfcheck: hangs: did not finish within its time limit",
+        "lightmem selfcheck: fails: Failed: `ZeroDivisionError: division by zero`",
+        "lightmem selfcheck: last: done",
+        f"lightmem selfcheck: report written to {report.resolve()}",
+    ]
+
+
+def test_a_header_that_hangs_still_leaves_a_report(tmp_path):
+    release = threading.Event()
+    report = tmp_path / "selfcheck.md"
+    sections = [selfcheck.Section("only", 5, lambda limit_s: "## Only\n", "")]
+    original = selfcheck.run_with_time_limit
+
+    def quick_limit(section, limit_s):  # the header's limit, shortened for the test
+        return original(section, 0.2 if section.__name__ == "header" else limit_s)
+
+    selfcheck.run_with_time_limit = quick_limit
+    try:
+        selfcheck.run_report(sections, report, lambda: release.wait() and "", out=io.StringIO())
+    finally:
+        selfcheck.run_with_time_limit = original
+        release.set()
+    assert report.read_text() == "## header\n\nDid not finish within 0 s (time limit); skipped.\n\n## Only\n"
+
+
+def test_sections_option_picks_sections_by_name_in_the_modes_order():
+    picked = selfcheck.select_sections(selfcheck.QUICK_SECTIONS, "swap_row, gpu_tests")
+    assert [section.name for section in picked] == ["gpu_tests", "swap_row"]
+    assert selfcheck.select_sections(selfcheck.QUICK_SECTIONS, None) == selfcheck.QUICK_SECTIONS
+    with pytest.raises(SystemExit, match="no section plans_hold; this mode has gpu_tests, step_time"):
+        selfcheck.select_sections(selfcheck.QUICK_SECTIONS, "plans_hold")
+
+
+def test_quick_is_the_default_when_the_environment_asks_for_it(monkeypatch):
+    monkeypatch.delenv(selfcheck.QUICK_ENV, raising=False)
+    assert not selfcheck.parse_args([]).quick
+    assert selfcheck.parse_args(["--quick", "--sections", "gpu_tests"]).sections == "gpu_tests"
+    monkeypatch.setenv(selfcheck.QUICK_ENV, "1")
+    assert selfcheck.parse_args([]).quick
+
+
+def _checkout_with_gpu_tests(tmp_path, body: str) -> Path:
+    (tmp_path / "tests" / "gpu").mkdir(parents=True)
+    (tmp_path / "tests" / "gpu" / "test_stub.py").write_text(body)
+    return tmp_path
+
+
+def test_gpu_tests_report_pytests_summary_as_the_verdict(tmp_path, monkeypatch):
+    monkeypatch.setattr(selfcheck, "CHECKOUT", _checkout_with_gpu_tests(tmp_path, "def test_one():\n    pass\n"))
+    text = selfcheck.gpu_tests(60, per_test_timeout_s=30)
+    assert selfcheck.verdict_of(text, True).startswith("`pytest tests/gpu`: 1 passed in ")
+    assert selfcheck.verdict_of(text, True).endswith("(exit code 0)")
+    has_plugin = importlib.util.find_spec("pytest_timeout") is not None
+    assert ("Each test at most 30 s (pytest-timeout)." in text) == has_plugin
+    assert ("pytest-timeout is not installed" in text) == (not has_plugin)
+
+
+def test_gpu_tests_that_outlast_the_section_are_killed_and_their_output_so_far_kept(tmp_path, monkeypatch):
+    body = "import time\n\ndef test_fast():\n    pass\n\ndef test_stuck():\n    time.sleep(600)\n"
+    monkeypatch.setattr(selfcheck, "CHECKOUT", _checkout_with_gpu_tests(tmp_path, body))
+    text = selfcheck.gpu_tests(20)  # pytest gets 15 s: collection and the first test, then the stuck one
+    assert selfcheck.verdict_of(text, True) == "`pytest tests/gpu`: did not finish within 20 s"
+    assert "\n```\n." in text  # the first test's dot, printed before the kill

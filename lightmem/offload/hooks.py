@@ -33,7 +33,9 @@ backward, unpack(handle)    compute waits for reload_event (the first save's str
                             then reads the reloaded tensor itself (a save of the dense tensor)
                             or a view of its storage.
 graph freed (entry dies)    host block returns to the pool after entry.host_event; an unused
-                            reload makes compute wait for its copy before the storage is freed.
+                            reload makes compute wait for its copy before the storage is freed;
+                            a device tensor still held for its copy to host makes its compute
+                            stream wait for that copy before it goes (inflight.py: retire).
 
 Streams are the entry's (``entry.streams``, taken when it is saved): autograd runs an op's
 backward on its forward's stream, and with several devices each entry is ordered on its own.
@@ -240,6 +242,8 @@ class _HostEntry(Entry):
         owner = self.owner
         with owner._lock:
             try:
+                if self.in_flight_alias is not None and self.host_event is not None:
+                    owner._pending.retire(self)  # its copy still runs: compute waits before its memory goes
                 if self.restored is not None:
                     if self.reload_event is not None:  # never consumed: its copy may still be writing
                         owner._transport.wait(self.streams[0], self.reload_event)

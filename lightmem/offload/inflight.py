@@ -15,10 +15,18 @@ on the compute stream later, which runs after the copy has read it.
 An entry still in flight when backward reaches it is served from the device tensor it still holds
 (``served_view``): its bytes are exactly the saved ones (the version check has passed), so a
 reload into a second buffer would only cost memory and a copy.
+
+The entries are held weakly: one whose graph is freed (backward has read it, or the graph was
+dropped) while its copy still runs is ``retire``d as it dies, the same way the bound lets go of
+the oldest (its compute stream waits for the copy, and the device tensor goes with the entry).
+Held strongly, the window stayed on the device until the host saw its copies complete, which a
+host running ahead of the GPU may see only once backward is queued: up to ``max_bytes`` of the
+forward's last activations then stayed allocated to the end of backward, beside every gradient.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any
 
@@ -30,7 +38,8 @@ from lightmem.offload.transport import Transport
 
 
 class InflightCopies:
-    """Entries whose copy to host may still run, oldest first; see the module docstring."""
+    """Entries whose copy to host may still run, oldest first (weak references); see the module
+    docstring."""
 
     __slots__ = ("bytes", "entries", "max_bytes", "transport")
 
@@ -42,7 +51,7 @@ class InflightCopies:
 
     def add(self, entry: Any, stats: OffloadStats) -> None:
         """Track ``entry`` (its copy is queued); past the bound, compute waits for the oldest."""
-        self.entries.append(entry)
+        self.entries.append(weakref.ref(entry))
         self.bytes += entry.nbytes
         if self.bytes > self.max_bytes:
             self._bound(stats)
@@ -51,7 +60,9 @@ class InflightCopies:
         entries = self.entries
         transport = self.transport
         while entries and self.bytes > self.max_bytes:
-            oldest = entries.popleft()
+            oldest = entries.popleft()()
+            if oldest is None:  # retired as it died: its bytes are counted out
+                continue
             self.bytes -= oldest.nbytes
             if not transport.done(oldest.host_event):
                 # The compute stream of the oldest entry's own device: only work ordered after
@@ -60,12 +71,26 @@ class InflightCopies:
                 stats.inflight_waits += 1
             oldest.release_source()
 
+    def retire(self, entry: Any) -> None:
+        """``entry`` dies with its copy still tracked here: its compute stream waits for the copy
+        (unless it is seen complete), so the device tensor that goes with the entry is reused only
+        by work ordered after the copy has read it."""
+        self.bytes -= entry.nbytes
+        if not self.transport.done(entry.host_event):
+            self.transport.wait(entry.streams[0], entry.host_event)
+
     def settle(self) -> None:
         """Let go of the device tensors whose copy to host has finished."""
         entries = self.entries
         done = self.transport.done
-        while entries and done(entries[0].host_event):
-            entry = entries.popleft()
+        while entries:
+            entry = entries[0]()
+            if entry is None:  # retired as it died
+                entries.popleft()
+                continue
+            if not done(entry.host_event):
+                return
+            entries.popleft()
             self.bytes -= entry.nbytes
             entry.release_source()
 

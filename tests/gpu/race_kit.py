@@ -11,12 +11,18 @@ Three ingredients, after the usual way such races are provoked:
 ``wait_kinds`` / ``drop_wait`` wrap the transport's ``record`` and ``wait`` to name each wait by
 (stream that waits, stream the event was recorded on), so a negative control removes exactly one
 kind of wait and must then produce a wrong result.
+
+A delay alone is not always enough: on an H100 (issue 39) two controls still gave right gradients,
+because another wait covered for the missing one or the freed memory was not handed out again.
+``EXPOSING`` names, per kind of wait, the delay and what else makes that wait the only thing
+between the step and a wrong result (``Exposure``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass, field
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS across streams
 
@@ -26,22 +32,55 @@ import pytest
 import torch
 from torch import nn
 
+from lightmem import offload_activations
+from lightmem.offload import hooks
+
 ROWS = WIDTH = 4096
 ACTIVATION_BYTES = ROWS * WIDTH * 4  # 64 MiB of float32
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at 1.5-2 GHz, far longer than copying 64 MiB
 ROLES = ("compute", "to_host", "to_device")
 
-# Each kind of wait of the protocol (lightmem/offload/hooks.py), and the delay that exposes its absence.
-DELAY_EXPOSING = {
-    ("to_host", "compute"): "compute_in_forward",  # the copy to host would read an unwritten activation
-    ("to_device", "to_host"): "copy_to_host",  # the reload would read a host buffer not yet written
-    ("compute", "to_device"): "copy_to_device",  # backward would read a reload buffer not yet written
-    # the reload copy would overwrite memory of an earlier reload that lagging compute still reads
-    ("to_device", "compute"): "compute_in_backward",
-    # past max_inflight_bytes (7 x 64 MiB > 256 MiB), memory freed before its copy to host read it:
-    ("compute", "to_host"): "copy_to_host",
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """What makes the absence of one kind of wait give wrong gradients on a fast GPU.
+
+    ``delay``: the stream held ~0.1 s behind (one of ``DELAYS``, see ``offloaded_step``);
+    ``flags``: ``offload_activations`` flags; ``reload_in_flight``: entries whose copy to host
+    still runs are reloaded instead of served from the device tensor they hold (``reloading_in_flight``);
+    ``reuse_at_once``: the device cache is emptied before the forward, so a block freed during it is
+    the one the next activation of its size gets.
+    """
+
+    delay: str
+    flags: dict[str, Any] = field(default_factory=dict)
+    reload_in_flight: bool = False
+    reuse_at_once: bool = False
+
+
+# Each kind of wait of the protocol (lightmem/offload/hooks.py), keyed (stream that waits, stream
+# that recorded the event), and what exposes its absence.
+EXPOSING = {
+    # The copy to host would read an activation compute has not written yet.
+    ("to_host", "compute"): Exposure("compute_in_forward"),
+    # The reload would read a host buffer before its copy to host wrote it (the previous step's NaN).
+    # Redundant in the protocol as it stands: a reloaded entry's copy was seen complete, or compute
+    # waited for it (the in-flight bound) before the point the reload waits for, so the H100 gave
+    # right gradients without it. Only entries reloaded while their copy still runs, with no compute
+    # wait for any copy (a bound above the 7 x 64 MiB), leave it alone between the two.
+    ("to_device", "to_host"): Exposure("copy_to_host", {"max_inflight_bytes": "1GiB"}, reload_in_flight=True),
+    # Backward would read a reload buffer before its copy wrote it.
+    ("compute", "to_device"): Exposure("copy_to_device"),
+    # The reload copy would overwrite memory of an earlier reload that lagging compute still reads.
+    ("to_device", "compute"): Exposure("compute_in_backward"),
+    # Past max_inflight_bytes (7 x 64 MiB > 256 MiB) an activation is freed before its copy to host
+    # read it; the next activation overwrites it only if the allocator hands that block out next:
+    # on the H100 other free blocks of the size were cached, the freed one stayed intact, and the
+    # late copy still read the right bytes.
+    ("compute", "to_host"): Exposure("copy_to_host", reuse_at_once=True),
 }
-DELAYS = tuple(dict.fromkeys(DELAY_EXPOSING.values()))
+DELAYS = tuple(dict.fromkeys(exposure.delay for exposure in EXPOSING.values()))
 
 
 class Mlp(nn.Module):
@@ -111,12 +150,26 @@ def baseline_step(model: nn.Module, x: torch.Tensor, backward_passes: int = 1) -
     return grads(model)
 
 
+@contextlib.contextmanager
+def reloading_in_flight():
+    """Inside, an entry whose copy to host still runs is reloaded from its host buffer when
+    backward reaches it, instead of being served from the device tensor it holds."""
+    served_view = hooks.served_view
+    hooks.served_view = lambda *args: None
+    try:
+        yield
+    finally:
+        hooks.served_view = served_view
+
+
 def offloaded_step(
-    model: nn.Module, x: torch.Tensor, offloader: Any, delay: str | None = None, backward_passes: int = 1
-) -> dict[str, torch.Tensor]:
+    model: nn.Module, x: torch.Tensor, offloader: Any, delay: str | None = None, backward_passes: int = 1,
+    reuse_at_once: bool = False,
+) -> dict[str, torch.Tensor]:  # fmt: skip
     """One step through ``offloader`` with ``delay`` (one of ``DELAYS``) queued where it bites.
 
     A first step on a NaN input leaves NaN in the host buffers the pool hands out again.
+    ``reuse_at_once``: the device cache is emptied before the forward (see ``Exposure``).
     """
     device = x.device
     compute, to_host, to_device = offloader.transport.streams(device)
@@ -129,6 +182,8 @@ def offloaded_step(
     offloader.live_entries  # let go of the saved tensors whose copies have run
     fill_free_memory_with_nan(device)
     torch.cuda.synchronize(device)
+    if reuse_at_once:
+        torch.cuda.empty_cache()
     if delay == "compute_in_forward":
         stall(compute)
     elif delay == "copy_to_host":
@@ -149,6 +204,16 @@ def offloaded_step(
         loss.backward(retain_graph=index + 1 < backward_passes)
     torch.cuda.synchronize(device)
     return grads(model)
+
+
+def exposed_step(model: nn.Module, x: torch.Tensor, offloader: Any, exposure: Exposure) -> dict[str, torch.Tensor]:
+    """``offloaded_step`` under ``exposure`` (its flags are the offloader's: see ``exposed_offloader``)."""
+    with reloading_in_flight() if exposure.reload_in_flight else contextlib.nullcontext():
+        return offloaded_step(model, x, offloader, exposure.delay, reuse_at_once=exposure.reuse_at_once)
+
+
+def exposed_offloader(model: nn.Module, exposure: Exposure) -> Any:
+    return offload_activations(model, **exposure.flags)
 
 
 def _tag_waits(transport: Any, device: torch.device, on_wait: Any) -> None:

@@ -85,23 +85,39 @@ def test_offload_lowers_peak_device_memory_over_forward_and_backward():
     from gpu import race_kit as kit
 
     model, x = kit.make_model("cuda", depth=8), kit.make_input("cuda")
-    kit.baseline_step(model, x)  # warm-up: cuBLAS workspace, gradients allocated once
+    prefetch = 2 * kit.ACTIVATION_BYTES
+    off = offload_activations(model, prefetch=prefetch)
+    # Warm-up: cuBLAS workspace; the gradient buffers, kept and accumulated into from now on, so
+    # both runs hold them for the whole step; and a first offloaded step, whose host memory is
+    # pageable (a copy into it blocks the host) and page-locked at the step boundary.
+    kit.loss_of(model, x).backward()
+    kit.loss_under(model, x, off).backward()
     peaks = {}
-    for name in ("baseline", "offload"):
-        off = offload_activations(model, prefetch="128MiB") if name == "offload" else None
-        model.zero_grad(set_to_none=True)
+    for name, context in (("baseline", None), ("offload", off)):
+        model.zero_grad(set_to_none=False)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        loss = kit.loss_under(model, x, off)
+        loss = kit.loss_under(model, x, context)
         loss.backward()
         del loss
         torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated()
-    offloaded = off.stats.offloaded_bytes
+    stats = off.stats
+    offloaded = stats.offloaded_bytes
     assert offloaded == 17 * kit.ACTIVATION_BYTES
-    # Without offload all 17 activations are alive when backward starts; with it, only those in
-    # flight. Half of the offloaded bytes is a margin for copies in flight and the prefetch window.
-    assert peaks["offload"] <= peaks["baseline"] - offloaded // 2, peaks
+    # The documented device cost (docs/offload-protocol.md). Without offload the 17 activations
+    # are alive when backward starts; offload frees all of them but x, which the caller holds
+    # (moving it frees nothing), and holds instead the copies in flight (max_inflight_bytes),
+    # the prefetch window and what the running backward node reads (a reload, and at the end the
+    # reload of x beside the caller's x). With the gradients allocated throughout, both peaks are
+    # at the start of backward. The H100 run of 2026-11-27 set the gradients to None: the offload
+    # peak then came at the end of backward, with all 8 gradients (512 MiB) allocated that the
+    # baseline's peak (at the start) did not hold yet, in a first step whose copies to host were
+    # pageable: 1,746,435,072 B against 2,216,081,920 B, short of a bound of half the offloaded.
+    freed = offloaded - x.nbytes
+    held = off.max_inflight_bytes + prefetch + 2 * kit.ACTIVATION_BYTES
+    report = {**peaks, "inflight_waits": stats.inflight_waits, "inflight_served": stats.inflight_served}
+    assert peaks["offload"] <= peaks["baseline"] - freed + held, report
 
 
 def test_copies_to_host_run_on_a_side_stream():
