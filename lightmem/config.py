@@ -601,6 +601,8 @@ class CheckpointSettings:
     every_n: int = 1
     policy: Any = "full"
     spelling: Spelling = APPLY_CHECKPOINTING
+    policy_given: bool = False
+    """The user named the policy (else ``plan="auto"`` chooses between "full" and "save_matmuls")."""
 
     @classmethod
     def parse(
@@ -614,6 +616,7 @@ class CheckpointSettings:
             every_n=1 if every_n is None else parse_count(every_n, flag=flag("every_n")),  # type: ignore[arg-type]
             policy="full" if policy is None else parse_checkpoint_policy(policy, flag=flag("policy")),
             spelling=spelling,
+            policy_given=policy is not None,
         )
         if targets is None:
             if every_n is not None:

@@ -367,7 +367,7 @@ class FitSession:
         common = {
             "device": pl_module.device.type, "precision": str(trainer.precision),
             "offload": self.offload_settings if self.settings.offload_on else False,
-            "checkpoint_policy": self.settings.checkpoint.policy,
+            "checkpoint_policy": self.settings.checkpoint.policy if self.settings.checkpoint.policy_given else "auto",
             "offload_optimizer": self.settings.optimizer_offload if self._optimizer_offloaders else False,
             "overhead_bytes": self.auto_plan.plan_overhead_bytes,
             "gpu": self.auto_plan.speeds if self.auto_plan.speeds is not None else "auto",
@@ -375,7 +375,8 @@ class FitSession:
         try:
             with self._without_checkpointing(pl_module):  # the planner sees the model as the user wrote it
                 shaped = with_shapes(batch, shapes)
-                if search_up_to is not None:
+                if search_up_to is not None:  # under the policy "auto" starts from
+                    common["checkpoint_policy"] = self.settings.checkpoint.policy
                     return max_batch_size(
                         pl_module, shaped, self.auto_plan.planning_budget_bytes, plan=True, limit=search_up_to, **common
                     )

@@ -69,12 +69,14 @@ from lightmem.estimate.step_time import (
     CHECKPOINT,
     KEEP,
     OFFLOAD,
+    PARTIAL,
     Costs,
     StepTime,
     block_cost_s,
     compute_s,
     configuration_time,
     costs_for,
+    partial_thresholds,
     recompute_s,
     saves_bytes,
     sized_windows,
@@ -85,7 +87,7 @@ __all__ = [
     "BOTH", "CHECKPOINT", "KEEP", "OFFLOAD", "Candidate", "Costs", "PlanSpace", "choose_actions",
     "config_for", "costs_for", "plan", "plan_space", "recompute_s", "saves_bytes", "search_plan",
 ]  # fmt: skip
-_RANK = {KEEP: 0, OFFLOAD: 1, CHECKPOINT: 2, BOTH: 3}  # a block only moves up this list
+_RANK = {KEEP: 0, PARTIAL: 1, OFFLOAD: 2, CHECKPOINT: 3, BOTH: 4}  # a block only moves up this list
 _TRIES_PAST_FIRST_FIT = 3
 """Cheaper candidates verified past a family's first fit before settling on that fit."""
 
@@ -110,18 +112,19 @@ def greedy_steps(
 ) -> list[tuple[str, str]]:
     """Every action upgrade, cheapest per byte saved first, until none saves more.
 
-    Repeated layers (``planned_blocks``) may be checkpointed, offloaded or both; with offload
-    allowed, any other block may be offloaded. Free offloads (transfer hidden by compute) come
-    first; a block may later move from offload to checkpoint.
+    Repeated layers (``planned_blocks``) may be checkpointed, offloaded (their largest tensors
+    only, or all) or both; with offload allowed, any other block may be offloaded. Free offloads
+    (transfer hidden by compute) come first; a block may later move from offload to checkpoint.
     """
     actions = dict(start or {})
     checkpointable = planned_blocks(blocks)
     allowed: dict[str, tuple[str, ...]] = {}
     for name, block in blocks.items():
+        offloads = (PARTIAL, OFFLOAD) if costs.partial.get(name, (0, 0))[1] else (OFFLOAD,)
         if name in checkpointable:
-            allowed[name] = (OFFLOAD, CHECKPOINT, BOTH) if costs.allow_offload else (CHECKPOINT,)
+            allowed[name] = (*offloads, CHECKPOINT, BOTH) if costs.allow_offload else (CHECKPOINT,)
         elif costs.allow_offload and name != ROOT_BLOCK:
-            allowed[name] = (OFFLOAD,)
+            allowed[name] = offloads
     steps: list[tuple[str, str]] = []
     while True:
         best: tuple[float, int, list[object], str, str] | None = None
@@ -159,12 +162,20 @@ def choose_actions(
     return actions
 
 
-def config_for(actions: Mapping[str, str], min_bytes: int) -> tuple[list[str], dict[str, Any] | None]:
-    """Map per-block actions onto lightmem flags: checkpoint names and the offload dict."""
+def config_for(
+    actions: Mapping[str, str], min_bytes: int, thresholds: Mapping[str, int] | None = None
+) -> tuple[list[str], dict[str, Any] | None]:
+    """Map per-block actions onto lightmem flags: checkpoint names and the offload dict (with a
+    partial offload, ``include`` maps each block to its threshold: ``thresholds``, 0 for a whole
+    block)."""
     checkpoint = [name for name, action in actions.items() if action in (CHECKPOINT, BOTH)]
-    offloaded = [name for name, action in actions.items() if action in (OFFLOAD, BOTH)]
-    offload = {"min_bytes": min_bytes, "include": offloaded} if offloaded else None
-    return checkpoint, offload
+    offloaded = [name for name, action in actions.items() if action in (OFFLOAD, BOTH, PARTIAL)]
+    if not offloaded:
+        return checkpoint, None
+    if any(actions[name] == PARTIAL for name in offloaded):
+        include = {name: (thresholds or {}).get(name, 0) if actions[name] == PARTIAL else 0 for name in offloaded}
+        return checkpoint, {"min_bytes": min_bytes, "include": include}
+    return checkpoint, {"min_bytes": min_bytes, "include": offloaded}
 
 
 @dataclass(frozen=True)
@@ -175,26 +186,38 @@ class Candidate:
     checkpoint: frozenset[str] = frozenset()
     offload: frozenset[str] = frozenset()
     everywhere: bool = False
+    partial: frozenset[tuple[str, int]] = frozenset()
+    """Blocks whose largest saved tensors only are offloaded: (name, threshold in bytes)."""
 
     @classmethod
-    def from_actions(cls, actions: Mapping[str, str], everywhere: bool = False) -> Candidate:
+    def from_actions(
+        cls, actions: Mapping[str, str], everywhere: bool = False, thresholds: Mapping[str, int] | None = None
+    ) -> Candidate:
         checkpoint = frozenset(name for name, action in actions.items() if action in (CHECKPOINT, BOTH))
         offload = frozenset(name for name, action in actions.items() if action in (OFFLOAD, BOTH))
-        return cls(checkpoint, frozenset() if everywhere else offload, everywhere)
+        partial = frozenset(
+            (name, (thresholds or {})[name]) for name, action in actions.items() if action == PARTIAL
+        )
+        if everywhere:
+            return cls(checkpoint, frozenset(), True)
+        return cls(checkpoint, offload, False, partial)
 
     @property
     def offloads(self) -> bool:
-        return self.everywhere or bool(self.offload)
+        return self.everywhere or bool(self.offload) or bool(self.partial)
 
     def actions(self, blocks: Mapping[str, BlockMemory]) -> dict[str, str]:
         """Per-block actions, for pricing: with ``everywhere``, every block offloads."""
         found = {}
+        partial = {name for name, _ in self.partial}
         for name in blocks:
             offloaded = self.everywhere or name in self.offload
             if name in self.checkpoint:
                 found[name] = BOTH if offloaded else CHECKPOINT
             elif offloaded:
                 found[name] = OFFLOAD
+            elif name in partial:
+                found[name] = PARTIAL
         return found
 
     def checkpoint_names(self) -> list[str]:
@@ -205,8 +228,12 @@ class Candidate:
         ``include`` None offloads everywhere."""
         if not self.offloads:
             return None
-        include = None if self.everywhere else tuple(sorted(self.offload, key=natural_order))
-        return searched.with_choice(min_bytes=searched.min_bytes, include=include)
+        if self.everywhere:
+            return searched.with_choice(min_bytes=searched.min_bytes, include=None)
+        thresholds = dict.fromkeys(self.offload, 0) | dict(self.partial)
+        include = tuple(sorted(thresholds, key=natural_order))
+        own = tuple(thresholds[name] for name in include) if self.partial else None
+        return searched.with_choice(min_bytes=searched.min_bytes, include=include, include_min_bytes=own)
 
 
 @dataclass
@@ -266,10 +293,11 @@ def build_families(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Fami
         families.append(_family("checkpoint", candidates, blocks, costs))
     if not costs.allow_offload:
         return families
+    thresholds = {name: threshold for name, (threshold, _) in costs.partial.items()}
     actions, candidates = {}, []
     for name, action in greedy_steps(blocks, costs):
         actions[name] = action
-        candidates.append(Candidate.from_actions(actions))
+        candidates.append(Candidate.from_actions(actions, thresholds=thresholds))
     if candidates:
         families.append(_family("per block", candidates, blocks, costs))
     # Everything offloaded; then the layers whose re-run costs least against the transfer it
@@ -571,8 +599,12 @@ def _describe(candidate: Candidate, kinds: Mapping[str, str], min_bytes: int) ->
         parts.append(f"checkpoint {compact_names(candidate.checkpoint_names(), kinds)}")
     if candidate.everywhere:
         parts.append(f"offload every saved tensor of at least {format_bytes(min_bytes)}")
-    elif candidate.offload:
-        parts.append(f"offload {compact_names(sorted(candidate.offload, key=natural_order), kinds)}")
+    else:
+        if candidate.offload:
+            parts.append(f"offload {compact_names(sorted(candidate.offload, key=natural_order), kinds)}")
+        for threshold in sorted({threshold for _, threshold in candidate.partial}):
+            names = sorted((name for name, own in candidate.partial if own == threshold), key=natural_order)
+            parts.append(f"offload the tensors of at least {format_bytes(threshold)} of {compact_names(names, kinds)}")
     return " + ".join(parts)
 
 
@@ -618,7 +650,8 @@ def plan(
             ``Plan.settings`` says what the search ran under, prices included.
         checkpoint_policy: what the blocks the plan checkpoints keep: ``"full"`` (their inputs),
             ``"save_matmuls"`` or a per-op callable, as in ``apply_checkpointing``; priced and
-            verified with it, and returned in ``lightmem_kwargs()``.
+            verified with it, and returned in ``lightmem_kwargs()``. ``"auto"``: the faster plan of
+            "full" and "save_matmuls" (``LightMem(plan="auto")`` without ``checkpoint_policy``).
         offload_optimizer: plan with gradients and optimizer state on the host. Without it the
             plan turns it on by itself when parameters + gradients + optimizer state exceed the
             budget and the parameters alone do not (``lightmem_kwargs()`` then has it). Settings
@@ -639,6 +672,12 @@ def plan(
         ValueError: a bad argument (named in the message).
     """
     started = time.perf_counter()
+    if isinstance(checkpoint_policy, str) and checkpoint_policy == AUTO_POLICY:
+        return _plan_either_policy(
+            model, batch, budget, loss_fn, started, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
+            overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
+            link_bytes_per_s=link_bytes_per_s, offload=offload, offload_optimizer=offload_optimizer,
+        )  # fmt: skip
     space = plan_space(
         model, batch, loss_fn, budget=budget, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
         overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
@@ -650,6 +689,41 @@ def plan(
     space.base.advice = advise(space.base, space.info, space.baseline, result)
     result.seconds = time.perf_counter() - started
     return result
+
+
+AUTO_POLICY = "auto"
+"""``plan(checkpoint_policy="auto")``: the planner chooses what checkpointed blocks keep."""
+
+
+def _plan_either_policy(model: nn.Module, batch: Any, budget: int | str, loss_fn: Any, started: float, **common: Any) -> Plan:
+    """The faster of the plans under the "full" and "save_matmuls" policies (one that fits before
+    one that does not). The second is searched only when the first checkpoints or does not fit:
+    otherwise no block is re-run and the policy changes nothing."""
+    full = plan(model, batch, budget, loss_fn, checkpoint_policy="full", **common)
+    if full.fits and not full.checkpoint:
+        full.seconds = time.perf_counter() - started
+        return full
+    matmuls = plan(model, batch, budget, loss_fn, checkpoint_policy="save_matmuls", **common)
+    chosen, other = (matmuls, full) if _better(matmuls, full) else (full, matmuls)
+    if other.fits:
+        chosen.alternatives = [
+            PlanOption(
+                f"{other.family or 'plan'} with checkpoint_policy={policy_name(other.checkpoint_policy)!r}: "
+                + ("; ".join(other.parts()) or "nothing"),
+                True, other.predicted_total_bytes, other.recompute_s, other.exposed_transfer_s, other.step_seconds,
+            ),
+            *chosen.alternatives,
+        ]
+    chosen.evaluations += other.evaluations
+    chosen.seconds = time.perf_counter() - started
+    return chosen
+
+
+def _better(candidate: Plan, than: Plan) -> bool:
+    """A plan that fits beats one that does not; among those that fit, the faster one."""
+    if candidate.fits != than.fits:
+        return candidate.fits
+    return candidate.fits and candidate.step_seconds < than.step_seconds
 
 
 def plan_space(
@@ -694,6 +768,7 @@ def plan_space(
         costs = dataclasses.replace(
             costs, inflight_bytes=offload_settings.max_inflight_bytes, prefetch_bytes=offload_settings.prefetch_bytes
         )
+        costs = dataclasses.replace(costs, partial=partial_thresholds(base.blocks, costs))
     return PlanSpace(
         model, batch, settings, info, base, costs, offload=offload_settings, batch_size=batch_size, baseline=baseline
     )

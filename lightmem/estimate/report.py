@@ -584,8 +584,14 @@ class Plan:
         if self.offload is not None and self.offload.include is None:
             parts.append(f"offload every saved tensor of at least {format_bytes(self.offload.min_bytes)}")
         elif self.offload is not None:
-            names = compact_names(sorted(self.offload.include or (), key=natural_order), kinds)
-            parts.append(f"offload {names} (min_bytes {format_bytes(self.offload.min_bytes)})")
+            own = dict(zip(self.offload.include or (), self.offload.include_min_bytes or ()))
+            whole = [name for name in self.offload.include or () if not own.get(name)]
+            if whole:
+                names = compact_names(sorted(whole, key=natural_order), kinds)
+                parts.append(f"offload {names} (min_bytes {format_bytes(self.offload.min_bytes)})")
+            for threshold in sorted({size for size in own.values() if size}):
+                names = compact_names(sorted((n for n, size in own.items() if size == threshold), key=natural_order), kinds)
+                parts.append(f"offload the saved tensors of at least {format_bytes(threshold)} of {names}")
         return parts
 
     def describe(self) -> str:

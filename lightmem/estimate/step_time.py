@@ -23,7 +23,7 @@ step of many small ops waits on the host, not the device, and there transfers hi
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from lightmem.estimate.step import StepTrace
 
 KEEP, OFFLOAD, CHECKPOINT, BOTH = "keep", "offload", "checkpoint", "checkpoint+offload"
+PARTIAL = "partial offload"
+"""Offload a block's largest saved tensors, as many as its own forward hides the copies of."""
 DEFAULT_WINDOW_BYTES = parse_size(DEFAULT_MAX_INFLIGHT, flag="max_inflight_bytes")
 assert DEFAULT_WINDOW_BYTES == parse_size(DEFAULT_PREFETCH, flag="prefetch")
 
@@ -57,6 +59,8 @@ class Costs:
     host_s: float = 0.0
     inflight_bytes: int = 256 << 20
     prefetch_bytes: int = 256 << 20
+    partial: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Per block, its partial offload's (threshold, bytes) (``partial_thresholds``); absent: none."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,34 @@ def _kept_input(block: BlockMemory, costs: Costs) -> int:
     return block.input_bytes if block.input_bytes >= costs.min_bytes else 0
 
 
+def partial_offload(block: BlockMemory, costs: Costs, hidden_s: float | None = None) -> tuple[int, int]:
+    """``(threshold, bytes)`` of a partial offload of ``block``: its saved tensors from the largest
+    down, as long as their copies take no longer than ``hidden_s`` (the compute after them that
+    hides them; default: the block's own forward), all of at least ``threshold`` bytes. ``(0, 0)``
+    when not even the largest is hidden, or every one is (then it is the whole block's offload)."""
+    sizes = sorted((size for size in block.saved_sizes if size >= costs.min_bytes), reverse=True)
+    hidden = costs.link_bytes_per_s * (forward_s(block, costs) if hidden_s is None else hidden_s)
+    taken = threshold = 0
+    for size in sorted(set(sizes), reverse=True):  # every tensor of a size moves, or none
+        with_size = sum(s for s in sizes if s >= size)
+        if with_size > hidden:
+            break
+        taken, threshold = with_size, size
+    if taken == sum(sizes):  # everything: the whole block's offload
+        return 0, 0
+    return threshold, taken
+
+
+def partial_thresholds(blocks: Mapping[str, BlockMemory], costs: Costs) -> dict[str, tuple[int, int]]:
+    """Each block's partial offload (``partial_offload``): the link's share of the forward that is
+    the block's own (over the step, the forward hides what the link moves while it runs, once)."""
+    return {name: partial_offload(block, costs) for name, block in blocks.items()}
+
+
 def saves_bytes(block: BlockMemory, action: str, costs: Costs) -> int:
     """Predicted activation bytes ``action`` takes off the device for ``block``."""
+    if action == PARTIAL:
+        return costs.partial.get(block.name, (0, 0))[1]
     if action == OFFLOAD:
         return block.offloadable_bytes(costs.min_bytes)
     if action == CHECKPOINT:
@@ -98,6 +128,8 @@ def saves_bytes(block: BlockMemory, action: str, costs: Costs) -> int:
 
 def moved_bytes(block: BlockMemory, action: str, costs: Costs) -> int:
     """Bytes ``action`` sends to host for ``block``: what offload moves of what the block keeps."""
+    if action == PARTIAL:
+        return costs.partial.get(block.name, (0, 0))[1]
     if action == OFFLOAD:
         return block.offloadable_bytes(costs.min_bytes)
     if action == BOTH:
