@@ -54,9 +54,11 @@ def test_the_greedy_offloads_a_blocks_largest_tensors_first_when_only_their_copy
     assert partial_offload(block, costs) == (60_000_000, 60_000_000)
     with_partial = Costs(1e12, 1e9, 1, allow_offload=True, partial={"b": (60_000_000, 60_000_000)})
     assert choose_actions({"b": block}, 50_000_000, with_partial) == {"b": PARTIAL}
-    # Predicted: the partial offload is free, offloading the whole block exposes its excess.
-    partial = step_time({"b": block}, {"b": PARTIAL}, with_partial)
-    whole = step_time({"b": block}, {"b": "offload"}, with_partial)
+    # On the step's timeline (a block of half its compute runs after it): the partial offload is free,
+    # offloading the whole block exposes what its copy takes beyond the compute after it.
+    blocks = {"b": block, "c": BlockMemory("c", 0, 0.0, 0, [], repeated=True, forward_s=0.05, backward_s=0.1)}
+    partial = step_time(blocks, {"b": PARTIAL}, with_partial)
+    whole = step_time(blocks, {"b": "offload"}, with_partial)
     assert partial.exposed_transfer_s == 0.0 < whole.exposed_transfer_s
 
 
