@@ -4,7 +4,7 @@ from lightmem.auto_plan import PlanDoesNotFit
 from lightmem.callback import LightMem
 from lightmem.devices import DeviceSpeeds, measure_device_speeds
 from lightmem.checkpoint import apply_checkpointing
-from lightmem.estimate import estimate_memory, max_batch_size, plan
+from lightmem.estimate import estimate_memory, frontier, max_batch_size, plan
 from lightmem.offload import offload_activations
 from lightmem.offload.host_grads import named_grads
 from lightmem.offload.optimizer import offload_optimizer
@@ -15,6 +15,7 @@ __all__ = [
     "PlanDoesNotFit",
     "apply_checkpointing",
     "estimate_memory",
+    "frontier",
     "max_batch_size",
     "measure_device_speeds",
     "named_grads",

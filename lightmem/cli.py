@@ -37,7 +37,7 @@ from lightmem.device_memory import (
     overhead_for_measured_budget,
 )
 from lightmem.devices import parse_gpu
-from lightmem.estimate import estimate_memory, max_batch_size, plan
+from lightmem.estimate import estimate_memory, frontier, max_batch_size, plan
 from lightmem.estimate.settings import parse_device, parse_optimizer, parse_overhead, parse_precision
 
 
@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--link-bytes-per-s", default=None, metavar="SIZE",
         help="host link speed per second, each way, that --plan prices transfers at (default: the --gpu's own)",
     )  # fmt: skip
+    estimate.add_argument(
+        "--frontier", action="store_true",
+        help="the frontier: for 1x, 1.5x, 2x, 3x, 5x and 8x the largest batch without lightmem, and the largest "
+        "any plan fits, the best plan's predicted time per sample against that batch and the device's floor",
+    )  # fmt: skip
     estimate.add_argument("--json", action="store_true", help="print JSON instead of the table")
     estimate.add_argument(
         "--verbose", action="store_true", help="list everything the estimate does not model"
@@ -246,7 +251,7 @@ def _measured_budget(args: argparse.Namespace) -> DeviceBudget | None:
     Raises:
         ValueError: no ``--budget`` and ``--device`` is not a CUDA device here to measure.
     """
-    if args.budget is not None or not (args.plan or args.max_batch_size):
+    if args.budget is not None or not (args.plan or args.max_batch_size or args.frontier):
         return None
     memory = memory_to_measure(
         torch.device(args.device), flag="--plan" if args.plan else "--max-batch-size", budget_flag="--budget",
@@ -299,6 +304,13 @@ def run_estimate(args: argparse.Namespace) -> int:
             plan=args.plan, **common, **link,
         )  # fmt: skip
         output["max_batch_size"] = search.to_dict()
+    found_frontier = None
+    if args.frontier:
+        found_frontier = frontier(
+            model, batch, budget, loss_fn, offload=flags.offload, **({"checkpoint_policy": policy}
+            if flags.checkpoint.policy_given else {}), **common,
+        )  # fmt: skip
+        output["frontier"] = found_frontier.to_dict()
     if args.json:
         print(json.dumps(output, indent=2))
         return 0
@@ -319,6 +331,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         print(line)
         if search.plan is not None and search.plan.fits:
             print(f"Plan at batch {search.planned}: {search.plan.describe()}")
+    if found_frontier is not None:
+        found_frontier.print()
     return 0
 
 

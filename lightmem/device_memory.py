@@ -93,7 +93,11 @@ def use_expandable_segments() -> str:
     setter = _allocator_settings_setter()
     if setter is None or not torch.cuda.is_available():
         return ""
-    setter("expandable_segments:True")
+    try:
+        setter("expandable_segments:True")
+    except (RuntimeError, ValueError) as error:  # a build or platform without them
+        return f"lightmem: the CUDA allocator's expandable segments could not be turned on ({error}): plans leave " \
+            f"{FRAGMENTATION[False]:.0%} of the activations for fragmentation"
     _expandable_set_here = True
     return (
         "lightmem: plan='auto' turned on the CUDA allocator's expandable segments "

@@ -5,16 +5,22 @@ finishes, prints each section's verdict line as it goes (a run killed midway sti
 got) and the report's path at the end. The report opens with the torch and CUDA versions, the GPU
 and the host's page-locked copy bandwidth each way.
 
-``--quick`` (the default when ``LIGHTMEM_SELFCHECK_QUICK=1``) gives the verdict within about six
-minutes on an H100, for whoever has a GPU for a quarter of an hour: ``QUICK_SECTIONS``, each under
-its own time limit (the limits add up to ``QUICK_BUDGET_S``):
+``--quick`` (the default when ``LIGHTMEM_SELFCHECK_QUICK=1``) is for whoever has a GPU for a quarter of
+an hour: ``QUICK_SECTIONS``, each under its own time limit. The first four give the verdict on the
+mechanisms within six minutes on an H100 (their limits add up to ``VERDICT_BUDGET_S``); the plan
+sections follow, all within ``QUICK_BUDGET_S``:
 
 - ``gpu_tests``: ``pytest tests/gpu``, each test at most ``QUICK_TEST_TIMEOUT_S`` (pytest-timeout,
   where installed);
 - ``step_time``: the step-time table (no hooks, lightmem's offload, ``save_on_cpu``), 3 rounds;
 - ``estimator``: ``estimate_memory``'s predicted peak against the measured one;
 - ``swap_row``: the swap-out/in paper's ResNet-50 (seed 001) at one batch under a 12 GB cap: the
-  plan's choice and the paper's swap row, their peaks and step times (``benchmarks/swap_table.py``).
+  plan's choice and the paper's swap row, their peaks and step times (``benchmarks/swap_table.py``);
+- ``plans_hold``: ``LightMem(plan="auto")`` at 2x, 5x and 8x (then 1x and 1.5x) the largest batch
+  without lightmem under a 16 GiB cap: accepted or refused before the forward, never out of
+  memory; peaks and step times beside the predictions (``benchmarks/plans_hold.py``);
+- ``warm_start``: the first steps of a large offload against the steady one, with the host memory
+  page-locked ahead of need (``benchmarks/warm_start.py``).
 
 Without ``--quick`` (``FULL_SECTIONS``): the same and more, unhurried: every GPU test, 10 rounds of
 step time, the largest batch of a GPT sized to the GPU with and without lightmem (search on OOM)
@@ -476,31 +482,52 @@ def header(quick: bool = False, sections: Sequence[Section] = ()) -> str:
     )
 
 
-def swap_row(limit_s: float) -> str:
-    """``benchmarks/swap_table.py``'s quick section: seed 001's ResNet-50 at one batch under a 12 GB cap."""
+def _benchmark(name: str) -> Any:
+    """A module of ``benchmarks/`` (the selfcheck runs from a checkout)."""
     benchmarks = str(CHECKOUT / "benchmarks")
     if benchmarks not in sys.path:
         sys.path.insert(0, benchmarks)
-    import swap_table as table
+    return importlib.import_module(name)
 
-    return table.quick_selfcheck_section(time_limit_s=limit_s - 10)
+
+def swap_row(limit_s: float) -> str:
+    """``benchmarks/swap_table.py``'s quick section: seed 001's ResNet-50 at one batch under a 12 GB cap."""
+    return _benchmark("swap_table").quick_selfcheck_section(time_limit_s=limit_s - 10)
+
+
+def plans_hold(limit_s: float) -> str:
+    """``benchmarks/plans_hold.py``'s section: plan="auto" at 2x, 5x and 8x under a 16 GiB cap."""
+    return _benchmark("plans_hold").selfcheck_section(limit_s)
+
+
+def warm_start(limit_s: float) -> str:
+    """``benchmarks/warm_start.py``'s section: first steps of a large offload against a steady one."""
+    return _benchmark("warm_start").selfcheck_section(budget_s=limit_s - 5, gib=8.0, micro_gib=2.0)
 
 
 QUICK_SECTIONS: list[Section] = [
     Section("gpu_tests", 140, lambda limit: gpu_tests(limit, QUICK_TEST_TIMEOUT_S),
             f"pytest tests/gpu, each test at most {QUICK_TEST_TIMEOUT_S} s (90 s in all on an H100)"),
-    Section("step_time", 45, lambda limit: benchmark_steps(rounds=3),
+    Section("step_time", 40, lambda limit: benchmark_steps(rounds=3),
             "step time and device memory of the benchmark GPT: no hooks, lightmem, save_on_cpu; 3 rounds"),
-    Section("estimator", 40, lambda limit: estimate_vs_measured(),
+    Section("estimator", 30, lambda limit: estimate_vs_measured(),
             "estimate_memory's predicted peak against the measured one, without and with offload"),
-    Section("swap_row", 90, swap_row,
+    Section("swap_row", 80, swap_row,
             "seed 001's ResNet-50 (fp32, SGD, 224x224) at batch 256 under a 12 GB cap: the plan's choice and offload"),
+    Section("plans_hold", 190, plans_hold,
+            "plan='auto' at 2x, 5x, 8x (then 1x, 1.5x) the largest batch without lightmem, 16 GiB cap"),
+    Section("warm_start", 45, warm_start, "the first steps of an 8 GiB offload against a steady one"),
 ]  # fmt: skip
-"""What ``--quick`` runs, in order. Their limits add up to ``QUICK_BUDGET_S``; with the header's
-bandwidth (seconds) and the start of Python and CUDA, the run stays within six minutes."""
-QUICK_BUDGET_S = 335
-"""The sum of ``QUICK_SECTIONS``' time limits may not exceed this (a test checks it): give a new
-section its limit out of another's, or raise this only knowing the run must fit a quarter hour."""
+"""What ``--quick`` runs, in order: the first ``VERDICT_SECTIONS`` give the verdict on the
+mechanisms within ``VERDICT_BUDGET_S``, the rest the plans' verdict; all within ``QUICK_BUDGET_S``."""
+VERDICT_SECTIONS = 4
+VERDICT_BUDGET_S = 300
+"""The first sections' limits add up to no more than this: with Python's and CUDA's start, the
+verdict on the mechanisms stays within six minutes."""
+QUICK_BUDGET_S = 540
+"""The sum of ``QUICK_SECTIONS``' time limits may not exceed this (a test checks it): the run, started
+on a fresh machine (a minute or two), fits a quarter hour of device time. Give a new section its
+limit out of another's."""
 
 
 def full_sections(rounds: int = 10, limit_s: float = SECTION_TIMEOUT_S) -> list[Section]:

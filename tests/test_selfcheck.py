@@ -97,9 +97,11 @@ def test_relative_is_a_signed_percentage():
 
 def test_quick_sections_have_unique_names_and_their_limits_fit_the_quick_budget():
     names = [section.name for section in selfcheck.QUICK_SECTIONS]
-    assert names == ["gpu_tests", "step_time", "estimator", "swap_row"]
+    assert names == ["gpu_tests", "step_time", "estimator", "swap_row", "plans_hold", "warm_start"]
     assert len(set(names)) == len(names)
-    assert sum(section.limit_s for section in selfcheck.QUICK_SECTIONS) <= selfcheck.QUICK_BUDGET_S <= 360
+    verdict = selfcheck.QUICK_SECTIONS[: selfcheck.VERDICT_SECTIONS]
+    assert sum(section.limit_s for section in verdict) <= selfcheck.VERDICT_BUDGET_S <= 360
+    assert sum(section.limit_s for section in selfcheck.QUICK_SECTIONS) <= selfcheck.QUICK_BUDGET_S <= 600
 
 
 def test_a_section_that_hangs_leaves_the_report_written_and_the_next_sections_run(tmp_path):
@@ -158,8 +160,8 @@ def test_sections_option_picks_sections_by_name_in_the_modes_order():
     picked = selfcheck.select_sections(selfcheck.QUICK_SECTIONS, "swap_row, gpu_tests")
     assert [section.name for section in picked] == ["gpu_tests", "swap_row"]
     assert selfcheck.select_sections(selfcheck.QUICK_SECTIONS, None) == selfcheck.QUICK_SECTIONS
-    with pytest.raises(SystemExit, match="no section plans_hold; this mode has gpu_tests, step_time"):
-        selfcheck.select_sections(selfcheck.QUICK_SECTIONS, "plans_hold")
+    with pytest.raises(SystemExit, match="no section frontier; this mode has gpu_tests, step_time"):
+        selfcheck.select_sections(selfcheck.QUICK_SECTIONS, "frontier")
 
 
 def test_quick_is_the_default_when_the_environment_asks_for_it(monkeypatch):

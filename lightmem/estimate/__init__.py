@@ -1,6 +1,7 @@
 """Memory estimator: a fake-tensor dry run of one training step -> peak, breakdown, advice, plan."""
 
 from lightmem.estimate.estimator import estimate_memory
+from lightmem.estimate.frontier import Frontier, frontier
 from lightmem.estimate.planner import Plan, plan
 from lightmem.estimate.report import Advice, BlockMemory, MemoryEstimate, StepMemory
 from lightmem.estimate.search import BatchSearch, max_batch_size
@@ -11,10 +12,12 @@ __all__ = [
     "BatchSearch",
     "BlockMemory",
     "EstimateError",
+    "Frontier",
     "MemoryEstimate",
     "Plan",
     "StepMemory",
     "estimate_memory",
+    "frontier",
     "max_batch_size",
     "plan",
 ]

@@ -625,6 +625,7 @@ def plan(
     offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
     checkpoint_policy: CheckpointPolicyArg = "full",
     offload_optimizer: bool | OptimizerOffloadSettings = False,
+    batch_size: int | None = None,
 ) -> Plan:
     """The lightmem configuration with the least predicted step time whose verified peak fits ``budget``.
 
@@ -658,6 +659,8 @@ def plan(
             with ``device_dtype`` (``LightMem(...).settings.optimizer_offload``, as ``plan="auto"``
             passes them) plan with bf16 device weights, and ``lightmem_kwargs()`` has
             ``offload_optimizer_device_dtype`` too.
+        batch_size: plan for ``batch`` with dim 0 of its batch tensors at this size (as
+            ``max_batch_size`` scales it); None: the batch as given.
         Other arguments: as for :func:`estimate_memory`.
 
     On "cpu" only checkpointing is planned (offloading CPU memory to CPU memory saves nothing).
@@ -677,12 +680,13 @@ def plan(
             model, batch, budget, loss_fn, started, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
             overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
             link_bytes_per_s=link_bytes_per_s, offload=offload, offload_optimizer=offload_optimizer,
+            batch_size=batch_size,
         )  # fmt: skip
     space = plan_space(
         model, batch, loss_fn, budget=budget, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
         overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
         link_bytes_per_s=link_bytes_per_s, offload=offload, checkpoint_policy=checkpoint_policy, fn_name="plan",
-        offload_optimizer=offload_optimizer,
+        offload_optimizer=offload_optimizer, batch_size=batch_size,
     )  # fmt: skip
     assert space.settings.budget_bytes is not None
     result = space.plan(space.settings.budget_bytes)

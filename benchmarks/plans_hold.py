@@ -1,0 +1,321 @@
+"""Plans that hold: ``LightMem(plan="auto")`` at 2x, 5x and 8x the largest batch that fits without
+lightmem, under a stated device cap.
+
+The model is the one of issue 37's GPU run: a GPT of 16 pre-norm blocks (dim 1024, 16 heads, 1024
+tokens, vocab 32000, SDPA attention), a Lightning fit in bf16-mixed with fused AdamW, under a 16 GiB
+cap. On an H100 (torch 2.11) it fits batch 11 without lightmem; plan="auto" at batch 22 ran out of
+memory, and at 55 and 88 trained with nothing on and ran out of memory.
+
+    python benchmarks/plans_hold.py                 # predictions: fake tensors, any machine (a few minutes)
+    python benchmarks/plans_hold.py --measure       # on a GPU: the fits themselves, under the cap
+
+Predicted, for each batch: whether plan="auto" accepts it (a plan fits) and the plan's predicted
+peaks (allocated, and reserved with the allocator's share: what the plan must fit) and step time.
+Measured (``--measure``): the largest batch without lightmem around the predicted one (two real
+steps each), then a Lightning fit of a few steps at each multiple: accepted or refused before its
+forward (``PlanDoesNotFit``), never out of memory; the measured peaks (``max_memory_allocated`` and
+``max_memory_reserved``) and the first and steady step times beside the predictions. The device
+memory is capped with ``torch.cuda.set_per_process_memory_fraction`` (the caching allocator only:
+the CUDA context is outside the cap). ``selfcheck_section`` runs the measurement in a child process
+with a time limit, for ``python -m lightmem.selfcheck``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(CHECKOUT))
+sys.path.insert(0, str(CHECKOUT / "examples"))
+
+from lightmem import LightMem, PlanDoesNotFit, max_batch_size, plan  # noqa: E402
+from lightmem.config import format_bytes, parse_size  # noqa: E402
+from lightmem.estimate.report import format_seconds  # noqa: E402
+
+CAP = "16GiB"
+GPT_CONFIG = {"vocab": 32000, "dim": 1024, "depth": 16, "heads": 16, "seq": 1024, "dropout": 0.0}
+MULTIPLES = (2, 5, 8)
+FRONTIER_MULTIPLES = (1, 1.5)
+"""Measured after the three above when time is left: the frontier's rows where a plan costs least."""
+STEPS = 4
+"""Steps of each fit: the first (page-locking, allocator and cuDNN warm-ups) and three steady ones."""
+
+
+def fused_adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-4, fused=torch.cuda.is_available())
+
+
+def gpt_module(config: dict[str, Any] = GPT_CONFIG) -> Any:
+    """The example GPT as a LightningModule with fused AdamW (what the GPU run trained)."""
+    from gpt_model import GPT
+
+    class FusedGPT(GPT):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return fused_adamw(self.parameters())
+
+    return FusedGPT(**config)
+
+
+def gpt_loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _tokens(batch: int, config: dict[str, Any] = GPT_CONFIG, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, int(config["vocab"]), (batch, int(config["seq"]) + 1), device=device)
+
+
+def _meta_model(config: dict[str, Any] = GPT_CONFIG) -> Any:
+    with torch.device("meta"):
+        return gpt_module(config)
+
+
+def predictions(cap: str = CAP, multiples: tuple[int, ...] = MULTIPLES, gpu: str = "h100") -> dict[str, Any]:
+    """What the planner says, on fake tensors: the largest batch without lightmem and, at each
+    multiple of it, plan="auto"'s choice (expandable segments on, as plan="auto" sets them)."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    model = _meta_model()
+    common = {"optimizer": fused_adamw, "precision": "bf16-mixed", "device": "cuda", "gpu": gpu}
+    reference = max_batch_size(model, _tokens(1), cap, gpt_loss, **common).baseline
+    rows = []
+    for multiple in multiples:
+        batch = multiple * reference
+        found = plan(model, _tokens(batch), cap, gpt_loss, checkpoint_policy="auto", **common)
+        rows.append({
+            "multiple": multiple, "batch": batch, "accepted": found.fits, "plan": "; ".join(found.parts()) or "nothing",
+            "predicted_allocated": found.predicted_peak_bytes if found.fits else None,
+            "predicted_reserved": found.predicted_total_bytes if found.fits else None,
+            "predicted_step_s": found.step_seconds if found.fits else None,
+            "dominant": found.dominant,
+        })  # fmt: skip
+    return {"cap": cap, "gpu": gpu, "reference": reference, "rows": rows}
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------
+
+
+def _fits_without_lightmem(batch: int, device: torch.device) -> bool:
+    """Two real bf16 steps of the GPT at ``batch`` under the cap, without lightmem."""
+    torch.manual_seed(0)
+    model = gpt_module().to(device)
+    optimizer = fused_adamw(model.parameters())
+    try:
+        for _ in range(2):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = gpt_loss(model, _tokens(batch, device="cuda"))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+    finally:
+        del model, optimizer
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
+    """A Lightning fit of ``steps`` steps at ``batch`` with LightMem(plan="auto", device_budget=cap)."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    forwards: list[int] = []
+    times: list[float] = []
+
+    class Timer(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            torch.cuda.synchronize()
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.started)
+
+    module = gpt_module()
+    original = module.training_step
+
+    def counted(batch_in: Any, batch_idx: int) -> Any:
+        if not type(batch_in[0]).__name__ == "FakeTensor":
+            forwards.append(batch_idx)
+        return original(batch_in, batch_idx)
+
+    module.training_step = counted
+    loader = DataLoader([(_tokens(batch),) for _ in range(steps)], batch_size=None)
+    callback = LightMem(plan="auto", device_budget=cap_bytes, log_every_n_steps=1)
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=steps, logger=False, callbacks=[callback, Timer()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    torch.cuda.reset_peak_memory_stats()
+    outcome = "trained"
+    try:
+        trainer.fit(module, loader)
+    except PlanDoesNotFit as error:
+        outcome = "refused before its forward" if not forwards else "refused after a forward (wrong)"
+        refusal = str(error)
+    except torch.cuda.OutOfMemoryError:
+        outcome = "OUT OF MEMORY"
+    finally:
+        stats = torch.cuda.memory_stats()
+    chosen = callback.chosen_plan
+    row: dict[str, Any] = {
+        "batch": batch, "outcome": outcome, "forwards": len(forwards), "step_times_s": times,
+        "measured_allocated": stats.get("allocated_bytes.all.peak", 0),
+        "measured_reserved": stats.get("reserved_bytes.all.peak", 0),
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+    }  # fmt: skip
+    if outcome.startswith("refused"):
+        row["refusal"] = refusal
+    if chosen is not None and outcome == "trained":
+        row.update({
+            "plan": "; ".join(chosen.parts()) or "nothing", "predicted_allocated": chosen.predicted_peak_bytes,
+            "predicted_reserved": chosen.predicted_reserved_bytes, "predicted_step_s": chosen.step_seconds,
+            "speeds": chosen.speeds.describe() if chosen.speeds is not None else "",
+        })  # fmt: skip
+    del trainer, module, callback
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def measure(
+    cap: str = CAP, multiples: tuple[float, ...] = MULTIPLES + FRONTIER_MULTIPLES, steps: int = STEPS,
+    deadline: float = float("inf"),
+) -> dict[str, Any]:
+    """The measurements (module docstring), while ``deadline`` (``time.monotonic``) lasts."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    cap_bytes = parse_size(cap, flag="cap")
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+    predicted_reference = max_batch_size(_meta_model(), _tokens(1), cap, gpt_loss, optimizer=fused_adamw,
+                                         precision="bf16-mixed", device="cuda").baseline  # fmt: skip
+    reference = predicted_reference
+    fits = {reference: _fits_without_lightmem(reference, device)}
+    probe = reference + 1 if fits[reference] else reference - 1
+    fits[probe] = _fits_without_lightmem(probe, device)
+    measured_reference = max((b for b, ok in fits.items() if ok), default=None)
+    rows = []
+    for multiple in multiples:
+        batch = max(1, round(multiple * reference))
+        if time.monotonic() > deadline - 45:
+            rows.append({"batch": batch, "multiple": multiple, "outcome": "not run (time limit)"})
+            continue
+        row = _fit_with_plan(batch, cap_bytes, steps)
+        row["multiple"] = multiple
+        rows.append(row)
+        print(json.dumps({"progress": row}, default=str), flush=True)
+    return {
+        "cap": cap, "device": torch.cuda.get_device_name(device), "predicted_reference": predicted_reference,
+        "reference_trials": {str(b): ok for b, ok in sorted(fits.items())}, "measured_reference": measured_reference,
+        "rows": rows,
+    }  # fmt: skip
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The measured table, with its verdict line."""
+    trials = ", ".join(f"{b} ({'fits' if ok else 'OOM'})" for b, ok in result["reference_trials"].items())
+    lines = [
+        "## Plans that hold",
+        "",
+        f"{result['device']}, cap {result['cap']} (`set_per_process_memory_fraction`), GPT {GPT_CONFIG}, Lightning "
+        f"bf16-mixed, fused AdamW, `LightMem(plan='auto', device_budget=cap)`, {STEPS} steps per batch. Largest "
+        f"batch without lightmem: predicted {result['predicted_reference']}; two real steps at "
+        f"{trials}.",
+        "",
+        "| batch | outcome | plan | predicted peak allocated / reserved | measured peak allocated / reserved | "
+        "alloc retries | first step | steady step (median) | predicted step (measured / predicted) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    bad = []
+    for row in result["rows"]:
+        times = row.get("step_times_s") or []
+        steady = statistics.median(times[1:]) if len(times) > 1 else None
+        predicted = row.get("predicted_step_s")
+        lines.append(
+            f"| {row['batch']} ({row['multiple']}x) | {row['outcome']} | {row.get('plan', '-')} | "
+            + (f"{format_bytes(row['predicted_allocated'])} / {format_bytes(row['predicted_reserved'])}"
+               if row.get("predicted_allocated") is not None else "-")
+            + f" | {format_bytes(row.get('measured_allocated', 0))} / {format_bytes(row.get('measured_reserved', 0))} | "
+            f"{row.get('alloc_retries', '-')} | {format_seconds(times[0]) if times else '-'} | "
+            f"{format_seconds(steady) if steady else '-'} | {format_seconds(predicted) if predicted else '-'}"
+            + (f" ({steady / predicted:.2f}x) |" if steady and predicted else " |")
+        )  # fmt: skip
+        if row["outcome"] in ("OUT OF MEMORY", "refused after a forward (wrong)"):
+            bad.append(f"batch {row['batch']}: {row['outcome']}")
+    refusals = [f"- batch {row['batch']}: {row['refusal']}" for row in result["rows"] if row.get("refusal")]
+    if refusals:
+        lines += ["", "Refusals:", "", *refusals]
+    verdict = "every accepted batch trained, every other refused before its forward" if not bad else "; ".join(bad)
+    lines += ["", f"**Verdict:** {verdict}", ""]
+    return "\n".join(lines)
+
+
+def selfcheck_section(limit_s: float = 150.0) -> str:
+    """Markdown for ``python -m lightmem.selfcheck``: the measurement in a child process, killed
+    at ``limit_s`` (what it printed before is kept)."""
+    if not torch.cuda.is_available():
+        return "## Plans that hold\n\nNo CUDA device: nothing to measure.\n"
+    command = [sys.executable, str(Path(__file__).resolve()), "--measure", "--json", "--time-limit-s", str(limit_s - 10)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(CHECKOUT)}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=limit_s - 3, env=env, cwd=CHECKOUT)
+        output, error = done.stdout, done.stderr
+    except subprocess.TimeoutExpired as expired:
+        output = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        error = "killed at the time limit"
+    results = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    final = next((item for item in results if "rows" in item), None)
+    if final is not None:
+        return markdown(final)
+    progress = [item["progress"] for item in results if "progress" in item]
+    tail = "\n".join(error.strip().splitlines()[-30:])
+    return (
+        "## Plans that hold\n\n**Verdict:** did not finish\n\nRows measured before it stopped:\n\n```\n"
+        + "\n".join(json.dumps(row, default=str) for row in progress)
+        + f"\n```\n\n```\n{tail}\n```\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measure", action="store_true", help="run the fits on this machine's GPU")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    parser.add_argument("--time-limit-s", type=float, default=float("inf"))
+    args = parser.parse_args(argv)
+    deadline = time.monotonic() + args.time_limit_s
+    if args.measure:
+        if not torch.cuda.is_available():
+            print("plans_hold: no CUDA device here: nothing to measure (run without --measure for the predictions)")
+            return 0
+        result = measure(deadline=deadline)
+        print(json.dumps(result, default=str) if args.json else markdown(result))
+        return 0
+    result = predictions()
+    print(f"Predicted on fake tensors for an H100 ({result['gpu']}), cap {result['cap']}, GPT {GPT_CONFIG}, "
+          f"bf16-mixed, fused AdamW, expandable segments: largest batch without lightmem {result['reference']}.")  # fmt: skip
+    for row in result["rows"]:
+        if row["accepted"]:
+            print(f"  {row['multiple']}x = batch {row['batch']}: accepted, {row['plan']}; predicted "
+                  f"{format_bytes(row['predicted_allocated'])} allocated, {format_bytes(row['predicted_reserved'])} "
+                  f"reserved with the overhead allowance, step {format_seconds(row['predicted_step_s'])}")  # fmt: skip
+        else:
+            print(f"  {row['multiple']}x = batch {row['batch']}: refused before its forward ({row['dominant']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""``frontier``: what each batch size costs per sample with the best plan, against the largest batch
+without lightmem and against the floor the device's physics allows.
+
+For batch multiples of the largest batch that fits without lightmem (the reference), and for the
+largest batch any plan fits, the planner's best plan and its predicted step time per sample. The
+floor of a batch is the least time any schedule could take on this device: the step's compute, and
+the bytes that must leave the device (its peak over the budget) either re-computed (priced as the
+plan prices it, cheapest blocks first) or moved over the host link, whose time no schedule can take
+below the bytes over the link's speed each way. The floor assumes perfect overlap and free choice
+of what to move: a plan at the floor hides everything it moves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightmem.checkpoint import CheckpointPolicyArg
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes, parse_size
+from lightmem.devices import DeviceSpeeds
+from lightmem.estimate.planner import AUTO_POLICY, plan
+from lightmem.estimate.report import Plan, format_seconds, static_part
+from lightmem.estimate.search import max_batch_size
+from lightmem.estimate.step_time import CHECKPOINT, Costs, recompute_s, saves_bytes
+from lightmem.tables import format_table
+
+DEFAULT_MULTIPLES = (1.0, 1.5, 2.0, 3.0, 5.0, 8.0)
+
+
+@dataclass(frozen=True)
+class FrontierRow:
+    """One batch size: the best plan there and what it costs, beside the floor."""
+
+    batch_size: int
+    label: str
+    """``"1x"``, ``"1.5x"``, ... of the reference batch, or ``"largest"``."""
+    fits: bool
+    plan: str
+    """The plan in words (``Plan.parts``), "nothing" when lightmem is not needed."""
+    predicted_total_bytes: int
+    step_s: float
+    floor_s: float
+    reference_per_sample_s: float
+
+    @property
+    def per_sample_s(self) -> float:
+        return self.step_s / self.batch_size
+
+    @property
+    def floor_per_sample_s(self) -> float:
+        return self.floor_s / self.batch_size
+
+    @property
+    def vs_reference(self) -> float:
+        """Time per sample over the reference batch's (1.0: as cheap per sample as without lightmem)."""
+        return self.per_sample_s / self.reference_per_sample_s if self.reference_per_sample_s else 0.0
+
+    @property
+    def floor_vs_reference(self) -> float:
+        return self.floor_per_sample_s / self.reference_per_sample_s if self.reference_per_sample_s else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size, "label": self.label, "fits": self.fits, "plan": self.plan,
+            "predicted_total_bytes": self.predicted_total_bytes, "step_seconds": self.step_s,
+            "per_sample_seconds": self.per_sample_s, "vs_reference": self.vs_reference,
+            "floor_seconds": self.floor_s, "floor_per_sample_seconds": self.floor_per_sample_s,
+            "floor_vs_reference": self.floor_vs_reference,
+        }  # fmt: skip
+
+
+@dataclass
+class Frontier:
+    """The frontier of one model on one device budget (see the module docstring)."""
+
+    budget_bytes: int
+    reference_batch: int
+    """The largest batch that fits without lightmem (0: not even one; the reference is then a batch
+    of 1 with its plan)."""
+    largest_batch: int
+    """The largest batch any plan of the planner's space fits."""
+    rows: list[FrontierRow] = field(default_factory=list)
+    speeds: DeviceSpeeds | None = None
+    plans: dict[int, Plan] = field(default_factory=dict, repr=False)
+    """The plan behind each row, by batch size."""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "reference_batch": self.reference_batch,
+            "largest_batch": self.largest_batch,
+            "speeds": self.speeds.to_dict() if self.speeds is not None else None,
+            "rows": [row.to_dict() for row in self.rows],
+            "seconds": round(self.seconds, 3),
+        }
+
+    def to_text(self) -> str:
+        """The frontier as a table: one row per batch size."""
+        headers = ["batch", "", "plan", "peak", "step", "per sample", "vs reference", "floor / sample", "floor vs ref"]
+        rows = [
+            [
+                str(row.batch_size), row.label, row.plan if row.fits else f"does not fit (closest: {row.plan})",
+                format_bytes(row.predicted_total_bytes), format_seconds(row.step_s) if row.fits else "-",
+                format_seconds(row.per_sample_s) if row.fits else "-", f"{row.vs_reference:.2f}x" if row.fits else "-",
+                format_seconds(row.floor_per_sample_s) if row.fits else "-",
+                f"{row.floor_vs_reference:.2f}x" if row.fits else "-",
+            ]
+            for row in self.rows
+        ]  # fmt: skip
+        title = (
+            f"Frontier on {format_bytes(self.budget_bytes)}: reference batch {self.reference_batch} (the largest "
+            f"without lightmem), largest with a plan {self.largest_batch}"
+        )
+        where = f"Priced at {self.speeds.describe()}." if self.speeds is not None else ""
+        return format_table(rows, headers, title=title, align="rlllrrrrr") + ("\n" + where if where else "") + "\n"
+
+    def print(self) -> None:
+        print(self.to_text(), end="")
+
+
+def floor_seconds(chosen: Plan) -> float:
+    """The least time any schedule takes for ``chosen``'s batch on its device (module docstring):
+    the compute, and the bytes over the budget re-computed or moved, whichever mix costs least."""
+    estimate = chosen.estimate
+    if estimate is None or chosen.speeds is None:
+        return chosen.baseline_step_seconds
+    base = chosen.baseline_step_seconds
+    settings = chosen.settings
+    baseline = estimate.scenarios["baseline"]
+    fragmentation = settings.get("fragmentation", 0.0)
+    dynamic = baseline.peak_bytes - static_part(baseline.breakdown)
+    reserved = baseline.peak_bytes + int(dynamic * fragmentation)
+    over = reserved + chosen.overhead_bytes - chosen.budget_bytes
+    if over <= 0:
+        return base
+    need = over / (1 + fragmentation)  # allocated bytes to take off the peak
+    link = chosen.speeds.link_bytes_per_s
+    searched = settings.get("offload") or {}
+    costs = Costs(chosen.flops_per_s or 1.0, link, searched.get("min_bytes", 0), allow_offload=True)
+    # Re-computation, cheapest seconds per byte first: a piecewise-linear cost of bytes saved.
+    layers = [block for block in estimate.blocks.values() if block.repeated] or list(estimate.blocks.values())
+    pieces = sorted(
+        ((recompute_s(block, costs), saves_bytes(block, CHECKPOINT, costs)) for block in layers),
+        key=lambda piece: piece[0] / piece[1] if piece[1] else float("inf"),
+    )
+    movable = sum(block.offloadable_bytes(costs.min_bytes) for block in estimate.blocks.values())
+    if not settings.get("offload_considered", True):
+        movable = 0
+
+    def recompute_for(nbytes: float) -> float | None:
+        seconds = 0.0
+        for piece_s, piece_bytes in pieces:
+            if nbytes <= 0:
+                break
+            if piece_bytes <= 0:
+                continue
+            taken = min(nbytes, piece_bytes)
+            seconds += piece_s * taken / piece_bytes
+            nbytes -= taken
+        return seconds if nbytes <= 0 else None
+
+    best = float("inf")
+    steps = 256
+    for index in range(steps + 1):
+        moved = min(need, movable) * index / steps
+        rerun = recompute_for(need - moved)
+        if rerun is None:
+            continue
+        best = min(best, max(base + rerun, moved / link))
+    return best if best != float("inf") else chosen.step_seconds
+
+
+def frontier(
+    model: nn.Module,
+    batch: Any,
+    budget: int | str,
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+    *,
+    multiples: Sequence[float] = DEFAULT_MULTIPLES,
+    optimizer: str | Callable[..., Any] | None = None,
+    precision: str | int = "32-true",
+    device: str = "cuda",
+    gpu: str | DeviceSpeeds = "auto",
+    overhead_bytes: int | str | None = None,
+    zero_grad: str = "after_forward",
+    offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
+    checkpoint_policy: CheckpointPolicyArg = AUTO_POLICY,
+    offload_optimizer: bool | OptimizerOffloadSettings = False,
+    limit: int = 1 << 16,
+) -> Frontier:
+    """For batch ``multiples`` of the largest batch without lightmem, and the largest batch any plan
+    fits, the best plan's predicted time per sample against that reference and against the floor
+    this device allows (module docstring). Arguments as for :func:`lightmem.plan`;
+    ``checkpoint_policy`` defaults to ``"auto"`` (the planner chooses).
+
+    Returns:
+        A :class:`Frontier`: ``print()`` for the table, ``to_dict()`` for programs.
+
+    Raises:
+        ValueError: a bad argument, or a batch without a batch dimension to scale.
+    """
+    started = time.perf_counter()
+    if not multiples or any(not isinstance(m, (int, float)) or m <= 0 for m in multiples):
+        raise ValueError(f"frontier(multiples=...): expected positive numbers; got {multiples!r}")
+    common: dict[str, Any] = {
+        "optimizer": optimizer, "precision": precision, "device": device, "gpu": gpu,
+        "overhead_bytes": overhead_bytes, "zero_grad": zero_grad, "offload": offload,
+        "offload_optimizer": offload_optimizer,
+    }  # fmt: skip
+    searched_policy = "full" if checkpoint_policy == AUTO_POLICY else checkpoint_policy
+    search = max_batch_size(
+        model, batch, budget, loss_fn, plan=True, limit=limit, checkpoint_policy=searched_policy, **common
+    )
+    budget_bytes = parse_size(budget, flag="frontier(budget=...)")
+    reference = max(search.baseline, 1)
+    sizes: dict[int, str] = {}
+    for multiple in sorted(multiples):
+        size = max(1, round(reference * multiple))
+        sizes.setdefault(size, f"{multiple:g}x")
+    largest = search.planned or 0
+    if largest and largest not in sizes:
+        sizes[largest] = "largest"
+    result = Frontier(budget_bytes, search.baseline, largest)
+    reference_plan = plan(model, batch, budget, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=reference, **common)
+    reference_per_sample = reference_plan.step_seconds / reference
+    result.speeds = reference_plan.speeds
+    for size in sorted(sizes):
+        found = reference_plan if size == reference else plan(
+            model, batch, budget, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=size, **common
+        )  # fmt: skip
+        result.plans[size] = found
+        parts = "; ".join(found.parts()) or "nothing"
+        if not found.fits:
+            closest = min(found.alternatives, key=lambda option: option.predicted_total_bytes, default=None)
+            parts = closest.description if closest is not None else found.reason
+        result.rows.append(
+            FrontierRow(
+                size, sizes[size], found.fits, parts,
+                found.predicted_total_bytes if found.fits else min(
+                    (o.predicted_total_bytes for o in found.alternatives), default=found.predicted_total_bytes
+                ),
+                found.step_seconds if found.fits else found.baseline_step_seconds, floor_seconds(found),
+                reference_per_sample,
+            )  # fmt: skip
+        )
+    result.seconds = time.perf_counter() - started
+    return result
