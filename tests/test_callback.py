@@ -401,8 +401,10 @@ def test_plan_auto_with_offload_off_runs_the_planner_itself():
     assert chosen.predicted_total_bytes <= budget
 
 
-def test_plan_auto_warns_when_its_plan_needs_offload_optimizer_that_is_off(monkeypatch):
-    from lightmem import fit_session
+def test_plan_auto_stops_before_the_forward_when_its_plan_needs_offload_optimizer_that_is_off(monkeypatch):
+    # The plan fits only with model state on the host; this fit keeps it on the device, so the
+    # plan's peak is not what it would reach: no silent no-fit (issue 37).
+    from lightmem import PlanDoesNotFit, fit_session
     from lightmem.estimate.report import Plan
 
     def needs_model_state_offload(model, batch, budget, **kwargs):
@@ -410,9 +412,13 @@ def test_plan_auto_warns_when_its_plan_needs_offload_optimizer_that_is_off(monke
 
     monkeypatch.setattr(fit_session, "plan", needs_model_state_offload)
     callback = LightMem(plan="auto", device_budget="1GiB", offload_devices=["cpu"])
-    with pytest.warns(UserWarning, match=r"The plan needs gradients and optimizer state on the host, which this fit "
-                      r"keeps on the device: set LightMem\(offload_optimizer=True\) for the plan to hold."):
+    with pytest.raises(PlanDoesNotFit) as error:
         cpu_trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
+    assert str(error.value) == (
+        "lightmem: plan='auto' fits the 1.00 GiB device budget for batches of [4, 33] only with gradients and "
+        "optimizer state on the host, which this fit keeps on the device: set LightMem(offload_optimizer=True). "
+        "Training stopped before this batch's forward."
+    )
 
 
 def test_offload_scope_in_the_plan_log_line():

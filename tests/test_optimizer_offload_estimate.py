@@ -112,7 +112,7 @@ def test_plan_walks_its_space_with_model_state_on_the_host():
     assert found.parts()[0] == "offload_optimizer (gradients and optimizer state on the host)"
     # The verified peak is the chosen configuration's step with model-state offload.
     estimate = estimate_memory(
-        model, batch, loss_fn, optimizer="sgd", offload=found.offload, checkpoint=found.checkpoint,
+        model, batch, loss_fn, optimizer="sgd", offload=found.offload, checkpoint=found.checkpoint or None,
         offload_optimizer=True, **CARD,
     )  # fmt: skip
     assert found.predicted_peak_bytes == estimate.scenarios["offload+offload_optimizer"].peak_bytes == 1_239_077_888
