@@ -108,7 +108,7 @@ def measured_rows(
     """
     if not torch.cuda.is_available():
         raise RuntimeError("measured_rows needs CUDA")
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     cap = parse_size(budget, flag="budget") - parse_size(OVERHEAD, flag="overhead")
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
@@ -261,7 +261,7 @@ def quick_selfcheck_section(
         include = chosen.offload.include if chosen.offload is not None else None
         rows.insert(0, Row("plan's choice", "; ".join(chosen.parts()) or "nothing", offload=chosen.offload is not None,
                            checkpoint=tuple(chosen.checkpoint), offload_include=include))  # fmt: skip
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     cap = parse_size(budget, flag="budget") - parse_size(OVERHEAD, flag="overhead")
     total = torch.cuda.get_device_properties(device).total_memory
     table = [

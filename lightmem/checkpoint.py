@@ -92,8 +92,17 @@ class _OpPolicy:
         """Whether a checkpointed block's forward keeps ``op``'s ``output`` (the estimator asks)."""
         if op in SAC_IGNORED_OPS:  # torch's selective checkpoint never asks about these
             return False
-        context = SelectiveCheckpointContext(is_recompute=False, op_output=output)
+        context = _selective_context(output)
         return self(context, op, *args, **kwargs) in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+
+def _selective_context(output: Any) -> SelectiveCheckpointContext:
+    """The context torch's selective checkpoint hands a policy in a forward: torch 2.13 gives the op's
+    output with it (``op_output``), torch 2.11 does not (seen on a GPU machine)."""
+    try:
+        return SelectiveCheckpointContext(is_recompute=False, op_output=output)
+    except TypeError:
+        return SelectiveCheckpointContext(is_recompute=False)
 
 
 class _KeptOutputs:

@@ -17,9 +17,10 @@ fit start (a page-locked copy each way, a large matrix product per dtype, a devi
 well under a second): what ``LightMem(plan="auto")`` prices with. ``gpu="auto"`` (the default)
 is the CUDA device of this machine when there is one, else the generic ``default`` entry.
 
-The class efficiencies were calibrated once against two measured steps on one H100 80GB (PCIe Gen5,
-torch 2.11; ``../gpu-runs``, docs/planner.md): a 16-block GPT in bf16 (75.5 ms) and ResNet-50 in fp32
-(0.57 ms per image at batch 143). They are module constants, not per-model fits.
+The class efficiencies were calibrated once against four measured steps (torch 2.11; docs/planner.md):
+on an H100 80GB a 16-block GPT in bf16 with a vocabulary of 50257 (75.5 ms) and ResNet-50 in fp32
+(0.57 ms per image at batch 143); on an H200, at its measured speeds, the same GPT (63.2 ms) and
+with a vocabulary of 32000 (42.3 ms). They are module constants, not per-model fits.
 """
 
 from __future__ import annotations
@@ -34,18 +35,21 @@ import torch
 MATMUL, CONVOLUTION, ATTENTION, MEMORY = "matmul", "convolution", "attention", "memory"
 """The op classes a step is priced by."""
 
-CLASS_EFFICIENCY = {MATMUL: 0.57, CONVOLUTION: 0.37, ATTENTION: 0.28}
+MISALIGNED = "misaligned matmul"
+CLASS_EFFICIENCY = {MATMUL: 0.95, CONVOLUTION: 0.30, ATTENTION: 0.50, MISALIGNED: 0.18}
 """Share of the device's large-GEMM rate each class sustains in an eager training step (products
 of a model's sizes, fp32 convolutions in NCHW through cuDNN's TF32, fused attention forward and
-backward): calibrated, see the module docstring."""
-MEMORY_EFFICIENCY = 0.50
+backward, and products with a dimension the tensor cores cannot tile, such as a vocabulary of
+50257): calibrated, see the module docstring."""
+MEMORY_EFFICIENCY = 0.625
 """Share of the memory bandwidth the memory-bound ops of an eager training step sustain
 (calibrated; eager kernels, and reductions such as BatchNorm's that read their input twice)."""
-TABLE_EFFICIENCY = 0.80
-"""Share of a datasheet's dense peak a large GEMM reaches (measured: 798 of 989 TFLOP/s on an H100)."""
-TABLE_MEMORY_EFFICIENCY = 0.90
-"""Share of a datasheet's memory bandwidth a large device-to-device copy reaches (3.0 of 3.35 TB/s on
-an H100, 4.3 of 4.8 on an H200, bytes read plus written)."""
+TABLE_EFFICIENCY = 0.70
+"""Share of a datasheet's dense peak the product ``measure_device_speeds`` times (4096 cubed) reaches:
+695 of 989 TFLOP/s in bf16 on an H200 (torch 2.11), so table and measured speeds are the same kind."""
+TABLE_MEMORY_EFFICIENCY = 0.86
+"""Share of a datasheet's memory bandwidth a large device-to-device copy reaches (4.15 of 4.8 TB/s
+on an H200, bytes read plus written; about 3.0 of 3.35 on an H100)."""
 HOST_OP_S = 6e-6
 """Host time to launch one op in eager PyTorch: a step of many small ops is bound by it."""
 
@@ -386,11 +390,25 @@ def op_cost(func: Any, args: Any, kwargs: Any, out: Any, flops: float) -> tuple[
         return MEMORY, "", 0.0, nbytes
     first = next((value for value in args if isinstance(value, torch.Tensor)), None)
     dtype_name = _DTYPE_NAMES.get(first.dtype, "fp32") if first is not None else "fp32"
+    kind = info.kind
+    if kind == MATMUL and first is not None and _misaligned(args, first.element_size()):
+        kind = MISALIGNED
     if dtype_name == "fp32":
         tf32 = (
-            torch.backends.cudnn.allow_tf32 if info.kind == CONVOLUTION
-            else info.kind == MATMUL and torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cudnn.allow_tf32 if kind == CONVOLUTION
+            else kind in (MATMUL, MISALIGNED) and torch.backends.cuda.matmul.allow_tf32
         )  # fmt: skip
         if tf32:
             dtype_name = "tf32"
-    return info.kind, dtype_name, flops, nbytes
+    return kind, dtype_name, flops, nbytes
+
+
+def _misaligned(args: Any, itemsize: int) -> bool:
+    """Whether a product's matrices have a dimension the tensor cores cannot tile: not a multiple of
+    16 bytes' worth of elements (8 in bf16, 4 in fp32)."""
+    multiple = max(1, 16 // itemsize)
+    return any(
+        value.dim() >= 2 and (value.shape[-1] % multiple or value.shape[-2] % multiple)
+        for value in args
+        if isinstance(value, torch.Tensor)
+    )

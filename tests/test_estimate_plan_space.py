@@ -200,16 +200,17 @@ def test_each_familys_plan_gives_flags_lightmem_takes_and_says_what_it_was_searc
 
 def test_resnet50_at_batch_600_fits_12_gb_by_offloading_feature_maps(monkeypatch):
     # The swap-out/in paper's case (ResNet-50 on a 12 GB GPU): the old planner only offloaded
-    # inside the bottleneck blocks and reported no fit at 18 GiB. With expandable segments (as
-    # plan="auto" sets them) the allocator's share is small enough for it to fit.
+    # inside the bottleneck blocks and reported no fit at 18 GiB. On the H100 of the GPU run it
+    # trained under a 12 GiB cap at 8.76 GiB allocated; with expandable segments (as plan="auto"
+    # sets them) the allocator's share leaves room for it in 12 GiB.
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     model, batch, loss_fn = _factories().resnet50(600)
-    chosen = plan(model, batch, "12GB", loss_fn, optimizer="sgd", device="cuda")
-    assert chosen.fits and chosen.predicted_total_bytes <= 12 * 10**9
+    chosen = plan(model, batch, "12GiB", loss_fn, optimizer="sgd", device="cuda")
+    assert chosen.fits and chosen.predicted_total_bytes <= 12 * 2**30
     assert chosen.offload is not None and chosen.offload.include is None and chosen.offload_everywhere
     assert "offload_include" not in chosen.lightmem_kwargs()  # LightMem's default: everywhere
     assert chosen.describe().startswith(
-        f"Fits 11.18 GiB at {format_bytes(chosen.predicted_total_bytes)}: offload every saved tensor of at least 1.00 MiB"
+        f"Fits 12.00 GiB at {format_bytes(chosen.predicted_total_bytes)}: offload every saved tensor of at least 1.00 MiB"
     )
 
 

@@ -62,7 +62,7 @@ def test_plan_turns_the_option_on_when_model_state_exceeds_the_budget(seed_case)
     assert found.predicted_peak_bytes == 930_567_680 and found.predicted_total_bytes == 1_363_957_939
     assert found.describe() == (
         "Fits 1.68 GiB at 1.27 GiB: offload_optimizer (gradients and optimizer state on the host); predicted step "
-        "68.9 ms, 3.12x the 22.1 ms without lightmem (about 0 s re-computation and 66.1 ms exposed transfer; "
+        "68.5 ms, 3.70x the 18.5 ms without lightmem (about 0 s re-computation and 66.1 ms exposed transfer; "
         f"{found.speeds.describe()}): the only configuration verified to fit."
     )
 
@@ -118,7 +118,7 @@ def test_plan_walks_its_space_with_model_state_on_the_host():
     assert found.predicted_peak_bytes == estimate.scenarios["offload+offload_optimizer"].peak_bytes == 1_239_077_888
     # The per-block offload's transfer hides behind compute; the model state's link time does not.
     model_state_s = 2 * PARAMETER_BYTES / 25e9  # the parameters' bytes out and back, as the engine moves them
-    assert found.exposed_transfer_s == model_state_s
+    assert found.exposed_transfer_s == pytest.approx(model_state_s, rel=1e-12)
 
 
 def test_max_batch_size_plans_with_the_option(seed_case):
