@@ -68,12 +68,15 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
             dumped when training runs out of GPU memory; records allocation history (Python stacks)
             from the start. With several ranks each writes its own file (``oom.rank3.pickle``).
         plan: ``"auto"``: at the first training batch, ``lightmem.plan`` picks the blocks to
-            checkpoint and to offload so the step fits the device budget (a fake-tensor dry run of
-            the LightningModule, seconds), and LightMem applies that choice; a later batch larger
+            checkpoint and to offload so the step's reserved memory fits the device budget at the
+            least step time, priced at the GPU's speeds measured at fit start (a fake-tensor dry run
+            of the LightningModule, seconds), and LightMem applies that choice; a later batch larger
             than the one planned for is planned for again before its forward, together with every
-            batch planned for so far (the elementwise maximum of their shapes). The predicted peak
-            is logged beside the one the training batches reached, and a measured peak above it by
-            more than the fragmentation margin (5%) is warned about once.
+            batch planned for so far (the elementwise maximum of their shapes). A batch no plan fits
+            stops the fit before its forward (``lightmem.PlanDoesNotFit``). The predicted peaks and
+            step are logged beside the measured ones; a reserved peak or a step above its prediction
+            by more than ``lightmem.auto_plan.REPLAN_MARGIN`` (15%) plans the next batch again.
+            Expandable segments are turned on unless ``PYTORCH_CUDA_ALLOC_CONF`` is set.
         device_budget: device memory the step must fit in; needs ``plan="auto"``. Without it, the
             budget is what the CUDA training device can give this process, measured at fit start
             (its free memory plus what this process's allocator holds, less 5% for fragmentation:

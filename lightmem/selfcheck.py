@@ -410,7 +410,8 @@ def gpu_tests(timeout_s: float = GPU_TESTS_TIMEOUT_S, per_test_timeout_s: float 
     tests = CHECKOUT / "tests" / "gpu"
     if not tests.is_dir():
         return "## GPU tests\n\nNot run: `tests/gpu` is not here (run the selfcheck from a lightmem checkout).\n"
-    command = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
+    # Short tracebacks, and the report keeps the last 150 lines: each failure's reason reaches it.
+    command = [sys.executable, "-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider"]
     note = ""
     if per_test_timeout_s is not None:
         if importlib.util.find_spec("pytest_timeout") is not None:
@@ -433,7 +434,7 @@ def gpu_tests(timeout_s: float = GPU_TESTS_TIMEOUT_S, per_test_timeout_s: float 
         log.seek(0)
         output = log.read()
     lines = output.strip().splitlines() or ["(no output)"]
-    tail = "\n".join(lines[-60:])
+    tail = "\n".join(lines[-150:])
     if returncode is None:
         verdict = f"did not finish within {timeout_s:.0f} s"
     else:

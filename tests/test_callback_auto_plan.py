@@ -22,10 +22,10 @@ from torch.utils.data import DataLoader
 
 from lightmem import LightMem, PlanDoesNotFit, max_batch_size, plan
 from lightmem import fit_session as fit_session_module
-from lightmem.auto_plan import AutoPlan, covers, format_shapes, shapes_covering
+from lightmem.auto_plan import REPLAN_MARGIN, AutoPlan, covers, format_shapes, shapes_covering
 from lightmem.checkpoint import is_checkpointed
 from lightmem.cli import main
-from lightmem.device_memory import FRAGMENTATION_MARGIN, NCCL_ALLOWANCE_BYTES, measure_device_budget
+from lightmem.device_memory import FRAGMENTATION, FRAGMENTATION_MARGIN, NCCL_ALLOWANCE_BYTES, measure_device_budget
 from lightmem.estimate.batch import batch_shapes
 from lightmem.estimate.report import format_seconds
 from lightmem.metrics.names import GiB
@@ -80,8 +80,11 @@ def test_the_guide_states_the_margin_and_the_nccl_allowance_the_code_uses():
     )  # fmt: skip
     margin = f"{FRAGMENTATION_MARGIN:.0%}"
     assert f"less {margin} of that for the allocator's fragmentation" in readme
-    assert f"more than the {margin} fragmentation margin" in readme
-    assert f"less {margin} for fragmentation" in docstring and f"fragmentation margin ({margin})" in docstring
+    assert f"less {margin} for fragmentation" in docstring
+    replan = f"{REPLAN_MARGIN:.0%}"
+    assert f"passes the prediction by more than {replan}" in readme and f"REPLAN_MARGIN`` ({replan})" in docstring
+    shares = f"({FRAGMENTATION[True]:.0%} with expandable segments, {FRAGMENTATION[False]:.0%} without)"
+    assert shares in readme
     assert f"{NCCL_ALLOWANCE_BYTES >> 20} MiB for the buffers NCCL" in readme
     assert f"({NCCL_ALLOWANCE_BYTES >> 20} MiB, an" in design
 
