@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightmem import LightMem, PlanDoesNotFit, max_batch_size, plan
 from lightmem import fit_session as fit_session_module
-from lightmem.auto_plan import REPLAN_MARGIN, AutoPlan, covers, format_shapes, shapes_covering
+from lightmem.auto_plan import REPLAN_MARGIN, TIMED_STEPS, AutoPlan, covers, format_shapes, shapes_covering
 from lightmem.checkpoint import is_checkpointed
 from lightmem.cli import main
 from lightmem.device_memory import FRAGMENTATION, FRAGMENTATION_MARGIN, NCCL_ALLOWANCE_BYTES, measure_device_budget
@@ -482,3 +482,74 @@ def test_cli_plan_without_budget_names_the_device_given_when_it_cannot_measure_i
         "lightmem estimate: error: --plan: without --budget, it plans for the memory the CUDA device can give this "
         f"process, and --device is 'cpu'{why}; pass the budget to plan for, e.g. --budget 24GiB\n"
     )
+
+
+def test_expandable_segments_are_turned_on_for_plan_auto_unless_the_user_configured_the_allocator(monkeypatch):
+    from lightmem import device_memory
+
+    calls = []
+    monkeypatch.setattr(device_memory, "_allocator_settings_setter", lambda: calls.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device_memory, "_expandable_set_here", False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    assert not device_memory.expandable_segments_on()
+    line = device_memory.use_expandable_segments()
+    assert calls == ["expandable_segments:True"] and device_memory.expandable_segments_on()
+    assert line == (
+        "lightmem: plan='auto' turned on the CUDA allocator's expandable segments "
+        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for this process; plans leave 15% for fragmentation). "
+        "Set PYTORCH_CUDA_ALLOC_CONF yourself to choose."
+    )
+    # The user's settings win: nothing is set, and the line says what holds.
+    calls.clear()
+    monkeypatch.setattr(device_memory, "_expandable_set_here", False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert device_memory.use_expandable_segments() == (
+        "lightmem: the CUDA allocator is configured by PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512: lightmem leaves "
+        "it as it is (expandable segments off; plans leave 35% for fragmentation)"
+    )
+    assert calls == [] and not device_memory.expandable_segments_on()
+
+
+def test_plan_auto_on_a_cuda_device_says_at_fit_start_what_it_did_with_the_allocator(monkeypatch):
+    from types import SimpleNamespace
+
+    from lightmem.fit_session import FitSession
+
+    monkeypatch.setattr(fit_session_module, "use_expandable_segments", lambda: "lightmem: the allocator line")
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), num_devices=1)
+    assert FitSession(LightMem(plan="auto").settings, trainer)._allocator_note == "lightmem: the allocator line"
+    # Without plan="auto", or training on the CPU, the allocator is left alone.
+    assert FitSession(LightMem().settings, trainer)._allocator_note == ""
+    on_cpu = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), num_devices=1)
+    assert FitSession(LightMem(plan="auto", device_budget="1GiB").settings, on_cpu)._allocator_note == ""
+
+
+def test_steps_far_off_their_prediction_plan_the_next_batch_again_at_the_measured_pace():
+    chosen = plan(LitGPT(), _tokens(4, 17), BUDGET, device="cpu")
+    device = SimulatedDeviceMemory(CAPACITY, gpu="h100", step_seconds=2 * chosen.step_seconds)
+    auto_plan = AutoPlan(BUDGET, device, speeds=device.speeds())
+    auto_plan.take(chosen, batch_shapes(_tokens(4, 17)))
+    for step in range(1 + TIMED_STEPS):  # the first step of a plan is not counted
+        assert auto_plan.replan_reason is None
+        auto_plan.batch_start()
+        auto_plan.check(step, _tokens(4, 17))
+    assert auto_plan.measured_step_s() == 2 * chosen.step_seconds
+    assert auto_plan.replan_reason == (
+        f"the measured step, {format_seconds(2 * chosen.step_seconds)}, is 2.00x the predicted "
+        f"{format_seconds(chosen.step_seconds)}: planned again with the device's compute priced at the measured pace"
+    )
+    assert auto_plan.needs_plan(_tokens(4, 17))
+    # What the link adds is taken as priced; the device's compute is priced at the pace it showed.
+    pace = chosen.step_seconds / (2 * chosen.step_seconds)
+    assert auto_plan.speeds.matmul_rate("bf16") == pytest.approx(device.speeds().matmul_rate("bf16") * pace)
+    assert auto_plan.speeds.link_bytes_per_s == device.speeds().link_bytes_per_s
+    # Steps within 15% of the prediction change nothing.
+    steady = AutoPlan(BUDGET, SimulatedDeviceMemory(CAPACITY, gpu="h100", step_seconds=1.1 * chosen.step_seconds),
+                      speeds=device.speeds())  # fmt: skip
+    steady.take(chosen, batch_shapes(_tokens(4, 17)))
+    for step in range(1 + TIMED_STEPS):
+        steady.batch_start()
+        steady.check(step, _tokens(4, 17))
+    assert steady.replan_reason is None and steady.speeds is device.speeds()
