@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--gpu", default="h100")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plot", metavar="PNG", help="also draw time per sample against batch size (needs matplotlib)")
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     found = {}
@@ -94,7 +95,34 @@ def main(argv: list[str] | None = None) -> int:
             print()
     if args.json:
         print(json.dumps({name: result.to_dict() for name, result in found.items()}, indent=2))
+    if args.plot:
+        plot(found, args.plot, args.gpu)
     return 0
+
+
+def plot(found: dict[str, Any], path: str, gpu: str) -> None:
+    """Time per sample against the reference's (1.0), by batch size over the reference, with the
+    floor: one line per model. matplotlib is not a dependency of lightmem: install it to draw."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for (name, result), colour in zip(found.items(), ("tab:blue", "tab:orange", "tab:green")):
+        rows = [row for row in result.rows if row.fits]
+        reference = max(result.reference_batch, 1)
+        sizes = [row.batch_size / reference for row in rows]
+        axes.plot(sizes, [row.vs_reference for row in rows], "o-", color=colour, label=f"{name}: best plan")
+        axes.plot(sizes, [row.floor_vs_reference for row in rows], "--", color=colour, alpha=0.6, label=f"{name}: floor")
+    axes.axhline(1.0, color="grey", linewidth=0.8)
+    axes.set_xlabel("batch size / largest batch without lightmem")
+    axes.set_ylabel("time per sample / without lightmem")
+    axes.set_yscale("log")
+    axes.set_title(f"The frontier, predicted for an {gpu.upper()} (fake tensors)")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
