@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from lightmem.offload.pool import HostPool, size_class
 from lightmem.testing.simulated import SimulatedAsyncTransport, _Event
-from lightmem.offload.transport import SyncTransport
+from lightmem.transfer.pool import HostPool, size_class
+from lightmem.transfer.transport import SyncTransport
 
 
 class _Owner:

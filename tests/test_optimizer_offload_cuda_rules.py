@@ -451,7 +451,7 @@ class _FakeCudaStream:
 
 
 def test_cuda_transport_keeps_a_bounded_number_of_timing_events_when_nobody_reads_them(monkeypatch):
-    from lightmem.offload.transport import CudaTransport
+    from lightmem.transfer.transport import CudaTransport
 
     compute = _FakeCudaStream()
     monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)

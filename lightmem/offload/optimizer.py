@@ -51,8 +51,8 @@ from lightmem.offload.device_dtype import DeviceDtype, refuse_device_dtype
 from lightmem.offload.grad_clip import GradClip, tensor_norms, total_norm
 from lightmem.offload.host_kernel import HostKernel
 from lightmem.offload.overlap import OverlappedStep, _Landing, overlap_refusal
-from lightmem.offload.pool import HostAllocationError, HostSlab
-from lightmem.offload.transport import Transport, default_transport
+from lightmem.transfer.pool import HostAllocationError, HostSlab
+from lightmem.transfer.transport import Transport, default_transport
 
 _HOST = torch.device("cpu")
 

@@ -19,7 +19,7 @@ from lightmem.offload.device_dtype import refuse_precision
 from lightmem.offload.grad_clip import GradClip
 from lightmem.offload.optimizer import OptimizerOffloader, _InstanceAttribute, _refuse_bucket_views
 from lightmem.offload.overlap import overlap_refusal
-from lightmem.offload.transport import Transport
+from lightmem.transfer.transport import Transport
 
 # Strategies that shard the model state and offload it their own way, by the Lightning class they
 # derive from; checked before DDP, from which DeepSpeedStrategy derives.

@@ -28,13 +28,18 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from lightmem.offload.stats import OffloadStats
-from lightmem.offload.transport import Transport
+from lightmem.transfer.transport import Transport
+
+
+class CountsWaits(Protocol):
+    """Where the waits the bound makes are counted (activation offload's ``OffloadStats``)."""
+
+    inflight_waits: int
 
 
 class InflightCopies:
@@ -49,14 +54,14 @@ class InflightCopies:
         self.entries: deque[Any] = deque()
         self.bytes = 0
 
-    def add(self, entry: Any, stats: OffloadStats) -> None:
+    def add(self, entry: Any, stats: CountsWaits) -> None:
         """Track ``entry`` (its copy is queued); past the bound, compute waits for the oldest."""
         self.entries.append(weakref.ref(entry))
         self.bytes += entry.nbytes
         if self.bytes > self.max_bytes:
             self._bound(stats)
 
-    def _bound(self, stats: OffloadStats) -> None:
+    def _bound(self, stats: CountsWaits) -> None:
         entries = self.entries
         transport = self.transport
         while entries and self.bytes > self.max_bytes:
