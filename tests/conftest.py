@@ -83,7 +83,7 @@ def optimizer_offload_transport(request, monkeypatch):
     if request.param == "sync":
         yield None
         return
-    import lightmem.offload.optimizer as optimizer_offload
+    import lightmem.model_state.offloader as optimizer_offload
     from lightmem.testing.simulated import SimulatedAsyncTransport
 
     simulated = SimulatedAsyncTransport(seed=1, max_delay_s=0.001)

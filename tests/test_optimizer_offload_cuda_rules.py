@@ -25,7 +25,7 @@ from optimizer_models import (
 )
 from torch import nn
 
-import lightmem.offload.optimizer as optimizer_offload
+import lightmem.model_state.offloader as optimizer_offload
 from lightmem import LightMem, offload_optimizer
 from lightmem.testing.simulated import SimulatedAsyncTransport
 

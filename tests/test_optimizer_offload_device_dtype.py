@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightmem import LightMem, offload_optimizer
 from lightmem.config import OptimizerOffloadSettings
-from lightmem.offload.optimizer import OptimizerOffloader
+from lightmem.model_state.offloader import OptimizerOffloader
 from lightmem.testing.simulated import SimulatedAsyncTransport
 
 BF16 = torch.bfloat16

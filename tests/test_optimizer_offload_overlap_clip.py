@@ -32,9 +32,9 @@ from optimizer_models import (
 )
 from torch import nn
 
-import lightmem.offload.grad_clip as grad_clip
-import lightmem.offload.optimizer as optimizer_offload
-import lightmem.offload.overlap as overlap_module
+import lightmem.model_state.grad_clip as grad_clip
+import lightmem.model_state.offloader as optimizer_offload
+import lightmem.model_state.overlap as overlap_module
 from lightmem import offload_optimizer
 from lightmem.testing.simulated import SimulatedAsyncTransport
 

@@ -15,10 +15,10 @@ import torch
 
 from lightmem.config import OptimizerOffloadSettings
 from lightmem.lightning_packages import is_mock_optimizer, is_strategy
-from lightmem.offload.device_dtype import refuse_precision
-from lightmem.offload.grad_clip import GradClip
-from lightmem.offload.optimizer import OptimizerOffloader, _InstanceAttribute, _refuse_bucket_views
-from lightmem.offload.overlap import overlap_refusal
+from lightmem.model_state.device_dtype import refuse_precision
+from lightmem.model_state.grad_clip import GradClip
+from lightmem.model_state.offloader import OptimizerOffloader, _InstanceAttribute, _refuse_bucket_views
+from lightmem.model_state.overlap import overlap_refusal
 from lightmem.transfer.transport import Transport
 
 # Strategies that shard the model state and offload it their own way, by the Lightning class they

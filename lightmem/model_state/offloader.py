@@ -12,7 +12,7 @@ everything else a training step holds for them to host memory:
    the parameters (same dtype, so the arithmetic is the one the device would do, bit for bit on
    CPU), its ``state`` moves with them, and its own class and hyperparameters run the step, with
    the fastest CPU implementation where the user left foreach/fused unset (torch's fused kernel
-   where one exists: ``lightmem.offload.host_kernel``), otherwise the user's choice. Clipping
+   where one exists: ``lightmem.model_state.host_kernel``), otherwise the user's choice. Clipping
    (``clip_grad_norm_`` over ``optimizer.param_groups``), zeroing and ``state_dict`` all see host
    tensors, so a checkpoint is in the optimizer's standard form.
 3. **Parameters come back before they are read.** After each step the updated host copies are
@@ -21,14 +21,14 @@ everything else a training step holds for them to host memory:
    copy; a forward on another stream waits too. Every host read of a gradient waits for its copy
    to host (docs/gpu-path.md says why a compute-stream wait would not do).
 
-Under Lightning, ``lightmem.offload.trainer_optimizers`` offloads every optimizer of a Trainer.
+Under Lightning, ``lightmem.model_state.trainer_optimizers`` offloads every optimizer of a Trainer.
 
 Gradient accumulation adds on the host in the gradient's dtype (``grad += new``, as autograd does
 on the device). ``close()`` (or leaving the ``with`` block) puts everything back: the optimizer's
 groups and state on the device parameters, pending host gradients in ``param.grad``.
 
 With ``device_dtype=torch.bfloat16`` (opt-in, not exact) the device parameters are bf16 and the
-host copies fp32 masters: ``lightmem.offload.device_dtype``.
+host copies fp32 masters: ``lightmem.model_state.device_dtype``.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
-from lightmem.offload import host_grads
-from lightmem.offload.device_dtype import DeviceDtype, refuse_device_dtype
-from lightmem.offload.grad_clip import GradClip, tensor_norms, total_norm
-from lightmem.offload.host_kernel import HostKernel
-from lightmem.offload.overlap import OverlappedStep, _Landing, overlap_refusal
+from lightmem.model_state import host_grads
+from lightmem.model_state.device_dtype import DeviceDtype, refuse_device_dtype
+from lightmem.model_state.grad_clip import GradClip, tensor_norms, total_norm
+from lightmem.model_state.host_kernel import HostKernel
+from lightmem.model_state.overlap import OverlappedStep, _Landing, overlap_refusal
 from lightmem.transfer.pool import HostAllocationError, HostSlab
 from lightmem.transfer.transport import Transport, default_transport
 

@@ -3,7 +3,7 @@
 Two callers: ``offload_optimizer(clip_grad_norm=... | clip_grad_value=...)`` in a plain loop (the
 offloader clips before each step, so the overlapped step knows the clipping ahead), and the
 overlapped step under Lightning, which clips as ``gradient_clip_val`` asks while Lightning's own
-call is taken as done (``lightmem.offload.trainer_optimizers``).
+call is taken as done (``lightmem.model_state.trainer_optimizers``).
 
 By value, each gradient is clipped on its own: the overlapped step clamps it as it lands and steps it
 at once. By norm, the step needs every gradient first, but the norm need not wait: each gradient's
