@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -45,13 +45,14 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, format_bytes, warn_once
+from lightmem.config import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, warn_once
 from lightmem.model_state import host_grads
 from lightmem.model_state.device_dtype import DeviceDtype, refuse_device_dtype
 from lightmem.model_state.grad_clip import GradClip, tensor_norms, total_norm
 from lightmem.model_state.host_kernel import HostKernel
 from lightmem.model_state.overlap import OverlappedStep, _Landing, overlap_refusal
-from lightmem.transfer.pool import HostAllocationError, HostSlab
+from lightmem.transfer.arena import HostArena
+from lightmem.transfer.inflight import InflightTensors
 from lightmem.transfer.transport import Transport, default_transport
 
 _HOST = torch.device("cpu")
@@ -157,64 +158,6 @@ class _Written:
             and storage.cdata == param.untyped_storage()._cdata
         )
 
-
-
-_ALIGN_BYTES = 64  # each tensor of an arena starts on a cache line (vector loads of the host kernels)
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
-
-
-class _HostArena:
-    """Host tensors shaped like ``like`` carved from one allocation of their exact (aligned) size.
-
-    Copies between host and device run asynchronously only from page-locked memory. Page-locked
-    one tensor at a time (``pin_memory=True``), torch's host caching allocator would round each up
-    to a power of two (1.3-1.7x on transformer shapes) and keep it cached after ``close``; the
-    arena is one ``HostSlab``, page-locked with ``cudaHostRegister`` at its exact size as the
-    activation pool's slabs are, and unregistered by ``close``. Where page-locking fails it stays
-    pageable (copies are then staged by the CUDA runtime), with one warning.
-    """
-
-    def __init__(
-        self, like: list[torch.Tensor], transport: Transport, device: torch.device, page_locked: bool = True
-    ) -> None:
-        offsets, total = [], 0
-        for tensor in like:
-            offsets.append(total)
-            total += _aligned(tensor.nbytes)
-        try:
-            pin = transport.pin_memory and page_locked  # no copy reads or writes a tensor not page-locked
-            self.slab = HostSlab(max(total, 1), pin, poison=False, device=device)
-        except HostAllocationError as error:
-            warn_once(
-                f"lightmem: optimizer offload could not page-lock {format_bytes(total)} of host memory "
-                f"({error}); its copies are staged through pageable memory and run synchronously"
-            )
-            self.slab = HostSlab(max(total, 1), False, poison=False, device=device)
-        self.nbytes = total
-        storage = self.slab.tensor.untyped_storage()
-        base = self.slab.tensor.storage_offset()
-        # Each tensor is its own, not a view of the slab: a version counter of its own, so an
-        # in-place write to one gradient (clipping) shows on that gradient alone (overlap.py).
-        self.tensors = [
-            torch.empty(0, dtype=tensor.dtype).set_(
-                storage, (base + offset) // tensor.element_size(), tensor.shape, _contiguous_strides(tensor.shape)
-            )
-            for offset, tensor in zip(offsets, like)
-        ]
-
-    def close(self) -> None:
-        self.slab.close()
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _check_optimizer(optimizer: Any, settings: OptimizerOffloadSettings) -> None:
@@ -329,8 +272,7 @@ class OptimizerOffloader:
         self.settings = settings
         self.transport = transport if transport is not None else default_transport(settings.devices)
         self._stats = OptimizerOffloadStats()
-        self._inflight: deque[tuple[Any, torch.Tensor]] = deque()  # (copy event, device gradient kept alive)
-        self._inflight_bytes = 0
+        self._inflight = InflightTensors(settings.max_grad_inflight_bytes, self.transport)  # device gradients still copied
         self._unlanded: list[Any] = []  # every gradient copy event since the last landing
         self._landing: list[_Slot] = []
         self._callback_task: int | None = None
@@ -341,17 +283,17 @@ class OptimizerOffloader:
         self._reducer = reducer
         self._copies_back: Any = None  # event of the last copy of the parameters to the device
         self._ordered_streams: list[Any] = []  # compute streams ordered after those copies
-        self._params_arena = _HostArena(params, self.transport, self.device)
-        self._added_arenas: list[_HostArena] = []  # host copies of param groups added while offloaded
-        self._grads_arena: _HostArena | None = None
-        self._staging_arena: _HostArena | None = None
+        self._params_arena = HostArena(params, self.transport, self.device)
+        self._added_arenas: list[HostArena] = []  # host copies of param groups added while offloaded
+        self._grads_arena: HostArena | None = None
+        self._staging_arena: HostArena | None = None
         self._slots: dict[int, _Slot] = {}
         self._slot_of_master: dict[int, _Slot] = {}  # the groups hold the masters
         self._frozen: list[_Slot] = []  # no gradient hook (autograd refuses one) until unfrozen
         group_of = {id(param): index for index, group in enumerate(optimizer.param_groups) for param in group["params"]}
         self._add_host_copies(params, self._params_arena, group_of)
         self._device_dtype: DeviceDtype | None = None
-        self._device_dtype_arenas: list[_HostArena] = []
+        self._device_dtype_arenas: list[HostArena] = []
         if settings.device_dtype is not None:
             # The bf16 copies that travel to the device (page-locked) and the masters' fp32
             # gradients (host only: nothing copies them).
@@ -359,8 +301,8 @@ class OptimizerOffloader:
             dtype = settings.device_dtype
             narrow = [torch.empty(slot.master.shape, dtype=dtype, device="meta") for slot in slots]
             self._device_dtype_arenas = [
-                _HostArena(narrow, self.transport, self.device),
-                _HostArena([slot.master for slot in slots], self.transport, self.device, page_locked=False),
+                HostArena(narrow, self.transport, self.device),
+                HostArena([slot.master for slot in slots], self.transport, self.device, page_locked=False),
             ]
             narrow_arena, wide_arena = self._device_dtype_arenas
             self._device_dtype = DeviceDtype(slots, dtype, narrow_arena.tensors, wide_arena.tensors)
@@ -564,7 +506,7 @@ class OptimizerOffloader:
         _refuse_sparse_gradients(self.model, params, flag)
         if self._overlap is not None:
             self._overlap.idle()  # no step of the host copies running while the groups change
-        arena = _HostArena(params, self.transport, self.device)
+        arena = HostArena(params, self.transport, self.device)
         self._added_arenas.append(arena)
         self._stats.host_param_bytes += arena.nbytes
         slots = self._add_host_copies(params, arena, dict.fromkeys(map(id, params), index))
@@ -575,7 +517,7 @@ class OptimizerOffloader:
             self._watch(slot)
         return {id(slot.param): slot.master for slot in slots}
 
-    def _add_host_copies(self, params: list[nn.Parameter], arena: _HostArena, group_of: dict[int, int]) -> list[_Slot]:
+    def _add_host_copies(self, params: list[nn.Parameter], arena: HostArena, group_of: dict[int, int]) -> list[_Slot]:
         """A slot per parameter: its host copy carved from ``arena``, with its value, in group ``group_of[id]``."""
         slots = []
         with torch.no_grad():
@@ -890,25 +832,9 @@ class OptimizerOffloader:
             overlap.submit(_Landing(slot.master, slot.group, target, staged, event))  # type: ignore[union-attr]
         else:
             self._unlanded.append(event)
-        self._inflight.append((event, grad))
-        self._inflight_bytes += grad.nbytes
-        self._stats.peak_device_grad_bytes = max(self._stats.peak_device_grad_bytes, self._inflight_bytes)
-        self._retire(compute)
-
-    def _retire(self, compute: Any) -> None:
-        """Drop device gradients whose copy has run; past the bound, compute waits for the oldest.
-
-        That wait lets the device memory go (work queued after it runs after the copy read it); it
-        protects no host read: the landing host-waits every copy event of the backward."""
-        transport, inflight = self.transport, self._inflight
-        while inflight:
-            event, grad = inflight[0]
-            if not transport.done(event):
-                if self._inflight_bytes <= self.settings.max_grad_inflight_bytes:
-                    break
-                transport.wait(compute, event)
-            inflight.popleft()
-            self._inflight_bytes -= grad.nbytes
+        self._inflight.add(event, grad)
+        self._stats.peak_device_grad_bytes = max(self._stats.peak_device_grad_bytes, self._inflight.bytes)
+        self._inflight.retire(compute)  # the landing host-waits every copy event of the backward
 
     def _buffer(self, slot: _Slot, like: torch.Tensor, staging: bool) -> torch.Tensor:
         """``slot``'s host gradient (or accumulation staging) buffer, carved with every other
@@ -920,7 +846,7 @@ class OptimizerOffloader:
         if arena is None:
             # Shaped like the device parameters: the gradients come in their dtype.
             params = [other.param for other in self._slots.values()]
-            arena = _HostArena(params, self.transport, self.device)
+            arena = HostArena(params, self.transport, self.device)
             for other, tensor in zip(self._slots.values(), arena.tensors):
                 if staging:
                     other.staging = tensor
@@ -954,13 +880,7 @@ class OptimizerOffloader:
         for event in self._unlanded:
             transport.host_wait(event)
         self._unlanded.clear()
-        compute = None
-        for event, _ in self._inflight:
-            if not transport.done(event):  # a gradient the overlapped step lands: the host goes on
-                compute = compute if compute is not None else transport.streams(self.device)[0]
-                transport.wait(compute, event)  # its device memory is reused only after the copy
-        self._inflight.clear()
-        self._inflight_bytes = 0
+        self._inflight.release_all(self.device)  # copies of gradients the overlapped step lands may run on
         self._host_wait_params()  # the step about to follow rewrites the host copies
         widen = self._device_dtype
         with torch.no_grad():
