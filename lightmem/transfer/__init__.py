@@ -10,5 +10,7 @@ either:
   threads, and what it cost.
 - ``pool.py``: host buffers carved from a few large slabs, bounded by recent steps
   (``HostPool``), and the slab itself (``HostSlab``).
+- ``arena.py``: host tensors carved from one page-locked allocation of their exact size
+  (``HostArena``: model-state offload's host copies and gradient buffers).
 - ``inflight.py``: device tensors held until their copy to host has run, bounded in bytes.
 """
