@@ -18,7 +18,7 @@ in turn (so drift hits all alike), on one thread and then on all of torch's thre
 
 ``--others`` adds, on one thread and the 4M set, the for-loop against ``foreach=True`` for the
 optimizers that have no fused CPU kernel (lightmem runs the one that was faster here:
-``lightmem.offload.host_kernel``).
+``lightmem.model_state.host_kernel``).
 
 Figures are ms per million parameters, minimum and median over the rounds. On one thread the
 clock is the thread's CPU time (a shared machine's waits for a core are not counted); on all

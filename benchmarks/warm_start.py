@@ -10,14 +10,14 @@ Two tables:
 
 - **Registering N GiB of fresh host memory**: one ``cudaHostRegister`` call (what the step boundary
   did before the warm start), the same after touching every page from torch's intra-op threads, and
-  chunks made on background threads as the pool makes them (``lightmem.offload.page_lock``), with
+  chunks made on background threads as the pool makes them (``lightmem.transfer.page_lock``), with
   and without pre-faulting and at several thread counts; plus the bandwidth of 1 GiB page-locked
   device-to-host copies on the main thread while chunks are registered beside them (does
   registration stall the copies of a step that runs meanwhile?).
 - **The first steps of a large offload**: a chain of ``sin`` saving ``--gib`` GiB per step (every
   saved tensor ``--tensor-mib`` MiB, all offloaded), steps 0, 1, 2, 3 and the median of the rest,
   the first step over the steady one, the page-locking time and the part of it the training thread
-  waited for. Modes (``lightmem.offload.pool``'s constants): ``before`` (``WARM_START=False``: the
+  waited for. Modes (``lightmem.transfer.pool``'s constants): ``before`` (``WARM_START=False``: the
   first step copies into pageable memory, the boundary after it page-locks one slab on the
   training thread), ``boundary`` (the warm start without ``prepare_host``: chunks page-locked in
   the background from the boundary after step 0), ``prepared`` (``prepare_host`` before step 0)
@@ -51,8 +51,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import hardware  # noqa: E402
 from lightmem import offload_activations  # noqa: E402
-from lightmem.offload import page_lock, pool  # noqa: E402
 from lightmem.tables import format_table, markdown_table  # noqa: E402
+from lightmem.transfer import page_lock, pool  # noqa: E402
 
 GiB = 1024**3
 MiB = 1024**2

@@ -5,9 +5,9 @@ from lightmem.callback import LightMem
 from lightmem.devices import DeviceSpeeds, measure_device_speeds
 from lightmem.checkpoint import apply_checkpointing
 from lightmem.estimate import estimate_memory, frontier, max_batch_size, plan
+from lightmem.model_state.host_grads import named_grads
+from lightmem.model_state.offloader import offload_optimizer
 from lightmem.offload import offload_activations
-from lightmem.offload.host_grads import named_grads
-from lightmem.offload.optimizer import offload_optimizer
 
 __all__ = [
     "DeviceSpeeds",

@@ -22,7 +22,7 @@ from lightmem.fit_session import FitSession
 from lightmem.lightning_packages import callback_bases
 from lightmem.metrics.names import GROUPS
 from lightmem.metrics.recorder import MetricsRecorder
-from lightmem.offload.optimizer import OptimizerOffloadStats
+from lightmem.model_state.offloader import OptimizerOffloadStats
 
 # A Trainer and a LightningModule of either Lightning package: hooks only pass them on.
 Trainer = Any

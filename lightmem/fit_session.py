@@ -28,9 +28,9 @@ from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.lightning_packages import is_barebones, logged_step
 from lightmem.metrics.names import key
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
+from lightmem.model_state.offloader import OptimizerOffloader, OptimizerOffloadStats
+from lightmem.model_state.trainer_optimizers import gradient_readers, offload_trainer_optimizers
 from lightmem.offload.context import ActivationOffloader
-from lightmem.offload.optimizer import OptimizerOffloader, OptimizerOffloadStats
-from lightmem.offload.trainer_optimizers import gradient_readers, offload_trainer_optimizers
 from lightmem.offload.training import TrainingOffload
 
 # A Trainer and a LightningModule of either Lightning package: only their attributes are read.

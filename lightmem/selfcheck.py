@@ -60,8 +60,8 @@ import lightmem
 from lightmem import estimate_memory, offload_activations
 from lightmem.config import format_bytes
 from lightmem.estimate.search import largest_fitting
-from lightmem.offload.pool import registration_stats
 from lightmem.tables import markdown_table
+from lightmem.transfer.pool import registration_stats
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 NO_CUDA = "lightmem selfcheck: CUDA is not available here, so there is nothing to check (no report written)"

@@ -20,9 +20,9 @@ def _page_locking_ends_with_its_test(monkeypatch):
     """Host memory a test page-locked through a fake or simulated runtime is given back through
     that runtime, before the test's monkeypatches are undone (this fixture needs ``monkeypatch``,
     so it is torn down first): pools the test dropped are collected, and the background threads
-    page-locking chunks (lightmem.offload.page_lock) have ended."""
+    page-locking chunks (lightmem.transfer.page_lock) have ended."""
     yield
-    from lightmem.offload import page_lock
+    from lightmem.transfer import page_lock
 
     threads = [thread for thread in threading.enumerate() if thread.name.startswith(page_lock.THREAD_NAME)]
     if threads or page_lock.registration_stats().pinned_bytes:
@@ -83,7 +83,7 @@ def optimizer_offload_transport(request, monkeypatch):
     if request.param == "sync":
         yield None
         return
-    import lightmem.offload.optimizer as optimizer_offload
+    import lightmem.model_state.offloader as optimizer_offload
     from lightmem.testing.simulated import SimulatedAsyncTransport
 
     simulated = SimulatedAsyncTransport(seed=1, max_delay_s=0.001)

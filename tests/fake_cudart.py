@@ -3,7 +3,7 @@ rule behind it, for tests of page-locking on a machine without a GPU."""
 
 from __future__ import annotations
 
-from lightmem.offload import page_lock
+from lightmem.transfer import page_lock
 
 TORCH_CUDART_BINDINGS = (
     "cudaGetErrorString", "cudaProfilerStart", "cudaProfilerStop", "cudaHostRegister",

@@ -9,13 +9,13 @@ import pytest
 import lightmem.checkpoint
 import lightmem.estimate.estimator
 import lightmem.offload.context
-import lightmem.offload.host_grads
-import lightmem.offload.optimizer
+import lightmem.model_state.host_grads
+import lightmem.model_state.offloader
 
 
 @pytest.mark.parametrize(
     "module",
-    [lightmem.offload.context, lightmem.offload.optimizer, lightmem.offload.host_grads, lightmem.checkpoint, lightmem.estimate.estimator],
+    [lightmem.offload.context, lightmem.model_state.offloader, lightmem.model_state.host_grads, lightmem.checkpoint, lightmem.estimate.estimator],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(module)

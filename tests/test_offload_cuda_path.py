@@ -19,9 +19,10 @@ from fake_cudart import TORCH_CUDART_BINDINGS, FakeCudart, FakeDevice, use_fake_
 from models import make_case
 
 from lightmem import offload_activations
-from lightmem.offload import hooks, inflight, pool
+from lightmem.offload import hooks
 from lightmem.testing.simulated import SimulatedAsyncTransport, is_compute
-from lightmem.offload.transport import SyncTransport
+from lightmem.transfer import inflight, pool
+from lightmem.transfer.transport import SyncTransport
 
 NUMEL = 16384
 NBYTES = NUMEL * 4  # each saved activation of the sine chain: 64 KiB

@@ -164,7 +164,7 @@ def test_cross_device_inflight_bound_frees_a_tensor_only_after_its_own_device_wa
 
 
 def test_sabotage_cross_device_wait_on_the_newest_entrys_stream_is_detected(monkeypatch):
-    from lightmem.offload import inflight
+    from lightmem.transfer import inflight
 
     def bound_on_newest_stream(self, stats):  # the bound before issue 21: one stream for all
         compute = self.entries[-1]().streams[0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightmem.offload.pool import ALIGN_BYTES, HEADROOM, HostPool, HostSlab, size_class
-from lightmem.offload.transport import SyncTransport
+from lightmem.transfer.pool import ALIGN_BYTES, HEADROOM, HostPool, HostSlab, size_class
+from lightmem.transfer.transport import SyncTransport
 
 
 def _pool(budget_bytes: int = 2**30) -> HostPool:

@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 
-from lightmem.offload.pool import HostPool, size_class
-from lightmem.testing.simulated import SimulatedAsyncTransport, _Event
-from lightmem.offload.transport import SyncTransport
+from lightmem.testing.simulated import SimulatedAsyncTransport
+from lightmem.testing.streams import Event
+from lightmem.transfer.pool import HostPool, size_class
+from lightmem.transfer.transport import SyncTransport
 
 
 class _Owner:
@@ -58,7 +59,7 @@ def _queued_copy_into_a_released_block(transport: SimulatedAsyncTransport):
     pool = HostPool(transport, budget_bytes=2**30, min_available_bytes=0)
     block = pool.acquire(2**20)
     source = torch.ones(2**18)
-    gate = _Event()
+    gate = Event()
     _, to_host, _ = transport.streams(torch.device("cpu"))
     transport.wait(to_host, gate)
     transport.copy_to_host(block.view(torch.float32, source.size()), source, to_host)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightmem.offload.pool import HEADROOM, TRIM_WINDOW_STEPS
+from lightmem.transfer.pool import HEADROOM, TRIM_WINDOW_STEPS
 from tests.models import ConvNet
 
 transformers = pytest.importorskip("transformers")
@@ -144,7 +144,7 @@ def test_pool_gives_memory_back_exactly_trim_window_steps_after_shapes_shrink(cp
 
 
 def test_peak_in_use_counts_the_aligned_bytes_of_the_step_and_held_the_cached_rest(cpu_offload):
-    from lightmem.offload.pool import size_class
+    from lightmem.transfer.pool import size_class
 
     model = torch.nn.Sequential(torch.nn.Linear(100, 300), torch.nn.ReLU(), torch.nn.Linear(300, 100))
     off = cpu_offload(model)

@@ -21,9 +21,9 @@ from fake_cudart import use_simulated_runtime
 from lightmem import offload_activations
 from lightmem.metrics.names import key
 from lightmem.metrics.probes import HostProbe
-from lightmem.offload import page_lock, pool
-from lightmem.offload.transport import SyncTransport
 from lightmem.testing.simulated import SimulatedAsyncTransport
+from lightmem.transfer import page_lock, pool
+from lightmem.transfer.transport import SyncTransport
 
 NUMEL = 12288
 NBYTES = NUMEL * 4  # each saved activation of the chain: 48 KiB

@@ -25,8 +25,10 @@ from optimizer_models import (
 )
 from torch import nn
 
-import lightmem.offload.optimizer as optimizer_offload
+import lightmem.model_state.offloader as optimizer_offload
 from lightmem import LightMem, offload_optimizer
+from lightmem.model_state.landing import GradientLanding
+from lightmem.model_state.params_back import ParamsBack
 from lightmem.testing.simulated import SimulatedAsyncTransport
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -355,7 +357,7 @@ def test_a_step_rewrites_the_host_copies_only_after_the_last_copies_back_ran():
 
 
 def test_sabotage_a_step_that_does_not_wait_for_the_copies_back_is_detected(monkeypatch):
-    monkeypatch.setattr(optimizer_offload.OptimizerOffloader, "_host_wait_params", lambda self: None)
+    monkeypatch.setattr(ParamsBack, "host_wait", lambda self: None)
     transport = _simulated(hold_to_device=True)
     _two_steps_without_backward_between(transport)
     assert transport.host_races > 0
@@ -451,7 +453,7 @@ class _FakeCudaStream:
 
 
 def test_cuda_transport_keeps_a_bounded_number_of_timing_events_when_nobody_reads_them(monkeypatch):
-    from lightmem.offload.transport import CudaTransport
+    from lightmem.transfer.transport import CudaTransport
 
     compute = _FakeCudaStream()
     monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
@@ -516,13 +518,13 @@ class _Reentrant(nn.Module):
 @pytest.mark.parametrize("head_first", [True, False])
 def test_reentrant_checkpointing_lands_gradients_once_per_backward(head_first, monkeypatch):
     landings = []
-    original = optimizer_offload.OptimizerOffloader._land_all
+    original = GradientLanding.land_all
 
     def counting(self):
         landings.append(len(self._landing))
         original(self)
 
-    monkeypatch.setattr(optimizer_offload.OptimizerOffloader, "_land_all", counting)
+    monkeypatch.setattr(GradientLanding, "land_all", counting)
 
     def make():
         model = _Reentrant()

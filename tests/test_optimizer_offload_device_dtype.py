@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightmem import LightMem, offload_optimizer
 from lightmem.config import OptimizerOffloadSettings
-from lightmem.offload.optimizer import OptimizerOffloader
+from lightmem.model_state.offloader import OptimizerOffloader
+from lightmem.model_state.params_back import ParamsBack
 from lightmem.testing.simulated import SimulatedAsyncTransport
 
 BF16 = torch.bfloat16
@@ -269,7 +270,7 @@ def test_the_device_reads_the_new_bf16_values_only_through_their_copy(monkeypatc
     # Negative control: without the wait the device still holds the old bf16 values after the step.
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0)
     transport.hold_copies_to_device()
-    monkeypatch.setattr(OptimizerOffloader, "wait_for_params", lambda self: None)
+    monkeypatch.setattr(ParamsBack, "wait_for_params", lambda self: None)
     torch.manual_seed(0)
     model = _mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -27,7 +27,7 @@ from optimizer_models import (
 
 from lightmem import LightMem
 from lightmem.config import LIGHTMEM, OptimizerOffloadSettings
-from lightmem.offload.trainer_optimizers import offload_trainer_optimizers
+from lightmem.model_state.trainer_optimizers import offload_trainer_optimizers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
 

@@ -264,7 +264,7 @@ def test_close_gives_the_state_back_in_host_memory_when_the_device_cannot_take_i
     # After an out-of-memory error mid-fit, moving the optimizer state back to the device may fail
     # again: close still gives the optimizer its parameters, keeps the state on the host, and
     # leaves no hook behind.
-    from lightmem.offload.optimizer import OptimizerOffloader
+    from lightmem.model_state.offloader import OptimizerOffloader
 
     model, optimizer, handle = _tiny()
     _backward(model)

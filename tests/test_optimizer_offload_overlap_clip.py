@@ -32,10 +32,10 @@ from optimizer_models import (
 )
 from torch import nn
 
-import lightmem.offload.grad_clip as grad_clip
-import lightmem.offload.optimizer as optimizer_offload
-import lightmem.offload.overlap as overlap_module
+import lightmem.model_state.grad_clip as grad_clip
+import lightmem.model_state.overlap as overlap_module
 from lightmem import offload_optimizer
+from lightmem.model_state.landing import GradientLanding
 from lightmem.testing.simulated import SimulatedAsyncTransport
 
 pytestmark = pytest.mark.filterwarnings(
@@ -197,7 +197,7 @@ def test_by_norm_after_a_backward_that_raised_the_step_clips_every_gradient(accu
     """The gradients of a backward that raised land only at the next backward or step: the norm
     counts them (the landing is slowed so the worker would win a race), and a step with no
     whole backward before it still clips."""
-    landing = optimizer_offload.OptimizerOffloader._land_all
+    landing = GradientLanding.land_all
 
     def slow_land_all(self):
         if self._landing:
@@ -205,7 +205,7 @@ def test_by_norm_after_a_backward_that_raised_the_step_clips_every_gradient(accu
         landing(self)
 
     expected = _after_a_backward_that_raised(False, accumulating)
-    monkeypatch.setattr(optimizer_offload.OptimizerOffloader, "_land_all", slow_land_all)
+    monkeypatch.setattr(GradientLanding, "land_all", slow_land_all)
     actual = _after_a_backward_that_raised(True, accumulating)
     assert_same(expected, actual, "training state and global norm")
 

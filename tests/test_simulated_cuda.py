@@ -8,7 +8,8 @@ import gc
 import pytest
 import torch
 
-from lightmem.testing.simulated import SimulatedAsyncTransport, device_block_size, pinned_block_size
+from lightmem.testing.simulated import SimulatedAsyncTransport
+from lightmem.testing.streams import device_block_size, pinned_block_size
 
 CPU = torch.device("cpu")
 

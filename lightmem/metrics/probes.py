@@ -14,8 +14,8 @@ import psutil
 import torch
 
 from lightmem.metrics.names import GiB, key
-from lightmem.offload import page_lock
 from lightmem.offload.stats import OffloadStats
+from lightmem.transfer import page_lock
 
 
 class ProbeUnavailable(RuntimeError):
@@ -133,7 +133,7 @@ def _bare_uuid(name: str | bytes) -> str:
 class HostProbe:
     """This process and this machine through psutil, plus the host buffers lightmem holds
     (``pool_bytes``; None when offload is off: no such buffers, no such metric) and the time
-    page-locking them took since the last reading (``lightmem.offload.page_lock``)."""
+    page-locking them took since the last reading (``lightmem.transfer.page_lock``)."""
 
     group = "host"
 

@@ -21,10 +21,10 @@ from lightmem.config import (
     warn_once,
 )
 from lightmem.offload.hooks import Offloader
-from lightmem.offload.pool import HostPool
 from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
-from lightmem.offload.transport import Transport, default_transport
+from lightmem.transfer.pool import HostPool
+from lightmem.transfer.transport import Transport, default_transport
 
 _TORCH_FUNC_REFUSES_HOOKS = "don't yet support saved tensor hooks"  # torch.func's own error
 TORCH_FUNC_MESSAGE = (

@@ -64,13 +64,13 @@ from torch.autograd.function import BackwardCFunction
 
 from lightmem.compiled import never_traced
 from lightmem.config import warn_once
-from lightmem.offload.inflight import InflightCopies, saved_view, served_view
 from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, same_save
-from lightmem.offload.pool import HostBlock, HostPool
 from lightmem.offload.protocol import Entry, Handle, Reloads, Session
 from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
-from lightmem.offload.transport import Transport
+from lightmem.transfer.inflight import InflightCopies, saved_view, served_view
+from lightmem.transfer.pool import HostBlock, HostPool
+from lightmem.transfer.transport import Transport
 
 _sequence_nr = torch._C._autograd._get_sequence_nr  # the next autograd node's number (per thread)
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightmem.offload.pool import size_class
 from lightmem.offload.scope import ModuleScope
+from lightmem.transfer.pool import size_class
 
 LEAVE = 0
 """Not the offloader's to move: parameters, buffers, other devices, no plain storage, empty storages."""

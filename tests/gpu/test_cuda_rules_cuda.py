@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from gpu.race_kit import deterministic, step_on_host_copies  # noqa: F401 - deterministic is an autouse fixture  # noqa: E402
 from lightmem import offload_activations, offload_optimizer  # noqa: E402
-from lightmem.offload import pool  # noqa: E402
+from lightmem.transfer import pool  # noqa: E402
 
 SLEEP_CYCLES = 100_000_000  # ~50 ms: far longer than the copies it delays
 

@@ -16,7 +16,7 @@ from conftest import assert_bitwise_equal
 from models import CASES, make_case
 
 from lightmem import offload_activations
-from lightmem.offload.transport import CudaTransport
+from lightmem.transfer.transport import CudaTransport
 
 
 @pytest.fixture(autouse=True)

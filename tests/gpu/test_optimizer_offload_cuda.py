@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from gpu.race_kit import deterministic, step_on_host_copies  # noqa: F401 - deterministic is an autouse fixture
 from lightmem import offload_optimizer
-from lightmem.offload.transport import CudaTransport
+from lightmem.transfer.transport import CudaTransport
 
 OPTIMIZERS = {
     "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),

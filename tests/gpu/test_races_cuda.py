@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from gpu import race_kit as kit
 
 from lightmem import offload_activations
-from lightmem.offload.transport import CudaTransport
+from lightmem.transfer.transport import CudaTransport
 
 CUDA = torch.device("cuda", 0)
 

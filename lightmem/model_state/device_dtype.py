@@ -14,9 +14,9 @@ keeps: ``model.state_dict()`` holds the fp32 masters (a checkpoint resumes in fp
 lightmem), ``model.load_state_dict`` of an fp32 checkpoint sets the masters exactly, and
 ``close()`` gives the parameters back in fp32, from the masters.
 
-``OptimizerOffloader`` owns the arenas and the copies (its CUDA ordering rules are unchanged);
-this module holds what the scheme adds: the refusals, the cast, widening, rounding and the
-state-dict hooks.
+``HostCopies`` owns the arenas and ``ParamsBack`` the copies (their CUDA ordering rules are
+unchanged); this module holds what the scheme adds: the refusals, the cast, widening, rounding and
+the state-dict hooks.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Copies to host not yet seen complete: the device memory they hold, bounded.
 
+Two holders, one rule (past the bound, compute waits for the oldest copy and its device tensor
+goes): ``InflightCopies`` for saved activations (held weakly, over all devices), and
+``InflightTensors`` for gradients already taken off their parameter (held strongly, one device).
+
 A saved tensor is held on the device until its copy to host has run (its memory must not be
 reused before the copy reads it). Seeing a copy complete is a poll (``transport.done``) at the
 next pack or unpack, so when the copy stream drains slower than compute produces activations
@@ -28,13 +32,18 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from lightmem.offload.stats import OffloadStats
-from lightmem.offload.transport import Transport
+from lightmem.transfer.transport import Transport
+
+
+class CountsWaits(Protocol):
+    """Where the waits the bound makes are counted (activation offload's ``OffloadStats``)."""
+
+    inflight_waits: int
 
 
 class InflightCopies:
@@ -49,14 +58,14 @@ class InflightCopies:
         self.entries: deque[Any] = deque()
         self.bytes = 0
 
-    def add(self, entry: Any, stats: OffloadStats) -> None:
+    def add(self, entry: Any, stats: CountsWaits) -> None:
         """Track ``entry`` (its copy is queued); past the bound, compute waits for the oldest."""
         self.entries.append(weakref.ref(entry))
         self.bytes += entry.nbytes
         if self.bytes > self.max_bytes:
             self._bound(stats)
 
-    def _bound(self, stats: OffloadStats) -> None:
+    def _bound(self, stats: CountsWaits) -> None:
         entries = self.entries
         transport = self.transport
         while entries and self.bytes > self.max_bytes:
@@ -95,6 +104,52 @@ class InflightCopies:
             entry.release_source()
 
 
+class InflightTensors:
+    """Device tensors whose copy to host may still run, oldest first, held strongly (nothing else
+    holds them: model-state offload has already cleared ``param.grad``), on one device.
+
+    ``add`` one as its copy is queued, ``retire`` after each: tensors whose copy has run are let
+    go, and past ``max_bytes`` the compute stream waits for the oldest copy. That wait lets the
+    device memory go (work queued after it runs after the copy read it); it protects no host read:
+    whoever reads the host copy host-waits its event.
+    """
+
+    __slots__ = ("bytes", "entries", "max_bytes", "transport")
+
+    def __init__(self, max_bytes: int, transport: Transport) -> None:
+        self.max_bytes = max_bytes
+        self.transport = transport
+        self.entries: deque[tuple[Any, Tensor]] = deque()  # (copy event, device tensor kept alive)
+        self.bytes = 0
+
+    def add(self, event: Any, tensor: Tensor) -> None:
+        self.entries.append((event, tensor))
+        self.bytes += tensor.nbytes
+
+    def retire(self, compute: Any) -> None:
+        """Drop tensors whose copy has run; past the bound, ``compute`` waits for the oldest."""
+        transport, entries = self.transport, self.entries
+        while entries:
+            event, tensor = entries[0]
+            if not transport.done(event):
+                if self.bytes <= self.max_bytes:
+                    break
+                transport.wait(compute, event)
+            entries.popleft()
+            self.bytes -= tensor.nbytes
+
+    def release_all(self, device: torch.device) -> None:
+        """Let every tensor go; the compute stream of ``device`` waits for the copies that may
+        still run (its memory is reused only after them), the host goes on."""
+        transport, compute = self.transport, None
+        for event, _ in self.entries:
+            if not transport.done(event):
+                compute = compute if compute is not None else transport.streams(device)[0]
+                transport.wait(compute, event)
+        self.entries.clear()
+        self.bytes = 0
+
+
 def served_view(entry: Any, layout: tuple[Any, ...] | None) -> Tensor | None:
     """The save ``layout`` describes (``None``: the entry's alias itself) in the device tensor
     ``entry`` still holds for its unfinished copy, or ``None`` when the copy has finished."""
@@ -114,3 +169,4 @@ def saved_view(tensor: Tensor, layout: tuple[Any, ...] | None, device: torch.dev
     dtype, size, stride, offset, negative = layout
     view = torch.empty(0, dtype=dtype, device=device).set_(tensor.untyped_storage(), offset, size, stride)
     return torch._neg_view(view) if negative else view
+

@@ -15,11 +15,12 @@ import torch
 
 from lightmem.config import OptimizerOffloadSettings
 from lightmem.lightning_packages import is_mock_optimizer, is_strategy
-from lightmem.offload.device_dtype import refuse_precision
-from lightmem.offload.grad_clip import GradClip
-from lightmem.offload.optimizer import OptimizerOffloader, _InstanceAttribute, _refuse_bucket_views
-from lightmem.offload.overlap import overlap_refusal
-from lightmem.offload.transport import Transport
+from lightmem.model_state.device_dtype import refuse_precision
+from lightmem.model_state.grad_clip import GradClip
+from lightmem.model_state.offloader import InstanceAttribute, OptimizerOffloader
+from lightmem.model_state.overlap import overlap_refusal
+from lightmem.model_state.refusals import refuse_bucket_views
+from lightmem.transfer.transport import Transport
 
 # Strategies that shard the model state and offload it their own way, by the Lightning class they
 # derive from; checked before DDP, from which DeepSpeedStrategy derives.
@@ -70,7 +71,7 @@ def offload_trainer_optimizers(
     reducer = None
     if is_strategy(strategy, "DDPStrategy"):
         reducer = strategy.model  # the DistributedDataParallel wrapper
-        _refuse_bucket_views(reducer, flag, "use DDPStrategy(gradient_as_bucket_view=False)")
+        refuse_bucket_views(reducer, flag, "use DDPStrategy(gradient_as_bucket_view=False)")
     elif not is_strategy(strategy, "SingleDeviceStrategy"):
         raise ValueError(
             f"{flag}: works with one device per process, unsharded (SingleDeviceStrategy, DDPStrategy or a "
@@ -144,7 +145,7 @@ def _toggle_device_params(module: Any, trainer: Any, offloaders: list[OptimizerO
                 return lightnings(optimizer)
 
         setattr(module, name, toggled)
-        offloaders[0].remove_at_close(_InstanceAttribute(module, name))
+        offloaders[0].remove_at_close(InstanceAttribute(module, name))
 
 
 def _finetuning_sees_device_params(callback: Any, offloaders: list[OptimizerOffloader]) -> None:
@@ -177,7 +178,7 @@ def _finetuning_sees_device_params(callback: Any, offloaders: list[OptimizerOffl
     callback._apply_mapping_to_param_groups = apply_mapping_to_param_groups
     callback.unfreeze_and_add_param_group = unfreeze_and_add_param_group
     for name in ("_apply_mapping_to_param_groups", "unfreeze_and_add_param_group"):
-        offloaders[0].remove_at_close(_InstanceAttribute(callback, name))
+        offloaders[0].remove_at_close(InstanceAttribute(callback, name))
 
 
 def _clip_in_the_overlapped_step(precision: Any, offloaders: list[OptimizerOffloader]) -> None:
@@ -201,7 +202,7 @@ def _clip_in_the_overlapped_step(precision: Any, offloaders: list[OptimizerOfflo
         lightnings(optimizer, clip_val, **kwargs)
 
     precision.clip_gradients = clip_gradients
-    offloaders[0].remove_at_close(_InstanceAttribute(precision, "clip_gradients"))
+    offloaders[0].remove_at_close(InstanceAttribute(precision, "clip_gradients"))
 
 
 def _keep_restored_state_on_host(strategy: Any, offloaders: list[OptimizerOffloader]) -> None:
@@ -218,7 +219,7 @@ def _keep_restored_state_on_host(strategy: Any, offloaders: list[OptimizerOffloa
             optimizer.load_state_dict(state)
 
     strategy.load_optimizer_state_dict = load_optimizer_state_dict
-    offloaders[0].remove_at_close(_InstanceAttribute(strategy, "load_optimizer_state_dict"))
+    offloaders[0].remove_at_close(InstanceAttribute(strategy, "load_optimizer_state_dict"))
 
 
 # Hooks that run between the backward of an optimizer step's closure and the step: overridden,

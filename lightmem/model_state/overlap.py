@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from lightmem.offload.grad_clip import GradClip, tensor_norms, total_norm
+from lightmem.model_state.grad_clip import GradClip, tensor_norms, total_norm
 
 OVERLAPPABLE = (
     "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop",

@@ -21,7 +21,7 @@ exact size (docs/offload-protocol.md says why not torch's pinned allocator), in 
 the device whose tensors it holds (a rank on ``cuda:k`` creates no context on GPU 0).
 
 Page-locking never runs on the training thread (the warm start, docs/host-pool.md). Memory is
-page-locked in chunks on background threads (``lightmem.offload.page_lock``), each chunk its own
+page-locked in chunks on background threads (``lightmem.transfer.page_lock``), each chunk its own
 slab that joins the pool once registered, ahead of the slabs still pageable, so a block never
 spans two registrations:
 
@@ -68,7 +68,7 @@ import torch
 
 from lightmem.compiled import never_traced
 from lightmem.config import available_ram_bytes
-from lightmem.offload.page_lock import (
+from lightmem.transfer.page_lock import (
     ChunkRegistrar,
     HostAllocationError,
     RegistrationStats,
@@ -79,7 +79,7 @@ from lightmem.offload.page_lock import (
 )
 
 if TYPE_CHECKING:
-    from lightmem.offload.transport import Transport
+    from lightmem.transfer.transport import Transport
 
 HEADROOM = 1.25
 """Held bytes stay at most this multiple of the largest bytes in use at once (module docstring)."""

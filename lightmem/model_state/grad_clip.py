@@ -3,7 +3,7 @@
 Two callers: ``offload_optimizer(clip_grad_norm=... | clip_grad_value=...)`` in a plain loop (the
 offloader clips before each step, so the overlapped step knows the clipping ahead), and the
 overlapped step under Lightning, which clips as ``gradient_clip_val`` asks while Lightning's own
-call is taken as done (``lightmem.offload.trainer_optimizers``).
+call is taken as done (``lightmem.model_state.trainer_optimizers``).
 
 By value, each gradient is clipped on its own: the overlapped step clamps it as it lands and steps it
 at once. By norm, the step needs every gradient first, but the norm need not wait: each gradient's
@@ -14,14 +14,15 @@ same per-tensor norms (on CPU, ``torch._foreach_norm`` is per tensor) and stacks
 
 The same two functions (``tensor_norms``, ``total_norm``) give the gradient norm lightmem logs under
 Lightning (``lightmem/memory/optimizer/grad_norm``), clipping or not: bitwise
-``torch.nn.utils.get_total_norm``, which ``clip_grad_norm_`` calls.
+``torch.nn.utils.get_total_norm``, which ``clip_grad_norm_`` calls. ``GradNorm`` holds it, once per
+step.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,3 +145,24 @@ def total_norm(grads: list[torch.Tensor], norm_of: dict[int, torch.Tensor], norm
         for grad in group
     ]
     return torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
+
+
+class GradNorm:
+    """The global 2-norm of one optimizer step's gradients, taken at most once per step: before
+    anything clips them, by the step itself, by clipping by norm, or as they land in an overlapped
+    step."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+        self.step = 0
+        """The step (counted from 1, as ``stats.steps``) ``value`` was taken for."""
+        self.wanted: Callable[[], bool] = lambda: False
+        """Whether the step now running takes the gradients' global norm (under Lightning: the steps
+        whose metrics are read); clipping by norm takes it every step anyway."""
+
+    def took(self, norm: torch.Tensor | None, step: int) -> None:
+        self.value, self.step = norm, step
+
+    def take(self, grads: list[torch.Tensor], step: int) -> None:
+        """Bitwise ``torch.nn.utils.get_total_norm(grads)`` (the parameters' order)."""
+        self.took(total_norm(grads, tensor_norms(grads)), step)
