@@ -32,13 +32,14 @@ from lightmem.estimate.settings import (
     OptimizerChoice,
     Precision,
     parse_device,
+    parse_offload,
     parse_optimizer,
     parse_overhead,
     parse_precision,
     parse_zero_grad,
 )
 from lightmem.estimate.step import MASTER_DTYPE, StepRequest, StepTrace, run_step
-from lightmem.estimate.step_time import configuration_time, costs_for
+from lightmem.estimate.step_time import Costs, configuration_time
 from lightmem.lightning_packages import is_lightning_module
 
 LossFn = Callable[[nn.Module, Any], Any]
@@ -300,3 +301,26 @@ def build_report(
         compiled=holds_compiled_modules(model),
     )
     return estimate, baseline
+
+
+def costs_for(settings: EstimateSettings, baseline: StepTrace, offload: OffloadSettings | None) -> Costs:
+    """The prices a plan for ``settings`` uses: its device speeds, the baseline step's optimizer
+    and host launch time, and the offload windows and threshold (offload is not considered on
+    "cpu" or when ``offload`` is None)."""
+    speeds = settings.speeds
+    assert speeds is not None
+    flops = speeds.matmul_rate(_dtype_name(settings))
+    searched = offload if offload is not None else parse_offload(True, flag="plan(offload=...)")
+    assert searched is not None
+    return Costs(
+        flops, speeds.link_bytes_per_s, searched.min_bytes,
+        allow_offload=offload is not None and settings.device != "cpu", optimizer_s=baseline.optimizer_s,
+        host_s=baseline.priced_ops * speeds.host_op_s, inflight_bytes=searched.max_inflight_bytes,
+        prefetch_bytes=searched.prefetch_bytes,
+    )  # fmt: skip
+
+
+def _dtype_name(settings: EstimateSettings) -> str:
+    """The dtype the step's products run in, as ``DeviceSpeeds`` names it."""
+    dtype = settings.precision.autocast_dtype or settings.precision.param_dtype
+    return {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}.get(str(dtype), "fp32")

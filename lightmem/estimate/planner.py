@@ -50,7 +50,7 @@ from lightmem.config import (
 )
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
-from lightmem.estimate.configuration import EstimateSettings, build_report, parse_settings, run_configuration
+from lightmem.estimate.configuration import EstimateSettings, build_report, costs_for, parse_settings, run_configuration
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.report import (
     BlockMemory,
@@ -75,7 +75,6 @@ from lightmem.estimate.step_time import (
     block_cost_s,
     compute_s,
     configuration_time,
-    costs_for,
     partial_thresholds,
     recompute_s,
     saves_bytes,

@@ -25,15 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from typing import TYPE_CHECKING
-
 from lightmem.config import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH, OffloadSettings, parse_size
 from lightmem.estimate.report import BlockMemory
-from lightmem.estimate.settings import parse_offload
-
-if TYPE_CHECKING:
-    from lightmem.estimate.configuration import EstimateSettings
-    from lightmem.estimate.step import StepTrace
 
 KEEP, OFFLOAD, CHECKPOINT, BOTH = "keep", "offload", "checkpoint", "checkpoint+offload"
 PARTIAL = "partial offload"
@@ -250,29 +243,6 @@ def configuration_time(
     price = step_time(blocks, actions, costs, moved)
     exposed = price.exposed_transfer_s + model_state_link_bytes / costs.link_bytes_per_s
     return StepTime(price.recompute_s, exposed, price.moved_bytes, price.compute_s)
-
-
-def costs_for(settings: EstimateSettings, baseline: StepTrace, offload: OffloadSettings | None) -> Costs:
-    """The prices a plan for ``settings`` uses: its device speeds, the baseline step's optimizer
-    and host launch time, and the offload windows and threshold (offload is not considered on
-    "cpu" or when ``offload`` is None)."""
-    speeds = settings.speeds
-    assert speeds is not None
-    flops = speeds.matmul_rate(_dtype_name(settings))
-    searched = offload if offload is not None else parse_offload(True, flag="plan(offload=...)")
-    assert searched is not None
-    return Costs(
-        flops, speeds.link_bytes_per_s, searched.min_bytes,
-        allow_offload=offload is not None and settings.device != "cpu", optimizer_s=baseline.optimizer_s,
-        host_s=baseline.priced_ops * speeds.host_op_s, inflight_bytes=searched.max_inflight_bytes,
-        prefetch_bytes=searched.prefetch_bytes,
-    )  # fmt: skip
-
-
-def _dtype_name(settings: EstimateSettings) -> str:
-    """The dtype the step's products run in, as ``DeviceSpeeds`` names it."""
-    dtype = settings.precision.autocast_dtype or settings.precision.param_dtype
-    return {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}.get(str(dtype), "fp32")
 
 
 WINDOW_GRAIN_BYTES = 64 << 10
