@@ -15,7 +15,8 @@ training batch the peaks it measured are compared with the highest peaks the pla
 predict: allocated (``max_memory_allocated``, for the metrics) and reserved (``max_memory_reserved``,
 what running out of memory is decided on). When the reserved peak passes the prediction by more than
 ``REPLAN_MARGIN``, the next batch is planned again for a budget smaller by that overshoot. The
-allocator's peaks are highs of the whole process, which lightmem never resets; a training batch is
+allocator's peaks are highs of the whole process, which lightmem resets only where its own measure of
+the device's speeds raised them (``device_memory.measured_speeds``); a training batch is
 measured when it raises that high, so what an earlier fit or a validation batch reached is never
 counted: until a training batch raises it, nothing is measured (0 logged, no ratio, no warning).
 
@@ -36,6 +37,7 @@ from lightmem.config import PlanSettings, format_bytes
 from lightmem.device_memory import (
     DeviceMemory,
     measure_device_budget,
+    measured_speeds,
     memory_to_measure,
     overhead_for_measured_budget,
     training_device_memory,
@@ -121,11 +123,12 @@ class AutoPlan:
             default, for a given budget).
         speeds: the training device's speeds, measured at fit start (None: the planner's
             ``gpu="auto"``).
+        peaks_reset: measuring them raised the allocator's peaks, which were then reset.
     """
 
     def __init__(
         self, budget_bytes: int, memory: DeviceMemory | None, budget_source: str | None = None,
-        plan_overhead_bytes: int | None = None, speeds: DeviceSpeeds | None = None,
+        plan_overhead_bytes: int | None = None, speeds: DeviceSpeeds | None = None, peaks_reset: bool = False,
     ) -> None:  # fmt: skip
         self.budget_bytes = budget_bytes
         self.memory = memory
@@ -134,6 +137,8 @@ class AutoPlan:
         """The ``overhead_bytes`` every plan of this fit is made with (None: the planner's default)."""
         self.speeds = speeds
         """What the plans price steps at (measured at fit start, or corrected by measured steps)."""
+        self.peaks_reset = peaks_reset
+        """Measuring the speeds raised the allocator's peaks, so lightmem reset them (``measured_speeds``)."""
         self.plan: Plan | None = None
         """The plan applied now (the last one made)."""
         self.planned_shapes: Shapes | None = None
@@ -172,9 +177,9 @@ class AutoPlan:
                 to measure): the message says what to pass.
         """
         memory = training_device_memory(device)
-        speeds = memory.speeds() if memory is not None and measure_speeds else None
+        speeds, peaks_reset = measured_speeds(memory) if memory is not None and measure_speeds else (None, False)
         if settings.device_budget_bytes is not None:
-            return cls(settings.device_budget_bytes, memory, speeds=speeds)
+            return cls(settings.device_budget_bytes, memory, speeds=speeds, peaks_reset=peaks_reset)
         memory = memory_to_measure(
             device, flag=settings.flag("plan"), budget_flag="device_budget", subject="'auto'",
             device_named="the training device",
@@ -182,8 +187,9 @@ class AutoPlan:
         )  # fmt: skip
         budget = measure_device_budget(memory)
         return cls(
-            budget.budget_bytes, memory, budget.describe(), overhead_for_measured_budget(world_size), speeds=speeds
-        )
+            budget.budget_bytes, memory, budget.describe(), overhead_for_measured_budget(world_size), speeds=speeds,
+            peaks_reset=peaks_reset,
+        )  # fmt: skip
 
     @property
     def planning_budget_bytes(self) -> int:

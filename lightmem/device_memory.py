@@ -138,14 +138,18 @@ class DeviceMemory(Protocol):
 
     def peak_allocated_bytes(self) -> int:
         """The allocator's peak of allocated bytes (``max_memory_allocated``: since the process
-        started or the user's last reset; lightmem never resets it, and measures a training batch
-        by how far it raises it: ``lightmem.auto_plan``)."""
+        started or the user's last reset; lightmem resets it only where its own measure of the
+        device raised it, ``measured_speeds``, and measures a training batch by how far it raises
+        it: ``lightmem.auto_plan``)."""
 
     def peak_reserved_bytes(self) -> int:
         """The allocator's peak of reserved bytes (``max_memory_reserved``), read the same way."""
 
     def speeds(self) -> DeviceSpeeds | None:
         """The device's speeds (measured, or from the table), or None."""
+
+    def reset_peaks(self) -> None:
+        """Set the allocator's peaks to what it holds now (``reset_peak_memory_stats``)."""
 
     def step_clock(self) -> Any:
         """A clock that times a step on the device (``start()``, then ``stop()`` -> seconds or
@@ -195,6 +199,9 @@ class CudaMemory:
 
     def speeds(self) -> DeviceSpeeds:
         return measure_device_speeds(torch.device("cuda", self.index))
+
+    def reset_peaks(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.index)
 
     def step_clock(self) -> CudaStepClock:
         return CudaStepClock()
@@ -268,3 +275,17 @@ def measure_device_budget(memory: DeviceMemory) -> DeviceBudget:
     usable = free + held
     margin = int(usable * FRAGMENTATION_MARGIN)
     return DeviceBudget(usable - margin, free, held, total, margin, memory.source)
+
+
+def measured_speeds(memory: DeviceMemory) -> tuple[DeviceSpeeds | None, bool]:
+    """The device's speeds, and whether measuring them raised the allocator's peaks (its products
+    and copies allocate hundreds of MiB): then the peaks are reset, so that a training batch that
+    stays below the measure's own high is still seen to raise them (issue 39: with a small model
+    the measured peak stayed 0). The user's peaks from before the fit are lost only then."""
+    before = memory.peak_allocated_bytes(), memory.peak_reserved_bytes()
+    speeds = memory.speeds()
+    after = memory.peak_allocated_bytes(), memory.peak_reserved_bytes()
+    raised = after[0] > before[0] or after[1] > before[1]
+    if raised:
+        memory.reset_peaks()
+    return speeds, raised

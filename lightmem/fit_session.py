@@ -145,6 +145,12 @@ class FitSession:
                 rank_zero_info(self._allocator_note)
             if self.auto_plan.speeds is not None:
                 rank_zero_info(f"lightmem: plan='auto' prices steps at {self.auto_plan.speeds.describe()}")
+            if self.auto_plan.peaks_reset:
+                rank_zero_info(
+                    "lightmem: measuring the device raised the allocator's peak statistics above anything before "
+                    "the fit: reset them (torch.cuda.reset_peak_memory_stats), so that the training batches' "
+                    "peaks can be measured against the plan"
+                )
         guard = self.settings.host_guard
         self.host_guard = HostGuard(guard.limit_bytes, guard.warn_at, guard.stop_at, self._all_host_bytes_held)
         if self.settings.metrics.oom_snapshot:

@@ -25,7 +25,13 @@ from lightmem import fit_session as fit_session_module
 from lightmem.auto_plan import REPLAN_MARGIN, TIMED_STEPS, AutoPlan, covers, format_shapes, shapes_covering
 from lightmem.checkpoint import is_checkpointed
 from lightmem.cli import main
-from lightmem.device_memory import FRAGMENTATION, FRAGMENTATION_MARGIN, NCCL_ALLOWANCE_BYTES, measure_device_budget
+from lightmem.device_memory import (
+    FRAGMENTATION,
+    FRAGMENTATION_MARGIN,
+    NCCL_ALLOWANCE_BYTES,
+    measure_device_budget,
+    measured_speeds,
+)
 from lightmem.estimate.batch import batch_shapes
 from lightmem.estimate.report import format_seconds
 from lightmem.metrics.names import GiB
@@ -418,6 +424,37 @@ def test_peaks_reached_before_the_fit_or_in_validation_are_not_held_against_the_
         "lightmem: at step 3"
     ]
     assert callback.summary()["plan: worst measured / predicted reserved peak"] == "6.00"
+
+
+def test_measuring_the_gpu_at_fit_start_does_not_hide_the_training_batches_peaks(caplog):
+    # Issue 39 on an H200: the speed measure's products raised the allocator's high above anything a
+    # small model's batches reach, so the measured peak stayed 0 and no ratio was summarised. lightmem
+    # resets the peaks it raised itself, and says so; the batches are then measured.
+    memory = MemoryLogger()
+    callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    prediction = plan(LitGPT(), _tokens(4, 33), BUDGET, device="cpu").predicted_peak_bytes
+    batch_peaks = [prediction // 2, prediction // 2 + 1000, prediction // 2 + 1000]
+
+    class DeviceRuns(pl.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            device.peak_bytes = max(device.peak_bytes, batch_peaks[trainer.global_step])
+
+    with simulated_device(CAPACITY, gpu="h100", measure_peak_bytes=8 * prediction) as device, caplog.at_level(logging.INFO):
+        cpu_trainer([callback, DeviceRuns()], max_steps=3, logger=[memory]).fit(LitGPT(), token_loader())
+    measured = [m["lightmem/memory/plan/measured_peak_GiB"] for _, m in memory.metrics if "lightmem/memory/plan/measured_peak_GiB" in m]
+    assert measured == [p / GiB for p in batch_peaks]
+    assert "lightmem: measuring the device raised the allocator's peak statistics above anything before the fit: " \
+        "reset them (torch.cuda.reset_peak_memory_stats), so that the training batches' peaks can be measured " \
+        "against the plan" in _lines(caplog)
+    assert "plan: worst measured / predicted reserved peak" in callback.summary()
+
+
+def test_a_speed_measure_below_the_earlier_high_leaves_the_peaks_alone():
+    device = SimulatedDeviceMemory(CAPACITY, peak_bytes=5000, gpu="h100", measure_peak_bytes=4000)
+    speeds, reset = measured_speeds(device)
+    assert speeds is not None and not reset and device.peak_allocated_bytes() == 5000
+    device.measure_peak_bytes = 6000
+    assert measured_speeds(device)[1] and device.peak_allocated_bytes() == 0
 
 
 def test_a_replan_in_the_middle_of_gradient_accumulation_keeps_the_steps_traffic_exact(monkeypatch):

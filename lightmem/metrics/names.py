@@ -34,7 +34,7 @@ METRICS: tuple[Metric, ...] = (
     # PyTorch's caching allocator (torch.cuda.memory_stats): what PyTorch itself holds.
     _m("gpu/allocated_GiB", "gpu", "GiB", "bytes in live tensors at the end of the step", "GPU memory, PyTorch allocator (GiB)"),
     _m("gpu/reserved_GiB", "gpu", "GiB", "bytes the caching allocator holds from the driver", "GPU memory, PyTorch allocator (GiB)"),
-    _m("gpu/step_peak_allocated_GiB", "gpu", "GiB", "peak of allocated since start or your last reset (lightmem does not reset it)", "GPU memory, PyTorch allocator (GiB)"),
+    _m("gpu/step_peak_allocated_GiB", "gpu", "GiB", "peak of allocated since start or your last reset (lightmem resets it only once, at fit start with plan='auto', where its measure of the GPU raised it)", "GPU memory, PyTorch allocator (GiB)"),
     _m("gpu/inactive_split_GiB", "gpu", "GiB", "reserved but unusable fragments of split blocks (fragmentation)", "GPU fragmentation (GiB)"),
     _m("gpu/alloc_retries", "gpu", "count", "allocations that had to free cached blocks and retry (since start)", "GPU allocator retries and OOMs (count)"),
     _m("gpu/ooms", "gpu", "count", "out-of-memory errors raised by the allocator (since start)", "GPU allocator retries and OOMs (count)"),

@@ -26,7 +26,8 @@ class TorchAllocatorProbe:
     """PyTorch's caching allocator: ``torch.cuda.memory_stats`` (a host-side read, no sync).
 
     The allocator keeps one peak per device, the one ``torch.cuda.max_memory_allocated`` returns.
-    By default lightmem never resets it, so a user's own peak readings stay true; the logged
+    By default lightmem resets it only where measuring the GPU for ``plan="auto"`` raised it at fit
+    start, so a user's own peak readings stay true; the logged
     ``step_peak_allocated`` is then the peak since the process started (or since the user's
     last reset). With ``reset_peak=True`` lightmem resets it after each logged step and the
     metric is the peak of that step alone, at the cost of the user's ``max_memory_allocated``.

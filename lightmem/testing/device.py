@@ -2,7 +2,8 @@
 
 Its reserved peak is ``reserved_peak_bytes`` (set by the test; 0: its allocated peak), its speeds
 those of ``gpu`` in the table of :mod:`lightmem.devices` (None: none, as a CPU), and its step clock
-returns ``step_seconds`` per step when set (None: no clock).
+returns ``step_seconds`` per step when set (None: no clock). Measuring its speeds raises its
+peaks to ``measure_peak_bytes``, as a GPU's timed products do.
 
 Inside ``with simulated_device(capacity_bytes=...)`` every fit (``LightMem(plan="auto")`` without
 ``device_budget``) and ``lightmem estimate --plan`` without ``--budget`` read this device's memory
@@ -30,6 +31,7 @@ class SimulatedDeviceMemory:
     def __init__(
         self, capacity_bytes: int, *, used_by_others_bytes: int = 0, held_bytes: int = 0, peak_bytes: int = 0,
         transport: Any = None, reserved_peak_bytes: int = 0, gpu: str | None = None, step_seconds: float | None = None,
+        measure_peak_bytes: int = 0,
     ) -> None:  # fmt: skip
         self.capacity_bytes = capacity_bytes
         self.used_by_others_bytes = used_by_others_bytes
@@ -38,6 +40,8 @@ class SimulatedDeviceMemory:
         self.reserved_peak_bytes = reserved_peak_bytes
         self.gpu = gpu
         self.step_seconds = step_seconds
+        self.measure_peak_bytes = measure_peak_bytes
+        """What measuring its speeds raises the allocator's peaks to (as a GPU's products do)."""
         self.transport = transport
         self.source = f"simulated device of {capacity_bytes} bytes"
 
@@ -55,7 +59,14 @@ class SimulatedDeviceMemory:
         return max(self.reserved_peak_bytes, self.peak_allocated_bytes())
 
     def speeds(self) -> DeviceSpeeds | None:
-        return GPU_TABLE[self.gpu] if self.gpu is not None else None
+        if self.gpu is None:
+            return None
+        self.peak_bytes = max(self.peak_bytes, self.measure_peak_bytes)
+        self.reserved_peak_bytes = max(self.reserved_peak_bytes, self.measure_peak_bytes)
+        return GPU_TABLE[self.gpu]
+
+    def reset_peaks(self) -> None:
+        self.peak_bytes = self.reserved_peak_bytes = 0
 
     def step_clock(self) -> _FixedClock | None:
         return _FixedClock(self) if self.step_seconds is not None else None
