@@ -49,14 +49,16 @@ class Exposure:
     ``delay``: the stream held ~0.1 s behind (one of ``DELAYS``, see ``offloaded_step``);
     ``flags``: ``offload_activations`` flags; ``reload_in_flight``: entries whose copy to host
     still runs are reloaded instead of served from the device tensor they hold (``reloading_in_flight``);
-    ``reuse_at_once``: the device cache is emptied before the forward, so a block freed during it is
-    the one the next activation of its size gets.
+    ``nan_after_forward``: right after the forward, every free cached block is filled with NaN on
+    the compute stream while the copies to host are still held back, so a block let go before its
+    copy read it holds NaN when that copy runs, whichever block the allocator gave the forward's
+    next tensors.
     """
 
     delay: str
     flags: dict[str, Any] = field(default_factory=dict)
     reload_in_flight: bool = False
-    reuse_at_once: bool = False
+    nan_after_forward: bool = False
 
 
 # Each kind of wait of the protocol (lightmem/offload/hooks.py), keyed (stream that waits, stream
@@ -75,10 +77,12 @@ EXPOSING = {
     # The reload copy would overwrite memory of an earlier reload that lagging compute still reads.
     ("to_device", "compute"): Exposure("compute_in_backward"),
     # Past max_inflight_bytes (7 x 64 MiB > 256 MiB) an activation is freed before its copy to host
-    # read it; the next activation overwrites it only if the allocator hands that block out next:
-    # on the H100 other free blocks of the size were cached, the freed one stayed intact, and the
-    # late copy still read the right bytes.
-    ("compute", "to_host"): Exposure("copy_to_host", reuse_at_once=True),
+    # read it. Waiting for the allocator to hand that block to a later activation was not enough:
+    # on the H100, and on the H200 with the device cache emptied first, the freed block stayed
+    # intact and the late copy read the right bytes. Writing NaN into every free block after the
+    # forward (queued on compute, ordered after the bound's waits when they are kept) does not
+    # depend on the allocator's choice.
+    ("compute", "to_host"): Exposure("copy_to_host", nan_after_forward=True),
 }
 DELAYS = tuple(dict.fromkeys(exposure.delay for exposure in EXPOSING.values()))
 
@@ -164,12 +168,12 @@ def reloading_in_flight():
 
 def offloaded_step(
     model: nn.Module, x: torch.Tensor, offloader: Any, delay: str | None = None, backward_passes: int = 1,
-    reuse_at_once: bool = False,
+    nan_after_forward: bool = False,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """One step through ``offloader`` with ``delay`` (one of ``DELAYS``) queued where it bites.
 
     A first step on a NaN input leaves NaN in the host buffers the pool hands out again.
-    ``reuse_at_once``: the device cache is emptied before the forward (see ``Exposure``).
+    ``nan_after_forward``: free memory is filled with NaN right after the forward (see ``Exposure``).
     """
     device = x.device
     compute, to_host, to_device = offloader.transport.streams(device)
@@ -182,14 +186,14 @@ def offloaded_step(
     offloader.live_entries  # let go of the saved tensors whose copies have run
     fill_free_memory_with_nan(device)
     torch.cuda.synchronize(device)
-    if reuse_at_once:
-        torch.cuda.empty_cache()
     if delay == "compute_in_forward":
         stall(compute)
     elif delay == "copy_to_host":
         stall(to_host)
     with offloader:
         loss = loss_of(model, x)
+    if nan_after_forward:
+        fill_free_memory_with_nan(device)  # queued on compute behind the forward, copies still held
     if delay in ("copy_to_device", "compute_in_backward"):
         torch.cuda.synchronize(device)
         offloader.live_entries
@@ -209,7 +213,7 @@ def offloaded_step(
 def exposed_step(model: nn.Module, x: torch.Tensor, offloader: Any, exposure: Exposure) -> dict[str, torch.Tensor]:
     """``offloaded_step`` under ``exposure`` (its flags are the offloader's: see ``exposed_offloader``)."""
     with reloading_in_flight() if exposure.reload_in_flight else contextlib.nullcontext():
-        return offloaded_step(model, x, offloader, exposure.delay, reuse_at_once=exposure.reuse_at_once)
+        return offloaded_step(model, x, offloader, exposure.delay, nan_after_forward=exposure.nan_after_forward)
 
 
 def exposed_offloader(model: nn.Module, exposure: Exposure) -> Any:
