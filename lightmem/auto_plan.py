@@ -22,16 +22,23 @@ counted: until a training batch raises it, nothing is measured (0 logged, no rat
 
 Step times are held against the plan's prediction too (steps after the first, timed on the device):
 past ``REPLAN_MARGIN`` the next batch is planned again with the device's compute priced at the
-measured pace.
+measured pace. Before that, in the same steps, each block's forward is timed with CUDA events
+(``BlockTimer``; not in a compiled model, whose hooks would recompile it): a block kept on the device
+or checkpointed whose forward is off its price by more than ``REPLAN_MARGIN`` is priced as measured
+from then on (``DeviceSpeeds.block_scale``, scaling its forward, backward and re-run), and the next
+batch is planned again. Offloaded blocks are not held to their price: their forward may wait for the
+link, which the plan prices apart.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import warnings
 from typing import Any
 
 import torch
+from torch import nn
 
 from lightmem.config import PlanSettings, format_bytes
 from lightmem.device_memory import (
@@ -45,7 +52,10 @@ from lightmem.device_memory import (
 from lightmem.estimate import Plan
 from lightmem.estimate.batch import batch_shapes
 from lightmem.devices import DeviceSpeeds
+from lightmem.compiled import holds_compiled_modules
 from lightmem.estimate.report import format_seconds
+from lightmem.estimate.step import ROOT_BLOCK
+from lightmem.estimate.step_time import CHECKPOINT, KEEP
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -54,6 +64,43 @@ REPLAN_MARGIN = 0.15
 batch is planned again."""
 TIMED_STEPS = 3
 """Steps after the first whose time is held against the prediction (the first pays warm-ups)."""
+BLOCK_TIMING_MIN_S = 1e-4
+"""Blocks priced under this forward time are not held to their price: a CUDA event pair around a
+few short kernels times the host's launches, not the device's work."""
+
+
+class BlockTimer:
+    """Forward hooks on the named blocks of ``module`` that time each forward with ``clock`` (a
+    ``CudaBlockClock``) while ``active``; ``remove()`` takes them off."""
+
+    def __init__(self, module: nn.Module, names: list[str], clock: Any) -> None:
+        self.clock = clock
+        self.active = False
+        """The hooks time what runs now (the forward of a timed step)."""
+        self.timing = False
+        """This step is timed (its forward has begun)."""
+        self.handles: list[Any] = []
+        for name in names:
+            try:
+                block = module.get_submodule(name)
+            except AttributeError:
+                continue
+            self.handles.append(block.register_forward_pre_hook(functools.partial(self._enter, name)))
+            self.handles.append(block.register_forward_hook(functools.partial(self._exit, name), always_call=True))
+
+    def _enter(self, name: str, module: nn.Module, args: Any) -> None:
+        if self.active:
+            self.clock.enter(name)
+
+    def _exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        if self.active:
+            self.clock.exit(name)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.active = False
 
 
 class PlanDoesNotFit(RuntimeError):
@@ -160,6 +207,10 @@ class AutoPlan:
         self.step_times_s: list[float] = []
         """Device seconds of the steps timed since the current plan was applied (its first not counted)."""
         self._first_step_of_plan = True
+        self.block_times_s: dict[str, list[float]] = {}
+        """Each block's forward seconds in the steps timed since the current plan was applied."""
+        self._steps_of_plan = 0
+        self._block_timer: BlockTimer | None = None
         self._peak_before_batch = 0
         self._reserved_before_batch = 0
         self._warned = False
@@ -209,14 +260,45 @@ class AutoPlan:
         """What the next plan is made for: ``batch`` and every batch planned for so far."""
         return shapes_covering(self.planned_shapes, batch_shapes(batch))
 
-    def take(self, chosen: Plan, shapes: Shapes) -> None:
-        """``chosen``, made for batches of ``shapes``, is applied from the current batch on."""
+    def take(self, chosen: Plan, shapes: Shapes, module: nn.Module | None = None) -> None:
+        """``chosen``, made for batches of ``shapes``, is applied from the current batch on; with
+        ``module`` (the model it was made for) and a device that times blocks, the blocks it priced
+        are timed in its first steps."""
         self.plan, self.planned_shapes = chosen, shapes
         self.predicted_peak_bytes = max(self.predicted_peak_bytes, chosen.predicted_peak_bytes)
         self.predicted_reserved_bytes = max(self.predicted_reserved_bytes, chosen.predicted_reserved_bytes)
         self.replan_reason = None
         self.step_times_s = []
         self._first_step_of_plan = True
+        self.block_times_s = {}
+        self._steps_of_plan = 0
+        self.remove_block_timer()
+        if module is not None and self.memory is not None and self.speeds is not None:
+            self._time_blocks(module, chosen)
+
+    def _time_blocks(self, module: nn.Module, chosen: Plan) -> None:
+        clock = self.memory.block_clock() if self.memory is not None else None
+        if clock is None or chosen.estimate is None or holds_compiled_modules(module):
+            return
+        names = [
+            block.name for block in chosen.estimate.blocks.values()
+            if block.name != ROOT_BLOCK and block.forward_s >= BLOCK_TIMING_MIN_S
+            and chosen.actions.get(block.name, KEEP) in (KEEP, CHECKPOINT)
+        ]  # fmt: skip
+        if names:
+            self._block_timer = BlockTimer(module, names, clock)
+
+    def remove_block_timer(self) -> None:
+        """Take the block timer's hooks off the model (at the end of the plan's timed steps, a new
+        plan, or the end of the fit)."""
+        if self._block_timer is not None:
+            self._block_timer.remove()
+            self._block_timer = None
+
+    def forward_done(self) -> None:
+        """The batch's forward has ended: backward's re-runs of checkpointed blocks are not timed."""
+        if self._block_timer is not None:
+            self._block_timer.active = False
 
     def batch_start(self) -> None:
         """Right before a training batch's forward: the allocator's peaks so far, which only a rise
@@ -228,6 +310,8 @@ class AutoPlan:
                 self._clock = self.memory.step_clock()
             if self._clock is not None:
                 self._clock.start()
+        if self._block_timer is not None:  # the steps the step clock times, the first not counted
+            self._block_timer.active = self._block_timer.timing = 1 <= self._steps_of_plan <= TIMED_STEPS
 
     def measured_peak_bytes(self) -> int:
         return self.training_peak_bytes
@@ -252,6 +336,7 @@ class AutoPlan:
         reserved = self.memory.peak_reserved_bytes()
         if reserved > self._reserved_before_batch:
             self.training_reserved_bytes = max(self.training_reserved_bytes, reserved)
+        self._read_block_times()
         if self._clock is not None:
             seconds = self._clock.stop()
             if seconds is not None:
@@ -280,6 +365,55 @@ class AutoPlan:
                 stacklevel=2,
             )
 
+    def _read_block_times(self) -> None:
+        """After a batch: end the block clock's step and take every step it has finished timing;
+        past the timed steps the hooks come off."""
+        self._steps_of_plan += 1
+        timer = self._block_timer
+        if timer is None:
+            return
+        if timer.timing:
+            timer.active = timer.timing = False
+            timer.clock.end_step()
+        while (seconds := timer.clock.read()) is not None:
+            for name, value in seconds.items():
+                self.block_times_s.setdefault(name, []).append(value)
+        complete = self.block_times_s and all(len(times) >= TIMED_STEPS for times in self.block_times_s.values())
+        late = self._steps_of_plan > TIMED_STEPS + 1
+        if (complete or late) and self.replan_reason is None:
+            self._reprice_blocks()
+        if complete or late:
+            self.remove_block_timer()
+
+    def _reprice_blocks(self) -> bool:
+        """Hold each timed block's median forward against its price; those off by more than
+        ``REPLAN_MARGIN`` are priced as measured from now on, and the next batch planned again."""
+        assert self.plan is not None
+        if self.speeds is None or not self.block_times_s or self.plan.estimate is None:
+            return False
+        blocks = self.plan.estimate.blocks
+        scale = self.speeds.block_scale
+        off: dict[str, tuple[float, float]] = {}  # name -> (measured, priced)
+        for name, times in self.block_times_s.items():
+            block = blocks.get(name)
+            if block is None or block.forward_s <= 0:
+                continue
+            measured, priced = statistics.median(times), block.forward_s * scale.get(name, 1.0)
+            if abs(measured / priced - 1) > REPLAN_MARGIN:
+                off[name] = (measured, priced)
+        if not off:
+            return False
+        new_scale = {name: min(max(m / blocks[name].forward_s, 0.2), 5.0) for name, (m, _) in off.items()}
+        self.speeds = self.speeds.with_block_scale(new_scale, f"{len(off)} block(s) priced at their measured forward")
+        worst = max(off, key=lambda name: max(off[name][0] / off[name][1], off[name][1] / off[name][0]))
+        measured, priced = off[worst]
+        others = f" and {len(off) - 1} more off by more than {REPLAN_MARGIN:.0%}" if len(off) > 1 else ""
+        self.replan_reason = (
+            f"block {worst}'s forward measured {format_seconds(measured)}, {measured / priced:.2f}x its priced "
+            f"{format_seconds(priced)}{others}: planned again with each block's compute priced as measured"
+        )
+        return True
+
     def _time_step(self, seconds: float) -> None:
         """One step's device time. The first after a plan pays warm-ups and is not counted; once
         ``TIMED_STEPS`` are timed their median is held against the prediction, once per plan."""
@@ -289,6 +423,8 @@ class AutoPlan:
             return
         self.step_times_s.append(seconds)
         if len(self.step_times_s) != TIMED_STEPS or self.speeds is None or self.plan.step_seconds <= 0:
+            return
+        if self.replan_reason is not None:  # the blocks' times have asked for it already
             return
         measured, predicted = statistics.median(self.step_times_s), self.plan.step_seconds
         if abs(measured / predicted - 1) <= REPLAN_MARGIN:

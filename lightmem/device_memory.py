@@ -155,6 +155,9 @@ class DeviceMemory(Protocol):
         """A clock that times a step on the device (``start()``, then ``stop()`` -> seconds or
         None when not ready), or None."""
 
+    def block_clock(self) -> Any:
+        """A clock that times blocks within a step on the device (``CudaBlockClock``), or None."""
+
 
 class CudaStepClock:
     """Times a training step on the current CUDA stream with events; ``stop`` reads the previous
@@ -175,6 +178,45 @@ class CudaStepClock:
         if previous is None or not previous[1].query():
             return None
         return previous[0].elapsed_time(previous[1]) / 1e3
+
+
+class CudaBlockClock:
+    """Times each block's forward on the current CUDA stream with a pair of events: ``enter(name)``
+    and ``exit(name)`` around it, ``end_step()`` after the step. ``read()`` returns the seconds per
+    block (summed over its calls) of the oldest step whose events have all completed, or None: it
+    never waits for the GPU."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, Any] = {}
+        self._step: list[tuple[str, Any, Any]] = []
+        self._done: list[list[tuple[str, Any, Any]]] = []
+
+    def enter(self, name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._open[name] = event
+
+    def exit(self, name: str) -> None:
+        start = self._open.pop(name, None)
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._step.append((name, start, end))
+
+    def end_step(self) -> None:
+        self._open.clear()
+        if self._step:
+            self._done.append(self._step)
+        self._step = []
+
+    def read(self) -> dict[str, float] | None:
+        if not self._done or not self._done[0][-1][2].query():
+            return None
+        seconds: dict[str, float] = {}
+        for name, start, end in self._done.pop(0):
+            seconds[name] = seconds.get(name, 0.0) + start.elapsed_time(end) / 1e3
+        return seconds
 
 
 class CudaMemory:
@@ -205,6 +247,9 @@ class CudaMemory:
 
     def step_clock(self) -> CudaStepClock:
         return CudaStepClock()
+
+    def block_clock(self) -> CudaBlockClock:
+        return CudaBlockClock()
 
 
 _simulated: DeviceMemory | None = None

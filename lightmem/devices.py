@@ -76,6 +76,10 @@ class DeviceSpeeds:
     source: str = ""
     hopper: bool = False
     """Compute capability 9.0: cuBLAS keeps 32 MiB workspaces there (``cuda_model``)."""
+    block_scale: Mapping[str, float] = field(default_factory=dict)
+    """Per block (its module name), measured seconds over priced seconds of its compute:
+    ``plan="auto"`` times each block's forward with CUDA events in the first steps of a plan and
+    plans again with these when a block is off its price (``with_block_scale``). Empty: as priced."""
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -105,6 +109,11 @@ class DeviceSpeeds:
             self, matmul_flops_per_s=rates, memory_bytes_per_s=self.memory_bytes_per_s * pace,
             source=f"{self.source}; {note}",
         )  # fmt: skip
+
+    def with_block_scale(self, scale: Mapping[str, float], note: str) -> DeviceSpeeds:
+        """These speeds with each named block's compute priced ``scale[name]`` times as long (its
+        measured forward over its priced one); other blocks as they were."""
+        return replace(self, block_scale={**self.block_scale, **scale}, source=f"{self.source}; {note}")
 
     def matmul_rate(self, dtype_name: str) -> float:
         rates = self.matmul_flops_per_s

@@ -294,6 +294,8 @@ class FitSession:
 
     def forward_done(self, exception: BaseException | None = None) -> None:
         """Leave the offload hooks (before backward, or wherever a batch may end)."""
+        if self.auto_plan is not None:
+            self.auto_plan.forward_done()
         if self._offload is not None:
             self._offload.exit(exception)
 
@@ -329,8 +331,14 @@ class FitSession:
                 "on the device: set LightMem(offload_optimizer=True). Training stopped before this batch's forward."
             )
         previous = self.chosen_plan
-        self.auto_plan.take(chosen, shapes)
+        self.auto_plan.take(chosen, shapes, pl_module)
         if previous is not None and previous.lightmem_kwargs() == chosen.lightmem_kwargs():
+            if replanned_because is not None:
+                rank_zero_info(
+                    f"lightmem: planned again for the same batches ({replanned_because}) at step {logged_step(trainer)}: "
+                    f"the choice stands, step {format_seconds(chosen.step_seconds)}: {chosen.slowdown:.2f}x the step "
+                    "without lightmem"
+                )
             return  # nothing to re-apply: checkpointed blocks and offloader stay as they are
         choice = (
             f"checkpoint {chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}; predicted peak "
@@ -465,6 +473,8 @@ class FitSession:
         try:
             self.forward_done()
         finally:
+            if self.auto_plan is not None:
+                self.auto_plan.remove_block_timer()
             if self._checkpoint is not None:
                 self._checkpoint.remove()
                 self._checkpoint = None

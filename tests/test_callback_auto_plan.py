@@ -426,6 +426,86 @@ def test_peaks_reached_before_the_fit_or_in_validation_are_not_held_against_the_
     assert callback.summary()["plan: worst measured / predicted reserved peak"] == "6.00"
 
 
+BLOCKS = ("model.blocks.0", "model.blocks.1", "model.blocks.2")
+
+
+def _timed_steps(auto_plan, module, tokens, steps):
+    for step in range(steps):
+        auto_plan.batch_start()
+        module(tokens)
+        auto_plan.forward_done()
+        module(tokens)  # after the forward (as backward's re-runs of checkpointed blocks): not timed
+        auto_plan.check(step, (tokens,))
+
+
+def test_a_block_whose_forward_is_off_its_price_is_priced_as_measured_and_planned_again():
+    # Issue 38 (as Capuchin does): each block's forward is timed with CUDA events in the first steps
+    # of a plan; a block off its price by more than 15% is priced as measured from then on.
+    module, tokens = LitGPT(), _tokens(4, 17)[0]
+    chosen = plan(module, (tokens,), BUDGET, device="cpu")
+    priced = {name: chosen.estimate.blocks[name].forward_s for name in BLOCKS}
+    measured = {BLOCKS[0]: 1.1 * priced[BLOCKS[0]], BLOCKS[1]: 3 * priced[BLOCKS[1]], BLOCKS[2]: 0.5 * priced[BLOCKS[2]]}
+    device = SimulatedDeviceMemory(CAPACITY, gpu="h100", step_seconds=chosen.step_seconds, block_seconds=measured)
+    auto_plan = AutoPlan(BUDGET, device, speeds=device.speeds())
+    auto_plan.take(chosen, batch_shapes((tokens,)), module)
+    _timed_steps(auto_plan, module, tokens, 1 + TIMED_STEPS)  # the first step of a plan is not timed
+    assert auto_plan.block_times_s == {name: [seconds] * TIMED_STEPS for name, seconds in measured.items()}
+    assert auto_plan.speeds.block_scale == {BLOCKS[1]: measured[BLOCKS[1]] / priced[BLOCKS[1]], BLOCKS[2]: 0.5}
+    assert auto_plan.replan_reason == (
+        f"block {BLOCKS[1]}'s forward measured {format_seconds(measured[BLOCKS[1]])}, 3.00x its priced "
+        f"{format_seconds(priced[BLOCKS[1]])} and 1 more off by more than 15%: planned again with each "
+        "block's compute priced as measured"
+    )
+    # The next plan prices those blocks' forward, backward and re-run as measured.
+    again = plan(module, (tokens,), BUDGET, device="cpu", gpu=auto_plan.speeds)
+    backward = {name: chosen.estimate.blocks[name].backward_s for name in BLOCKS}
+    added = 2 * (priced[BLOCKS[1]] + backward[BLOCKS[1]]) - 0.5 * (priced[BLOCKS[2]] + backward[BLOCKS[2]])
+    assert again.baseline_step_seconds == pytest.approx(chosen.baseline_step_seconds + added, rel=1e-9)
+    # Timed again under it, the blocks are where they are priced: nothing to plan again; after
+    # the timed steps the hooks come off.
+    device.step_seconds = again.step_seconds
+    auto_plan.take(again, batch_shapes((tokens,)), module)
+    _timed_steps(auto_plan, module, tokens, 2 + TIMED_STEPS)
+    assert auto_plan.replan_reason is None
+    assert all(not module.get_submodule(name)._forward_hooks for name in BLOCKS)
+
+
+def test_blocks_are_timed_only_where_hooks_cannot_change_the_model():
+    # Offloaded blocks may wait for the link (priced apart); a compiled model would recompile
+    # for hooks; a device without a block clock times nothing.
+    module, tokens = LitGPT(), _tokens(4, 17)[0]
+    chosen = plan(module, (tokens,), BUDGET, device="cpu")
+    offloaded = dataclasses.replace(chosen, actions={BLOCKS[1]: "offload"})
+    device = SimulatedDeviceMemory(CAPACITY, gpu="h100", block_seconds=dict.fromkeys(BLOCKS, 1.0))
+    auto_plan = AutoPlan(BUDGET, device, speeds=device.speeds())
+    auto_plan.take(offloaded, batch_shapes((tokens,)), module)
+    _timed_steps(auto_plan, module, tokens, 2)
+    assert sorted(auto_plan.block_times_s) == [BLOCKS[0], BLOCKS[2]]
+    module.compile()
+    auto_plan.take(chosen, batch_shapes((tokens,)), module)
+    assert all(not module.get_submodule(name)._forward_hooks for name in BLOCKS)
+    untimed = AutoPlan(BUDGET, SimulatedDeviceMemory(CAPACITY, gpu="h100"), speeds=device.speeds())
+    untimed.take(chosen, batch_shapes((tokens,)), LitGPT())
+    assert untimed._block_timer is None
+
+
+def test_a_fit_whose_block_is_slower_than_priced_plans_again_once(caplog):
+    module = LitGPT()
+    chosen = plan(module, _tokens(4, 33), BUDGET, device="cpu")
+    slow = {BLOCKS[2]: 2 * chosen.estimate.blocks[BLOCKS[2]].forward_s}
+    callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=[])
+    with simulated_device(CAPACITY, gpu="h100", block_seconds=slow), caplog.at_level(logging.INFO):
+        cpu_trainer([callback], max_steps=3 + 2 * TIMED_STEPS).fit(module, token_loader())
+    lines = [line for line in _lines(caplog) if line.startswith(("lightmem: re-planned", "lightmem: planned again"))]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"lightmem: planned again for the same batches (block {BLOCKS[2]}'s forward measured "
+        f"{format_seconds(slow[BLOCKS[2]])}, 2.00x its priced "
+    )
+    assert " at step 4: the choice stands, step " in lines[0]  # steps 1-3 timed (the first is not)
+    assert callback.chosen_plan.speeds.block_scale == {BLOCKS[2]: 2.0}
+    assert all(not module.get_submodule(name)._forward_hooks for name in BLOCKS)
+
+
 def test_measuring_the_gpu_at_fit_start_does_not_hide_the_training_batches_peaks(caplog):
     # Issue 39 on an H200: the speed measure's products raised the allocator's high above anything a
     # small model's batches reach, so the measured peak stayed 0 and no ratio was summarised. lightmem

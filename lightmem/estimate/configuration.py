@@ -8,7 +8,7 @@ Shared by ``estimate_memory``, ``max_batch_size`` and ``plan``: the arguments ar
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -126,7 +126,8 @@ def parse_settings(
     prices = PlanPrices.parse(flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s, spelling=Spelling(fn_name))
     if isinstance(gpu, DeviceSpeeds):
         key = "hopper" if gpu.hopper else gpu_key(gpu.name)
-        speeds = gpu if kind == "cuda" else speeds_for(kind, key)
+        # On the CPU the table's figures, with what a fit measured of its blocks (``block_scale``).
+        speeds = gpu if kind == "cuda" else replace(speeds_for(kind, key), block_scale=dict(gpu.block_scale))
     else:
         key = resolve_gpu(parse_gpu(gpu, flag=f"{fn_name}(gpu=...)"))
         speeds = speeds_for(kind, key)
@@ -316,7 +317,7 @@ def costs_for(settings: EstimateSettings, baseline: StepTrace, offload: OffloadS
         flops, speeds.link_bytes_per_s, searched.min_bytes,
         allow_offload=offload is not None and settings.device != "cpu", optimizer_s=baseline.optimizer_s,
         host_s=baseline.priced_ops * speeds.host_op_s, inflight_bytes=searched.max_inflight_bytes,
-        prefetch_bytes=searched.prefetch_bytes,
+        prefetch_bytes=searched.prefetch_bytes, block_scale=dict(speeds.block_scale),
     )  # fmt: skip
 
 

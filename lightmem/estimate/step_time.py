@@ -54,6 +54,8 @@ class Costs:
     prefetch_bytes: int = 256 << 20
     partial: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Per block, its partial offload's (threshold, bytes) (``partial_thresholds``); absent: none."""
+    block_scale: Mapping[str, float] = field(default_factory=dict)
+    """Per block, its measured compute over its priced one (``DeviceSpeeds.block_scale``); absent: 1."""
 
 
 @dataclass(frozen=True)
@@ -131,21 +133,27 @@ def moved_bytes(block: BlockMemory, action: str, costs: Costs) -> int:
 
 
 def forward_s(block: BlockMemory, costs: Costs) -> float:
-    """The block's forward seconds: priced op by op, else its FLOPs at ``costs.flops_per_s``."""
-    return block.forward_s if block.forward_s else block.forward_flops / costs.flops_per_s
+    """The block's forward seconds: priced op by op, else its FLOPs at ``costs.flops_per_s``; times
+    its measured scale (``Costs.block_scale``)."""
+    seconds = block.forward_s if block.forward_s else block.forward_flops / costs.flops_per_s
+    return seconds * costs.block_scale.get(block.name, 1.0) if costs.block_scale else seconds
 
 
 def backward_s(block: BlockMemory, costs: Costs) -> float:
-    """The block's backward seconds: priced op by op, else twice its forward."""
-    return block.backward_s if block.backward_s else 2 * forward_s(block, costs)
+    """The block's backward seconds: priced op by op (times its measured scale), else twice its forward."""
+    if not block.backward_s:
+        return 2 * forward_s(block, costs)
+    return block.backward_s * costs.block_scale.get(block.name, 1.0) if costs.block_scale else block.backward_s
 
 
 def recompute_s(block: BlockMemory, costs: Costs) -> float:
     """Seconds a checkpointed block's re-run costs: the forward ops its policy repeats."""
     if block.forward_s:
-        return block.forward_s if block.recompute_s is None else block.recompute_s
-    flops = block.forward_flops if block.recompute_flops is None else block.recompute_flops
-    return flops / costs.flops_per_s
+        seconds = block.forward_s if block.recompute_s is None else block.recompute_s
+    else:
+        flops = block.forward_flops if block.recompute_flops is None else block.recompute_flops
+        seconds = flops / costs.flops_per_s
+    return seconds * costs.block_scale.get(block.name, 1.0) if costs.block_scale else seconds
 
 
 def block_cost_s(block: BlockMemory, action: str, costs: Costs) -> float:

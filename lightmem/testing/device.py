@@ -2,7 +2,8 @@
 
 Its reserved peak is ``reserved_peak_bytes`` (set by the test; 0: its allocated peak), its speeds
 those of ``gpu`` in the table of :mod:`lightmem.devices` (None: none, as a CPU), and its step clock
-returns ``step_seconds`` per step when set (None: no clock). Measuring its speeds raises its
+returns ``step_seconds`` per step when set (None: no clock), and its block clock ``block_seconds``
+for each block's forward (None: no block clock). Measuring its speeds raises its
 peaks to ``measure_peak_bytes``, as a GPU's timed products do.
 
 Inside ``with simulated_device(capacity_bytes=...)`` every fit (``LightMem(plan="auto")`` without
@@ -31,7 +32,7 @@ class SimulatedDeviceMemory:
     def __init__(
         self, capacity_bytes: int, *, used_by_others_bytes: int = 0, held_bytes: int = 0, peak_bytes: int = 0,
         transport: Any = None, reserved_peak_bytes: int = 0, gpu: str | None = None, step_seconds: float | None = None,
-        measure_peak_bytes: int = 0,
+        measure_peak_bytes: int = 0, block_seconds: dict[str, float] | None = None,
     ) -> None:  # fmt: skip
         self.capacity_bytes = capacity_bytes
         self.used_by_others_bytes = used_by_others_bytes
@@ -42,6 +43,8 @@ class SimulatedDeviceMemory:
         self.step_seconds = step_seconds
         self.measure_peak_bytes = measure_peak_bytes
         """What measuring its speeds raises the allocator's peaks to (as a GPU's products do)."""
+        self.block_seconds = block_seconds
+        """Seconds of each named block's forward its block clock reads (None: no block clock)."""
         self.transport = transport
         self.source = f"simulated device of {capacity_bytes} bytes"
 
@@ -71,6 +74,9 @@ class SimulatedDeviceMemory:
     def step_clock(self) -> _FixedClock | None:
         return _FixedClock(self) if self.step_seconds is not None else None
 
+    def block_clock(self) -> _FixedBlockClock | None:
+        return _FixedBlockClock(self) if self.block_seconds is not None else None
+
 
 class _FixedClock:
     """A step clock that reads the simulated device's ``step_seconds`` at each stop."""
@@ -83,6 +89,32 @@ class _FixedClock:
 
     def stop(self) -> float | None:
         return self.device.step_seconds
+
+
+class _FixedBlockClock:
+    """A block clock that reads, for each block entered in a step, the simulated device's
+    ``block_seconds`` (of that name; a block it does not name is not timed) at the step's end."""
+
+    def __init__(self, device: SimulatedDeviceMemory) -> None:
+        self.device = device
+        self._entered: dict[str, int] = {}
+        self._steps: list[dict[str, float]] = []
+
+    def enter(self, name: str) -> None:
+        self._entered[name] = self._entered.get(name, 0) + 1
+
+    def exit(self, name: str) -> None:
+        return None
+
+    def end_step(self) -> None:
+        seconds = self.device.block_seconds or {}
+        step = {name: seconds[name] * calls for name, calls in self._entered.items() if name in seconds}
+        if step:
+            self._steps.append(step)
+        self._entered = {}
+
+    def read(self) -> dict[str, float] | None:
+        return self._steps.pop(0) if self._steps else None
 
 
 @contextlib.contextmanager
