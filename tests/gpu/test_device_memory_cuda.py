@@ -88,3 +88,28 @@ def test_two_devices_in_one_forward_bitwise_equal_with_a_small_inflight_bound():
         assert not kit.differs(expected, kit.grads(model))
     assert off.stats.inflight_waits > 0
     assert off.stats.offloaded_bytes >= 8 * kit.ACTIVATION_BYTES
+
+
+def test_the_block_clock_times_each_block_on_the_device_without_waiting_for_it():
+    # plan='auto' times blocks with CudaBlockClock (issue 38): a block whose kernel sleeps ~0.1 s
+    # reads about that, the host is never held (read() is None while the step still runs), and
+    # a block entered twice in a step is summed.
+    from lightmem.device_memory import CudaBlockClock
+
+    clock = CudaBlockClock()
+    torch.cuda.synchronize()
+    kit.stall(torch.cuda.current_stream())  # the GPU runs ~0.1 s behind from here
+    for name in ("slow", "fast", "fast"):
+        clock.enter(name)
+        if name == "slow":
+            torch.cuda._sleep(kit.SLEEP_CYCLES)
+        else:
+            torch.ones(1, device="cuda").add_(1)
+        clock.exit(name)
+    clock.end_step()
+    assert clock.read() is None  # the step's events have not run yet: nothing waits for them
+    torch.cuda.synchronize()
+    seconds = clock.read()
+    assert set(seconds) == {"slow", "fast"}
+    assert 0.02 < seconds["slow"] < 1.0 and seconds["fast"] < seconds["slow"] / 10
+    assert clock.read() is None
