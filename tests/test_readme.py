@@ -19,7 +19,7 @@ def test_readme_opens_with_the_example_command_and_the_test_command():
     commands = _readme_commands()
     assert len(commands) == 2
     assert "python examples/" in commands[0]
-    assert commands[1].endswith("python -m pytest -q -n 2")
+    assert commands[1].endswith("python -m pytest -q -n 2 --dist loadfile")
 
 
 def test_ci_runs_exactly_the_readme_test_command():
