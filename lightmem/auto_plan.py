@@ -336,6 +336,7 @@ class AutoPlan:
         reserved = self.memory.peak_reserved_bytes()
         if reserved > self._reserved_before_batch:
             self.training_reserved_bytes = max(self.training_reserved_bytes, reserved)
+        self._steps_of_plan += 1
         self._read_block_times()
         if self._clock is not None:
             seconds = self._clock.stop()
@@ -367,8 +368,8 @@ class AutoPlan:
 
     def _read_block_times(self) -> None:
         """After a batch: end the block clock's step and take every step it has finished timing;
-        past the timed steps the hooks come off."""
-        self._steps_of_plan += 1
+        once all are in (or the timed steps are past) the blocks are held to their prices and the
+        hooks come off."""
         timer = self._block_timer
         if timer is None:
             return
@@ -379,18 +380,17 @@ class AutoPlan:
             for name, value in seconds.items():
                 self.block_times_s.setdefault(name, []).append(value)
         complete = self.block_times_s and all(len(times) >= TIMED_STEPS for times in self.block_times_s.values())
-        late = self._steps_of_plan > TIMED_STEPS + 1
-        if (complete or late) and self.replan_reason is None:
-            self._reprice_blocks()
-        if complete or late:
+        if complete or self._steps_of_plan > TIMED_STEPS + 1:
+            if self.replan_reason is None:
+                self._reprice_blocks()
             self.remove_block_timer()
 
-    def _reprice_blocks(self) -> bool:
+    def _reprice_blocks(self) -> None:
         """Hold each timed block's median forward against its price; those off by more than
         ``REPLAN_MARGIN`` are priced as measured from now on, and the next batch planned again."""
         assert self.plan is not None
         if self.speeds is None or not self.block_times_s or self.plan.estimate is None:
-            return False
+            return
         blocks = self.plan.estimate.blocks
         scale = self.speeds.block_scale
         off: dict[str, tuple[float, float]] = {}  # name -> (measured, priced)
@@ -402,7 +402,7 @@ class AutoPlan:
             if abs(measured / priced - 1) > REPLAN_MARGIN:
                 off[name] = (measured, priced)
         if not off:
-            return False
+            return
         new_scale = {name: min(max(m / blocks[name].forward_s, 0.2), 5.0) for name, (m, _) in off.items()}
         self.speeds = self.speeds.with_block_scale(new_scale, f"{len(off)} block(s) priced at their measured forward")
         worst = max(off, key=lambda name: max(off[name][0] / off[name][1], off[name][1] / off[name][0]))
@@ -412,7 +412,6 @@ class AutoPlan:
             f"block {worst}'s forward measured {format_seconds(measured)}, {measured / priced:.2f}x its priced "
             f"{format_seconds(priced)}{others}: planned again with each block's compute priced as measured"
         )
-        return True
 
     def _time_step(self, seconds: float) -> None:
         """One step's device time. The first after a plan pays warm-ups and is not counted; once

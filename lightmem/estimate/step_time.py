@@ -132,28 +132,29 @@ def moved_bytes(block: BlockMemory, action: str, costs: Costs) -> int:
     return 0
 
 
-def forward_s(block: BlockMemory, costs: Costs) -> float:
-    """The block's forward seconds: priced op by op, else its FLOPs at ``costs.flops_per_s``; times
-    its measured scale (``Costs.block_scale``)."""
-    seconds = block.forward_s if block.forward_s else block.forward_flops / costs.flops_per_s
+def _as_measured(block: BlockMemory, costs: Costs, seconds: float) -> float:
+    """``seconds`` of ``block``'s compute times its measured scale (``Costs.block_scale``)."""
     return seconds * costs.block_scale.get(block.name, 1.0) if costs.block_scale else seconds
 
 
+def forward_s(block: BlockMemory, costs: Costs) -> float:
+    """The block's forward seconds: priced op by op, else its FLOPs at ``costs.flops_per_s``; as measured."""
+    return _as_measured(block, costs, block.forward_s or block.forward_flops / costs.flops_per_s)
+
+
 def backward_s(block: BlockMemory, costs: Costs) -> float:
-    """The block's backward seconds: priced op by op (times its measured scale), else twice its forward."""
-    if not block.backward_s:
-        return 2 * forward_s(block, costs)
-    return block.backward_s * costs.block_scale.get(block.name, 1.0) if costs.block_scale else block.backward_s
+    """The block's backward seconds: priced op by op (as measured), else twice its forward."""
+    return _as_measured(block, costs, block.backward_s) if block.backward_s else 2 * forward_s(block, costs)
 
 
 def recompute_s(block: BlockMemory, costs: Costs) -> float:
-    """Seconds a checkpointed block's re-run costs: the forward ops its policy repeats."""
+    """Seconds a checkpointed block's re-run costs: the forward ops its policy repeats; as measured."""
     if block.forward_s:
         seconds = block.forward_s if block.recompute_s is None else block.recompute_s
     else:
         flops = block.forward_flops if block.recompute_flops is None else block.recompute_flops
         seconds = flops / costs.flops_per_s
-    return seconds * costs.block_scale.get(block.name, 1.0) if costs.block_scale else seconds
+    return _as_measured(block, costs, seconds)
 
 
 def block_cost_s(block: BlockMemory, action: str, costs: Costs) -> float:

@@ -67,16 +67,12 @@ class InflightCopies:
 
     def _bound(self, stats: CountsWaits) -> None:
         entries = self.entries
-        transport = self.transport
         while entries and self.bytes > self.max_bytes:
             oldest = entries.popleft()()
             if oldest is None:  # retired as it died: its bytes are counted out
                 continue
             self.bytes -= oldest.nbytes
-            if not transport.done(oldest.host_event):
-                # The compute stream of the oldest entry's own device: only work ordered after
-                # the copy may reuse its memory, and another device's stream orders nothing there.
-                transport.wait(oldest.streams[0], oldest.host_event)
+            if self._compute_waits_for_copy(oldest):
                 stats.inflight_waits += 1
             oldest.release_source()
 
@@ -85,8 +81,16 @@ class InflightCopies:
         (unless it is seen complete), so the device tensor that goes with the entry is reused only
         by work ordered after the copy has read it."""
         self.bytes -= entry.nbytes
-        if not self.transport.done(entry.host_event):
-            self.transport.wait(entry.streams[0], entry.host_event)
+        self._compute_waits_for_copy(entry)
+
+    def _compute_waits_for_copy(self, entry: Any) -> bool:
+        """Unless ``entry``'s copy is seen complete, the compute stream of its own device waits for
+        it (only work ordered after the copy may reuse its memory, and another device's stream
+        orders nothing there); True when it waits."""
+        if self.transport.done(entry.host_event):
+            return False
+        self.transport.wait(entry.streams[0], entry.host_event)
+        return True
 
     def settle(self) -> None:
         """Let go of the device tensors whose copy to host has finished."""
