@@ -49,8 +49,9 @@ GPT_CONFIG = {"vocab": 32000, "dim": 1024, "depth": 16, "heads": 16, "seq": 1024
 MULTIPLES = (2, 5, 8)
 FRONTIER_MULTIPLES = (1, 1.5)
 """Measured after the three above when time is left: the frontier's rows where a plan costs least."""
-STEPS = 4
-"""Steps of each fit: the first (page-locking, allocator and cuDNN warm-ups) and three steady ones."""
+STEPS = 7
+"""Steps of each fit: the first (page-locking, allocator and cuDNN warm-ups), three whose blocks
+plan="auto" times (it may plan again after them), then three of the last plan."""
 
 
 def fused_adamw(params: Any) -> torch.optim.Optimizer:
@@ -135,6 +136,7 @@ def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
 
     forwards: list[int] = []
     times: list[float] = []
+    priced: list[float] = []  # the plan's predicted step at each step (a re-plan changes it)
 
     class Timer(pl.Callback):
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -144,6 +146,8 @@ def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - self.started)
+            chosen = callback.chosen_plan
+            priced.append(chosen.step_seconds if chosen is not None else 0.0)
 
     module = gpt_module()
     original = module.training_step
@@ -174,6 +178,7 @@ def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
     chosen = callback.chosen_plan
     row: dict[str, Any] = {
         "batch": batch, "outcome": outcome, "forwards": len(forwards), "step_times_s": times,
+        "predicted_steps_s": priced, "steady_s": final_plan_steady(times, priced),
         "measured_allocated": stats.get("allocated_bytes.all.peak", 0),
         "measured_reserved": stats.get("reserved_bytes.all.peak", 0),
         "alloc_retries": stats.get("num_alloc_retries", 0),
@@ -190,6 +195,17 @@ def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+def final_plan_steady(times: list[float], priced: list[float]) -> float | None:
+    """The median step of the last plan (steps priced as the last one, after step 0, its first step
+    left out when more remain): ``plan="auto"`` may plan again after timing blocks in steps 1-3."""
+    if len(times) < 2:
+        return None
+    same = [t for t, p in zip(times[1:], priced[1:]) if p == priced[-1]]
+    if len(same) > 2:
+        same = same[1:]
+    return statistics.median(same) if same else None
 
 
 def measure(
@@ -237,13 +253,13 @@ def markdown(result: dict[str, Any]) -> str:
         f"{trials}.",
         "",
         "| batch | outcome | plan | predicted peak allocated / reserved | measured peak allocated / reserved | "
-        "alloc retries | first step | steady step (median) | predicted step (measured / predicted) |",
+        "alloc retries | first step | steady step (median, last plan) | predicted step (measured / predicted) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     bad = []
     for row in result["rows"]:
         times = row.get("step_times_s") or []
-        steady = statistics.median(times[1:]) if len(times) > 1 else None
+        steady = row.get("steady_s")
         predicted = row.get("predicted_step_s")
         lines.append(
             f"| {row['batch']} ({row['multiple']}x) | {row['outcome']} | {row.get('plan', '-')} | "

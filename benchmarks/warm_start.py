@@ -56,14 +56,17 @@ from lightmem.transfer import page_lock, pool  # noqa: E402
 
 GiB = 1024**3
 MiB = 1024**2
-MODES = ("before", "boundary", "prepared", "prepared-no-wait")
+MODES = ("before", "boundary", "prepared", "prepared-no-wait", "prepared-huge")
 NOTHING_TO_MEASURE = "warm_start: CUDA is not available, so there is no host memory to page-lock and nothing to measure"
 _SETTINGS = {
     "before": {"WARM_START": False},
     "boundary": {"WARM_START": True},
     "prepared": {"WARM_START": True},
     "prepared-no-wait": {"WARM_START": True, "WAIT_FOR_CHUNKS": False},
+    "prepared-huge": {"WARM_START": True},
 }
+_PAGE_LOCK_SETTINGS = {"prepared-huge": {"HUGE_PAGES": True}}
+"""Modes that change ``lightmem.transfer.page_lock``'s constants too."""
 
 
 @contextmanager
@@ -92,10 +95,10 @@ def _release() -> None:
 # -- registering N GiB ---------------------------------------------------------------------------
 
 
-def _register_once(nbytes: int, prefault: bool, device: torch.device) -> tuple[float, float, float]:
+def _register_once(nbytes: int, prefault: bool, device: torch.device, huge: bool = False) -> tuple[float, float, float]:
     """(pre-fault s, register s, unregister s) of one buffer registered in one call."""
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
     start = time.perf_counter()
+    buffer = page_lock.host_buffer(nbytes, huge_pages=huge)
     if prefault:
         page_lock.prefault(buffer)
     faulted = time.perf_counter()
@@ -105,9 +108,11 @@ def _register_once(nbytes: int, prefault: bool, device: torch.device) -> tuple[f
     return faulted - start, registered - faulted, time.perf_counter() - registered
 
 
-def _register_chunks(nbytes: int, chunk_bytes: int, threads: int, prefault: bool, device: torch.device) -> tuple[float, float]:
+def _register_chunks(
+    nbytes: int, chunk_bytes: int, threads: int, prefault: bool, device: torch.device, huge: bool = False
+) -> tuple[float, float]:
     """(wall s until every chunk is registered, unregister s), chunks made as the pool makes them."""
-    with _constants(page_lock, REGISTER_THREADS=threads, PREFAULT=prefault):
+    with _constants(page_lock, REGISTER_THREADS=threads, PREFAULT=prefault, HUGE_PAGES=huge):
         registrar = page_lock.ChunkRegistrar()
         start = time.perf_counter()
         registrar.submit([chunk_bytes] * max(1, nbytes // chunk_bytes), device)
@@ -153,9 +158,16 @@ def registration_rows(nbytes: int, device: torch.device, deadline: float = float
         ("one call, fresh memory (before the warm start)", lambda: _register_once(nbytes, False, device)),
         ("one call after pre-faulting (intra-op threads)", lambda: _register_once(nbytes, True, device)),
     ]
-    for threads, prefault in ((page_lock.REGISTER_THREADS, True), (page_lock.REGISTER_THREADS, False), (1, True), (8, True)):
-        name = f"{chunk // MiB} MiB chunks, {threads} thread(s), {'pre-faulted' if prefault else 'not pre-faulted'}"
-        variants.append((name, lambda t=threads, p=prefault: (0.0, *_register_chunks(nbytes, chunk, t, p, device))))
+    variants.append(("one call after pre-faulting, huge pages", lambda: _register_once(nbytes, True, device, huge=True)))
+    for threads, prefault, huge in (
+        (page_lock.REGISTER_THREADS, True, False), (page_lock.REGISTER_THREADS, True, True), (8, True, True),
+        (page_lock.REGISTER_THREADS, False, False), (1, True, False), (8, True, False),
+    ):  # fmt: skip
+        name = (
+            f"{chunk // MiB} MiB chunks, {threads} thread(s), {'pre-faulted' if prefault else 'not pre-faulted'}"
+            + (", huge pages" if huge else "")
+        )
+        variants.append((name, lambda t=threads, p=prefault, h=huge: (0.0, *_register_chunks(nbytes, chunk, t, p, device, h))))
     for name, run in variants:
         if time.monotonic() > deadline:
             rows.append([name, "skipped: time budget", "", "", "", ""])
@@ -232,7 +244,7 @@ def run_mode(
         model, min_bytes="1MiB", host_budget=0.8, prefetch=window, max_inflight_bytes=window
     )  # fmt: skip
     times: list[float] = []
-    with _constants(pool, **_SETTINGS[mode]):
+    with _constants(pool, **_SETTINGS[mode]), _constants(page_lock, **_PAGE_LOCK_SETTINGS.get(mode, {})):
         before = page_lock.registration_stats()
         start = time.perf_counter()
         if mode.startswith("prepared"):
@@ -293,7 +305,7 @@ def _estimate_mode_s(mode: str, gib: float, steps: int) -> float:
     steady = 2 * nbytes / 10e9
     pageable = 2 * nbytes / 1e9
     register = 1.25 * nbytes / 3e9
-    if mode == "prepared":
+    if mode.startswith("prepared"):
         return register + steps * steady
     return pageable + register + steps * steady
 
@@ -309,6 +321,8 @@ def selfcheck_section(budget_s: float = 60.0, gib: float = 8.0, micro_gib: float
         "## Warm start: page-locking host memory ahead of need",
         "",
         f"{hardware()}; `REGISTER_THREADS={page_lock.REGISTER_THREADS}`, `PREFAULT={page_lock.PREFAULT}`, "
+        f"`HUGE_PAGES={page_lock.HUGE_PAGES}` (the kernel's transparent huge pages: "
+        f"{page_lock.transparent_huge_pages()}), "
         f"chunks {pool.CHUNK_FIRST_BYTES // MiB} MiB doubling to {pool.CHUNK_MAX_BYTES // MiB} MiB; "
         f"time budget {budget_s:.0f} s.",
         "",
@@ -321,7 +335,7 @@ def selfcheck_section(budget_s: float = 60.0, gib: float = 8.0, micro_gib: float
         lines += [f"Registering {micro_gib:g} GiB: skipped (time budget).", ""]
     results = []
     reference = reference_grad(gib, 256, device)
-    for mode in ("prepared", "before", "boundary"):
+    for mode in ("prepared", "prepared-huge", "before", "boundary"):
         if time.monotonic() + _estimate_mode_s(mode, gib, steps) > deadline:
             lines.append(f"Mode `{mode}` at {gib:g} GiB: skipped (time budget).")
             continue
@@ -353,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     print(hardware(), flush=True)
     print(
         f"REGISTER_THREADS={page_lock.REGISTER_THREADS} PREFAULT={page_lock.PREFAULT} "
+        f"HUGE_PAGES={page_lock.HUGE_PAGES} (THP: {page_lock.transparent_huge_pages()}) "
         f"chunks {pool.CHUNK_FIRST_BYTES // MiB} MiB doubling to {pool.CHUNK_MAX_BYTES // MiB} MiB",
         flush=True,
     )

@@ -103,6 +103,31 @@ def test_prepare_host_page_locks_off_the_training_thread_and_the_first_step_copi
     assert gpu.runtime.page_locked_bytes == 0
 
 
+def test_huge_page_chunks_are_2mib_aligned_registered_whole_and_give_bitwise_gradients(gpu, monkeypatch):
+    monkeypatch.setattr(page_lock, "HUGE_PAGES", True)
+    model = _Chain()
+    off = _offloader(gpu, model)
+    prepared = off.prepare_host(SAVES * NBYTES, wait=True)
+    starts = list(gpu.runtime.ranges)
+    grads = _step(model, off)
+    gpu.synchronize()
+    assert prepared == int(SAVES * NBYTES * pool.HEADROOM)
+    assert [start % page_lock.HUGE_PAGE_BYTES for start in starts] == [0]
+    assert gpu.pageable_copies == 0
+    assert_bitwise_equal(_expected_grads(), grads)
+    off.release_host_memory()
+    assert gpu.runtime.page_locked_bytes == 0
+
+
+def test_a_huge_page_buffer_is_exactly_sized_aligned_and_outlives_its_mapping_name():
+    buffer = page_lock.host_buffer(3 * MiB + 5, huge_pages=True)
+    gc.collect()  # only the tensor refers to the mapping now
+    buffer.fill_(7)
+    assert (buffer.nbytes, buffer.data_ptr() % page_lock.HUGE_PAGE_BYTES) == (3 * MiB + 5, 0)
+    assert int(buffer.sum()) == 7 * (3 * MiB + 5)
+    assert page_lock.host_buffer(4096, huge_pages=False).nbytes == 4096
+
+
 def test_a_request_waits_for_the_chunk_being_page_locked_instead_of_taking_pageable_memory(gpu, monkeypatch):
     waiting = threading.Event()
     wait_for = page_lock.ChunkRegistrar.wait_for

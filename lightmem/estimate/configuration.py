@@ -300,6 +300,7 @@ def build_report(
         offload_optimizer=model_state,
         offload_optimizer_device_dtype=settings.optimizer_offload.device_dtype_name if model_state else None,
         compiled=holds_compiled_modules(model),
+        op_seconds=dict(baseline.op_seconds),
     )
     return estimate, baseline
 

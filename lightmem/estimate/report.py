@@ -186,6 +186,9 @@ class MemoryEstimate:
     """The ``DeviceSpeeds`` every op and transfer was priced at (``lightmem.devices``)."""
     fragmentation: float = 0.0
     """What the device's allocator reserves beyond the allocated peak, as a share of it."""
+    op_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """Where the baseline step's priced device time goes: seconds and calls per ``aten`` op (a
+    profiler's per-op table sits beside it: ``benchmarks/op_prices.py``)."""
 
     @property
     def reserved_bytes(self) -> int:

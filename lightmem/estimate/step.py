@@ -133,6 +133,8 @@ class StepTrace:
     """Device seconds of the optimizer step, priced (0: not priced, or model-state offload)."""
     priced_ops: int = 0
     """Ops of the step that cost device time: the host launches each one."""
+    op_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """Priced device seconds and calls of each op (``aten`` name), summed over the step."""
 
 
 class EstimateError(RuntimeError):
@@ -472,6 +474,7 @@ def _steady_step(
         peak=peak,
         optimizer_s=tracer.seconds.get(("optimizer", None), 0.0),
         priced_ops=tracer.priced_ops,
+        op_seconds=dict(tracer.op_seconds),
         blocks=usage,
         block_kinds={name: blocks.kind(name) for name in blocks.modules},
         repeated_blocks=set(blocks.repeated),

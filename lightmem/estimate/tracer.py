@@ -156,6 +156,9 @@ class StorageTracer(TorchDispatchMode):
         self.block_recompute_s: dict[str | None, float] = {}
         """With an op policy: seconds of the forward ops a checkpointed re-run of each block repeats."""
         self.priced_ops = 0
+        self.op_seconds: dict[str, tuple[float, int]] = {}
+        """Priced device seconds and calls of each op (its overload packet's name): where a
+        predicted step's time goes (``MemoryEstimate.op_seconds``)."""
         """Ops that cost device time (views and allocations are free), for the host's launch time."""
 
     # -- allocation tracking ---------------------------------------------------------------------
@@ -204,6 +207,9 @@ class StorageTracer(TorchDispatchMode):
             if cost is not None:
                 seconds = self.price.op_seconds(*cost)
                 self.priced_ops += 1
+                name = packet.__name__
+                total, ops = self.op_seconds.get(name, (0.0, 0))
+                self.op_seconds[name] = (total + seconds, ops + 1)
                 if phase == "forward":
                     key = (phase, self.forward_block)
                 elif phase == "backward":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import mmap
 import os
 import threading
 import time
@@ -36,6 +37,11 @@ REGISTER_THREADS = 4
 PREFAULT = True
 """Touch every page of a chunk from torch's intra-op threads before registering it, so the
 registration call does not fault the pages in one by one on its own core."""
+HUGE_PAGES = False
+"""Back chunks with transparent huge pages (an anonymous mapping with ``MADV_HUGEPAGE``, 2 MiB
+aligned): 512 times fewer pages to fault in and to pin. Off until a GPU run shows it pays
+(``benchmarks/warm_start.py`` measures both); the kernel ignores the advice where THP is "never"."""
+HUGE_PAGE_BYTES = 2 * 2**20
 THREAD_NAME = "lightmem-page-lock"
 """The name every background page-locking thread starts with."""
 
@@ -198,6 +204,30 @@ def unregister(buffer: torch.Tensor, device: torch.device | None) -> None:
         )
 
 
+def transparent_huge_pages() -> str:
+    """The kernel's THP setting ("always", "madvise" or "never"), or "unknown" where unreadable."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            text = setting.read()
+    except OSError:
+        return "unknown"
+    chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else "unknown"
+
+
+def host_buffer(nbytes: int, huge_pages: bool | None = None) -> torch.Tensor:
+    """``nbytes`` of fresh host memory (uint8): ``torch.empty``, or with ``huge_pages`` (default
+    ``HUGE_PAGES``) a 2 MiB aligned slice of an anonymous mapping advised ``MADV_HUGEPAGE``. The
+    tensor keeps its mapping alive (``torch.frombuffer`` holds the buffer until its storage dies)."""
+    if not (HUGE_PAGES if huge_pages is None else huge_pages) or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    skip = -whole.data_ptr() % HUGE_PAGE_BYTES
+    return whole[skip : skip + nbytes]
+
+
 def prefault(buffer: torch.Tensor) -> None:
     """Touch one byte of every page of ``buffer`` (torch's intra-op threads share the work), so
     the kernel populates its pages in parallel rather than inside one registration call."""
@@ -222,7 +252,7 @@ class Chunk:
     def make(self) -> None:
         """Allocate, pre-fault and register; a failure is kept in ``error``, never raised."""
         try:
-            buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+            buffer = host_buffer(self.nbytes)
             if PREFAULT:
                 prefault(buffer)
             register(buffer, self.device, background=True)

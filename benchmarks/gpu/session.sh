@@ -1,0 +1,26 @@
+#!/bin/bash
+# One lent GPU, about fifteen minutes in all: the quick selfcheck first (its report is committed
+# under docs/gpu-runs/), then the per-op price comparison. `warm48` (second call) is the 48 GiB warm start.
+# Run from the checkout: bash benchmarks/gpu/session.sh [all|warm48]. Writes under $OUT.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/lightmem-gpu}
+mkdir -p "$OUT"
+what=${1:-all}
+if [ "$what" = all ]; then
+  {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+    echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>&1)"
+    echo "cores: $(nproc)"; free -g | head -2; uname -r
+    python3 -c "import torch, lightning, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'lightning', lightning.__version__, 'transformers', transformers.__version__)"
+  } > "$OUT/machine.txt" 2>&1
+  cat "$OUT/machine.txt"
+  timeout 560 python3 -m lightmem.selfcheck --quick --output "$OUT/quick.md" > "$OUT/quick.log" 2>&1
+  echo "selfcheck exit $?"; grep -a -E "Verdict|^lightmem selfcheck|section" "$OUT/quick.log" | tail -n 20
+  timeout 120 python3 benchmarks/op_prices.py --measure --json-out "$OUT/op_prices.json" > "$OUT/op_prices.txt" 2>&1
+  echo "op_prices exit $?"; tail -n 70 "$OUT/op_prices.txt"
+fi
+if [ "$what" = warm48 ]; then
+  timeout 200 python3 benchmarks/warm_start.py --gib 48 --modes prepared-huge,prepared --micro-gib 8 --steps 5 > "$OUT/warm48.txt" 2>&1
+  echo "warm_start exit $?"; cat "$OUT/warm48.txt" | tail -n 60
+fi
