@@ -33,17 +33,25 @@ from typing import Any
 import torch
 
 MATMUL, CONVOLUTION, ATTENTION, MEMORY = "matmul", "convolution", "attention", "memory"
-"""The op classes a step is priced by."""
+REDUCTION = "reduction"
+"""The op classes a step is priced by (``REDUCTION``: memory-bound ops that pass over their input
+more than once or reduce across rows: norms' statistics and backward, sums, pooling's backward)."""
 
 MISALIGNED = "misaligned matmul"
-CLASS_EFFICIENCY = {MATMUL: 0.95, CONVOLUTION: 0.30, ATTENTION: 0.50, MISALIGNED: 0.18}
+CLASS_EFFICIENCY = {MATMUL: 0.95, CONVOLUTION: 0.27, ATTENTION: 0.50, MISALIGNED: 0.18}
 """Share of the device's large-GEMM rate each class sustains in an eager training step (products
 of a model's sizes, fp32 convolutions in NCHW through cuDNN's TF32, fused attention forward and
 backward, and products with a dimension the tensor cores cannot tile, such as a vocabulary of
 50257): calibrated, see the module docstring."""
-MEMORY_EFFICIENCY = 0.625
-"""Share of the memory bandwidth the memory-bound ops of an eager training step sustain
-(calibrated; eager kernels, and reductions such as BatchNorm's that read their input twice)."""
+MEMORY_EFFICIENCY = 0.95
+"""Share of the memory bandwidth (a device-to-device copy's, bytes read plus written) the
+elementwise ops of an eager training step sustain: casts, activations, residual adds, the fused
+optimizer. Profiled op by op on an H100 (docs/gpu-runs/2026-11-27-h100-op-prices.txt): the GPT's
+and ResNet-50's elementwise ops ran at 0.8-0.95 of their price at this share."""
+REDUCTION_EFFICIENCY = 0.40
+"""The same for ``REDUCTION`` ops, counted by the bytes they read and write once: BatchNorm's
+forward and backward, LayerNorm's backward, ``sum`` over rows and max-pooling's backward ran at
+0.84-1.2 of their price at this share on the H100 (the same profile)."""
 TABLE_EFFICIENCY = 0.70
 """Share of a datasheet's dense peak the product ``measure_device_speeds`` times (4096 cubed) reaches:
 695 of 989 TFLOP/s in bf16 on an H200 (torch 2.11), so table and measured speeds are the same kind."""
@@ -121,6 +129,8 @@ class DeviceSpeeds:
 
     def op_seconds(self, kind: str, dtype_name: str, flops: float, nbytes: int) -> float:
         """One op's device time: its class's rate, never under its memory traffic or one kernel."""
+        if kind == REDUCTION:
+            return max(nbytes / (self.memory_bytes_per_s * REDUCTION_EFFICIENCY), self.kernel_s)
         memory_s = nbytes / (self.memory_bytes_per_s * MEMORY_EFFICIENCY)
         if kind == MEMORY or not flops:
             return max(memory_s, self.kernel_s)
@@ -204,10 +214,12 @@ GPU_NAMES = ("auto", *GPU_TABLE)
 HOPPER_NAMES = tuple(name for name, speeds in GPU_TABLE.items() if speeds.hopper)
 
 CPU_SPEEDS = DeviceSpeeds(
-    "CPU", {"fp32": 0.2e12, "tf32": 0.2e12, "bf16": 0.2e12, "fp16": 0.2e12}, 10e9, 10e9, 10e9,
+    "CPU", {"fp32": 0.2e12, "tf32": 0.2e12, "bf16": 0.2e12, "fp16": 0.2e12}, 6.6e9, 10e9, 10e9,
     kernel_s=1e-6, source="a generic server CPU",
 )  # fmt: skip
-"""A step on "cpu": its "host link" is a copy within host memory (model-state offload's copies there)."""
+"""A step on "cpu": its "host link" is a copy within host memory (model-state offload's copies there).
+Its memory figure is what eager CPU kernels sustain (6.25 GB/s, as priced before the GPU's
+``MEMORY_EFFICIENCY`` was measured on an H100), not a copy's bandwidth."""
 
 
 def parse_gpu(value: Any, *, flag: str) -> str:
@@ -394,9 +406,17 @@ def op_cost(func: Any, args: Any, kwargs: Any, out: Any, flops: float) -> tuple[
     produced = _tensor_bytes(out)
     if not produced and not written:  # a query (a tensor's device, size, a profiler mark): no kernel
         return None
-    nbytes = _tensor_bytes(args) + _tensor_bytes(list(kwargs.values())) + produced + written
+    packet = func._overloadpacket.__name__
+    gathered = _GATHERS.get(packet)
+    if gathered is not None:
+        return MEMORY, "", 0.0, gathered(args, produced)
+    read = _tensor_bytes(args) + _tensor_bytes(list(kwargs.values()))
+    if packet in _OVERWRITES:  # the written argument is not read
+        read -= written
+    # An op that writes in place returns what it wrote: its output is not a second write.
+    nbytes = read + (written if info.written else produced)
     if not flops:
-        return MEMORY, "", 0.0, nbytes
+        return (REDUCTION if packet in _REDUCTIONS else MEMORY), "", 0.0, nbytes
     first = next((value for value in args if isinstance(value, torch.Tensor)), None)
     dtype_name = _DTYPE_NAMES.get(first.dtype, "fp32") if first is not None else "fp32"
     kind = info.kind
@@ -410,6 +430,38 @@ def op_cost(func: Any, args: Any, kwargs: Any, out: Any, flops: float) -> tuple[
         if tf32:
             dtype_name = "tf32"
     return kind, dtype_name, flops, nbytes
+
+
+_OVERWRITES = frozenset(("copy_", "fill_", "zero_"))
+"""In-place ops whose written argument is overwritten, not read."""
+_REDUCTIONS = frozenset((
+    "native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "cudnn_batch_norm", "cudnn_batch_norm_backward",
+    "batch_norm_backward", "native_layer_norm_backward", "native_group_norm", "native_group_norm_backward",
+    "sum", "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward",
+))  # fmt: skip
+"""Memory-bound ops priced at ``REDUCTION_EFFICIENCY`` (see ``REDUCTION``)."""
+
+
+def _nll_forward_bytes(args: Any, produced: int) -> int:
+    # Reads one log-probability per target (the target and weight, not the whole input).
+    target = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
+    if target is None:
+        return produced
+    return _tensor_bytes(target) + target.numel() * args[0].element_size() + produced
+
+
+def _nll_backward_bytes(args: Any, produced: int) -> int:
+    # Writes the whole input gradient (zeros, and one value per target): reads only the targets.
+    return produced + (_tensor_bytes(args[2]) if len(args) > 2 else 0)
+
+
+_GATHERS = {
+    "nll_loss_forward": _nll_forward_bytes, "nll_loss2d_forward": _nll_forward_bytes,
+    "nll_loss_backward": _nll_backward_bytes, "nll_loss2d_backward": _nll_backward_bytes,
+}  # fmt: skip
+"""Ops that touch a few elements per row (the loss's gather and its scatter): their bytes, not
+their arguments' (the H100 profile: 0.02 ms where the whole logits' bytes priced 0.57 ms)."""
 
 
 def _misaligned(args: Any, itemsize: int) -> bool:

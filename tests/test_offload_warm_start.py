@@ -335,3 +335,26 @@ def test_page_locking_time_and_the_time_training_waited_for_it_are_logged_per_lo
     first, second = probe.collect(), probe.collect()
     assert (first[key("host/page_lock_ms")], first[key("host/page_lock_wait_ms")]) == (1500.0, 250.0)
     assert (second[key("host/page_lock_ms")], second[key("host/page_lock_wait_ms")]) == (2000.0, 0.0)
+
+
+# -- the GPU negative controls' timing (tests/gpu/race_kit.py, issue 39) ----------------------------
+
+
+@pytest.mark.parametrize("settled", [False, True])
+def test_the_race_kits_step_after_a_pageable_one_waits_for_page_locking_unless_settled(gpu, settled):
+    # On the H100 the compute<-to_host control could not fail: its measured step, the one after a
+    # first step in pageable memory, waited on the host for the chunks page-locked at the step
+    # boundary, and the time-based stall on the copy stream ran out meanwhile. The kit now settles
+    # the host memory first (race_kit.settle_host_memory) and asserts the forward waited for none.
+    from gpu import race_kit
+
+    model = _Chain()
+    off = _offloader(gpu, model)
+    _step(model, off)  # the first step: pageable slabs
+    if settled:
+        race_kit.settle_host_memory(off)
+    waits = race_kit.page_lock_waits()
+    grads = _step(model, off)
+    assert race_kit.page_lock_waits() - waits == (0 if settled else 1)
+    assert_bitwise_equal(_expected_grads(), grads)
+    off.release_host_memory()

@@ -12,6 +12,13 @@ Three ingredients, after the usual way such races are provoked:
 (stream that waits, stream the event was recorded on), so a negative control removes exactly one
 kind of wait and must then produce a wrong result.
 
+A delay is a time, so the host must queue the work it delays within it: the step after the
+first waited for the host memory being page-locked in the background (the first step's was
+pageable), and on an H100 the ~0.1 s stall on the copy stream had run out before the copies were
+queued, so the control for the in-flight bound could not fail (issue 39). ``settle_host_memory``
+page-locks the step's host memory before the stall, and ``offloaded_step`` checks that its
+forward waited for no page-locking.
+
 A delay alone is not always enough: on an H100 (issue 39) two controls still gave right gradients,
 because another wait covered for the missing one or the freed memory was not handed out again.
 ``EXPOSING`` names, per kind of wait, the delay and what else makes that wait the only thing
@@ -34,10 +41,11 @@ from torch import nn
 
 from lightmem import offload_activations
 from lightmem.offload import hooks
+from lightmem.transfer import page_lock
 
 ROWS = WIDTH = 4096
 ACTIVATION_BYTES = ROWS * WIDTH * 4  # 64 MiB of float32
-SLEEP_CYCLES = 200_000_000  # ~0.1 s at 1.5-2 GHz, far longer than copying 64 MiB
+SLEEP_CYCLES = 400_000_000  # ~0.2 s at 2 GHz, far longer than copying 64 MiB
 ROLES = ("compute", "to_host", "to_device")
 
 
@@ -166,6 +174,17 @@ def reloading_in_flight():
         hooks.served_view = served_view
 
 
+def settle_host_memory(offloader: Any) -> None:
+    """Page-lock the host memory the next step will use, now (``prepare_host(wait=True)``): its
+    forward then never waits for page-locking, which would let a timed stall run out."""
+    offloader.prepare_host(offloader.host_bytes_peak_in_use, wait=True)
+
+
+def page_lock_waits() -> int:
+    """Requests so far that waited for a chunk being page-locked (``registration_stats``)."""
+    return page_lock.registration_stats().chunk_waits
+
+
 def offloaded_step(
     model: nn.Module, x: torch.Tensor, offloader: Any, delay: str | None = None, backward_passes: int = 1,
     nan_after_forward: bool = False,
@@ -184,14 +203,17 @@ def offloaded_step(
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize(device)
     offloader.live_entries  # let go of the saved tensors whose copies have run
+    settle_host_memory(offloader)
     fill_free_memory_with_nan(device)
     torch.cuda.synchronize(device)
+    waits = page_lock_waits()
     if delay == "compute_in_forward":
         stall(compute)
     elif delay == "copy_to_host":
         stall(to_host)
     with offloader:
         loss = loss_of(model, x)
+    assert page_lock_waits() == waits, "the forward waited for page-locking: a stall may have run out before it"
     if nan_after_forward:
         fill_free_memory_with_nan(device)  # queued on compute behind the forward, copies still held
     if delay in ("copy_to_device", "compute_in_backward"):
