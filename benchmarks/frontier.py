@@ -14,16 +14,28 @@ figures; with expandable segments, as ``plan="auto"`` sets them):
     python benchmarks/frontier.py --models gpt    # one of gpt, resnet50, gpt2
     python benchmarks/frontier.py --json          # the tables as JSON
 
-On a GPU, ``benchmarks/plans_hold.py --measure`` measures ``LightMem(plan="auto")`` at the GPT's
-1x, 1.5x and 2x (and 5x, 8x) beside these predictions.
+    python benchmarks/frontier.py --measure       # on a GPU: each row's plan run, time per sample beside
+
+``--measure`` runs, on this machine's GPU with its own measured speeds and the caching allocator
+capped at the budget (``set_per_process_memory_fraction``, expandable segments), every row that
+fits: a fresh model, the row's plan applied (``apply_checkpointing`` and ``offload_activations``
+with the plan's flags, host memory page-locked first), two warm-up steps, then the median of
+``--steps`` steps timed with CUDA events; the measured time per sample beside the predicted one, and
+whether the step is within 15% of its prediction (issue 38). ``benchmarks/plans_hold.py --measure``
+runs ``LightMem(plan="auto")`` itself at the GPT's 1x, 1.5x and 2x (and 5x, 8x).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
+import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +51,35 @@ from _common import hardware  # noqa: E402
 from estimate_factories import resnet50  # noqa: E402
 from plans_hold import _meta_model, fused_adamw, gpt_loss  # noqa: E402
 
-from lightmem import frontier  # noqa: E402
+from lightmem import apply_checkpointing, frontier, measure_device_speeds, offload_activations  # noqa: E402
+from lightmem.config import parse_size  # noqa: E402
+from lightmem.estimate.report import format_seconds  # noqa: E402
+from lightmem.tables import format_table  # noqa: E402
+
+WITHIN = 0.15
+"""How close a measured step must be to its prediction (issue 38)."""
 
 
 def _gpt() -> dict[str, Any]:
+    from plans_hold import gpt_module
+
     tokens = torch.zeros(8, 1025, dtype=torch.long)
     return {"model": _meta_model(), "batch": tokens, "loss_fn": gpt_loss, "budget": "16GiB",
-            "optimizer": fused_adamw, "precision": "bf16-mixed"}  # fmt: skip
+            "optimizer": fused_adamw, "precision": "bf16-mixed", "real": gpt_module,
+            "make_batch": lambda n, device: torch.randint(0, 32000, (n, 1025), device=device)}  # fmt: skip
 
 
 def _resnet50() -> dict[str, Any]:
+    from estimate_factories import ResNet
+
     model, batch, loss_fn = resnet50(32)
+
+    def images(n: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, 224, 224, device=device), torch.randint(0, 1000, (n,), device=device)
+
     return {"model": model, "batch": batch, "loss_fn": loss_fn, "budget": "12GiB",
-            "optimizer": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), "precision": "32-true"}  # fmt: skip
+            "optimizer": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), "precision": "32-true",
+            "real": ResNet, "make_batch": images}  # fmt: skip
 
 
 def _gpt2() -> dict[str, Any]:
@@ -67,10 +95,135 @@ def _gpt2() -> dict[str, Any]:
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
     return {"model": model, "batch": ids, "loss_fn": loss_fn, "budget": "8GiB", "optimizer": "adamw",
-            "precision": "bf16-mixed"}  # fmt: skip
+            "precision": "bf16-mixed", "real": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config()),
+            "make_batch": lambda n, device: torch.randint(0, 50257, (n, 1024), device=device)}  # fmt: skip
+
+
+def apply_plan(model: torch.nn.Module, chosen: Any) -> tuple[Any, Any]:
+    """``chosen``'s checkpointing and activation offload on a plain module (what ``LightMem`` does
+    from ``lightmem_kwargs()``): (checkpoint handle or None, offloader or None)."""
+    handle = None
+    if chosen.checkpoint:
+        handle = apply_checkpointing(model, list(chosen.checkpoint), policy=chosen.checkpoint_policy)
+    offloader = None
+    if chosen.offload is not None:
+        offload = chosen.offload
+        offloader = offload_activations(
+            model, min_bytes=offload.min_bytes, include=offload.include_arg(),
+            exclude=list(offload.exclude) if offload.exclude else None, prefetch=offload.prefetch_bytes,
+            max_inflight_bytes=offload.max_inflight_bytes,
+        )  # fmt: skip
+    return handle, offloader
+
+
+def _optimizer(case: dict[str, Any], params: Any) -> torch.optim.Optimizer:
+    made = case["optimizer"]
+    return torch.optim.AdamW(params) if made == "adamw" else made(params)
+
+
+def measure_row(case: dict[str, Any], chosen: Any, batch: int, steps: int) -> dict[str, Any]:
+    """The median step (CUDA events) of ``chosen`` at ``batch`` on this GPU, after two warm-ups."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = case["real"]().to(device)
+    optimizer = _optimizer(case, model.parameters())
+    inputs = case["make_batch"](batch, device)
+    handle, offloader = apply_plan(model, chosen)
+    if offloader is not None and chosen.host_bytes:
+        offloader.prepare_host(chosen.host_bytes, wait=True)
+    autocast = case["precision"] == "bf16-mixed"
+    times: list[float] = []
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        for index in range(2 + steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            with offloader if offloader is not None else contextlib.nullcontext():
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    loss = case["loss_fn"](model, inputs)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            end.record()
+            end.synchronize()
+            if index >= 2:
+                times.append(start.elapsed_time(end) / 1e3)
+        outcome = "ran"
+    except torch.cuda.OutOfMemoryError:
+        outcome = "OUT OF MEMORY"
+    finally:
+        peak = torch.cuda.max_memory_reserved(device)
+        if handle is not None:
+            handle.remove()
+        if offloader is not None:
+            offloader.release_host_memory()
+        del model, optimizer, inputs
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"outcome": outcome, "steps_s": times, "step_s": statistics.median(times) if times else None, "reserved": peak}
+
+
+def measure(name: str, steps: int = 4, deadline: float = float("inf")) -> tuple[Any, list[dict[str, Any]]]:
+    """``name``'s frontier priced at this GPU's measured speeds, then each row that fits run."""
+    case = MODELS[name]()
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(case["budget"], flag="budget") / total), device)
+    speeds = measure_device_speeds(device)
+    result = frontier(
+        case["model"], case["batch"], case["budget"], case["loss_fn"], optimizer=case["optimizer"],
+        precision=case["precision"], device="cuda", gpu=speeds,
+    )  # fmt: skip
+    measured = []
+    for row in result.rows:
+        if not row.fits or time.monotonic() > deadline:
+            measured.append({"outcome": "does not fit" if not row.fits else "not run (time limit)"})
+            continue
+        measured.append(measure_row(case, result.plans[row.batch_size], row.batch_size, steps))
+        print(json.dumps({"progress": name, "batch": row.batch_size, **measured[-1]}, default=str), flush=True)
+    torch.cuda.set_per_process_memory_fraction(1.0, device)
+    return result, measured
+
+
+def measured_table(result: Any, measured: list[dict[str, Any]]) -> str:
+    """Predicted beside measured, per row; the verdict line says which steps are within 15%."""
+    rows, off = [], []
+    for row, got in zip(result.rows, measured):
+        step = got.get("step_s")
+        ratio = step / row.step_s if step and row.fits else None
+        if ratio is not None and abs(ratio - 1) > WITHIN:
+            off.append(f"{row.batch_size} ({ratio:.2f}x)")
+        rows.append([
+            f"{row.batch_size} ({row.label})", row.plan if row.fits else "does not fit",
+            format_seconds(row.per_sample_s) if row.fits else "-",
+            format_seconds(step / row.batch_size) if step else got["outcome"],
+            f"{ratio:.2f}x" if ratio is not None else "-",
+        ])  # fmt: skip
+    headers = ["batch", "plan", "predicted per sample", "measured per sample", "measured / predicted step"]
+    verdict = "every measured step within 15% of its prediction" if not off else "off by more than 15%: " + ", ".join(off)
+    return format_table(rows, headers, title=f"Priced at {result.speeds.describe()}") + f"\nVerdict: {verdict}\n"
 
 
 MODELS = {"gpt": _gpt, "resnet50": _resnet50, "gpt2": _gpt2}
+
+
+def selfcheck_section(limit_s: float = 900.0) -> str:
+    """Markdown for ``python -m lightmem.selfcheck`` (its full run, or ``--sections frontier``): the
+    measured frontier of every model, in a child process killed at ``limit_s`` (output kept)."""
+    if not torch.cuda.is_available():
+        return "## The frontier, measured\n\nNo CUDA device: nothing to measure.\n"
+    command = [sys.executable, str(Path(__file__).resolve()), "--measure", "--time-limit-s", str(max(limit_s - 120, 1))]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(CHECKOUT)}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=limit_s - 5, env=env, cwd=CHECKOUT)
+        output, verdict = done.stdout, "finished" if done.returncode == 0 else f"exit code {done.returncode}"
+    except subprocess.TimeoutExpired as expired:
+        output = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        verdict = "killed at the time limit"
+    lines = [line for line in output.splitlines() if not line.startswith("{")]
+    verdicts = [line.removeprefix("Verdict: ") for line in lines if line.startswith("Verdict: ")]
+    summary = "; ".join(verdicts) if verdicts else verdict
+    return "## The frontier, measured\n\n**Verdict:** " + summary + "\n\n```\n" + "\n".join(lines) + "\n```\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="h100")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", metavar="PNG", help="also draw time per sample against batch size (needs matplotlib)")
+    parser.add_argument("--measure", action="store_true", help="run each row's plan on this machine's GPU")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per row with --measure (default 4)")
+    parser.add_argument("--time-limit-s", type=float, default=float("inf"), help="with --measure: rows after this are not run")
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if args.measure:
+        if not torch.cuda.is_available():
+            print("frontier: no CUDA device here: nothing to measure (run without --measure for the predictions)")
+            return 0
+        deadline = time.monotonic() + args.time_limit_s
+        for name in args.models:
+            result, measured = measure(name, args.steps, deadline)
+            print(f"{name}: measured on {hardware()}")
+            print(measured_table(result, measured))
+        return 0
     found = {}
     for name in args.models:
         case = MODELS[name]()

@@ -23,7 +23,8 @@ sections follow, all within ``QUICK_BUDGET_S``:
   page-locked ahead of need (``benchmarks/warm_start.py``).
 
 Without ``--quick`` (``FULL_SECTIONS``): the same and more, unhurried: every GPU test, 10 rounds of
-step time, the largest batch of a GPT sized to the GPU with and without lightmem (search on OOM)
+step time, the largest batch of a GPT sized to the GPU with and without lightmem (search on OOM), the
+measured frontier (`benchmarks/frontier.py --measure`)
 and several timed steps at it, and the paper's whole table (each row's largest batch measured).
 
 ``--sections gpu_tests,swap_row`` runs only those (a failed part again). A section that hangs or
@@ -501,6 +502,11 @@ def plans_hold(limit_s: float) -> str:
     return _benchmark("plans_hold").selfcheck_section(limit_s)
 
 
+def frontier_measured(limit_s: float) -> str:
+    """``benchmarks/frontier.py --measure``: each frontier row's plan run beside its prediction."""
+    return _benchmark("frontier").selfcheck_section(limit_s)
+
+
 def warm_start(limit_s: float) -> str:
     """``benchmarks/warm_start.py``'s section: first steps of a large offload against a steady one."""
     return _benchmark("warm_start").selfcheck_section(budget_s=limit_s - 5, gib=8.0, micro_gib=2.0)
@@ -541,6 +547,8 @@ def full_sections(rounds: int = 10, limit_s: float = SECTION_TIMEOUT_S) -> list[
                 "the largest batch of a GPT sized to the GPU, with and without lightmem"),
         Section("estimator", limit_s, lambda limit: estimate_vs_measured(), "estimate_memory against the device"),
         Section("swap_table", limit_s, lambda limit: swap_table(), "the swap-out/in paper's ResNet-50 table"),
+        Section("frontier", limit_s, frontier_measured,
+                "the frontier of the GPT, ResNet-50 and GPT-2: each row's plan run beside its prediction"),
     ]  # fmt: skip
 
 

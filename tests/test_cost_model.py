@@ -21,7 +21,7 @@ from models import TinyGPT, gpt_loss
 
 from lightmem import DeviceSpeeds, estimate_memory, max_batch_size, plan
 from lightmem.cli import main
-from lightmem.devices import GPU_TABLE, MATMUL, MEMORY, gpu_key, op_cost
+from lightmem.devices import GPU_TABLE, MATMUL, MEMORY, REDUCTION, gpu_key, op_cost
 from lightmem.estimate.configuration import parse_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,3 +160,58 @@ def test_a_plans_predicted_step_is_its_compute_plus_what_it_adds(measured_gpt):
         chosen.step_seconds, chosen.baseline_step_seconds + chosen.recompute_s + chosen.exposed_transfer_s
     )
     assert 1.0 <= chosen.slowdown < 3.49  # a plan never costs more than moving everything
+
+
+# -- the H100's own profile (docs/gpu-runs/2026-11-27-h100-*: op_prices and the quick selfcheck) ------
+
+H100_MEASURED = DeviceSpeeds(
+    "H100 SXM", {"fp32": 52e12, "tf32": 406e12, "bf16": 725e12, "fp16": 678e12}, 2.96e12, 51.3 * GIB, 51.4 * GIB,
+    kernel_s=GPU_TABLE["h100"].kernel_s, host_op_s=GPU_TABLE["h100"].host_op_s, hopper=True,
+    source="measured on an H100 80GB HBM3 at the start of benchmarks/op_prices.py",
+)  # fmt: skip
+"""What ``measure_device_speeds`` gave on the H100 of the 2026-11-27 runs."""
+
+
+def _blocks(first, last):
+    return [f"blocks.{index}" for index in range(first, last + 1)]
+
+
+@pytest.mark.parametrize(
+    ("batch", "checkpoint", "offload", "measured_s"),
+    [
+        (8, None, None, 0.0428),
+        (12, _blocks(4, 7), None, 0.0598),
+        (16, _blocks(0, 8), _blocks(0, 8) + ["lm_head"], 0.0871),
+    ],
+    ids=["1x-nothing", "1.5x-checkpoint", "2x-checkpoint-offload"],
+)
+def test_plan_autos_configurations_on_the_h100_are_predicted_within_15_percent(batch, checkpoint, offload, measured_s):
+    # benchmarks/plans_hold.py on the H100 (16 GiB cap, vocab 32000, bf16-mixed Lightning fit, fused
+    # AdamW): the median steady step of each configuration plan="auto" chose. Priced at 100.6,
+    # 46.8 and 81.1 ms before the per-op profile (0.74-0.91x).
+    with torch.device("meta"):
+        model = GPT(vocab=32000, dim=1024, depth=16, heads=16, seq=1024, dropout=0.0)
+    est = estimate_memory(
+        model, torch.zeros(batch, 1025, dtype=torch.long), _gpt_loss, device="cuda", gpu=H100_MEASURED,
+        optimizer=lambda params: torch.optim.AdamW(params, fused=True), precision="bf16-mixed", checkpoint=checkpoint,
+        offload={"min_bytes": "1MiB", "include": offload} if offload else None,
+    )  # fmt: skip
+    assert est.step_seconds == pytest.approx(measured_s, rel=WITHIN)
+
+
+def test_in_place_writes_reductions_and_the_losss_gather_are_priced_by_the_bytes_they_move():
+    x = torch.empty(1024, 1024, device="meta")
+    # relu_ reads x and writes it once: its output is what it wrote, not a third pass.
+    assert op_cost(torch.ops.aten.relu_.default, (x,), {}, x, 0.0) == (MEMORY, "", 0.0, 2 * x.nbytes)
+    # copy_ overwrites its destination without reading it.
+    assert op_cost(torch.ops.aten.copy_.default, (x, x.clone()), {}, x, 0.0)[3] == 2 * x.nbytes
+    # BatchNorm's statistics pass makes it a reduction, priced at its own share of the bandwidth.
+    weight = torch.empty(1024, device="meta")
+    out = torch.ops.aten.native_batch_norm.default(x, weight, weight, weight, weight, True, 0.1, 1e-5)
+    kind = op_cost(torch.ops.aten.native_batch_norm.default, (x, weight, weight, weight, weight, True, 0.1, 1e-5), {}, out, 0.0)[0]
+    assert kind == REDUCTION
+    # nll_loss reads one log-probability per target, not the whole (N, vocab) input.
+    logits, target = torch.empty(8192, 32000, device="meta"), torch.zeros(8192, dtype=torch.long, device="meta")
+    loss = torch.empty((), device="meta")
+    cost = op_cost(torch.ops.aten.nll_loss_forward.default, (logits, target, None, 1, -100), {}, (loss, loss), 0.0)
+    assert cost[3] == 8192 * 8 + 8192 * 4 + 2 * 4

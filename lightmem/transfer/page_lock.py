@@ -37,10 +37,12 @@ REGISTER_THREADS = 4
 PREFAULT = True
 """Touch every page of a chunk from torch's intra-op threads before registering it, so the
 registration call does not fault the pages in one by one on its own core."""
-HUGE_PAGES = False
+HUGE_PAGES = True
 """Back chunks with transparent huge pages (an anonymous mapping with ``MADV_HUGEPAGE``, 2 MiB
-aligned): 512 times fewer pages to fault in and to pin. Off until a GPU run shows it pays
-(``benchmarks/warm_start.py`` measures both); the kernel ignores the advice where THP is "never"."""
+aligned): 512 times fewer pages to fault in and to pin. On an H100 host (THP "madvise") pre-faulting
+and registering ran at 24-27 GB/s against 12-13 GB/s with 4 KiB pages, and the first step of a
+48 GiB offload took 1.8x a steady one against 2.7x (docs/gpu-runs/2026-11-27-h100-warm48.txt).
+The kernel ignores the advice where THP is "never"; ``False`` restores ``torch.empty``."""
 HUGE_PAGE_BYTES = 2 * 2**20
 THREAD_NAME = "lightmem-page-lock"
 """The name every background page-locking thread starts with."""
