@@ -17,10 +17,10 @@ fit start (a page-locked copy each way, a large matrix product per dtype, a devi
 well under a second): what ``LightMem(plan="auto")`` prices with. ``gpu="auto"`` (the default)
 is the CUDA device of this machine when there is one, else the generic ``default`` entry.
 
-The class efficiencies were calibrated once against four measured steps (torch 2.11; docs/planner.md):
-on an H100 80GB a 16-block GPT in bf16 with a vocabulary of 50257 (75.5 ms) and ResNet-50 in fp32
-(0.57 ms per image at batch 143); on an H200, at its measured speeds, the same GPT (63.2 ms) and
-with a vocabulary of 32000 (42.3 ms). They are module constants, not per-model fits.
+The class efficiencies are module constants, not per-model fits. They were set from an H100's
+per-op profile (``benchmarks/op_prices.py --measure``: each op's device time beside its price) and
+checked against every step measured on an H100 and an H200 so far (docs/planner.md, "Calibration
+and accuracy").
 """
 
 from __future__ import annotations
@@ -307,7 +307,8 @@ def _warm_clocks(device: torch.device, size: int, seconds: float = WARM_CLOCKS_S
 def measure_device_speeds(
     device: torch.device | str, *, copy_bytes: int = 256 << 20, matmul_size: int = 4096, repeats: int = 3
 ) -> DeviceSpeeds:
-    """The training device's own rates, measured now (about 0.15-0.35 s on a recent GPU, 50 ms of it keeping the clocks up before the timed products).
+    """The training device's own rates, measured now (about 0.15-0.35 s on a recent GPU, 50 ms of it
+    keeping the clocks up before the timed products).
 
     A page-locked copy of ``copy_bytes`` each way, a device-to-device copy of twice that, and a
     ``matmul_size``-cubed product in each of fp32, tf32 (when torch allows TF32 for products),
@@ -378,6 +379,8 @@ class _OpInfo:
     kind: str
     free: bool
     written: tuple[int, ...]
+    packet: str = ""
+    """The op's overload packet name (``aten.sum.dim_IntList`` -> "sum")."""
 
 
 _OP_INFO: dict[Any, _OpInfo] = {}
@@ -398,7 +401,7 @@ def _op_info(func: Any) -> _OpInfo:
             index for index, argument in enumerate(func._schema.arguments)
             if argument.alias_info is not None and argument.alias_info.is_write and not argument.kwarg_only
         )  # fmt: skip
-        info = _OP_INFO[func] = _OpInfo(kind, free, written)
+        info = _OP_INFO[func] = _OpInfo(kind, free, written, packet)
     return info
 
 
@@ -424,7 +427,7 @@ def op_cost(func: Any, args: Any, kwargs: Any, out: Any, flops: float) -> tuple[
     produced = _tensor_bytes(out)
     if not produced and not written:  # a query (a tensor's device, size, a profiler mark): no kernel
         return None
-    packet = func._overloadpacket.__name__
+    packet = info.packet
     gathered = _GATHERS.get(packet)
     if gathered is not None:
         return MEMORY, "", 0.0, gathered(args, produced)
