@@ -200,14 +200,22 @@ def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
 
 
 def final_plan_steady(times: list[float], priced: list[float]) -> float | None:
-    """The median step of the last plan (steps priced as the last one, after step 0, its first step
-    left out when more remain): ``plan="auto"`` may plan again after timing blocks in steps 1-3."""
+    """The median step of the last plan, its first step left out (step 0, or the first step after
+    ``plan="auto"`` planned again, which pays its warm-ups) where later ones remain."""
     if len(times) < 2:
         return None
-    same = [t for t, p in zip(times[1:], priced[1:]) if p == priced[-1]]
-    if len(same) > 2:
-        same = same[1:]
-    return statistics.median(same) if same else None
+    first = len(priced) - 1
+    while first > 0 and priced[first - 1] == priced[-1]:
+        first -= 1
+    steady = times[first + 1 :] or times[first:]
+    return statistics.median(steady)
+
+
+def replans(priced: list[float]) -> str:
+    """The steps after which the plan's predicted step changed ("-": never), e.g. "after step 3":
+    ``plan="auto"`` plans again when a block's measured forward is off its price."""
+    after = [str(step - 1) for step in range(1, len(priced)) if priced[step] != priced[step - 1]]
+    return f"after step {', '.join(after)}" if after else "-"
 
 
 def measure(
@@ -255,8 +263,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{trials}.",
         "",
         "| batch | outcome | plan | predicted peak allocated / reserved | measured peak allocated / reserved | "
-        "alloc retries | first step | steady step (median, last plan) | predicted step (measured / predicted) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "alloc retries | first step | steady step (median, last plan) | predicted step (measured / predicted) | "
+        "planned again |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     bad = []
     for row in result["rows"]:
@@ -271,6 +280,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{row.get('alloc_retries', '-')} | {format_seconds(times[0]) if times else '-'} | "
             f"{format_seconds(steady) if steady else '-'} | {format_seconds(predicted) if predicted else '-'}"
             + (f" ({steady / predicted:.2f}x) |" if steady and predicted else " |")
+            + f" {replans(row.get('predicted_steps_s') or [])} |"
         )  # fmt: skip
         if row["outcome"] in ("OUT OF MEMORY", "refused after a forward (wrong)"):
             bad.append(f"batch {row['batch']}: {row['outcome']}")
