@@ -358,3 +358,18 @@ def test_the_race_kits_step_after_a_pageable_one_waits_for_page_locking_unless_s
     assert race_kit.page_lock_waits() - waits == (0 if settled else 1)
     assert_bitwise_equal(_expected_grads(), grads)
     off.release_host_memory()
+
+
+def test_a_kernel_that_refuses_the_huge_page_advice_still_gets_its_chunk(monkeypatch):
+    # A kernel built without transparent huge pages answers MADV_HUGEPAGE with EINVAL: the buffer is
+    # then made of plain pages, never a failed chunk (which would leave the step's copies pageable).
+    import mmap
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(page_lock.mmap, "mmap", Refusing)
+    buffer = page_lock.host_buffer(3 * MiB, huge_pages=True)
+    buffer.fill_(1)
+    assert (buffer.nbytes, int(buffer.sum())) == (3 * MiB, 3 * MiB)

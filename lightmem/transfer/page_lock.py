@@ -224,7 +224,8 @@ def host_buffer(nbytes: int, huge_pages: bool | None = None) -> torch.Tensor:
     if not (HUGE_PAGES if huge_pages is None else huge_pages) or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(nbytes, dtype=torch.uint8)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
+    with contextlib.suppress(OSError):  # EINVAL on a kernel built without THP: plain pages then
+        mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE_BYTES
     return whole[skip : skip + nbytes]
