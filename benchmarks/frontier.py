@@ -52,6 +52,7 @@ from estimate_factories import resnet50  # noqa: E402
 from plans_hold import _meta_model, fused_adamw, gpt_loss  # noqa: E402
 
 from lightmem import apply_checkpointing, frontier, measure_device_speeds, offload_activations  # noqa: E402
+from lightmem.devices import cuda_seconds  # noqa: E402
 from lightmem.config import parse_size  # noqa: E402
 from lightmem.estimate.report import format_seconds  # noqa: E402
 from lightmem.tables import format_table  # noqa: E402
@@ -134,20 +135,16 @@ def measure_row(case: dict[str, Any], chosen: Any, batch: int, steps: int) -> di
     autocast = case["precision"] == "bf16-mixed"
     times: list[float] = []
     torch.cuda.reset_peak_memory_stats(device)
+    def step() -> None:
+        with offloader if offloader is not None else contextlib.nullcontext():
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = case["loss_fn"](model, inputs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     try:
-        for index in range(2 + steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            with offloader if offloader is not None else contextlib.nullcontext():
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                    loss = case["loss_fn"](model, inputs)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            end.record()
-            end.synchronize()
-            if index >= 2:
-                times.append(start.elapsed_time(end) / 1e3)
+        times = [cuda_seconds(step) for _ in range(2 + steps)][2:]  # two warm-ups
         outcome = "ran"
     except torch.cuda.OutOfMemoryError:
         outcome = "OUT OF MEMORY"

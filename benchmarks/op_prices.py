@@ -37,7 +37,7 @@ from estimate_factories import ResNet, classification_loss  # noqa: E402
 from plans_hold import GPT_CONFIG, fused_adamw, gpt_loss, gpt_module  # noqa: E402
 
 from lightmem import estimate_memory  # noqa: E402
-from lightmem.devices import measure_device_speeds  # noqa: E402
+from lightmem.devices import cuda_seconds, measure_device_speeds  # noqa: E402
 from lightmem.tables import format_table  # noqa: E402
 
 SHOWN = 24
@@ -105,14 +105,7 @@ def measured(case: dict[str, Any], steps: int = 5, profiled: int = 2) -> dict[st
 
     for _ in range(3):
         step()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    times = [cuda_seconds(step) for _ in range(steps)]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         for _ in range(profiled):
             step()

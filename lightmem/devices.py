@@ -273,18 +273,21 @@ def speeds_for(device: str, gpu: str) -> DeviceSpeeds:
 # -- measuring the device -------------------------------------------------------------------------
 
 
+def cuda_seconds(run: Any) -> float:
+    """Device seconds of the work ``run()`` queues on the current stream, between two CUDA events
+    (the host waits for the second)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def _best_s(run: Any, repeats: int, device: torch.device) -> float:
     """The fastest of ``repeats`` timings of ``run()`` with CUDA events, after one warm-up."""
     run()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
+    return min(cuda_seconds(run) for _ in range(repeats))
 
 
 WARM_CLOCKS_S = 0.05

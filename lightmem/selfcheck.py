@@ -60,6 +60,7 @@ import torch.nn.functional as F
 import lightmem
 from lightmem import estimate_memory, offload_activations
 from lightmem.config import format_bytes
+from lightmem.devices import cuda_seconds
 from lightmem.estimate.search import largest_fitting
 from lightmem.tables import markdown_table
 from lightmem.transfer.pool import registration_stats
@@ -450,14 +451,7 @@ def page_locked_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> tu
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     rates = []
     for destination, source in ((device, host), (host, device)):
-        best = float("inf")
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            destination.copy_(source, non_blocking=True)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
+        best = min(cuda_seconds(lambda: destination.copy_(source, non_blocking=True)) for _ in range(repeats))
         rates.append(nbytes / best)
     return rates[0], rates[1]
 
