@@ -382,8 +382,12 @@ class _OpInfo:
     kind: str
     free: bool
     written: tuple[int, ...]
-    packet: str = ""
-    """The op's overload packet name (``aten.sum.dim_IntList`` -> "sum")."""
+    memory_kind: str = MEMORY
+    """Its class when it does no matrix work: ``REDUCTION`` for ``_REDUCTIONS``, else ``MEMORY``."""
+    overwrites: bool = False
+    """Its written argument is overwritten, not read (``_OVERWRITES``)."""
+    gather: Any = None
+    """Its bytes as ``gather(args, produced)`` (``_GATHERS``), or None: its arguments' bytes."""
 
 
 _OP_INFO: dict[Any, _OpInfo] = {}
@@ -404,7 +408,10 @@ def _op_info(func: Any) -> _OpInfo:
             index for index, argument in enumerate(func._schema.arguments)
             if argument.alias_info is not None and argument.alias_info.is_write and not argument.kwarg_only
         )  # fmt: skip
-        info = _OP_INFO[func] = _OpInfo(kind, free, written, packet)
+        info = _OP_INFO[func] = _OpInfo(
+            kind, free, written, REDUCTION if packet in _REDUCTIONS else MEMORY, packet in _OVERWRITES,
+            _GATHERS.get(packet),
+        )  # fmt: skip
     return info
 
 
@@ -430,17 +437,15 @@ def op_cost(func: Any, args: Any, kwargs: Any, out: Any, flops: float) -> tuple[
     produced = _tensor_bytes(out)
     if not produced and not written:  # a query (a tensor's device, size, a profiler mark): no kernel
         return None
-    packet = info.packet
-    gathered = _GATHERS.get(packet)
-    if gathered is not None:
-        return MEMORY, "", 0.0, gathered(args, produced)
+    if info.gather is not None:
+        return MEMORY, "", 0.0, info.gather(args, produced)
     read = _tensor_bytes(args) + _tensor_bytes(list(kwargs.values()))
-    if packet in _OVERWRITES:  # the written argument is not read
+    if info.overwrites:
         read -= written
     # An op that writes in place returns what it wrote: its output is not a second write.
     nbytes = read + (written if info.written else produced)
     if not flops:
-        return (REDUCTION if packet in _REDUCTIONS else MEMORY), "", 0.0, nbytes
+        return info.memory_kind, "", 0.0, nbytes
     first = next((value for value in args if isinstance(value, torch.Tensor)), None)
     dtype_name = _DTYPE_NAMES.get(first.dtype, "fp32") if first is not None else "fp32"
     kind = info.kind
