@@ -4,15 +4,35 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def run_script(script: str, args: list[str], timeout_s: float) -> tuple[str, str, int | None]:
+    """``python script *args`` from the checkout, killed at ``timeout_s``: (stdout, stderr, return
+    code), with what it printed before a kill kept, stderr "killed at the time limit" and no code."""
+    command = [sys.executable, script, *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(CHECKOUT)}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=CHECKOUT)
+    except subprocess.TimeoutExpired as expired:
+        output = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        return output, "killed at the time limit", None
+    return done.stdout, done.stderr, done.returncode
 
 
 def hardware() -> str:

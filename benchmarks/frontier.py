@@ -33,7 +33,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +46,7 @@ sys.path.insert(0, str(CHECKOUT))
 sys.path.insert(0, str(CHECKOUT / "examples"))
 sys.path.insert(0, str(CHECKOUT / "benchmarks"))
 
-from _common import hardware  # noqa: E402
+from _common import hardware, run_script  # noqa: E402
 from estimate_factories import resnet50  # noqa: E402
 from plans_hold import _meta_model, fused_adamw, gpt_loss  # noqa: E402
 
@@ -209,14 +208,8 @@ def selfcheck_section(limit_s: float = 900.0) -> str:
     measured frontier of every model, in a child process killed at ``limit_s`` (output kept)."""
     if not torch.cuda.is_available():
         return "## The frontier, measured\n\nNo CUDA device: nothing to measure.\n"
-    command = [sys.executable, str(Path(__file__).resolve()), "--measure", "--time-limit-s", str(max(limit_s - 120, 1))]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(CHECKOUT)}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=limit_s - 5, env=env, cwd=CHECKOUT)
-        output, verdict = done.stdout, "finished" if done.returncode == 0 else f"exit code {done.returncode}"
-    except subprocess.TimeoutExpired as expired:
-        output = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        verdict = "killed at the time limit"
+    output, error, code = run_script(__file__, ["--measure", "--time-limit-s", str(max(limit_s - 120, 1))], limit_s - 5)
+    verdict = error if code is None else "finished" if code == 0 else f"exit code {code}"
     lines = [line for line in output.splitlines() if not line.startswith("{")]
     verdicts = [line.removeprefix("Verdict: ") for line in lines if line.startswith("Verdict: ")]
     summary = "; ".join(verdicts) if verdicts else verdict

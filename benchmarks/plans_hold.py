@@ -27,7 +27,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,9 @@ import torch.nn.functional as F
 CHECKOUT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(CHECKOUT))
 sys.path.insert(0, str(CHECKOUT / "examples"))
+sys.path.insert(0, str(CHECKOUT / "benchmarks"))
 
+from _common import run_script  # noqa: E402
 from lightmem import LightMem, PlanDoesNotFit, max_batch_size, plan  # noqa: E402
 from lightmem.config import format_bytes, parse_size  # noqa: E402
 from lightmem.estimate.report import format_seconds  # noqa: E402
@@ -297,14 +298,7 @@ def selfcheck_section(limit_s: float = 150.0) -> str:
     at ``limit_s`` (what it printed before is kept)."""
     if not torch.cuda.is_available():
         return "## Plans that hold\n\nNo CUDA device: nothing to measure.\n"
-    command = [sys.executable, str(Path(__file__).resolve()), "--measure", "--json", "--time-limit-s", str(limit_s - 10)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(CHECKOUT)}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=limit_s - 3, env=env, cwd=CHECKOUT)
-        output, error = done.stdout, done.stderr
-    except subprocess.TimeoutExpired as expired:
-        output = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        error = "killed at the time limit"
+    output, error, _ = run_script(__file__, ["--measure", "--json", "--time-limit-s", str(limit_s - 10)], limit_s - 3)
     results = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     final = next((item for item in results if "rows" in item), None)
     if final is not None:
