@@ -153,7 +153,22 @@ class DeviceSpeeds:
             "memory_bytes_per_s": self.memory_bytes_per_s,
             "to_host_bytes_per_s": self.to_host_bytes_per_s,
             "to_device_bytes_per_s": self.to_device_bytes_per_s,
+            "kernel_s": self.kernel_s,
+            "host_op_s": self.host_op_s,
+            "hopper": self.hopper,
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpeeds:
+        """The speeds ``to_dict`` wrote (a JSON file of one GPU's measured figures, for pricing on
+        another machine); ``kernel_s``, ``host_op_s`` and ``hopper`` may be absent (defaults)."""
+        known = ("kernel_s", "host_op_s", "hopper")
+        return cls(
+            str(data["name"]), {str(k): float(v) for k, v in data["matmul_flops_per_s"].items()},
+            float(data["memory_bytes_per_s"]), float(data["to_host_bytes_per_s"]),
+            float(data["to_device_bytes_per_s"]), source=str(data.get("source", "")),
+            **{key: data[key] for key in known if key in data},
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ tensors on the CPU: nothing of this runs here but the estimator.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -164,12 +165,23 @@ def test_a_plans_predicted_step_is_its_compute_plus_what_it_adds(measured_gpt):
 
 # -- the H100's own profile (docs/gpu-runs/2026-11-27-h100-*: op_prices and the quick selfcheck) ------
 
-H100_MEASURED = DeviceSpeeds(
-    "H100 SXM", {"fp32": 52e12, "tf32": 406e12, "bf16": 725e12, "fp16": 678e12}, 2.96e12, 51.3 * GIB, 51.4 * GIB,
-    kernel_s=GPU_TABLE["h100"].kernel_s, host_op_s=GPU_TABLE["h100"].host_op_s, hopper=True,
-    source="measured on an H100 80GB HBM3 at the start of benchmarks/op_prices.py",
-)  # fmt: skip
+H100_SPEEDS_JSON = Path(__file__).resolve().parent.parent / "docs" / "gpu-runs" / "2026-11-27-h100-speeds.json"
+H100_MEASURED = DeviceSpeeds.from_dict(json.loads(H100_SPEEDS_JSON.read_text()))
 """What ``measure_device_speeds`` gave on the H100 of the 2026-11-27 runs."""
+
+
+def test_the_h100s_measured_speeds_are_read_back_as_written():
+    # benchmarks/frontier.py --gpu FILE prices with them on any machine; the file is to_dict()'s.
+    assert (H100_MEASURED.matmul_flops_per_s, H100_MEASURED.memory_bytes_per_s) == (
+        {"fp32": 52e12, "tf32": 406e12, "bf16": 725e12, "fp16": 678e12}, 2.96e12,
+    )
+    assert (H100_MEASURED.to_host_bytes_per_s, H100_MEASURED.to_device_bytes_per_s) == (51.3 * GIB, 51.4 * GIB)
+    assert (H100_MEASURED.kernel_s, H100_MEASURED.host_op_s, H100_MEASURED.hopper) == (
+        GPU_TABLE["h100"].kernel_s, GPU_TABLE["h100"].host_op_s, True,
+    )
+    assert DeviceSpeeds.from_dict(H100_MEASURED.to_dict()) == H100_MEASURED
+    table_only = {key: value for key, value in GPU_TABLE["a100"].to_dict().items() if key not in ("kernel_s", "host_op_s", "hopper")}
+    assert DeviceSpeeds.from_dict(table_only) == GPU_TABLE["a100"]  # older files: the defaults
 
 
 def _blocks(first, last):

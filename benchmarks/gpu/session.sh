@@ -1,13 +1,15 @@
 #!/bin/bash
 # One lent GPU, about fifteen minutes in all: the quick selfcheck first (its report is committed
 # under docs/gpu-runs/), then the per-op price comparison. `warm48` (second call) is the 48 GiB warm start.
-# Run from the checkout: bash benchmarks/gpu/session.sh [all|warm48]. Writes under $OUT.
+# `frontier`: the quick selfcheck, then every frontier row's plan measured (planned on the CPU
+# beforehand: benchmarks/gpu/frontier-plans-h100.json), within `LIMIT` seconds in all (default 560).
+# Run from the checkout: bash benchmarks/gpu/session.sh [all|warm48|frontier]. Writes under $OUT.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lightmem-gpu}
 mkdir -p "$OUT"
 what=${1:-all}
-if [ "$what" = all ]; then
+if [ "$what" = all ] || [ "$what" = frontier ]; then
   {
     nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
     echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>&1)"
@@ -15,6 +17,17 @@ if [ "$what" = all ]; then
     python3 -c "import torch, lightning, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'lightning', lightning.__version__, 'transformers', transformers.__version__)"
   } > "$OUT/machine.txt" 2>&1
   cat "$OUT/machine.txt"
+fi
+if [ "$what" = frontier ]; then
+  limit=${LIMIT:-560}
+  timeout $((limit - 200)) python3 -m lightmem.selfcheck --quick --output "$OUT/quick.md" > "$OUT/quick.log" 2>&1
+  echo "selfcheck exit $? after ${SECONDS} s"; grep -a -E "Verdict|^lightmem selfcheck|section" "$OUT/quick.log" | tail -n 20
+  left=$((limit - SECONDS - 15))
+  timeout $left python3 benchmarks/frontier.py --measure --plans benchmarks/gpu/frontier-plans-h100.json \
+    --models gpt gpt2 resnet50 --time-limit-s $((left - 60)) --json-out "$OUT/frontier.json" > "$OUT/frontier.txt" 2>&1
+  echo "frontier exit $? after ${SECONDS} s"; grep -v '^{' "$OUT/frontier.txt" | cut -c1-250 | tail -n 60
+fi
+if [ "$what" = all ]; then
   timeout 560 python3 -m lightmem.selfcheck --quick --output "$OUT/quick.md" > "$OUT/quick.log" 2>&1
   echo "selfcheck exit $?"; grep -a -E "Verdict|^lightmem selfcheck|section" "$OUT/quick.log" | tail -n 20
   timeout 120 python3 benchmarks/op_prices.py --measure --json-out "$OUT/op_prices.json" > "$OUT/op_prices.txt" 2>&1
