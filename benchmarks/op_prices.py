@@ -12,7 +12,15 @@ so a mispriced class shows up as a column of ratios rather than one step-time er
 
 Models: the GPT of the GPU runs (16 pre-norm blocks, dim 1024, 16 heads, 1024 tokens, vocab 32000,
 SDPA) at batch 8, bf16 autocast, fused AdamW; ResNet-50 (torchvision's layout, 224 x 224) at batch
-64, fp32, SGD with momentum.
+64, fp32, SGD with momentum; GPT-2 from ``transformers.GPT2Config()`` at batch 3 (the frontier's
+reference batch under 8 GiB), bf16 autocast, AdamW.
+
+The last row compares the host's time to issue one step (from a synchronised device to the step's
+return, the median of the timed steps) with the price of it (``host_op_s`` per priced op): a step
+whose host time reaches its device time is bound by the host, and its device time per op is then
+not what decides it. On the H100 GPT-2's frontier rows ran 1.2-2.2x their device prices with
+steps that varied by 20% (docs/gpu-runs/2026-11-27-h100-frontier.txt): this row says whether the
+host is why.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,7 +75,25 @@ def _resnet_case(batch: int = 64) -> dict[str, Any]:
     }  # fmt: skip
 
 
-CASES: dict[str, Callable[[], dict[str, Any]]] = {"gpt": _gpt_case, "resnet50": _resnet_case}
+def _gpt2_case(batch: int = 3) -> dict[str, Any]:
+    import transformers
+    import torch.nn.functional as F
+
+    transformers.logging.set_verbosity_error()
+
+    def loss_fn(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=ids).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    return {
+        "title": f"GPT-2 (transformers.GPT2Config()), batch {batch}, bf16 autocast, AdamW",
+        "model": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config()), "loss_fn": loss_fn,
+        "optimizer": torch.optim.AdamW, "precision": "bf16-mixed",
+        "batch": lambda device: torch.randint(0, 50257, (batch, 1024), device=device),
+    }  # fmt: skip
+
+
+CASES: dict[str, Callable[[], dict[str, Any]]] = {"gpt": _gpt_case, "resnet50": _resnet_case, "gpt2": _gpt2_case}
 
 
 def predicted(case: dict[str, Any], gpu: Any) -> dict[str, Any]:
@@ -81,6 +108,8 @@ def predicted(case: dict[str, Any], gpu: Any) -> dict[str, Any]:
         "ops": {name: seconds for name, (seconds, _) in estimate.op_seconds.items()},
         "calls": {name: calls for name, (_, calls) in estimate.op_seconds.items()},
         "step_s": estimate.scenarios["baseline"].step_seconds,
+        "host_s": sum(calls for _, calls in estimate.op_seconds.values()) * estimate.speeds.host_op_s
+        if estimate.speeds is not None else 0.0,  # the host launches each priced op
         "speeds": estimate.speeds.describe() if estimate.speeds is not None else "",
     }
 
@@ -106,6 +135,13 @@ def measured(case: dict[str, Any], steps: int = 5, profiled: int = 2) -> dict[st
     for _ in range(3):
         step()
     times = [cuda_seconds(step) for _ in range(steps)]
+    host = []
+    for _ in range(steps):
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - started)
+    torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         for _ in range(profiled):
             step()
@@ -121,7 +157,7 @@ def measured(case: dict[str, Any], steps: int = 5, profiled: int = 2) -> dict[st
             ops[event.key.removeprefix("aten::")] = micro / 1e6 / profiled
     del model, optimizer, batch
     torch.cuda.empty_cache()
-    return {"ops": ops, "step_s": statistics.median(times), "steps_s": times}
+    return {"ops": ops, "step_s": statistics.median(times), "steps_s": times, "host_s": statistics.median(host)}
 
 
 def rows(prediction: dict[str, Any], measurement: dict[str, Any] | None) -> list[list[str]]:
@@ -143,6 +179,8 @@ def rows(prediction: dict[str, Any], measurement: dict[str, Any] | None) -> list
                    sum(seen.values()) if measurement else None, sum(prediction["calls"].values())))  # fmt: skip
     out.append(row("the step (predicted / measured wall)", prediction["step_s"],
                    measurement["step_s"] if measurement else None, ""))  # fmt: skip
+    out.append(row("the host issuing the step (priced / measured)", prediction["host_s"],
+                   measurement["host_s"] if measurement else None, ""))  # fmt: skip
     return out
 
 
