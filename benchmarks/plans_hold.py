@@ -140,6 +140,8 @@ def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
     forwards: list[int] = []
     times: list[float] = []
     priced: list[float] = []  # the plan's predicted step at each step (a re-plan changes it)
+    plans: list[dict[str, Any]] = []  # each plan in effect, from the step it was first applied at
+    reasons: list[str] = []  # why plan="auto" planned again, as it said
 
     class Timer(pl.Callback):
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -151,6 +153,11 @@ def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
             times.append(time.perf_counter() - self.started)
             chosen = callback.chosen_plan
             priced.append(chosen.step_seconds if chosen is not None else 0.0)
+            auto = callback.fit_session.auto_plan if callback.fit_session is not None else None
+            if chosen is not None and (not plans or plans[-1]["plan"] != chosen.parts()):
+                plans.append({"from_step": batch_idx, "plan": chosen.parts(), "predicted_s": chosen.step_seconds})
+            if auto is not None and auto.replan_reason and auto.replan_reason not in reasons:
+                reasons.append(auto.replan_reason)  # the next batch is planned again for this
 
     module = gpt_module()
     original = module.training_step
@@ -184,7 +191,7 @@ def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
         "predicted_steps_s": priced, "steady_s": final_plan_steady(times, priced),
         "measured_allocated": stats.get("allocated_bytes.all.peak", 0),
         "measured_reserved": stats.get("reserved_bytes.all.peak", 0),
-        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "alloc_retries": stats.get("num_alloc_retries", 0), "plans": plans, "replan_reasons": reasons,
     }  # fmt: skip
     if outcome.startswith("refused"):
         row["refusal"] = refusal
@@ -217,6 +224,25 @@ def replans(priced: list[float]) -> str:
     ``plan="auto"`` plans again when a block's measured forward is off its price."""
     after = [str(step - 1) for step in range(1, len(priced)) if priced[step] != priced[step - 1]]
     return f"after step {', '.join(after)}" if after else "-"
+
+
+def replan_lines(row: dict[str, Any]) -> list[str]:
+    """For a fit that planned again: each plan it ran, from which step, its predicted and measured
+    steps (median of its steps after its first), and the reasons ``plan="auto"`` gave."""
+    plans = row.get("plans") or []
+    if len(plans) < 2:
+        return []
+    times, lines = row.get("step_times_s") or [], []
+    for index, tried in enumerate(plans):
+        end = plans[index + 1]["from_step"] if index + 1 < len(plans) else len(times)
+        own = times[tried["from_step"] : end]
+        steady = statistics.median(own[1:] or own) if own else None
+        lines.append(
+            f"- batch {row['batch']}, steps {tried['from_step']}-{end - 1}: {'; '.join(tried['plan']) or 'nothing'}, "
+            f"predicted {format_seconds(tried['predicted_s'])}, measured {format_seconds(steady) if steady else '-'}"
+        )
+    lines += [f"- batch {row['batch']}: planned again because {reason}" for reason in row.get("replan_reasons") or []]
+    return lines
 
 
 def measure(
@@ -288,6 +314,9 @@ def markdown(result: dict[str, Any]) -> str:
     refusals = [f"- batch {row['batch']}: {row['refusal']}" for row in result["rows"] if row.get("refusal")]
     if refusals:
         lines += ["", "Refusals:", "", *refusals]
+    replanned = [line for row in result["rows"] for line in replan_lines(row)]
+    if replanned:
+        lines += ["", "Planned again:", "", *replanned]
     verdict = "every accepted batch trained, every other refused before its forward" if not bad else "; ".join(bad)
     lines += ["", f"**Verdict:** {verdict}", ""]
     return "\n".join(lines)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from plans_hold import final_plan_steady, markdown, replans  # noqa: E402
+from plans_hold import final_plan_steady, markdown, replan_lines, replans  # noqa: E402
 
 
 def test_the_steady_step_is_the_last_plans_after_its_first_step():
@@ -29,3 +29,25 @@ def test_the_report_says_after_which_steps_the_plan_changed():
     }  # fmt: skip
     text = markdown({"cap": "16GiB", "device": "GPU", "predicted_reference": 8, "reference_trials": {"8": True}, "rows": [row]})
     assert "| 16 (2x) | trained | checkpoint blocks.0-8 | 1.00 GiB / 2.00 GiB | 1.00 GiB / 2.00 GiB | 0 | 500.0 ms | 90.0 ms | 100.0 ms (0.90x) | after step 3 |" in text
+
+
+def test_the_report_shows_each_plan_a_fit_ran_and_why_it_planned_again():
+    # The H100's third run re-planned batch 16 after step 3 into a plan that measured 105 ms where the
+    # second run's measured 87 ms: the report must show both plans and the reason plan="auto" gave.
+    row = {
+        "batch": 16, "multiple": 2, "outcome": "trained", "step_times_s": [0.5, 0.09, 0.088, 0.09, 0.4, 0.105, 0.104],
+        "plans": [
+            {"from_step": 0, "plan": ["checkpoint blocks.0-8 (Block)"], "predicted_s": 0.091},
+            {"from_step": 4, "plan": ["checkpoint blocks.9-15 (Block)", "offload lm_head (Linear)"], "predicted_s": 0.1029},
+        ],
+        "replan_reasons": ["block blocks.12's forward measured 3.1 ms, 1.31x its priced 2.4 ms"],
+    }  # fmt: skip
+    assert replan_lines(row) == [
+        "- batch 16, steps 0-3: checkpoint blocks.0-8 (Block), predicted 91.0 ms, measured 90.0 ms",
+        "- batch 16, steps 4-6: checkpoint blocks.9-15 (Block); offload lm_head (Linear), predicted 102.9 ms, measured 104.5 ms",
+        "- batch 16: planned again because block blocks.12's forward measured 3.1 ms, 1.31x its priced 2.4 ms",
+    ]
+    assert replan_lines({**row, "plans": row["plans"][:1]}) == []
+    result = {"cap": "16GiB", "device": "GPU", "predicted_reference": 8, "reference_trials": {"8": True},
+              "rows": [{**row, "measured_allocated": 1, "measured_reserved": 1, "alloc_retries": 0}]}  # fmt: skip
+    assert "\nPlanned again:\n\n- batch 16, steps 0-3:" in markdown(result)
