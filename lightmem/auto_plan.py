@@ -26,8 +26,9 @@ measured pace. Before that, in the same steps, each block's forward is timed wit
 (``BlockTimer``; not in a compiled model, whose hooks would recompile it): a block kept on the device
 or checkpointed whose forward is off its price by more than ``REPLAN_MARGIN`` is priced as measured
 from then on (``DeviceSpeeds.block_scale``, scaling its forward, backward and re-run), and the next
-batch is planned again. Offloaded blocks are not held to their price: their forward may wait for the
-link, which the plan prices apart.
+batch is planned again. Offloaded blocks are not timed: their forward may wait for the link, which the
+plan prices apart. Twins (repeated blocks of one class priced alike) are held together: the median
+of the timed ones prices them all, untimed ones included.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 import functools
 import statistics
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,7 +55,7 @@ from lightmem.estimate import Plan
 from lightmem.estimate.batch import batch_shapes
 from lightmem.devices import DeviceSpeeds
 from lightmem.compiled import holds_compiled_modules
-from lightmem.estimate.report import format_seconds
+from lightmem.estimate.report import BlockMemory, format_seconds
 from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.step_time import CHECKPOINT, KEEP
 
@@ -156,6 +158,18 @@ def no_fit_message(chosen: Plan, shapes: Shapes, largest: int | None, batch_size
         )  # fmt: skip
     parts.append(". Training stopped before this batch's forward: lower the batch size, or raise device_budget.")
     return "".join(parts)
+
+
+def twins(blocks: Mapping[str, BlockMemory]) -> dict[str, tuple[str, ...]]:
+    """Each block's group of twins, itself included: repeated blocks of one class whose forwards are
+    priced alike and save the same bytes compute alike (the first one's backward may differ by an op
+    or two: the forward is what the block clock times); any other block is a group of its own."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name, block in blocks.items():
+        repeated = block.repeated and block.kind
+        key = (block.kind, float(f"{block.forward_s:.12g}"), block.saved_bytes) if repeated else (name,)
+        groups.setdefault(key, []).append(name)
+    return {name: tuple(group) for group in groups.values() for name in group}
 
 
 class AutoPlan:
@@ -387,30 +401,49 @@ class AutoPlan:
 
     def _reprice_blocks(self) -> None:
         """Hold each timed block's median forward against its price; those off by more than
-        ``REPLAN_MARGIN`` are priced as measured from now on, and the next batch planned again."""
+        ``REPLAN_MARGIN`` are priced as measured from now on, and the next batch planned again.
+
+        Twins (``twins``: repeated blocks of one class priced alike) compute alike, so they are
+        held together: their timed members' median over the price is the pace of every one of
+        them, those the plan did not time included (offloaded ones, whose forward may wait for the
+        link). Priced one by one, identical blocks measured in some positions and not in others
+        would look different to the planner, which would move its work to the ones measured
+        cheaper (likely why the H100's third run re-planned a GPT's batch onto blocks 3-4 and 9-15,
+        105.0 ms a step, where the second run's plan, blocks 0-8, measured 87.1 ms)."""
         assert self.plan is not None
         if self.speeds is None or not self.block_times_s or self.plan.estimate is None:
             return
         blocks = self.plan.estimate.blocks
         scale = self.speeds.block_scale
-        off: dict[str, tuple[float, float]] = {}  # name -> (measured, priced)
+        timed: dict[str, tuple[float, float]] = {}  # name -> (measured, priced now)
         for name, times in self.block_times_s.items():
             block = blocks.get(name)
-            if block is None or block.forward_s <= 0:
+            if block is not None and block.forward_s > 0:
+                timed[name] = (statistics.median(times), block.forward_s * scale.get(name, 1.0))
+        groups = twins(blocks)
+        off: dict[str, tuple[float, float]] = {}  # a timed block of each group off its price
+        new_scale: dict[str, float] = {}
+        for group in dict.fromkeys(groups[name] for name in timed):
+            members = [name for name in group if name in timed]
+            ratio = statistics.median(timed[name][0] / timed[name][1] for name in members)
+            if abs(ratio - 1) <= REPLAN_MARGIN:
                 continue
-            measured, priced = statistics.median(times), block.forward_s * scale.get(name, 1.0)
-            if abs(measured / priced - 1) > REPLAN_MARGIN:
-                off[name] = (measured, priced)
+            pace = statistics.median(timed[name][0] / blocks[name].forward_s for name in members)
+            new_scale.update(dict.fromkeys(group, min(max(pace, 0.2), 5.0)))
+            off.update((name, timed[name]) for name in members if abs(timed[name][0] / timed[name][1] - 1) > REPLAN_MARGIN)
+            if not any(name in off for name in members):  # the group's median is off, no one member
+                off[members[0]] = timed[members[0]]
         if not off:
             return
-        new_scale = {name: min(max(m / blocks[name].forward_s, 0.2), 5.0) for name, (m, _) in off.items()}
-        self.speeds = self.speeds.with_block_scale(new_scale, f"{len(off)} block(s) priced at their measured forward")
+        self.speeds = self.speeds.with_block_scale(new_scale, f"{len(new_scale)} block(s) priced at their measured forward")
         worst = max(off, key=lambda name: max(off[name][0] / off[name][1], off[name][1] / off[name][0]))
         measured, priced = off[worst]
         others = f" and {len(off) - 1} more off by more than {REPLAN_MARGIN:.0%}" if len(off) > 1 else ""
+        untimed = len(new_scale) - len([name for name in new_scale if name in timed])
+        alike = f"; {untimed} untimed twin(s) priced alike" if untimed else ""
         self.replan_reason = (
             f"block {worst}'s forward measured {format_seconds(measured)}, {measured / priced:.2f}x its priced "
-            f"{format_seconds(priced)}{others}: planned again with each block's compute priced as measured"
+            f"{format_seconds(priced)}{others}{alike}: planned again with each block's compute priced as measured"
         )
 
     def _time_step(self, seconds: float) -> None:
