@@ -220,7 +220,8 @@ class Planned:
     def from_dict(cls, data: dict[str, Any]) -> Planned:
         rows = [
             FrontierRow(row["batch_size"], row["label"], row["fits"], row["plan"], row["predicted_total_bytes"],
-                        row["step_seconds"], row["floor_seconds"], row["reference_per_sample_seconds"])
+                        row["step_seconds"] or 0.0, row["floor_seconds"] or 0.0,  # None: does not fit
+                        row["reference_per_sample_seconds"])
             for row in data["rows"]
         ]  # fmt: skip
         kwargs = {row["batch_size"]: row["lightmem_kwargs"] for row in data["rows"] if row["lightmem_kwargs"] is not None}

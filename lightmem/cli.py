@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--batch-size", type=int, required=True, help="batch size passed to the factory")
     estimate.add_argument(
         "--budget",
-        help="device memory to fit, e.g. 24GiB (--plan and --max-batch-size without it, with a CUDA --device: "
-        f"what that GPU can give this process now, less {FRAGMENTATION_MARGIN:.0%}% for fragmentation)",  # %%: argparse
+        help="device memory to fit, e.g. 24GiB (--plan, --max-batch-size and --frontier without it, with a "
+        f"CUDA --device: what that GPU can give this process now, less {FRAGMENTATION_MARGIN:.0%}% "  # %%: argparse
+        "for fragmentation)",
     )
     estimate.add_argument(
         "--optimizer",
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="POLICY",
         help="what checkpointed blocks keep: full (their inputs, default) or save_matmuls (also matmul, "
-        "convolution and attention outputs); needs --checkpoint or --plan",
+        "convolution and attention outputs); needs --checkpoint, --plan or --frontier",
     )
     estimate.add_argument("--offload", action="store_true", help="simulate lightmem's activation offload")
     estimate.add_argument("--offload-min-bytes", default=None, help="offload threshold (default 1MiB)")
@@ -178,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     estimate.add_argument(
         "--link-bytes-per-s", default=None, metavar="SIZE",
-        help="host link speed per second, each way, that --plan prices transfers at (default: the --gpu's own)",
+        help="host link speed per second, each way, that --plan and --frontier price transfers at (default: the "
+        "--gpu's own)",
     )  # fmt: skip
     estimate.add_argument(
         "--frontier", action="store_true",
@@ -229,7 +231,10 @@ def _check_flags(args: argparse.Namespace) -> _Flags:
         offload_flags = {"min_bytes": args.offload_min_bytes, "include": args.offload_include, "exclude": args.offload_exclude}
         given = {name: value for name, value in offload_flags.items() if value is not None}
         offload = OffloadSettings.for_estimate(spelling=CLI, **given)
-    checkpoint = CheckpointSettings.parse(args.checkpoint, None, args.checkpoint_policy, spelling=CLI, planned=args.plan)
+    planned = args.plan or args.frontier  # these plan: --checkpoint-policy and --link-bytes-per-s serve them
+    checkpoint = CheckpointSettings.parse(
+        args.checkpoint, None, args.checkpoint_policy, spelling=CLI, planned=planned, planners=("plan", "frontier")
+    )
     optimizer_offload = None
     device_dtype = args.offload_optimizer_device_dtype
     if args.offload_optimizer:
@@ -238,23 +243,26 @@ def _check_flags(args: argparse.Namespace) -> _Flags:
     elif device_dtype is not None:
         reject_without_partner(CLI, "device_dtype", "--offload-optimizer", "add --offload-optimizer")
     if args.link_bytes_per_s is not None:  # validated here under its own name; plan() takes the text
-        if not args.plan:
-            reject_without_partner(CLI, "link_bytes_per_s", "--plan", "add --plan")
+        if not planned:
+            reject_without_partner(CLI, "link_bytes_per_s", "--plan or --frontier", "add one of them")
         PlanPrices.parse(flops_per_s=None, link_bytes_per_s=args.link_bytes_per_s, spelling=CLI)
     return _Flags(offload, checkpoint, optimizer_offload)
 
 
 def _measured_budget(args: argparse.Namespace) -> DeviceBudget | None:
-    """Without ``--budget``, ``--plan`` and ``--max-batch-size`` plan for what this machine's device
-    can give (the rule of ``LightMem(plan="auto")``); None when a budget was given or not needed.
+    """Without ``--budget``, ``--plan``, ``--max-batch-size`` and ``--frontier`` plan for what this
+    machine's device can give (the rule of ``LightMem(plan="auto")``); None when a budget was given or
+    not needed.
 
     Raises:
         ValueError: no ``--budget`` and ``--device`` is not a CUDA device here to measure.
     """
-    if args.budget is not None or not (args.plan or args.max_batch_size or args.frontier):
+    needing = [flag for flag, given in (("--plan", args.plan), ("--max-batch-size", args.max_batch_size),
+               ("--frontier", args.frontier)) if given]  # fmt: skip
+    if args.budget is not None or not needing:
         return None
     memory = memory_to_measure(
-        torch.device(args.device), flag="--plan" if args.plan else "--max-batch-size", budget_flag="--budget",
+        torch.device(args.device), flag=needing[0], budget_flag="--budget",
         subject="it", device_named="--device", example="--budget 24GiB",
     )  # fmt: skip
     return measure_device_budget(memory)
@@ -308,7 +316,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.frontier:
         found_frontier = frontier(
             model, batch, budget, loss_fn, offload=flags.offload, **({"checkpoint_policy": policy}
-            if flags.checkpoint.policy_given else {}), **common,
+            if flags.checkpoint.policy_given else {}), **common, **link,
         )  # fmt: skip
         output["frontier"] = found_frontier.to_dict()
     if args.json:

@@ -607,9 +607,10 @@ class CheckpointSettings:
     @classmethod
     def parse(
         cls, targets: Any = None, every_n: int | None = None, policy: Any = None, *,
-        spelling: Spelling = APPLY_CHECKPOINTING, planned: bool = False,
+        spelling: Spelling = APPLY_CHECKPOINTING, planned: bool = False, planners: tuple[str, ...] = ("plan",),
     ) -> CheckpointSettings:  # fmt: skip
-        """``every_n`` and ``policy`` need ``targets`` (``policy`` also serves a plan: ``planned``)."""
+        """``every_n`` and ``policy`` need ``targets`` (``policy`` also serves a plan: ``planned``;
+        ``planners`` names the fields that plan, for the error without any of them)."""
         flag = spelling.flag
         settings = cls(
             targets=None if targets is None else parse_checkpoint_targets(targets, flag=flag("targets")),
@@ -622,7 +623,8 @@ class CheckpointSettings:
             if every_n is not None:
                 reject_without_partner(spelling, "every_n", flag("targets"), "name the blocks to checkpoint")
             if policy is not None and not planned:
-                partner = f"{flag('targets')} or {flag('plan')}"
+                *first, last = [flag(name) for name in ("targets", *planners)]
+                partner = f"{', '.join(first)} or {last}"
                 reject_without_partner(spelling, "policy", partner, "name the blocks to checkpoint")
         return settings
 

@@ -79,6 +79,15 @@ def test_errors_name_the_command_line_flag_not_the_python_argument(capsys, flags
     assert "(budget=" not in err and "offload=...)" not in err and "checkpoint=...)" not in err
 
 
+def test_link_speed_without_plan_or_frontier_names_both(capsys):
+    argv = ["examples.estimate_factories:tiny_gpt", "--batch-size", "2", "--budget", "64MiB", "--device", "cpu"]
+    assert main(["estimate", *argv, "--max-batch-size", "--link-bytes-per-s", "12GB"]) == 2
+    assert capsys.readouterr().err == (
+        "lightmem estimate: error: --link-bytes-per-s: has no effect without --plan or --frontier; add one of "
+        "them or leave --link-bytes-per-s unset\n"
+    )
+
+
 def test_version_prints_the_package_version(capsys):
     import lightmem
 

@@ -267,7 +267,7 @@ def test_cli_link_speed_needs_plan(capsys, monkeypatch):
     argv = ["estimate", "examples.estimate_factories:tiny_gpt", "--batch-size", "2", "--budget", "64MiB"]
     assert main([*argv, "--max-batch-size", "--link-bytes-per-s", "12GB"]) == 2
     assert (
-        "--link-bytes-per-s: has no effect without --plan; add --plan or leave --link-bytes-per-s unset"
+        "--link-bytes-per-s: has no effect without --plan or --frontier; add one of them or leave --link-bytes-per-s unset"
         in capsys.readouterr().err
     )
     assert main([*argv, "--plan", "--link-bytes-per-s", "0"]) == 2

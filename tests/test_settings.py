@@ -213,8 +213,8 @@ def test_cli_plan_json_reports_the_settings_it_searched_under_equal_to_the_flags
     [
         (
             ["--checkpoint-policy", "save_matmuls"],
-            "lightmem estimate: error: --checkpoint-policy: has no effect without --checkpoint or --plan; name the "
-            "blocks to checkpoint or leave --checkpoint-policy unset\n",
+            "lightmem estimate: error: --checkpoint-policy: has no effect without --checkpoint, --plan or --frontier; "
+            "name the blocks to checkpoint or leave --checkpoint-policy unset\n",
         ),
         (
             ["--checkpoint", "blocks.*", "--checkpoint-policy", "matmuls"],

@@ -103,6 +103,14 @@ def inspect_batch(batch: Any) -> BatchInfo:
     return BatchInfo(batch_size, nbytes, tuple(sparse), tuple(sorted(set(lengths))))
 
 
+def scalable_batch(batch: Any, *, flag: str) -> BatchInfo:
+    """``inspect_batch`` for a search over batch sizes: a batch with no batch dimension is refused."""
+    info = inspect_batch(batch)
+    if info.batch_size is None:
+        raise ValueError(f"{flag}: the batch holds no tensor with a batch dimension to scale")
+    return info
+
+
 CHECK_PIECE_SHARE = 100
 """The check reads a tensor in pieces of at most 1/CHECK_PIECE_SHARE of its elements, so what it
 allocates (masks, per-row counts) stays a few percent of the batch, never a copy of it."""

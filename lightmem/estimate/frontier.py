@@ -12,6 +12,7 @@ of what to move: a plan at the floor hides everything it moves.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,11 +21,14 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes, parse_size
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes, parse_count
 from lightmem.devices import DeviceSpeeds
+from lightmem.estimate.batch import scalable_batch
+from lightmem.estimate.configuration import parse_settings
 from lightmem.estimate.planner import AUTO_POLICY, plan
 from lightmem.estimate.report import Plan, format_seconds, static_part
 from lightmem.estimate.search import max_batch_size
+from lightmem.estimate.settings import parse_planned_offload
 from lightmem.estimate.step_time import CHECKPOINT, Costs, recompute_s, saves_bytes
 from lightmem.tables import format_table
 
@@ -42,6 +46,8 @@ class FrontierRow:
     plan: str
     """The plan in words (``Plan.parts``), "nothing" when lightmem is not needed."""
     predicted_total_bytes: int
+    """What the allocator reserves at the step's peak plus the overhead allowance: what the budget is
+    compared with (the table's "total"); for a row that does not fit, the closest configuration's."""
     step_s: float
     floor_s: float
     reference_per_sample_s: float
@@ -64,12 +70,15 @@ class FrontierRow:
         return self.floor_per_sample_s / self.reference_per_sample_s if self.reference_per_sample_s else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "batch_size": self.batch_size, "label": self.label, "fits": self.fits, "plan": self.plan,
-            "predicted_total_bytes": self.predicted_total_bytes, "step_seconds": self.step_s,
-            "per_sample_seconds": self.per_sample_s, "vs_reference": self.vs_reference,
+        """The row, JSON-ready; a row that does not fit has no step to time: its times are None."""
+        times = {
+            "step_seconds": self.step_s, "per_sample_seconds": self.per_sample_s, "vs_reference": self.vs_reference,
             "floor_seconds": self.floor_s, "floor_per_sample_seconds": self.floor_per_sample_s,
             "floor_vs_reference": self.floor_vs_reference,
+        }  # fmt: skip
+        return {
+            "batch_size": self.batch_size, "label": self.label, "fits": self.fits, "plan": self.plan,
+            "predicted_total_bytes": self.predicted_total_bytes, **(times if self.fits else dict.fromkeys(times)),
         }  # fmt: skip
 
 
@@ -101,7 +110,7 @@ class Frontier:
 
     def to_text(self) -> str:
         """The frontier as a table: one row per batch size."""
-        headers = ["batch", "", "plan", "peak", "step", "per sample", "vs reference", "floor / sample", "floor vs ref"]
+        headers = ["batch", "", "plan", "total", "step", "per sample", "vs reference", "floor / sample", "floor vs ref"]
         rows = [
             [
                 str(row.batch_size), row.label, row.plan if row.fits else f"does not fit (closest: {row.plan})",
@@ -121,6 +130,20 @@ class Frontier:
 
     def print(self) -> None:
         print(self.to_text(), end="")
+
+
+def labelled_batches(reference: int, multiples: Sequence[float]) -> dict[int, str]:
+    """Batch size -> label (``"1.5x"``) for ``multiples`` of ``reference``, by size: each multiple's
+    batch is ``reference * multiple`` rounded half up, at least 1; a batch that several multiples
+    give is labelled by the one nearest its own ratio to ``reference`` (the smaller on a tie), so
+    with a reference of 1, 1.5x and 2x are one row, batch 2, labelled "2x"."""
+    given: dict[int, list[float]] = {}
+    for multiple in multiples:
+        given.setdefault(max(1, math.floor(reference * multiple + 0.5)), []).append(multiple)
+    return {
+        size: f"{min(near, key=lambda multiple: (abs(multiple - size / reference), multiple)):g}x"
+        for size, near in sorted(given.items())
+    }
 
 
 def floor_seconds(chosen: Plan) -> float:
@@ -175,6 +198,10 @@ def floor_seconds(chosen: Plan) -> float:
     return best if best != float("inf") else chosen.step_seconds
 
 
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def frontier(
     model: nn.Module,
     batch: Any,
@@ -188,6 +215,8 @@ def frontier(
     gpu: str | DeviceSpeeds = "auto",
     overhead_bytes: int | str | None = None,
     zero_grad: str = "after_forward",
+    flops_per_s: float | None = None,
+    link_bytes_per_s: int | str | None = None,
     offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
     checkpoint_policy: CheckpointPolicyArg = AUTO_POLICY,
     offload_optimizer: bool | OptimizerOffloadSettings = False,
@@ -195,43 +224,57 @@ def frontier(
 ) -> Frontier:
     """For batch ``multiples`` of the largest batch without lightmem, and the largest batch any plan
     fits, the best plan's predicted time per sample against that reference and against the floor
-    this device allows (module docstring). Arguments as for :func:`lightmem.plan`;
-    ``checkpoint_policy`` defaults to ``"auto"`` (the planner chooses).
+    this device allows (module docstring). Arguments as for :func:`lightmem.plan` (its prices
+    ``flops_per_s`` and ``link_bytes_per_s`` included: every row and its floor are priced at them);
+    ``checkpoint_policy`` defaults to ``"auto"`` (the planner chooses). A multiple's batch and its
+    label: :func:`labelled_batches` (with a reference of 3, 1.5x is batch 5).
 
     Returns:
         A :class:`Frontier`: ``print()`` for the table, ``to_dict()`` for programs.
 
     Raises:
-        ValueError: a bad argument, or a batch without a batch dimension to scale.
+        ValueError: a bad argument, or a batch without a batch dimension to scale, named as
+            ``frontier(argument=...)`` before any search.
     """
     started = time.perf_counter()
-    if not multiples or any(not isinstance(m, (int, float)) or m <= 0 for m in multiples):
+    if not multiples or not all(map(_positive_number, multiples)):
         raise ValueError(f"frontier(multiples=...): expected positive numbers; got {multiples!r}")
+    searched_policy = "full" if checkpoint_policy == AUTO_POLICY else checkpoint_policy
+    settings = parse_settings(
+        "frontier", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=searched_policy,
+        gpu=gpu, offload_optimizer=offload_optimizer, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
+    )  # fmt: skip
+    parse_count(limit, flag="frontier(limit=...)")
+    searched = parse_planned_offload(offload, flag="frontier(offload=...)")
+    scalable_batch(batch, flag="frontier(batch=...)")
+    budget_bytes = settings.budget_bytes
+    assert budget_bytes is not None
+    # The offload settings as parsed here, so that an error found later (a pattern that matches no
+    # module) names frontier's argument; None and False stay as given: the planner reads them apart.
     common: dict[str, Any] = {
         "optimizer": optimizer, "precision": precision, "device": device, "gpu": gpu,
-        "overhead_bytes": overhead_bytes, "zero_grad": zero_grad, "offload": offload,
-        "offload_optimizer": offload_optimizer,
+        "overhead_bytes": overhead_bytes, "zero_grad": zero_grad, "flops_per_s": flops_per_s,
+        "link_bytes_per_s": link_bytes_per_s, "offload": offload if searched is None else searched,
+        "offload_optimizer": settings.optimizer_offload or False,
     }  # fmt: skip
-    searched_policy = "full" if checkpoint_policy == AUTO_POLICY else checkpoint_policy
     search = max_batch_size(
-        model, batch, budget, loss_fn, plan=True, limit=limit, checkpoint_policy=searched_policy, **common
+        model, batch, budget_bytes, loss_fn, plan=True, limit=limit, checkpoint_policy=searched_policy, **common
     )
-    budget_bytes = parse_size(budget, flag="frontier(budget=...)")
     reference = max(search.baseline, 1)
-    sizes: dict[int, str] = {}
-    for multiple in sorted(multiples):
-        size = max(1, round(reference * multiple))
-        sizes.setdefault(size, f"{multiple:g}x")
+    sizes = labelled_batches(reference, multiples)
     largest = search.planned or 0
     if largest and largest not in sizes:
         sizes[largest] = "largest"
     result = Frontier(budget_bytes, search.baseline, largest)
-    reference_plan = plan(model, batch, budget, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=reference, **common)
+    reference_plan = plan(
+        model, batch, budget_bytes, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=reference, **common
+    )
     reference_per_sample = reference_plan.step_seconds / reference
     result.speeds = reference_plan.speeds
     for size in sorted(sizes):
         found = reference_plan if size == reference else plan(
-            model, batch, budget, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=size, **common
+            model, batch, budget_bytes, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=size, **common
         )  # fmt: skip
         result.plans[size] = found
         parts = "; ".join(found.parts()) or "nothing"

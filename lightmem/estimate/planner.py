@@ -62,7 +62,7 @@ from lightmem.estimate.report import (
     policy_name,
     static_part,
 )
-from lightmem.estimate.settings import parse_offload
+from lightmem.estimate.settings import parse_offload, parse_planned_offload
 from lightmem.estimate.step import ROOT_BLOCK, StepTrace, dominant_part
 from lightmem.estimate.step_time import (
     BOTH,
@@ -757,11 +757,7 @@ def plan_space(
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
         offload_optimizer=offload_optimizer, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
     )  # fmt: skip
-    offload_settings = parse_offload(True if offload is None else offload, flag=f"{fn_name}(offload=...)")
-    if offload_settings is not None and offload_settings.include is not None:
-        raise ValueError(
-            f"{offload_settings.flag('include')}: the plan chooses the modules to offload itself; leave it unset"
-        )
+    offload_settings = parse_planned_offload(True if offload is None else offload, flag=f"{fn_name}(offload=...)")
     info = inspect_batch(batch)
     base, baseline = build_report(model, batch, settings, info, None, None, batch_size=batch_size)
     costs = costs_for(settings, baseline, offload_settings)

@@ -19,7 +19,7 @@ from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings
-from lightmem.estimate.batch import inspect_batch
+from lightmem.estimate.batch import scalable_batch
 from lightmem.estimate.configuration import parse_settings, run_configuration
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.planner import plan_space
@@ -201,11 +201,7 @@ def max_batch_size(
         raise ValueError(f"max_batch_size(limit=...): expected a positive int; got {limit!r}")
     offload_config = parse_offload(offload, flag="max_batch_size(offload=...)")
     targets = parse_checkpoint(checkpoint, flag="max_batch_size(checkpoint=...)")
-    info = inspect_batch(batch)
-    if info.batch_size is None:
-        raise ValueError(
-            "max_batch_size(batch=...): the batch holds no tensor with a batch dimension to scale"
-        )
+    info = scalable_batch(batch, flag="max_batch_size(batch=...)")
     budget_bytes = settings.budget_bytes
     assert budget_bytes is not None
 

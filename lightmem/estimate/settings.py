@@ -137,6 +137,17 @@ def parse_offload(
     return OffloadSettings.for_estimate(spelling=Spelling(flag, style="key"), **value)
 
 
+def parse_planned_offload(
+    value: bool | Mapping[str, Any] | OffloadSettings | None, *, flag: str
+) -> OffloadSettings | None:
+    """``parse_offload`` for a function that plans (``plan``, ``frontier``): the plan chooses the
+    modules to offload, so an ``include`` is refused."""
+    settings = parse_offload(value, flag=flag)
+    if settings is not None and settings.include is not None:
+        raise ValueError(f"{settings.flag('include')}: the plan chooses the modules to offload itself; leave it unset")
+    return settings
+
+
 def parse_checkpoint(value: Iterable[str | type] | str | None, *, flag: str) -> tuple[str | type, ...] | None:
     """Checkpoint targets as ``apply_checkpointing`` takes them (names, classes, globs); None: none."""
     return None if value is None else parse_checkpoint_targets(value, flag=flag)
