@@ -31,6 +31,22 @@ def _page_locking_ends_with_its_test(monkeypatch):
             thread.join(timeout=30)
 
 
+@pytest.fixture(autouse=True)
+def _allocator_settings_end_with_their_test():
+    """The allocator settings a test sets, or a benchmark's ``main()`` it calls
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, as plan="auto" sets them), end with it:
+    the estimator reads them, so a later test in the same process would plan for expandable
+    segments it never asked for (``test_optimizer_offload_estimate`` found 175 images where 151 fit)."""
+    names = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def run_grads(model, loss_fn, context=None, autocast: bool = False, seed: int = 1234, before_backward=None):
     """One forward (inside ``context(model_copy)``) and backward on a deep copy of ``model``;
     ``before_backward()``, when given, runs between the two.
