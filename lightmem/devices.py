@@ -58,8 +58,15 @@ TABLE_EFFICIENCY = 0.70
 TABLE_MEMORY_EFFICIENCY = 0.86
 """Share of a datasheet's memory bandwidth a large device-to-device copy reaches (4.15 of 4.8 TB/s
 on an H200, bytes read plus written; about 3.0 of 3.35 on an H100)."""
-HOST_OP_S = 6e-6
-"""Host time to launch one op in eager PyTorch: a step of many small ops is bound by it."""
+HOST_OP_S = 50e-6
+"""Host time per priced op of an eager step: its launch and what the host does around it (views,
+autograd's and autocast's bookkeeping, the model's Python). A step of many small ops is bound by it.
+Measured on the H100 of 2026-11-27 (docs/gpu-runs/2026-11-27-h100-run3-frontier.txt): GPT-2 from its
+default config at batch 3 (1,002 priced ops) took 49.9 ms a step with its device work priced at
+29.6 ms, steps varying by 20% and its time per sample falling with the batch: host-bound. Every
+device-bound step measured that day stays so at this price (the 16-block GPT's 841 ops: 42 ms of
+host under 51 ms of device). It was 6 us, assumed; ``benchmarks/op_prices.py --measure`` times the
+host issuing a step beside it."""
 
 GIB = 1 << 30
 
@@ -230,11 +237,13 @@ HOPPER_NAMES = tuple(name for name, speeds in GPU_TABLE.items() if speeds.hopper
 
 CPU_SPEEDS = DeviceSpeeds(
     "CPU", {"fp32": 0.2e12, "tf32": 0.2e12, "bf16": 0.2e12, "fp16": 0.2e12}, 6.6e9, 10e9, 10e9,
-    kernel_s=1e-6, source="a generic server CPU",
+    kernel_s=1e-6, host_op_s=6e-6, source="a generic server CPU",
 )  # fmt: skip
 """A step on "cpu": its "host link" is a copy within host memory (model-state offload's copies there).
 Its memory figure is what eager CPU kernels sustain (6.25 GB/s, as priced before the GPU's
-``MEMORY_EFFICIENCY`` was measured on an H100), not a copy's bandwidth."""
+``MEMORY_EFFICIENCY`` was measured on an H100), not a copy's bandwidth. Its host price stays the
+6 us assumed before ``HOST_OP_S`` was measured on a GPU's host: on a CPU the ops run in line with the
+host, and no step there has been held against it."""
 
 
 def parse_gpu(value: Any, *, flag: str) -> str:
