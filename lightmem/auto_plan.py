@@ -430,9 +430,8 @@ class AutoPlan:
                 continue
             pace = statistics.median(timed[name][0] / blocks[name].forward_s for name in members)
             new_scale.update(dict.fromkeys(group, min(max(pace, 0.2), 5.0)))
+            # A median off the margin has a member off it too: the reason names the worst.
             off.update((name, timed[name]) for name in members if abs(timed[name][0] / timed[name][1] - 1) > REPLAN_MARGIN)
-            if not any(name in off for name in members):  # the group's median is off, no one member
-                off[members[0]] = timed[members[0]]
         if not off:
             return
         self.speeds = self.speeds.with_block_scale(new_scale, f"{len(new_scale)} block(s) priced at their measured forward")
