@@ -438,7 +438,7 @@ class AutoPlan:
         worst = max(off, key=lambda name: max(off[name][0] / off[name][1], off[name][1] / off[name][0]))
         measured, priced = off[worst]
         others = f" and {len(off) - 1} more off by more than {REPLAN_MARGIN:.0%}" if len(off) > 1 else ""
-        untimed = len(new_scale) - len([name for name in new_scale if name in timed])
+        untimed = sum(name not in timed for name in new_scale)
         alike = f"; {untimed} untimed twin(s) priced alike" if untimed else ""
         self.replan_reason = (
             f"block {worst}'s forward measured {format_seconds(measured)}, {measured / priced:.2f}x its priced "

@@ -134,6 +134,11 @@ class DeviceSpeeds:
         rates = self.matmul_flops_per_s
         return rates.get(dtype_name) or rates.get("fp32") or min(rates.values())
 
+    def host_seconds(self, priced_ops: int) -> float:
+        """The host's time to issue a step of ``priced_ops`` ops (``host_op_s`` each): the least
+        such a step takes however fast the device is."""
+        return priced_ops * self.host_op_s
+
     def op_seconds(self, kind: str, dtype_name: str, flops: float, nbytes: int) -> float:
         """One op's device time: its class's rate, never under its memory traffic or one kernel."""
         if kind == REDUCTION:

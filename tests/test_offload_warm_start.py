@@ -9,6 +9,7 @@ Threads are ordered with events (``hold_registrations``, ``waiting``), never wit
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import warnings
@@ -128,27 +129,35 @@ def test_a_huge_page_buffer_is_exactly_sized_aligned_and_outlives_its_mapping_na
     assert page_lock.host_buffer(4096, huge_pages=False).nbytes == 4096
 
 
-def test_a_request_waits_for_the_chunk_being_page_locked_instead_of_taking_pageable_memory(gpu, monkeypatch):
-    waiting = threading.Event()
+@contextlib.contextmanager
+def _registrations_held_until_asked(gpu, monkeypatch):
+    """Registrations wait inside ``cudaHostRegister`` until a request for host memory waits for a
+    chunk (``ChunkRegistrar.wait_for``): that request then waits, whatever the threads' timing."""
+    asked = threading.Event()
     wait_for = page_lock.ChunkRegistrar.wait_for
 
     def noted(self, nbytes):
-        waiting.set()
+        asked.set()
         return wait_for(self, nbytes)
 
     monkeypatch.setattr(page_lock.ChunkRegistrar, "wait_for", noted)
     gpu.runtime.hold_registrations()
-    releaser = threading.Thread(target=lambda: (waiting.wait(), gpu.runtime.release_registrations()))
+    releaser = threading.Thread(target=lambda: (asked.wait(), gpu.runtime.release_registrations()))
     releaser.start()
+    try:
+        yield
+    finally:
+        asked.set()
+        releaser.join()
+
+
+def test_a_request_waits_for_the_chunk_being_page_locked_instead_of_taking_pageable_memory(gpu, monkeypatch):
     model = _Chain()
     off = _offloader(gpu, model)
     before = page_lock.registration_stats()
-    try:
+    with _registrations_held_until_asked(gpu, monkeypatch):
         off.prepare_host(SAVES * NBYTES)
         _step(model, off)  # its first request finds the chunk still being registered
-    finally:
-        waiting.set()
-        releaser.join()
     gpu.synchronize()
     assert gpu.pageable_copies == 0
     assert page_lock.registration_stats().chunk_waits - before.chunk_waits == 1
@@ -350,30 +359,14 @@ def test_the_race_kits_step_after_a_pageable_one_waits_for_page_locking_unless_s
     # memory, so that it waits whatever the threads' timing (without, it waited in 17 runs of 18).
     from gpu import race_kit
 
-    asked = threading.Event()
-    wait_for = page_lock.ChunkRegistrar.wait_for
-
-    def noted(self, nbytes):
-        asked.set()
-        return wait_for(self, nbytes)
-
     model = _Chain()
     off = _offloader(gpu, model)
-    releaser = threading.Thread(target=lambda: (asked.wait(), gpu.runtime.release_registrations()))
-    if not settled:
-        monkeypatch.setattr(page_lock.ChunkRegistrar, "wait_for", noted)
-        gpu.runtime.hold_registrations()
-        releaser.start()
-    try:
+    with contextlib.nullcontext() if settled else _registrations_held_until_asked(gpu, monkeypatch):
         _step(model, off)  # the first step: pageable slabs
         if settled:
             race_kit.settle_host_memory(off)
         waits = race_kit.page_lock_waits()
         grads = _step(model, off)
-    finally:
-        asked.set()
-        if releaser.is_alive():
-            releaser.join()
     waited = race_kit.page_lock_waits() - waits
     assert waited == 0 if settled else waited >= 1
     assert_bitwise_equal(_expected_grads(), grads)

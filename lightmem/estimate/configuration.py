@@ -317,7 +317,7 @@ def costs_for(settings: EstimateSettings, baseline: StepTrace, offload: OffloadS
     return Costs(
         flops, speeds.link_bytes_per_s, searched.min_bytes,
         allow_offload=offload is not None and settings.device != "cpu", optimizer_s=baseline.optimizer_s,
-        host_s=baseline.priced_ops * speeds.host_op_s, inflight_bytes=searched.max_inflight_bytes,
+        host_s=speeds.host_seconds(baseline.priced_ops), inflight_bytes=searched.max_inflight_bytes,
         prefetch_bytes=searched.prefetch_bytes, block_scale=dict(speeds.block_scale),
     )  # fmt: skip
 
