@@ -68,6 +68,28 @@ device-bound step measured that day stays so at this price (the 16-block GPT's 8
 host under 51 ms of device). It was 6 us, assumed; ``benchmarks/op_prices.py --measure`` times the
 host issuing a step beside it."""
 
+CHECKPOINT_HOST_SHARE = 0.55
+"""A checkpointed block's bookkeeping on the host (``torch.utils.checkpoint``'s context, its pack and
+unpack hooks, the RNG state), in host ops per op of the block's forward, paid in backward beside the
+re-run's own launches. Calibrated on the H100 of 2026-11-27: GPT-2 at batch 6 with 11 of its 12 blocks
+checkpointed took 78.2 ms a step, host-bound (``HOST_OP_S``), where re-launching their 33 ops each
+prices 68.3 ms."""
+POLICY_HOST_SHARE = 1.05
+"""An op-level policy's (selective checkpointing's) Python per op of a checkpointed block, in host
+ops, paid in its forward and again in its re-run: the policy sees every op twice. Calibrated on the
+same H100: GPT-2 at batch 4 with 7 blocks under ``save_matmuls`` took 90.9 ms a step."""
+
+
+def checkpoint_host_seconds(host_op_s: float, forward_ops: int, rerun_ops: int, op_policy: bool) -> tuple[float, float]:
+    """The host's time a checkpointed block adds, (in its forward, in its backward), at
+    ``host_op_s`` per op: the re-run's ``rerun_ops`` launched again, checkpointing's bookkeeping
+    (``CHECKPOINT_HOST_SHARE``) and, under an op-level policy, the policy's Python for each of the
+    block's ``forward_ops`` in both passes (``POLICY_HOST_SHARE``)."""
+    policy = POLICY_HOST_SHARE * forward_ops if op_policy else 0.0
+    backward = rerun_ops + CHECKPOINT_HOST_SHARE * forward_ops + policy
+    return policy * host_op_s, backward * host_op_s
+
+
 GIB = 1 << 30
 
 

@@ -216,7 +216,8 @@ def blocks_from(trace: StepTrace) -> dict[str, BlockMemory]:
             name, usage.saved_bytes, usage.forward_flops, usage.input_bytes, list(usage.saved_sizes),
             kind=trace.block_kinds.get(name, ""), repeated=name in trace.repeated_blocks,
             kept_bytes=usage.kept_bytes, recompute_flops=usage.recompute_flops, forward_s=usage.forward_s,
-            backward_s=usage.backward_s, recompute_s=usage.recompute_s,
+            backward_s=usage.backward_s, recompute_s=usage.recompute_s, forward_ops=usage.forward_ops,
+            backward_ops=usage.backward_ops, recompute_ops=usage.recompute_ops,
         )  # fmt: skip
         for name, usage in trace.blocks.items()
     }
@@ -317,7 +318,7 @@ def costs_for(settings: EstimateSettings, baseline: StepTrace, offload: OffloadS
     return Costs(
         flops, speeds.link_bytes_per_s, searched.min_bytes,
         allow_offload=offload is not None and settings.device != "cpu", optimizer_s=baseline.optimizer_s,
-        host_s=speeds.host_seconds(baseline.priced_ops), inflight_bytes=searched.max_inflight_bytes,
+        host_s=speeds.host_seconds(baseline.priced_ops), host_op_s=speeds.host_op_s, inflight_bytes=searched.max_inflight_bytes,
         prefetch_bytes=searched.prefetch_bytes, block_scale=dict(speeds.block_scale),
     )  # fmt: skip
 

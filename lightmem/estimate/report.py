@@ -70,6 +70,12 @@ class BlockMemory:
     """Predicted device seconds of its backward."""
     recompute_s: float | None = None
     """Seconds a checkpointed re-run repeats; None: all of ``forward_s`` ("full")."""
+    forward_ops: int = 0
+    """Priced ops of its forward: what the host launches (0: not priced)."""
+    backward_ops: int = 0
+    """Priced ops of its backward."""
+    recompute_ops: int | None = None
+    """Priced ops a checkpointed re-run repeats; None: all of ``forward_ops`` ("full")."""
 
     @property
     def label(self) -> str:

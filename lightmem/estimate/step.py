@@ -469,7 +469,9 @@ def _steady_step(
     peak = tracer.peak()
     for (phase, block), seconds in tracer.seconds.items():
         if phase == "backward":
-            usage.setdefault(block or ROOT_BLOCK, BlockUsage()).backward_s += seconds
+            entry = usage.setdefault(block or ROOT_BLOCK, BlockUsage())
+            entry.backward_s += seconds
+            entry.backward_ops += tracer.ops.get((phase, block), 0)
     return StepTrace(
         peak=peak,
         optimizer_s=tracer.seconds.get(("optimizer", None), 0.0),
@@ -865,7 +867,9 @@ def _forward_end_usage(
         usage.setdefault(name or ROOT_BLOCK, BlockUsage()).forward_flops += flops
     for (phase, block), seconds in tracer.seconds.items():
         if phase == "forward":
-            usage.setdefault(block or ROOT_BLOCK, BlockUsage()).forward_s += seconds
+            entry = usage.setdefault(block or ROOT_BLOCK, BlockUsage())
+            entry.forward_s += seconds
+            entry.forward_ops += tracer.ops.get((phase, block), 0)
     for name, nbytes in tracker.input_bytes.items():
         usage[name].input_bytes = nbytes
     if tracer.op_policy is not None:
@@ -873,6 +877,7 @@ def _forward_end_usage(
             entry.kept_bytes = tracer.block_kept_bytes.get(name, 0)
             entry.recompute_flops = tracer.block_recompute_flops.get(name, 0.0)
             entry.recompute_s = tracer.block_recompute_s.get(name, 0.0)
+            entry.recompute_ops = tracer.block_recompute_ops.get(name, 0)
     return usage, saved, total
 
 

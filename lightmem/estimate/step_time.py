@@ -16,8 +16,10 @@ block by block in execution order, as the engine runs them:
   after it (in forward order) starts its backward;
 - then the optimizer step.
 
-The step takes at least the host's time to launch its ops (``DeviceSpeeds.host_op_s`` each): a
-step of many small ops waits on the host, not the device, and there transfers hide for free.
+The host launches the step's ops on a timeline of its own (``DeviceSpeeds.host_op_s`` each, a
+checkpointed block's re-run and bookkeeping as ``devices.checkpoint_host_seconds`` prices them): a
+block ends on the device no sooner than the host has launched it. A step of many small ops waits on
+the host, not the device; there transfers, and a re-run's device time, hide for free.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from lightmem.config import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH, OffloadSettings, parse_size
+from lightmem.devices import checkpoint_host_seconds
 from lightmem.estimate.report import BlockMemory
 
 KEEP, OFFLOAD, CHECKPOINT, BOTH = "keep", "offload", "checkpoint", "checkpoint+offload"
@@ -41,7 +44,9 @@ class Costs:
 
     ``flops_per_s`` prices blocks the step did not price op by op (their ``forward_s`` is 0);
     ``link_bytes_per_s`` is the host link each way. ``optimizer_s`` and ``host_s`` are the
-    optimizer step's device seconds and the host's launch time for the whole step.
+    optimizer step's device seconds and the host's launch time for the whole step (without
+    lightmem); ``host_op_s`` prices each block's launches on the host's timeline (0: only
+    ``host_s`` bounds the step, and a re-run costs the host its device seconds).
     """
 
     flops_per_s: float
@@ -50,6 +55,7 @@ class Costs:
     allow_offload: bool
     optimizer_s: float = 0.0
     host_s: float = 0.0
+    host_op_s: float = 0.0
     inflight_bytes: int = 256 << 20
     prefetch_bytes: int = 256 << 20
     partial: Mapping[str, tuple[int, int]] = field(default_factory=dict)
@@ -171,39 +177,46 @@ def block_cost_s(block: BlockMemory, action: str, costs: Costs) -> float:
 
 
 def compute_s(blocks: Mapping[str, BlockMemory], costs: Costs) -> float:
-    """The step without lightmem: every block's forward and backward, the optimizer step, and no
-    less than the host's time to launch them."""
-    device = sum(forward_s(b, costs) + backward_s(b, costs) for b in blocks.values()) + costs.optimizer_s
-    return max(device, costs.host_s)
+    """The step without lightmem: every block's forward and backward and the optimizer step, on
+    the device's timeline and the host's (no less than the host's time to launch them)."""
+    return _timeline(blocks, {}, costs, [0] * len(blocks))
 
 
-def step_time(
-    blocks: Mapping[str, BlockMemory],
-    actions: Mapping[str, str],
-    costs: Costs,
-    moved: Mapping[str, int] | None = None,
-) -> StepTime:
-    """The step with ``actions`` (block name -> action; absent: keep) on the step's timeline.
+def _host_s(blocks: list[BlockMemory], checkpointed: list[bool], costs: Costs) -> tuple[list[float], list[float], float]:
+    """Each block's host seconds (forward, backward), a checkpointed one's re-run included, and
+    what checkpointing adds to them; zeros where the step's ops were not priced one by one."""
+    forward, backward, added = [], [], 0.0
+    for block, rerun in zip(blocks, checkpointed):
+        extra = (0.0, 0.0)
+        if rerun:
+            ops = block.forward_ops if block.recompute_ops is None else block.recompute_ops
+            extra = checkpoint_host_seconds(costs.host_op_s, block.forward_ops, ops, block.recompute_ops is not None)
+        forward.append(costs.host_op_s * block.forward_ops + extra[0])
+        backward.append(costs.host_op_s * block.backward_ops + extra[1])
+        added += extra[0] + extra[1]
+    return forward, backward, added
 
-    ``blocks`` must be in execution order (the estimator reports them so, with what runs outside
-    every block last). ``moved``: the bytes each block sends to host, when known from a verified
-    step (else predicted from the actions).
-    """
+
+def _timeline(
+    blocks: Mapping[str, BlockMemory], actions: Mapping[str, str], costs: Costs, sent: list[int]
+) -> float:
+    """The step's seconds with ``actions`` and ``sent`` bytes per block (module docstring)."""
     names = list(blocks)
-    forward = [forward_s(blocks[name], costs) for name in names]
-    backward = [backward_s(blocks[name], costs) for name in names]
-    if moved is None:
-        sent = [moved_bytes(blocks[name], actions.get(name, KEEP), costs) for name in names]
-    else:
-        sent = [moved.get(name, 0) for name in names]
-    rerun = [
-        recompute_s(blocks[name], costs) if actions.get(name, KEEP) in (CHECKPOINT, BOTH) else 0.0 for name in names
-    ]
+    order = [blocks[name] for name in names]
+    forward = [forward_s(block, costs) for block in order]
+    backward = [backward_s(block, costs) for block in order]
+    checkpointed = [actions.get(name, KEEP) in (CHECKPOINT, BOTH) for name in names]
+    rerun = [recompute_s(block, costs) if on else 0.0 for block, on in zip(order, checkpointed)]
+    host_forward, host_backward, added = _host_s(order, checkpointed, costs)
+    # The host's whole step (its optimizer's launches too) bounds it; without per-block host
+    # prices a re-run costs the host its device seconds.
+    floor = costs.host_s + (added if costs.host_op_s else sum(rerun))
     link = costs.link_bytes_per_s
-    now = link_out = 0.0
+    now = link_out = host = 0.0
     out_done = []
-    for seconds, nbytes in zip(forward, sent):
-        now += seconds
+    for seconds, nbytes, launch in zip(forward, sent, host_forward):
+        host += launch
+        now = max(now + seconds, host)
         if nbytes:
             link_out = max(link_out, now) + nbytes / link
             # The device keeps at most inflight_bytes of copies not yet made: compute waits.
@@ -224,11 +237,35 @@ def step_time(
             ready = link_in
         start = max(now, ready)
         started[index] = start
-        now = start + rerun[index] + backward[index]
+        host += host_backward[index]
+        now = max(start + rerun[index] + backward[index], host)
+    return max(now + costs.optimizer_s, floor)
+
+
+def step_time(
+    blocks: Mapping[str, BlockMemory],
+    actions: Mapping[str, str],
+    costs: Costs,
+    moved: Mapping[str, int] | None = None,
+) -> StepTime:
+    """The step with ``actions`` (block name -> action; absent: keep) on the step's timeline.
+
+    ``blocks`` must be in execution order (the estimator reports them so, with what runs outside
+    every block last). ``moved``: the bytes each block sends to host, when known from a verified
+    step (else predicted from the actions). The re-run's share is what the step takes without the
+    transfers over what it takes without lightmem; the rest is transfer the step does not hide.
+    """
+    names = list(blocks)
+    if moved is None:
+        sent = [moved_bytes(blocks[name], actions.get(name, KEEP), costs) for name in names]
+    else:
+        sent = [moved.get(name, 0) for name in names]
     base = compute_s(blocks, costs)
-    total = max(now + costs.optimizer_s, costs.host_s + sum(rerun))
-    exposed = total - base - sum(rerun)
-    return StepTime(sum(rerun), max(0.0, exposed), sum(sent), base)
+    recomputed = _timeline(blocks, actions, costs, [0] * len(names)) if any(
+        actions.get(name, KEEP) in (CHECKPOINT, BOTH) for name in names
+    ) else base
+    total = _timeline(blocks, actions, costs, sent) if any(sent) else recomputed
+    return StepTime(max(0.0, recomputed - base), max(0.0, total - recomputed), sum(sent), base)
 
 
 def configuration_time(

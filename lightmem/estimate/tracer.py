@@ -154,6 +154,10 @@ class StorageTracer(TorchDispatchMode):
         """Device seconds by (phase, block): "forward", "backward", "optimizer", and "recompute"
         for a checkpointed block's re-run in backward. Block None: outside every block."""
         self.block_recompute_s: dict[str | None, float] = {}
+        self.block_recompute_ops: dict[str | None, int] = {}
+        """With an op policy: priced forward ops a checkpointed re-run of each block repeats."""
+        self.ops: dict[tuple[str, str | None], int] = {}
+        """Priced ops by (phase, block), as ``seconds``: what the host launches (``DeviceSpeeds.host_op_s``)."""
         """With an op policy: seconds of the forward ops a checkpointed re-run of each block repeats."""
         self.priced_ops = 0
         self.op_seconds: dict[str, tuple[float, int]] = {}
@@ -217,6 +221,7 @@ class StorageTracer(TorchDispatchMode):
                 else:
                     key = (phase, None)
                 self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+                self.ops[key] = self.ops.get(key, 0) + 1
         if not self.count_flops:
             return
         block = self.forward_block
@@ -233,6 +238,7 @@ class StorageTracer(TorchDispatchMode):
                 self.block_recompute_flops[block] = self.block_recompute_flops.get(block, 0.0) + flops
             if seconds:
                 self.block_recompute_s[block] = self.block_recompute_s.get(block, 0.0) + seconds
+                self.block_recompute_ops[block] = self.block_recompute_ops.get(block, 0) + 1
 
     def track(self, tensor: torch.Tensor, role: int = OTHER) -> int:
         """Register ``tensor``'s storage (if new) with ``role`` and return its record id."""
@@ -426,3 +432,9 @@ class BlockUsage:
     """Device seconds of the block's backward."""
     recompute_s: float | None = None
     """Seconds a checkpointed re-run repeats; None: all of ``forward_s`` (the "full" policy)."""
+    forward_ops: int = 0
+    """Priced ops of the block's forward (what the host launches for it)."""
+    backward_ops: int = 0
+    """Priced ops of the block's backward."""
+    recompute_ops: int | None = None
+    """Priced ops a checkpointed re-run repeats; None: all of ``forward_ops`` (the "full" policy)."""
