@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from lightmem import DeviceSpeeds, estimate_memory
 from lightmem.devices import CHECKPOINT_HOST_SHARE, POLICY_HOST_SHARE, checkpoint_host_seconds
-from lightmem.estimate.report import BlockMemory
+from lightmem.estimate.report import BlockMemory, format_seconds
 from lightmem.estimate.step_time import CHECKPOINT, Costs, compute_s, step_time
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,3 +152,34 @@ def test_without_the_hosts_timeline_or_its_share_of_a_rerun_gpt2s_checkpointed_s
         gpu=speeds, checkpoint=checkpoint, checkpoint_policy=policy,
     )  # fmt: skip
     assert estimate.step_seconds < measured_ms * MS / (1 + WITHIN)
+
+
+# -- what the estimate says ----------------------------------------------------------------------
+
+
+def test_the_estimate_says_when_its_step_waits_on_the_host_and_not_when_the_device_bounds_it():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from estimate_factories import tiny_gpt
+
+    model, tokens, loss_fn = tiny_gpt(16)
+    small = estimate_memory(model, tokens, loss_fn, optimizer="adamw", gpu="h100")
+    ops = sum(calls for _, calls in small.op_seconds.values())
+    device = sum(seconds for seconds, _ in small.op_seconds.values())
+    assert ops == 286 and device < small.speeds.host_seconds(ops)
+    sentence = (
+        f"The step waits on the host: it launches 286 ops at 50.0 us each, 14.3 ms, where the device's work "
+        f"takes {format_seconds(device)}. A larger batch costs little more per step, and a checkpointed "
+        "block's re-run costs the host its launches."
+    )
+    assert small.host_wait() == sentence
+    assert sentence in small.to_text(width=1000)
+    # On the CPU the host runs the ops itself: there is no device to wait for.
+    assert estimate_memory(model, tokens, loss_fn, optimizer="adamw", device="cpu").host_wait() is None
+    # A device-bound step (the same model at 16 times the batch on a slower device) says nothing.
+    model, tokens, loss_fn = tiny_gpt(256)
+    large = estimate_memory(model, tokens, loss_fn, optimizer="adamw", gpu="t4")
+    large_ops = sum(calls for _, calls in large.op_seconds.values())
+    assert sum(seconds for seconds, _ in large.op_seconds.values()) > large.speeds.host_seconds(large_ops)
+    assert large.host_wait() is None

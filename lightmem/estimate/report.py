@@ -354,10 +354,29 @@ class MemoryEstimate:
             ),
         ]
 
+    def host_wait(self) -> str | None:
+        """A sentence when the step without lightmem waits on the host (its ops take the host
+        longer to launch, ``DeviceSpeeds.host_seconds``, than the device to run); else None."""
+        if self.speeds is None or self.device == "cpu" or not self.op_seconds:
+            return None
+        ops = sum(calls for _, calls in self.op_seconds.values())
+        device = sum(seconds for seconds, _ in self.op_seconds.values())
+        host = self.speeds.host_seconds(ops)
+        if host <= device:
+            return None
+        return (
+            f"The step waits on the host: it launches {ops:,} ops at {format_seconds(self.speeds.host_op_s)} each, "
+            f"{format_seconds(host)}, where the device's work takes {format_seconds(device)}. A larger batch "
+            "costs little more per step, and a checkpointed block's re-run costs the host its launches."
+        )
+
     def _notes(self, verbose: bool) -> list[str]:
         lines = [COMPILED_NOTE] if self.compiled else []
         if self.speeds is not None and self.step_seconds:
             lines.append(f"Step times priced at {self.speeds.describe()}.")
+            waits = self.host_wait()
+            if waits is not None:
+                lines.append(waits)
         if self.advice:
             lines.append("Advice")
             lines.extend(f"- [{item.rule}] {item.message}" for item in self.advice)
