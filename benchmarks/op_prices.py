@@ -108,8 +108,7 @@ def predicted(case: dict[str, Any], gpu: Any) -> dict[str, Any]:
         "ops": {name: seconds for name, (seconds, _) in estimate.op_seconds.items()},
         "calls": {name: calls for name, (_, calls) in estimate.op_seconds.items()},
         "step_s": estimate.scenarios["baseline"].step_seconds,
-        "host_s": estimate.speeds.host_seconds(sum(calls for _, calls in estimate.op_seconds.values()))
-        if estimate.speeds is not None else 0.0,  # every priced op is counted in op_seconds
+        "host_s": estimate.speeds.host_seconds(estimate.priced_ops) if estimate.speeds is not None else 0.0,
         "speeds": estimate.speeds.describe() if estimate.speeds is not None else "",
     }
 

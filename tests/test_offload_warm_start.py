@@ -139,9 +139,7 @@ def _registrations_held_until_asked(gpu, monkeypatch):
     wait_for = page_lock.ChunkRegistrar.wait_for
 
     def noted(self, nbytes):
-        with self._lock:
-            under_way = not self.done and any(chunk.nbytes >= nbytes for chunk in (*self._queued, *self._running))
-        if under_way:
+        if not self.done and self.under_way(nbytes):
             asked.set()
         return wait_for(self, nbytes)
 

@@ -354,12 +354,17 @@ class MemoryEstimate:
             ),
         ]
 
+    @property
+    def priced_ops(self) -> int:
+        """Ops of the step without lightmem priced one by one (``op_seconds``' calls): what the host launches."""
+        return sum(calls for _, calls in self.op_seconds.values())
+
     def host_wait(self) -> str | None:
         """A sentence when the step without lightmem waits on the host (its ops take the host
         longer to launch, ``DeviceSpeeds.host_seconds``, than the device to run); else None."""
         if self.speeds is None or self.device == "cpu" or not self.op_seconds:
             return None
-        ops = sum(calls for _, calls in self.op_seconds.values())
+        ops = self.priced_ops
         device = sum(seconds for seconds, _ in self.op_seconds.values())
         host = self.speeds.host_seconds(ops)
         if host <= device:

@@ -154,16 +154,16 @@ class StorageTracer(TorchDispatchMode):
         """Device seconds by (phase, block): "forward", "backward", "optimizer", and "recompute"
         for a checkpointed block's re-run in backward. Block None: outside every block."""
         self.block_recompute_s: dict[str | None, float] = {}
+        """With an op policy: seconds of the forward ops a checkpointed re-run of each block repeats."""
         self.block_recompute_ops: dict[str | None, int] = {}
         """With an op policy: priced forward ops a checkpointed re-run of each block repeats."""
         self.ops: dict[tuple[str, str | None], int] = {}
         """Priced ops by (phase, block), as ``seconds``: what the host launches (``DeviceSpeeds.host_op_s``)."""
-        """With an op policy: seconds of the forward ops a checkpointed re-run of each block repeats."""
         self.priced_ops = 0
+        """Ops that cost device time (views and allocations are free), for the host's launch time."""
         self.op_seconds: dict[str, tuple[float, int]] = {}
         """Priced device seconds and calls of each op (its overload packet's name): where a
         predicted step's time goes (``MemoryEstimate.op_seconds``)."""
-        """Ops that cost device time (views and allocations are free), for the host's launch time."""
 
     # -- allocation tracking ---------------------------------------------------------------------
 

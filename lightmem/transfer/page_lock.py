@@ -349,11 +349,16 @@ class ChunkRegistrar:
         return at once (False) when none could."""
         with self._lock:
             while not self.done:
-                running = [chunk for chunk in self._running if chunk.generation == self._generation]
-                if not any(chunk.nbytes >= nbytes for chunk in (*self._queued, *running)):
+                if not self.under_way(nbytes):
                     return False
                 self._changed.wait()
             return True
+
+    def under_way(self, nbytes: int) -> bool:
+        """Whether a chunk queued or being made (for the current generation) could hold ``nbytes``."""
+        with self._lock:
+            running = [chunk for chunk in self._running if chunk.generation == self._generation]
+            return any(chunk.nbytes >= nbytes for chunk in (*self._queued, *running))
 
     def cancel(self, running: bool = True) -> int:
         """Drop the queued chunks (and, with ``running``, those being made: their threads give them
