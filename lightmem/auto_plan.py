@@ -21,14 +21,17 @@ measured when it raises that high, so what an earlier fit or a validation batch 
 counted: until a training batch raises it, nothing is measured (0 logged, no ratio, no warning).
 
 Step times are held against the plan's prediction too (steps after the first, timed on the device):
-past ``REPLAN_MARGIN`` the next batch is planned again with the device's compute priced at the
-measured pace. Before that, in the same steps, each block's forward is timed with CUDA events
-(``BlockTimer``; not in a compiled model, whose hooks would recompile it): a block kept on the device
-or checkpointed whose forward is off its price by more than ``REPLAN_MARGIN`` is priced as measured
-from then on (``DeviceSpeeds.block_scale``, scaling its forward, backward and re-run), and the next
-batch is planned again. Offloaded blocks are not timed: their forward may wait for the link, which the
-plan prices apart. Twins (repeated blocks of one class priced alike) are held together: the median
-of the timed ones prices them all, untimed ones included.
+past ``REPLAN_MARGIN`` the next batch is planned again with the device's compute and the host's
+launches priced at the measured pace. Before that, in the same steps, each block's forward is timed
+with CUDA events (``BlockTimer``; not in a compiled model, whose hooks would recompile it) and held
+against its interval on the step's timeline (``forward_intervals``: a block the host launches slower
+than the device runs it times the host): a block kept on the device or checkpointed that is off its
+price by more than ``REPLAN_MARGIN`` is priced as measured from then on, its compute
+(``DeviceSpeeds.block_scale``, scaling its forward, backward and re-run) or, where the host's launches
+bound it, the host's (``host_op_s``), and the next batch is planned again. Offloaded blocks are not
+timed: their forward may wait for the link, which the plan prices apart. Twins (repeated blocks of
+one class priced alike) are held together: the median of the timed ones prices them all, untimed
+ones included.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from lightmem.devices import DeviceSpeeds
 from lightmem.compiled import holds_compiled_modules
 from lightmem.estimate.report import BlockMemory, format_seconds
 from lightmem.estimate.step import ROOT_BLOCK
-from lightmem.estimate.step_time import CHECKPOINT, KEEP
+from lightmem.estimate.step_time import CHECKPOINT, KEEP, Costs, ForwardInterval, forward_intervals
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -67,8 +70,8 @@ batch is planned again."""
 TIMED_STEPS = 3
 """Steps after the first whose time is held against the prediction (the first pays warm-ups)."""
 BLOCK_TIMING_MIN_S = 1e-4
-"""Blocks priced under this forward time are not held to their price: a CUDA event pair around a
-few short kernels times the host's launches, not the device's work."""
+"""Blocks whose forward interval is priced under this are not held to their price: a CUDA event
+pair around a few microseconds times little but the events themselves."""
 
 
 class BlockTimer:
@@ -294,9 +297,10 @@ class AutoPlan:
         clock = self.memory.block_clock() if self.memory is not None else None
         if clock is None or chosen.estimate is None or holds_compiled_modules(module):
             return
+        intervals = self._forward_intervals(chosen)
         names = [
             block.name for block in chosen.estimate.blocks.values()
-            if block.name != ROOT_BLOCK and block.forward_s >= BLOCK_TIMING_MIN_S
+            if block.name != ROOT_BLOCK and block.forward_s > 0 and intervals[block.name].seconds >= BLOCK_TIMING_MIN_S
             and chosen.actions.get(block.name, KEEP) in (KEEP, CHECKPOINT)
         ]  # fmt: skip
         if names:
@@ -399,9 +403,27 @@ class AutoPlan:
                 self._reprice_blocks()
             self.remove_block_timer()
 
+    def _forward_intervals(self, chosen: Plan) -> dict[str, ForwardInterval]:
+        """Each block's forward interval as ``chosen`` prices it (its speeds: its host's launches; the
+        fit's block scale: its compute), what a pair of CUDA events around the block times."""
+        assert chosen.estimate is not None and self.speeds is not None
+        prices = chosen.speeds or self.speeds
+        costs = Costs(
+            chosen.flops_per_s or prices.matmul_rate("fp32"), prices.link_bytes_per_s, 0, allow_offload=False,
+            host_op_s=prices.host_op_s, block_scale=dict(self.speeds.block_scale),
+        )  # fmt: skip
+        return forward_intervals(chosen.estimate.blocks, chosen.actions, costs)
+
     def _reprice_blocks(self) -> None:
-        """Hold each timed block's median forward against its price; those off by more than
-        ``REPLAN_MARGIN`` are priced as measured from now on, and the next batch planned again.
+        """Hold each timed block's median forward against its priced interval on the step's
+        timeline (``forward_intervals``); those off by more than ``REPLAN_MARGIN`` are priced as
+        measured from now on, and the next batch planned again.
+
+        What an interval measures is what bounds it: a block the host launches slower than the
+        device runs it times the host. So a block priced as bound by its compute has its compute
+        priced as measured (``DeviceSpeeds.block_scale``), one priced as bound by the host's
+        launches prices the host's (``host_op_s``: one host launches every block, so the median of
+        those blocks' paces); and either bound priced above what was measured comes down to it.
 
         Twins (``twins``: repeated blocks of one class priced alike) compute alike, so they are
         held together: their timed members' median over the price is the pace of every one of
@@ -414,35 +436,54 @@ class AutoPlan:
         if self.speeds is None or not self.block_times_s or self.plan.estimate is None:
             return
         blocks = self.plan.estimate.blocks
-        scale = self.speeds.block_scale
+        intervals = self._forward_intervals(self.plan)
         timed: dict[str, tuple[float, float]] = {}  # name -> (measured, priced now)
         for name, times in self.block_times_s.items():
-            block = blocks.get(name)
-            if block is not None and block.forward_s > 0:
-                timed[name] = (statistics.median(times), block.forward_s * scale.get(name, 1.0))
+            if name in intervals and blocks[name].forward_s > 0:
+                timed[name] = (statistics.median(times), intervals[name].seconds)
         groups = twins(blocks)
         off: dict[str, tuple[float, float]] = {}  # a timed block of each group off its price
         new_scale: dict[str, float] = {}
+        host_scales: list[float] = []
         for group in dict.fromkeys(groups[name] for name in timed):
             members = [name for name in group if name in timed]
             ratio = statistics.median(timed[name][0] / timed[name][1] for name in members)
             if abs(ratio - 1) <= REPLAN_MARGIN:
                 continue
-            pace = statistics.median(timed[name][0] / blocks[name].forward_s for name in members)
-            new_scale.update(dict.fromkeys(group, min(max(pace, 0.2), 5.0)))
+            paces = []
+            for name in members:
+                measured, interval = timed[name][0], intervals[name]
+                current = self.speeds.block_scale.get(name, 1.0)
+                if not interval.host_bound or interval.device_s > measured:
+                    current = measured / blocks[name].forward_s
+                paces.append(current)
+                if interval.host_bound or interval.host_s > measured:
+                    # The host's lead over the block before is taken as priced.
+                    host_scales.append((measured + interval.launch_s - interval.host_s) / interval.launch_s)
+            pace = min(max(statistics.median(paces), 0.2), 5.0)
+            if any(pace != self.speeds.block_scale.get(name, 1.0) for name in group):
+                new_scale.update(dict.fromkeys(group, pace))
             # A median off the margin has a member off it too: the reason names the worst.
             off.update((name, timed[name]) for name in members if abs(timed[name][0] / timed[name][1] - 1) > REPLAN_MARGIN)
         if not off:
             return
-        self.speeds = self.speeds.with_block_scale(new_scale, f"{len(new_scale)} block(s) priced at their measured forward")
+        changed = []
+        if new_scale:
+            self.speeds = self.speeds.with_block_scale(new_scale, f"{len(new_scale)} block(s) priced at their measured forward")
+            changed.append("each block's compute")
+        host_scale = min(max(statistics.median(host_scales), 0.2), 5.0) if host_scales else 1.0
+        if host_scale != 1.0:
+            self.speeds = self.speeds.with_host_scale(host_scale, f"the host's launches x{host_scale:.2f} as blocks measured")
+            changed.append("the host's launches")
         worst = max(off, key=lambda name: max(off[name][0] / off[name][1], off[name][1] / off[name][0]))
         measured, priced = off[worst]
         others = f" and {len(off) - 1} more off by more than {REPLAN_MARGIN:.0%}" if len(off) > 1 else ""
         untimed = sum(name not in timed for name in new_scale)
         alike = f"; {untimed} untimed twin(s) priced alike" if untimed else ""
+        host = f" (x{host_scale:.2f})" if host_scale != 1.0 else ""
         self.replan_reason = (
             f"block {worst}'s forward measured {format_seconds(measured)}, {measured / priced:.2f}x its priced "
-            f"{format_seconds(priced)}{others}{alike}: planned again with each block's compute priced as measured"
+            f"{format_seconds(priced)}{others}{alike}: planned again with {' and '.join(changed)} priced as measured{host}"
         )
 
     def _time_step(self, seconds: float) -> None:
@@ -460,12 +501,14 @@ class AutoPlan:
         measured, predicted = statistics.median(self.step_times_s), self.plan.step_seconds
         if abs(measured / predicted - 1) <= REPLAN_MARGIN:
             return
-        # The device computes at another pace than priced; what the link adds is taken as priced.
+        # The machine runs at another pace than priced: the device's compute and the host's launches
+        # alike (a step bound by either is then priced as measured); what the link adds is as priced.
         added = self.plan.exposed_transfer_s
         pace = max(predicted - added, 1e-9) / max(measured - added, 1e-9)
         pace = min(max(pace, 0.2), 5.0)
-        self.speeds = self.speeds.with_pace(pace, f"compute paced x{pace:.2f} by the measured step")
+        self.speeds = self.speeds.with_pace(pace, f"compute and host paced x{pace:.2f} by the measured step")
         self.replan_reason = (
             f"the measured step, {format_seconds(measured)}, is {measured / predicted:.2f}x the predicted "
-            f"{format_seconds(predicted)}: planned again with the device's compute priced at the measured pace"
+            f"{format_seconds(predicted)}: planned again with the device's compute and the host's launches priced at "
+            "the measured pace"
         )

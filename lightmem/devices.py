@@ -140,12 +140,19 @@ class DeviceSpeeds:
 
     def with_pace(self, pace: float, note: str) -> DeviceSpeeds:
         """These speeds with the device's compute (matrix rates and memory bandwidth, not the host
-        link) ``pace`` times as fast: what a measured step says of the device."""
+        link) and the host's launches ``pace`` times as fast: what a measured step says of the
+        machine. Both move together, so a step that waits on the host is priced as measured too,
+        and a step keeps whichever of the two bounds it."""
         rates = {name: rate * pace for name, rate in self.matmul_flops_per_s.items()}
         return replace(
             self, matmul_flops_per_s=rates, memory_bytes_per_s=self.memory_bytes_per_s * pace,
-            source=f"{self.source}; {note}",
+            host_op_s=self.host_op_s / pace, source=f"{self.source}; {note}",
         )  # fmt: skip
+
+    def with_host_scale(self, scale: float, note: str) -> DeviceSpeeds:
+        """These speeds with the host's launches priced ``scale`` times as long (``host_op_s``):
+        what blocks whose forward waited on the host measured."""
+        return replace(self, host_op_s=self.host_op_s * scale, source=f"{self.source}; {note}")
 
     def with_block_scale(self, scale: Mapping[str, float], note: str) -> DeviceSpeeds:
         """These speeds with each named block's compute priced ``scale[name]`` times as long (its

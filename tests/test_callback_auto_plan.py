@@ -34,6 +34,7 @@ from lightmem.device_memory import (
 )
 from lightmem.estimate.batch import batch_shapes
 from lightmem.estimate.report import format_seconds
+from lightmem.estimate.step_time import Costs, forward_intervals
 from lightmem.metrics.names import GiB
 from lightmem.testing.device import SimulatedDeviceMemory, simulated_device
 
@@ -488,9 +489,11 @@ def test_twins_are_priced_alike_the_untimed_ones_too_and_one_off_alone_is_noise(
     _timed_steps(auto_plan, module, tokens, 1 + TIMED_STEPS)
     assert sorted(auto_plan.block_times_s) == [BLOCKS[1], BLOCKS[2]]
     assert auto_plan.speeds.block_scale == pytest.approx(dict.fromkeys(BLOCKS, 0.5), rel=1e-12)
+    # Half their compute is less than the host's priced share of their interval (its launches less
+    # the lead it had): the host launched them faster than priced too.
     assert auto_plan.replan_reason.endswith(
         " and 1 more off by more than 15%; 1 untimed twin(s) priced alike: planned again with each block's "
-        "compute priced as measured"
+        "compute and the host's launches priced as measured (x0.86)"
     )
     # One twin off while the others are on their price is noise, not the blocks' pace.
     device.block_seconds = {BLOCKS[0]: 1.1 * priced[BLOCKS[0]], BLOCKS[1]: 3 * priced[BLOCKS[1]], BLOCKS[2]: 0.5 * priced[BLOCKS[2]]}
@@ -534,6 +537,76 @@ def test_a_fit_whose_block_is_slower_than_priced_plans_again_once(caplog):
     assert " at step 4: the choice stands, step " in lines[0]  # steps 1-3 timed (the first is not)
     assert callback.chosen_plan.speeds.block_scale == dict.fromkeys(BLOCKS, 2.0)  # its untimed twins too
     assert all(not module.get_submodule(name)._forward_hooks for name in BLOCKS)
+
+
+def _host_bound_plan(module, tokens):
+    """The tiny GPT priced on an H100: each block's forward launches 29 ops at 50 us (1.45 ms), where
+    its compute takes 87 us. Its step waits on the host."""
+    chosen = plan(module, (tokens,), 1 << 30, device="cuda", gpu="h100")
+    intervals = forward_intervals(chosen.estimate.blocks, chosen.actions, _costs_of(chosen))
+    assert all(intervals[name].host_bound for name in BLOCKS) and chosen.estimate.host_wait() is not None
+    return chosen, intervals
+
+
+def _costs_of(chosen):
+    speeds = chosen.speeds
+    return Costs(chosen.flops_per_s, speeds.link_bytes_per_s, 0, allow_offload=False, host_op_s=speeds.host_op_s)
+
+
+def test_a_block_whose_forward_waits_on_the_host_is_held_to_its_launches_not_its_compute():
+    # A pair of CUDA events around a block the host launches slower than the device runs it times
+    # the host's launches. Held against its compute (87 us), the GPT's blocks read 17x off and were
+    # priced 5x slower: their backward and re-run too, where only the host is slow. Held against
+    # the step's timeline, they are on their price: nothing to plan again.
+    module, tokens = LitGPT(), _tokens(4, 17)[0]
+    chosen, intervals = _host_bound_plan(module, tokens)
+    measured = {name: 1.05 * intervals[name].seconds for name in BLOCKS}
+    device = SimulatedDeviceMemory(1 << 32, gpu="h100", step_seconds=chosen.step_seconds, block_seconds=measured)
+    auto_plan = AutoPlan(1 << 30, device, speeds=device.speeds())
+    auto_plan.take(chosen, batch_shapes((tokens,)), module)
+    _timed_steps(auto_plan, module, tokens, 1 + TIMED_STEPS)
+    assert auto_plan.block_times_s == {name: [seconds] * TIMED_STEPS for name, seconds in measured.items()}
+    assert (auto_plan.replan_reason, auto_plan.speeds) == (None, device.speeds())
+
+
+def test_a_block_that_waits_on_a_slower_host_prices_the_host_as_measured():
+    # Twice its launches: the host is slower than priced; its compute, hidden under the launches,
+    # is not known to be off. The next plan prices the host's launches as measured, and its
+    # blocks' forward intervals are then where they were measured.
+    module, tokens = LitGPT(), _tokens(4, 17)[0]
+    chosen, intervals = _host_bound_plan(module, tokens)
+    measured = {name: factor * intervals[name].seconds for name, factor in zip(BLOCKS, (1.9, 2.0, 2.1))}
+    device = SimulatedDeviceMemory(1 << 32, gpu="h100", step_seconds=chosen.step_seconds, block_seconds=measured)
+    auto_plan = AutoPlan(1 << 30, device, speeds=device.speeds())
+    auto_plan.take(chosen, batch_shapes((tokens,)), module)
+    _timed_steps(auto_plan, module, tokens, 1 + TIMED_STEPS)
+    assert auto_plan.speeds.block_scale == {}
+    assert auto_plan.speeds.host_op_s == pytest.approx(2 * device.speeds().host_op_s, rel=1e-12)
+    last = BLOCKS[2]
+    assert auto_plan.replan_reason == (
+        f"block {last}'s forward measured {format_seconds(measured[last])}, 2.10x its priced "
+        f"{format_seconds(intervals[last].seconds)} and 2 more off by more than 15%: planned again with the "
+        "host's launches priced as measured (x2.00)"
+    )
+    again = plan(module, (tokens,), 1 << 30, device="cuda", gpu=auto_plan.speeds)
+    now = forward_intervals(again.estimate.blocks, again.actions, _costs_of(again))
+    assert [now[name].seconds for name in BLOCKS] == pytest.approx([2 * intervals[name].seconds for name in BLOCKS], rel=1e-9)
+
+
+def test_a_host_bound_step_off_its_prediction_is_planned_again_at_the_pace_it_showed():
+    # The step clock's pace prices the host's launches too: priced on the device alone, a step that
+    # waits on the host would be predicted as before, however slow it measured.
+    module, tokens = LitGPT(), _tokens(4, 17)[0]
+    chosen, _ = _host_bound_plan(module, tokens)
+    device = SimulatedDeviceMemory(1 << 32, gpu="h100", step_seconds=2 * chosen.step_seconds)
+    auto_plan = AutoPlan(1 << 30, device, speeds=device.speeds())
+    auto_plan.take(chosen, batch_shapes((tokens,)))
+    for step in range(1 + TIMED_STEPS):
+        auto_plan.batch_start()
+        auto_plan.check(step, (tokens,))
+    assert auto_plan.replan_reason.startswith(f"the measured step, {format_seconds(2 * chosen.step_seconds)}, is 2.00x")
+    again = plan(module, (tokens,), 1 << 30, device="cuda", gpu=auto_plan.speeds)
+    assert again.step_seconds == pytest.approx(2 * chosen.step_seconds, rel=1e-9)
 
 
 def test_measuring_the_gpu_at_fit_start_does_not_hide_the_training_batches_peaks(caplog):
@@ -685,12 +758,14 @@ def test_steps_far_off_their_prediction_plan_the_next_batch_again_at_the_measure
     assert auto_plan.measured_step_s() == 2 * chosen.step_seconds
     assert auto_plan.replan_reason == (
         f"the measured step, {format_seconds(2 * chosen.step_seconds)}, is 2.00x the predicted "
-        f"{format_seconds(chosen.step_seconds)}: planned again with the device's compute priced at the measured pace"
+        f"{format_seconds(chosen.step_seconds)}: planned again with the device's compute and the host's launches "
+        "priced at the measured pace"
     )
     assert auto_plan.needs_plan(_tokens(4, 17))
     # What the link adds is taken as priced; the device's compute is priced at the pace it showed.
     pace = chosen.step_seconds / (2 * chosen.step_seconds)
     assert auto_plan.speeds.matmul_rate("bf16") == pytest.approx(device.speeds().matmul_rate("bf16") * pace)
+    assert auto_plan.speeds.host_op_s == pytest.approx(device.speeds().host_op_s / pace)
     assert auto_plan.speeds.link_bytes_per_s == device.speeds().link_bytes_per_s
     # Steps within 15% of the prediction change nothing.
     steady = AutoPlan(BUDGET, SimulatedDeviceMemory(CAPACITY, gpu="h100", step_seconds=1.1 * chosen.step_seconds),

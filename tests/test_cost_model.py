@@ -112,6 +112,7 @@ def test_measured_speeds_stand_for_the_gpu_and_its_cublas_workspaces():
     assert measured.link_bytes_per_s == 48e9  # the slower direction
     paced = measured.with_pace(0.5, "slower than measured")
     assert paced.matmul_rate("bf16") == 350e12 and paced.memory_bytes_per_s == 1.5e12
+    assert paced.host_op_s == 2 * measured.host_op_s  # the host's launches move with it
     assert paced.to_host_bytes_per_s == 50e9  # the link is not the device's pace
     overridden = measured.with_overrides(flops_per_s=1e12, link_bytes_per_s=1e9)
     assert overridden.matmul_flops_per_s == {"bf16": 1e12, "fp32": 1e12} and overridden.link_bytes_per_s == 1e9

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from lightmem import DeviceSpeeds, estimate_memory
 from lightmem.devices import CHECKPOINT_HOST_SHARE, POLICY_HOST_SHARE, checkpoint_host_seconds
 from lightmem.estimate.report import BlockMemory, format_seconds
-from lightmem.estimate.step_time import CHECKPOINT, Costs, compute_s, step_time
+from lightmem.estimate.step_time import CHECKPOINT, Costs, compute_s, forward_intervals, step_time
 
 ROOT = Path(__file__).resolve().parent.parent
 MS = 1e-3
@@ -48,6 +48,23 @@ def test_a_host_bound_forward_before_a_device_bound_backward_adds_up_where_the_m
     assert compute_s(blocks, _costs(blocks)) == pytest.approx(8 * MS, rel=1e-12)
     # The device's 6 ms and the host's 5 ms: neither alone is the step.
     assert compute_s(blocks, _costs(blocks, host_op_s=0.0)) == pytest.approx(6 * MS, rel=1e-12)
+
+
+def test_a_blocks_forward_interval_is_what_bounds_it_the_host_after_its_lead_or_the_device():
+    # What a pair of CUDA events around each forward times (plan="auto"'s block clock): a: 1 ms of
+    # compute, 10 ops (0.5 ms) of launches: the host ends 0.5 ms ahead. b: 0.2 ms of compute, 30 ops
+    # (1.5 ms): the host, 1.5 ms less its lead, binds. c, checkpointed under the full policy: its
+    # launches alone (the full policy's bookkeeping and re-run fall in the backward).
+    blocks = {"a": _block("a", 1.0, 2.0, 10, 10), "b": _block("b", 0.2, 0.4, 30, 30), "c": _block("c", 0.2, 0.4, 30, 30)}
+    found = forward_intervals(blocks, {"c": CHECKPOINT}, _costs(blocks))
+    assert [found[n].seconds / MS for n in "abc"] == pytest.approx([1.0, 1.0, 1.5], rel=1e-12)
+    assert [found[n].host_bound for n in "abc"] == [False, True, True]
+    assert (found["b"].host_s / MS, found["b"].launch_s / MS, found["b"].device_s / MS) == pytest.approx((1.0, 1.5, 0.2))
+    assert checkpoint_host_seconds(HOST_OP, 30, 30, False)[0] == 0.0 and found["c"].launch_s == pytest.approx(30 * HOST_OP)
+    # Without per-op host prices every interval is the block's compute.
+    assert [found.seconds for found in forward_intervals(blocks, {}, _costs(blocks, host_op_s=0.0)).values()] == (
+        pytest.approx([1.0 * MS, 0.2 * MS, 0.2 * MS], rel=1e-12)
+    )
 
 
 def test_a_device_bound_step_is_its_device_time_whatever_the_host_launches_under_it():

@@ -197,6 +197,46 @@ def _host_s(blocks: list[BlockMemory], checkpointed: list[bool], costs: Costs) -
     return forward, backward, added
 
 
+@dataclass(frozen=True)
+class ForwardInterval:
+    """One block's forward on the step's timeline, as a pair of CUDA events around it times it:
+    from the end of what ran before it on the device to its own end."""
+
+    seconds: float
+    """The interval: the larger of its compute and its share of the host's launches."""
+    device_s: float
+    """Its compute (``forward_s``)."""
+    host_s: float
+    """How long after the device ended what ran before it the host ends launching it (its launches
+    less the lead the host had; 0 or less when the host was that far ahead)."""
+    launch_s: float
+    """The host's time to launch it."""
+
+    @property
+    def host_bound(self) -> bool:
+        """The host's launches, not its compute, end it."""
+        return self.host_s > self.device_s
+
+
+def forward_intervals(
+    blocks: Mapping[str, BlockMemory], actions: Mapping[str, str], costs: Costs
+) -> dict[str, ForwardInterval]:
+    """Each block's forward interval (``ForwardInterval``) with ``actions``, on the host's and the
+    device's timelines of the step without transfers (``_timeline``'s forward)."""
+    order = list(blocks.values())
+    checkpointed = [actions.get(block.name, KEEP) in (CHECKPOINT, BOTH) for block in order]
+    launches = _host_s(order, checkpointed, costs)[0]
+    found: dict[str, ForwardInterval] = {}
+    now = host = 0.0
+    for block, launch in zip(order, launches):
+        device = forward_s(block, costs)
+        host += launch
+        end = max(now + device, host)
+        found[block.name] = ForwardInterval(end - now, device, host - now, launch)
+        now = end
+    return found
+
+
 def _timeline(
     blocks: Mapping[str, BlockMemory], actions: Mapping[str, str], costs: Costs, sent: list[int]
 ) -> float:
