@@ -1,13 +1,21 @@
-"""Plans that hold: ``LightMem(plan="auto")`` at 2x, 5x and 8x the largest batch that fits without
-lightmem, under a stated device cap.
+"""Plans that hold: ``LightMem(plan="auto")`` at 1x, 1.5x, 2x, 5x and 8x the largest batch that fits
+without lightmem, under a stated device cap.
 
 The model is the one of issue 37's GPU run: a GPT of 16 pre-norm blocks (dim 1024, 16 heads, 1024
 tokens, vocab 32000, SDPA attention), a Lightning fit in bf16-mixed with fused AdamW, under a 16 GiB
 cap. On an H100 (torch 2.11) it fits batch 11 without lightmem; plan="auto" at batch 22 ran out of
-memory, and at 55 and 88 trained with nothing on and ran out of memory.
+memory, and at 55 and 88 trained with nothing on and ran out of memory. The frontier's multiples
+(1x, 1.5x, 2x: issue 38 asks plan="auto"'s step to come within 15% of its prediction there) run
+first, then 5x and 8x, which must be refused before their forward.
+
+``--model gpt2``: Hugging Face's GPT-2 from its default config (124M parameters, 1024 tokens),
+bf16-mixed, AdamW, under an 8 GiB cap, at the batches the frontier ran on the H100
+(``GPT2_BATCHES``: 1x, 1.5x, 2x and the largest a plan fits). Its steps wait on the host, not the
+device: what ``plan="auto"``'s block clock must hold against the step's timeline.
 
     python benchmarks/plans_hold.py                 # predictions: fake tensors, any machine (a few minutes)
     python benchmarks/plans_hold.py --measure       # on a GPU: the fits themselves, under the cap
+    python benchmarks/plans_hold.py --measure --model gpt2 --batches 5   # GPT-2 at batch 5 alone
 
 Predicted, for each batch: whether plan="auto" accepts it (a plan fits) and the plan's predicted
 peaks (allocated, and reserved with the allocator's share: what the plan must fit) and step time.
@@ -43,13 +51,20 @@ sys.path.insert(0, str(CHECKOUT / "benchmarks"))
 from _common import run_script  # noqa: E402
 from lightmem import LightMem, PlanDoesNotFit, max_batch_size, plan  # noqa: E402
 from lightmem.config import format_bytes, parse_size  # noqa: E402
+from lightmem.estimate.frontier import labelled_batches  # noqa: E402
 from lightmem.estimate.report import format_seconds  # noqa: E402
 
 CAP = "16GiB"
 GPT_CONFIG = {"vocab": 32000, "dim": 1024, "depth": 16, "heads": 16, "seq": 1024, "dropout": 0.0}
 MULTIPLES = (2, 5, 8)
 FRONTIER_MULTIPLES = (1, 1.5)
-"""Measured after the three above when time is left: the frontier's rows where a plan costs least."""
+"""Measured first: with 2x, the frontier's rows where a plan costs least (the H100's third run, in
+the other order, ran out of time before them)."""
+MEASURED_MULTIPLES = (*FRONTIER_MULTIPLES, *MULTIPLES)
+GPT2_CAP = "8GiB"
+GPT2_BATCHES = {3: "1x", 5: "1.5x", 6: "2x", 7: "largest"}
+"""GPT-2's frontier under 8 GiB on the H100 (``benchmarks/gpu/frontier-plans-h100.json``): batch 3
+fits without lightmem; 5, 6 and 7 (the largest a plan fits) need a plan."""
 STEPS = 7
 """Steps of each fit: the first (page-locking, allocator and cuDNN warm-ups), three whose blocks
 plan="auto" times (it may plan again after them), then three of the last plan."""
@@ -77,6 +92,37 @@ def gpt_loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def gpt2_module() -> Any:
+    """GPT-2 from transformers' default config as a LightningModule: next-token cross-entropy on
+    1024-token batches, AdamW (lightmem's ``optimizer="adamw"``: torch's default AdamW)."""
+    import pytorch_lightning as pl
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+    class LitGPT2(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return gpt2_loss(self.model, batch[0])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+    return LitGPT2()
+
+
+def gpt2_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _gpt2_ids(batch: int, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, 50257, (batch, 1024), device=device)
+
+
 def _tokens(batch: int, config: dict[str, Any] = GPT_CONFIG, device: str = "cpu") -> torch.Tensor:
     return torch.randint(0, int(config["vocab"]), (batch, int(config["seq"]) + 1), device=device)
 
@@ -86,25 +132,42 @@ def _meta_model(config: dict[str, Any] = GPT_CONFIG) -> Any:
         return gpt_module(config)
 
 
-def predictions(cap: str = CAP, multiples: tuple[int, ...] = MULTIPLES, gpu: str = "h100") -> dict[str, Any]:
+def _meta_gpt2() -> Any:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config())
+
+
+def predictions(
+    cap: str = CAP, multiples: tuple[int, ...] = MULTIPLES, gpu: str = "h100", model: str = "gpt"
+) -> dict[str, Any]:
     """What the planner says, on fake tensors: the largest batch without lightmem and, at each
-    multiple of it, plan="auto"'s choice (expandable segments on, as plan="auto" sets them)."""
+    multiple of it, plan="auto"'s choice (expandable segments on, as plan="auto" sets them); for
+    GPT-2, its choice at ``GPT2_BATCHES`` under ``GPT2_CAP``."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    model = _meta_model()
-    common = {"optimizer": fused_adamw, "precision": "bf16-mixed", "device": "cuda", "gpu": gpu}
-    reference = max_batch_size(model, _tokens(1), cap, gpt_loss, **common).baseline
+    if model == "gpt2":
+        cap, meta, loss, batch_of = GPT2_CAP, _meta_gpt2(), gpt2_loss, _gpt2_ids
+        common: dict[str, Any] = {"optimizer": "adamw", "precision": "bf16-mixed", "device": "cuda", "gpu": gpu}
+        reference = max_batch_size(meta, batch_of(1), cap, loss, **common).baseline
+        runs = list(GPT2_BATCHES.items())
+    else:
+        meta, loss, batch_of = _meta_model(), gpt_loss, _tokens
+        common = {"optimizer": fused_adamw, "precision": "bf16-mixed", "device": "cuda", "gpu": gpu}
+        reference = max_batch_size(meta, batch_of(1), cap, loss, **common).baseline
+        runs = [(multiple * reference, f"{multiple}x") for multiple in multiples]
     rows = []
-    for multiple in multiples:
-        batch = multiple * reference
-        found = plan(model, _tokens(batch), cap, gpt_loss, checkpoint_policy="auto", **common)
+    for batch, label in runs:
+        found = plan(meta, batch_of(batch), cap, loss, checkpoint_policy="auto", **common)
         rows.append({
-            "multiple": multiple, "batch": batch, "accepted": found.fits, "plan": "; ".join(found.parts()) or "nothing",
+            "label": label, "batch": batch, "accepted": found.fits, "plan": "; ".join(found.parts()) or "nothing",
             "predicted_allocated": found.predicted_peak_bytes if found.fits else None,
             "predicted_reserved": found.predicted_total_bytes if found.fits else None,
             "predicted_step_s": found.step_seconds if found.fits else None,
             "dominant": found.dominant,
         })  # fmt: skip
-    return {"cap": cap, "gpu": gpu, "reference": reference, "rows": rows}
+    return {"cap": cap, "gpu": gpu, "model": model, "reference": reference, "rows": rows}
 
 
 # -- on a GPU ---------------------------------------------------------------------------------------
@@ -132,8 +195,11 @@ def _fits_without_lightmem(batch: int, device: torch.device) -> bool:
         torch.cuda.empty_cache()
 
 
-def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
-    """A Lightning fit of ``steps`` steps at ``batch`` with LightMem(plan="auto", device_budget=cap)."""
+def _fit_with_plan(
+    batch: int, cap_bytes: int, steps: int, make_module: Any = gpt_module, make_batch: Any = _tokens
+) -> dict[str, Any]:
+    """A Lightning fit of ``steps`` steps at ``batch`` with LightMem(plan="auto", device_budget=cap)
+    (``make_module()`` the LightningModule, ``make_batch(batch)`` one batch of token ids)."""
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader
 
@@ -159,7 +225,7 @@ def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
             if auto is not None and auto.replan_reason and auto.replan_reason not in reasons:
                 reasons.append(auto.replan_reason)  # the next batch is planned again for this
 
-    module = gpt_module()
+    module = make_module()
     original = module.training_step
 
     def counted(batch_in: Any, batch_idx: int) -> Any:
@@ -168,7 +234,7 @@ def _fit_with_plan(batch: int, cap_bytes: int, steps: int) -> dict[str, Any]:
         return original(batch_in, batch_idx)
 
     module.training_step = counted
-    loader = DataLoader([(_tokens(batch),) for _ in range(steps)], batch_size=None)
+    loader = DataLoader([(make_batch(batch),) for _ in range(steps)], batch_size=None)
     callback = LightMem(plan="auto", device_budget=cap_bytes, log_every_n_steps=1)
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=steps, logger=False, callbacks=[callback, Timer()],
@@ -246,48 +312,74 @@ def replan_lines(row: dict[str, Any]) -> list[str]:
 
 
 def measure(
-    cap: str = CAP, multiples: tuple[float, ...] = MULTIPLES + FRONTIER_MULTIPLES, steps: int = STEPS,
-    deadline: float = float("inf"),
+    cap: str = CAP, multiples: tuple[float, ...] = MEASURED_MULTIPLES, steps: int = STEPS,
+    deadline: float = float("inf"), model: str = "gpt", batches: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
-    """The measurements (module docstring), while ``deadline`` (``time.monotonic``) lasts."""
+    """The measurements (module docstring), while ``deadline`` (``time.monotonic``) lasts. ``model``
+    "gpt2": GPT-2 at ``batches`` (default ``GPT2_BATCHES``) under ``GPT2_CAP``, no reference trials;
+    "gpt" at ``batches`` when given, else at ``multiples`` of its measured largest batch."""
     device = torch.device("cuda", torch.cuda.current_device())
+    if model == "gpt2":
+        cap = GPT2_CAP
     cap_bytes = parse_size(cap, flag="cap")
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
-    predicted_reference = max_batch_size(_meta_model(), _tokens(1), cap, gpt_loss, optimizer=fused_adamw,
-                                         precision="bf16-mixed", device="cuda").baseline  # fmt: skip
-    reference = predicted_reference
-    fits = {reference: _fits_without_lightmem(reference, device)}
-    probe = reference + 1 if fits[reference] else reference - 1
-    fits[probe] = _fits_without_lightmem(probe, device)
-    measured_reference = max((b for b, ok in fits.items() if ok), default=None)
+    fits: dict[int, bool] = {}
+    predicted_reference = measured_reference = None
+    if model == "gpt2":
+        make_module, make_batch = gpt2_module, _gpt2_ids
+        runs = [(batch, GPT2_BATCHES.get(batch, f"batch {batch}")) for batch in (batches or tuple(GPT2_BATCHES))]
+    else:
+        make_module, make_batch = gpt_module, _tokens
+        if batches:
+            runs = [(batch, f"batch {batch}") for batch in batches]
+        else:
+            predicted_reference = max_batch_size(_meta_model(), _tokens(1), cap, gpt_loss, optimizer=fused_adamw,
+                                                 precision="bf16-mixed", device="cuda").baseline  # fmt: skip
+            reference = predicted_reference
+            fits[reference] = _fits_without_lightmem(reference, device)
+            probe = reference + 1 if fits[reference] else reference - 1
+            fits[probe] = _fits_without_lightmem(probe, device)
+            measured_reference = max((b for b, ok in fits.items() if ok), default=None)
+            runs = list(labelled_batches(reference, multiples).items())  # by size: the frontier's rows first
     rows = []
-    for multiple in multiples:
-        batch = max(1, round(multiple * reference))
+    for batch, label in runs:
         if time.monotonic() > deadline - 45:
-            rows.append({"batch": batch, "multiple": multiple, "outcome": "not run (time limit)"})
+            rows.append({"batch": batch, "label": label, "outcome": "not run (time limit)"})
             continue
-        row = _fit_with_plan(batch, cap_bytes, steps)
-        row["multiple"] = multiple
+        row = _fit_with_plan(batch, cap_bytes, steps, make_module, make_batch)
+        row["label"] = label
         rows.append(row)
         print(json.dumps({"progress": row}, default=str), flush=True)
     return {
-        "cap": cap, "device": torch.cuda.get_device_name(device), "predicted_reference": predicted_reference,
+        "cap": cap, "device": torch.cuda.get_device_name(device), "model": model,
+        "predicted_reference": predicted_reference,
         "reference_trials": {str(b): ok for b, ok in sorted(fits.items())}, "measured_reference": measured_reference,
         "rows": rows,
     }  # fmt: skip
 
 
+def _model_text(result: dict[str, Any]) -> str:
+    """The model, precision and optimizer of a result, and its largest batch without lightmem."""
+    if result.get("model") == "gpt2":
+        return ("GPT-2 (transformers' default config, 1024 tokens), Lightning bf16-mixed, AdamW, "
+                "`LightMem(plan='auto', device_budget=cap)`, "
+                f"{STEPS} steps per batch; batch 3 is the largest without lightmem (the frontier's run).")  # fmt: skip
+    trials = ", ".join(f"{b} ({'fits' if ok else 'OOM'})" for b, ok in result["reference_trials"].items())
+    reference = (
+        f" Largest batch without lightmem: predicted {result['predicted_reference']}; two real steps at {trials}."
+        if result.get("predicted_reference") is not None else ""
+    )
+    return (f"GPT {GPT_CONFIG}, Lightning bf16-mixed, fused AdamW, `LightMem(plan='auto', device_budget=cap)`, "
+            f"{STEPS} steps per batch.{reference}")  # fmt: skip
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The measured table, with its verdict line."""
-    trials = ", ".join(f"{b} ({'fits' if ok else 'OOM'})" for b, ok in result["reference_trials"].items())
     lines = [
         "## Plans that hold",
         "",
-        f"{result['device']}, cap {result['cap']} (`set_per_process_memory_fraction`), GPT {GPT_CONFIG}, Lightning "
-        f"bf16-mixed, fused AdamW, `LightMem(plan='auto', device_budget=cap)`, {STEPS} steps per batch. Largest "
-        f"batch without lightmem: predicted {result['predicted_reference']}; two real steps at "
-        f"{trials}.",
+        f"{result['device']}, cap {result['cap']} (`set_per_process_memory_fraction`), {_model_text(result)}",
         "",
         "| batch | outcome | plan | predicted peak allocated / reserved | measured peak allocated / reserved | "
         "alloc retries | first step | steady step (median, last plan) | predicted step (measured / predicted) | "
@@ -300,7 +392,7 @@ def markdown(result: dict[str, Any]) -> str:
         steady = row.get("steady_s")
         predicted = row.get("predicted_step_s")
         lines.append(
-            f"| {row['batch']} ({row['multiple']}x) | {row['outcome']} | {row.get('plan', '-')} | "
+            f"| {row['batch']} ({row.get('label') or str(row['multiple']) + 'x'}) | {row['outcome']} | {row.get('plan', '-')} | "
             + (f"{format_bytes(row['predicted_allocated'])} / {format_bytes(row['predicted_reserved'])}"
                if row.get("predicted_allocated") is not None else "-")
             + f" | {format_bytes(row.get('measured_allocated', 0))} / {format_bytes(row.get('measured_reserved', 0))} | "
@@ -346,25 +438,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", action="store_true", help="run the fits on this machine's GPU")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     parser.add_argument("--time-limit-s", type=float, default=float("inf"))
+    parser.add_argument("--model", choices=("gpt", "gpt2"), default="gpt",
+                        help="the GPT under 16 GiB (default) or GPT-2 under 8 GiB")
+    parser.add_argument("--batches", type=int, nargs="+", help="with --measure: these batches (default: the model's)")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.time_limit_s
     if args.measure:
         if not torch.cuda.is_available():
             print("plans_hold: no CUDA device here: nothing to measure (run without --measure for the predictions)")
             return 0
-        result = measure(deadline=deadline)
+        result = measure(deadline=deadline, model=args.model, batches=tuple(args.batches or ()) or None)
         print(json.dumps(result, default=str) if args.json else markdown(result))
         return 0
-    result = predictions()
-    print(f"Predicted on fake tensors for an H100 ({result['gpu']}), cap {result['cap']}, GPT {GPT_CONFIG}, "
-          f"bf16-mixed, fused AdamW, expandable segments: largest batch without lightmem {result['reference']}.")  # fmt: skip
+    result = predictions(model=args.model)
+    what = f"GPT {GPT_CONFIG}, bf16-mixed, fused AdamW" if args.model == "gpt" else "GPT-2, bf16-mixed, AdamW"
+    print(f"Predicted on fake tensors for an H100 ({result['gpu']}), cap {result['cap']}, {what}, "
+          f"expandable segments: largest batch without lightmem {result['reference']}.")  # fmt: skip
     for row in result["rows"]:
         if row["accepted"]:
-            print(f"  {row['multiple']}x = batch {row['batch']}: accepted, {row['plan']}; predicted "
+            print(f"  {row['label']} = batch {row['batch']}: accepted, {row['plan']}; predicted "
                   f"{format_bytes(row['predicted_allocated'])} allocated, {format_bytes(row['predicted_reserved'])} "
                   f"reserved with the overhead allowance, step {format_seconds(row['predicted_step_s'])}")  # fmt: skip
         else:
-            print(f"  {row['multiple']}x = batch {row['batch']}: refused before its forward ({row['dominant']})")
+            print(f"  {row['label']} = batch {row['batch']}: refused before its forward ({row['dominant']})")
     return 0
 
 

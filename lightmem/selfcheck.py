@@ -16,7 +16,7 @@ sections follow, all within ``QUICK_BUDGET_S``:
 - ``estimator``: ``estimate_memory``'s predicted peak against the measured one;
 - ``swap_row``: the swap-out/in paper's ResNet-50 (seed 001) at one batch under a 12 GB cap: the
   plan's choice and the paper's swap row, their peaks and step times (``benchmarks/swap_table.py``);
-- ``plans_hold``: ``LightMem(plan="auto")`` at 2x, 5x and 8x (then 1x and 1.5x) the largest batch
+- ``plans_hold``: ``LightMem(plan="auto")`` at 1x, 1.5x and 2x (then 5x and 8x) the largest batch
   without lightmem under a 16 GiB cap: accepted or refused before the forward, never out of
   memory; peaks and step times beside the predictions (``benchmarks/plans_hold.py``);
 - ``warm_start``: the first steps of a large offload against the steady one, with the host memory
@@ -492,7 +492,7 @@ def swap_row(limit_s: float) -> str:
 
 
 def plans_hold(limit_s: float) -> str:
-    """``benchmarks/plans_hold.py``'s section: plan="auto" at 2x, 5x and 8x under a 16 GiB cap."""
+    """``benchmarks/plans_hold.py``'s section: plan="auto" at 1x, 1.5x, 2x, 5x and 8x under a 16 GiB cap."""
     return _benchmark("plans_hold").selfcheck_section(limit_s)
 
 
@@ -516,7 +516,7 @@ QUICK_SECTIONS: list[Section] = [
     Section("swap_row", 80, swap_row,
             "seed 001's ResNet-50 (fp32, SGD, 224x224) at batch 256 under a 12 GB cap: the plan's choice and offload"),
     Section("plans_hold", 190, plans_hold,
-            "plan='auto' at 2x, 5x, 8x (then 1x, 1.5x) the largest batch without lightmem, 16 GiB cap"),
+            "plan='auto' at 1x, 1.5x, 2x (then 5x, 8x) the largest batch without lightmem, 16 GiB cap"),
     Section("warm_start", 45, warm_start, "the first steps of an 8 GiB offload against a steady one"),
 ]  # fmt: skip
 """What ``--quick`` runs, in order: the first ``VERDICT_SECTIONS`` give the verdict on the

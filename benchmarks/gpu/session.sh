@@ -1,9 +1,11 @@
 #!/bin/bash
 # One lent GPU, about fifteen minutes in all: the quick selfcheck first (its report is committed
 # under docs/gpu-runs/), then the per-op price comparison. `warm48` (second call) is the 48 GiB warm start.
-# `frontier`: the quick selfcheck, then every frontier row's plan measured (planned on the CPU
-# beforehand: benchmarks/gpu/frontier-plans-h100.json), then GPT-2's per-op profile with the host's
-# time to issue a step, within `LIMIT` seconds in all (default 560).
+# `frontier`: the quick selfcheck (its plans_hold runs plan="auto" on the GPT at 1x, 1.5x, 2x first),
+# then plan="auto" on GPT-2 at its frontier's batches (a step that waits on the host), then every
+# frontier row's plan measured (planned on the CPU beforehand: benchmarks/gpu/frontier-plans-h100.json;
+# GPT-2's held-out batch 5 first, then ResNet-50, then the GPT), then GPT-2's per-op profile with the
+# host's time to issue a step if time is left, within `LIMIT` seconds in all (default 560).
 # Run from the checkout: bash benchmarks/gpu/session.sh [all|warm48|frontier]. Writes under $OUT.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -21,14 +23,16 @@ if [ "$what" = all ] || [ "$what" = frontier ]; then
 fi
 if [ "$what" = frontier ]; then
   limit=${LIMIT:-560}
-  timeout $((limit - 230)) python3 -m lightmem.selfcheck --quick --output "$OUT/quick.md" > "$OUT/quick.log" 2>&1
+  timeout $((limit - 250)) python3 -m lightmem.selfcheck --quick --output "$OUT/quick.md" > "$OUT/quick.log" 2>&1
   echo "selfcheck exit $? after ${SECONDS} s"; grep -a -E "Verdict|^lightmem selfcheck|section" "$OUT/quick.log" | tail -n 20
-  left=$((limit - SECONDS - 55))  # 40 s kept for op_prices below
+  timeout 100 python3 benchmarks/plans_hold.py --measure --model gpt2 --time-limit-s 95 > "$OUT/plans_hold_gpt2.md" 2>&1
+  echo "plans_hold gpt2 exit $? after ${SECONDS} s"; grep -v '^{' "$OUT/plans_hold_gpt2.md" | cut -c1-300 | tail -n 20
+  left=$((limit - SECONDS - 10))
   timeout $left python3 benchmarks/frontier.py --measure --plans benchmarks/gpu/frontier-plans-h100.json \
-    --models gpt gpt2 resnet50 --time-limit-s $((left - 60)) --json-out "$OUT/frontier.json" > "$OUT/frontier.txt" 2>&1
+    --models gpt2 resnet50 gpt --time-limit-s $((left - 40)) --json-out "$OUT/frontier.json" > "$OUT/frontier.txt" 2>&1
   echo "frontier exit $? after ${SECONDS} s"; grep -v '^{' "$OUT/frontier.txt" | cut -c1-250 | tail -n 60
   left=$((limit - SECONDS - 5))  # GPT-2's per-op profile and the host's time to issue its step
-  [ $left -gt 20 ] && timeout $left python3 benchmarks/op_prices.py --measure --models gpt2 \
+  [ $left -gt 30 ] && timeout $left python3 benchmarks/op_prices.py --measure --models gpt2 \
     --json-out "$OUT/op_prices_gpt2.json" > "$OUT/op_prices_gpt2.txt" 2>&1
   echo "op_prices exit $? after ${SECONDS} s"; tail -n 6 "$OUT/op_prices_gpt2.txt"
 fi
