@@ -51,3 +51,19 @@ def test_the_report_shows_each_plan_a_fit_ran_and_why_it_planned_again():
     result = {"cap": "16GiB", "device": "GPU", "predicted_reference": 8, "reference_trials": {"8": True},
               "rows": [{**row, "measured_allocated": 1, "measured_reserved": 1, "alloc_retries": 0}]}  # fmt: skip
     assert "\nPlanned again:\n\n- batch 16, steps 0-3:" in markdown(result)
+
+
+def test_gpt2s_report_names_its_model_and_labels_its_rows_by_the_frontier():
+    # GPT-2's fits run at the frontier's batches (no reference trials): the header says so, and each
+    # row carries its frontier label.
+    row = {
+        "batch": 5, "label": "1.5x", "outcome": "trained", "plan": "checkpoint transformer.h.0-8 (GPT2Block)",
+        "predicted_allocated": 2**30, "predicted_reserved": 2**31, "measured_allocated": 2**30,
+        "measured_reserved": 2**31, "alloc_retries": 0, "step_times_s": [0.5, 0.08, 0.08], "steady_s": 0.08,
+        "predicted_step_s": 0.0765, "predicted_steps_s": [0.0765] * 3,
+    }  # fmt: skip
+    text = markdown({"cap": "8GiB", "device": "GPU", "model": "gpt2", "predicted_reference": None,
+                     "reference_trials": {}, "rows": [row]})  # fmt: skip
+    assert "GPU, cap 8GiB (`set_per_process_memory_fraction`), GPT-2 (transformers' default config, 1024 tokens)" in text
+    assert "| 5 (1.5x) | trained | checkpoint transformer.h.0-8 (GPT2Block) |" in text
+    assert "| 80.0 ms | 76.5 ms (1.05x) | - |" in text
