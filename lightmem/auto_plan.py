@@ -40,6 +40,7 @@ import functools
 import statistics
 import warnings
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ from lightmem.devices import DeviceSpeeds
 from lightmem.compiled import holds_compiled_modules
 from lightmem.estimate.report import BlockMemory, format_seconds
 from lightmem.estimate.step import ROOT_BLOCK
-from lightmem.estimate.step_time import CHECKPOINT, KEEP, Costs, ForwardInterval, forward_intervals
+from lightmem.estimate.step_time import CHECKPOINT, KEEP, ForwardInterval, forward_intervals
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -300,7 +301,8 @@ class AutoPlan:
         intervals = self._forward_intervals(chosen)
         names = [
             block.name for block in chosen.estimate.blocks.values()
-            if block.name != ROOT_BLOCK and block.forward_s > 0 and intervals[block.name].seconds >= BLOCK_TIMING_MIN_S
+            if block.name != ROOT_BLOCK and block.forward_s > 0 and block.name in intervals
+            and intervals[block.name].seconds >= BLOCK_TIMING_MIN_S
             and chosen.actions.get(block.name, KEEP) in (KEEP, CHECKPOINT)
         ]  # fmt: skip
         if names:
@@ -404,14 +406,11 @@ class AutoPlan:
             self.remove_block_timer()
 
     def _forward_intervals(self, chosen: Plan) -> dict[str, ForwardInterval]:
-        """Each block's forward interval as ``chosen`` prices it (its speeds: its host's launches; the
-        fit's block scale: its compute), what a pair of CUDA events around the block times."""
-        assert chosen.estimate is not None and self.speeds is not None
-        prices = chosen.speeds or self.speeds
-        costs = Costs(
-            chosen.flops_per_s or prices.matmul_rate("fp32"), prices.link_bytes_per_s, 0, allow_offload=False,
-            host_op_s=prices.host_op_s, block_scale=dict(self.speeds.block_scale),
-        )  # fmt: skip
+        """Each block's forward interval as ``chosen`` prices it (its costs; the fit's block scale),
+        what a pair of CUDA events around the block times; none for a plan not searched."""
+        if chosen.estimate is None or chosen.costs is None or self.speeds is None:
+            return {}
+        costs = replace(chosen.costs, block_scale=dict(self.speeds.block_scale))
         return forward_intervals(chosen.estimate.blocks, chosen.actions, costs)
 
     def _reprice_blocks(self) -> None:

@@ -34,7 +34,7 @@ from lightmem.device_memory import (
 )
 from lightmem.estimate.batch import batch_shapes
 from lightmem.estimate.report import format_seconds
-from lightmem.estimate.step_time import Costs, forward_intervals
+from lightmem.estimate.step_time import forward_intervals
 from lightmem.metrics.names import GiB
 from lightmem.testing.device import SimulatedDeviceMemory, simulated_device
 
@@ -543,14 +543,9 @@ def _host_bound_plan(module, tokens):
     """The tiny GPT priced on an H100: each block's forward launches 29 ops at 50 us (1.45 ms), where
     its compute takes 87 us. Its step waits on the host."""
     chosen = plan(module, (tokens,), 1 << 30, device="cuda", gpu="h100")
-    intervals = forward_intervals(chosen.estimate.blocks, chosen.actions, _costs_of(chosen))
+    intervals = forward_intervals(chosen.estimate.blocks, chosen.actions, chosen.costs)
     assert all(intervals[name].host_bound for name in BLOCKS) and chosen.estimate.host_wait() is not None
     return chosen, intervals
-
-
-def _costs_of(chosen):
-    speeds = chosen.speeds
-    return Costs(chosen.flops_per_s, speeds.link_bytes_per_s, 0, allow_offload=False, host_op_s=speeds.host_op_s)
 
 
 def test_a_block_whose_forward_waits_on_the_host_is_held_to_its_launches_not_its_compute():
@@ -589,7 +584,7 @@ def test_a_block_that_waits_on_a_slower_host_prices_the_host_as_measured():
         "host's launches priced as measured (x2.00)"
     )
     again = plan(module, (tokens,), 1 << 30, device="cuda", gpu=auto_plan.speeds)
-    now = forward_intervals(again.estimate.blocks, again.actions, _costs_of(again))
+    now = forward_intervals(again.estimate.blocks, again.actions, again.costs)
     assert [now[name].seconds for name in BLOCKS] == pytest.approx([2 * intervals[name].seconds for name in BLOCKS], rel=1e-9)
 
 

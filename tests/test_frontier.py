@@ -23,7 +23,8 @@ from lightmem import cli
 from lightmem.cli import main
 from lightmem.config import format_bytes
 from lightmem.estimate.frontier import DEFAULT_MULTIPLES, Frontier, FrontierRow, floor_seconds, labelled_batches
-from lightmem.estimate.report import format_seconds
+from lightmem.estimate.report import format_seconds, static_part
+from lightmem.estimate.step_time import CHECKPOINT, saves_bytes
 
 FACTORY_MODULE = "lightmem_frontier_test_factory"
 
@@ -326,6 +327,28 @@ def test_given_prices_price_every_row_and_its_floor(totals):
         chosen = result.plans[row.batch_size]
         assert chosen.speeds == result.speeds and chosen.settings["link_bytes_per_s"] == 12e9
         assert row.floor_s == floor_seconds(chosen)
+
+
+def test_the_floor_prices_a_re_run_as_the_plan_does_launches_included_where_the_step_waits_on_the_host(totals):
+    # The stack on an H100 waits on the host (42 ops at 50 us, 2.1 ms, over 126 us of device work):
+    # re-running a block costs the host its launches and checkpointing's bookkeeping, 310 us, where
+    # its device seconds are 6 us. Batch 1 needs half a block's bytes re-computed: its floor is the
+    # step plus half the plan's own price of that block (priced at the device seconds, it was the
+    # step plus 3 us: a floor far under what re-computation can cost on this device).
+    static, one, _ = totals
+    budget = static + (one - static) * 4 // 5
+    result = frontier(MLPStack(), _batch(2), budget, stack_loss, multiples=(1,), offload=False, **COMMON)
+    row, chosen = result.rows[0], result.plans[1]
+    assert (row.batch_size, row.plan) == (1, "checkpoint blocks.0 (MLPBlock)")
+    base, block = chosen.baseline_step_seconds, chosen.estimate.blocks["blocks.0"]
+    assert chosen.step_seconds - base == pytest.approx(310e-6, rel=1e-9)
+    baseline = chosen.estimate.scenarios["baseline"]
+    fragmentation = chosen.settings["fragmentation"]
+    reserved = baseline.peak_bytes + int((baseline.peak_bytes - static_part(baseline.breakdown)) * fragmentation)
+    need = (reserved + chosen.overhead_bytes - budget) / (1 + fragmentation)
+    share = need / saves_bytes(block, CHECKPOINT, chosen.costs)
+    assert 0 < share < 1
+    assert row.floor_s == pytest.approx(base + share * (chosen.step_seconds - base), rel=1e-9)
 
 
 @pytest.fixture

@@ -445,7 +445,7 @@ class PlanSpace:
             checkpoint_policy=settings.checkpoint_policy, flops_per_s=costs.flops_per_s,
             link_bytes_per_s=costs.link_bytes_per_s, settings=_searched_under(settings, costs, self.searched_offload),
             step_seconds=baseline_s, baseline_step_seconds=baseline_s, speeds=settings.speeds,
-            predicted_reserved_bytes=baseline_reserved,
+            predicted_reserved_bytes=baseline_reserved, costs=costs,
         )  # fmt: skip
         result.estimate_kinds = base.block_kinds
         before = len(self.verified)

@@ -527,6 +527,8 @@ class Plan:
     baseline_step_seconds: float = 0.0
     speeds: Any = None
     """The ``DeviceSpeeds`` the plan was priced at."""
+    costs: Any = field(default=None, repr=False)
+    """The ``step_time.Costs`` the search priced every configuration with (None: not searched)."""
     dominant: str = ""
     """When nothing fits: what dominates the peak of the configuration that came closest."""
 
