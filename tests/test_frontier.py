@@ -332,9 +332,9 @@ def test_given_prices_price_every_row_and_its_floor(totals):
 def test_the_floor_prices_a_re_run_as_the_plan_does_launches_included_where_the_step_waits_on_the_host(totals):
     # The stack on an H100 waits on the host (42 ops at 50 us, 2.1 ms, over 126 us of device work):
     # re-running a block costs the host its launches and checkpointing's bookkeeping, 310 us, where
-    # its device seconds are 6 us. Batch 1 needs half a block's bytes re-computed: its floor is the
+    # its device seconds are 12 us. Batch 1 needs half a block's bytes re-computed: its floor is the
     # step plus half the plan's own price of that block (priced at the device seconds, it was the
-    # step plus 3 us: a floor far under what re-computation can cost on this device).
+    # step plus 6 us: a floor far under what re-computation can cost on this device).
     static, one, _ = totals
     budget = static + (one - static) * 4 // 5
     result = frontier(MLPStack(), _batch(2), budget, stack_loss, multiples=(1,), offload=False, **COMMON)
