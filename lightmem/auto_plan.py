@@ -464,13 +464,13 @@ class AutoPlan:
                 new_scale.update(dict.fromkeys(group, pace))
             # A median off the margin has a member off it too: the reason names the worst.
             off.update((name, timed[name]) for name in members if abs(timed[name][0] / timed[name][1] - 1) > REPLAN_MARGIN)
-        if not off:
+        host_scale = min(max(statistics.median(host_scales), 0.2), 5.0) if host_scales else 1.0
+        if not off or (not new_scale and host_scale == 1.0):  # nothing to price anew (at a clamp)
             return
         changed = []
         if new_scale:
             self.speeds = self.speeds.with_block_scale(new_scale, f"{len(new_scale)} block(s) priced at their measured forward")
             changed.append("each block's compute")
-        host_scale = min(max(statistics.median(host_scales), 0.2), 5.0) if host_scales else 1.0
         if host_scale != 1.0:
             self.speeds = self.speeds.with_host_scale(host_scale, f"the host's launches x{host_scale:.2f} as blocks measured")
             changed.append("the host's launches")

@@ -503,6 +503,21 @@ def test_twins_are_priced_alike_the_untimed_ones_too_and_one_off_alone_is_noise(
     assert (quiet.replan_reason, quiet.speeds.block_scale) == (None, {})
 
 
+def test_a_block_priced_at_the_clamp_and_measured_slower_still_plans_nothing_again():
+    # Priced 5x its compute already (the most a measure may scale it), measured 10x: there is nothing
+    # to price anew, and planning again would only time it again, at every plan.
+    module, tokens = LitGPT(), _tokens(4, 17)[0]
+    device = SimulatedDeviceMemory(CAPACITY, gpu="h100")
+    clamped = device.speeds().with_block_scale(dict.fromkeys(BLOCKS, 5.0), "measured before")
+    chosen = plan(module, (tokens,), BUDGET, device="cpu", gpu=clamped)
+    device.block_seconds = {name: 10 * chosen.estimate.blocks[name].forward_s for name in BLOCKS}
+    auto_plan = AutoPlan(BUDGET, device, speeds=clamped)
+    auto_plan.take(chosen, batch_shapes((tokens,)), module)
+    _timed_steps(auto_plan, module, tokens, 1 + TIMED_STEPS)
+    assert sorted(auto_plan.block_times_s) == list(BLOCKS)
+    assert (auto_plan.replan_reason, auto_plan.speeds) == (None, clamped)
+
+
 def test_blocks_are_timed_only_where_hooks_cannot_change_the_model():
     # Offloaded blocks may wait for the link (priced apart); a compiled model would recompile
     # for hooks; a device without a block clock times nothing.
