@@ -1,8 +1,9 @@
 #!/bin/bash
 # One lent GPU, about fifteen minutes in all: the quick selfcheck first (its report is committed
 # under docs/gpu-runs/), then the per-op price comparison. `warm48` (second call) is the 48 GiB warm start.
-# `frontier`: the quick selfcheck (its plans_hold runs plan="auto" on the GPT at 1x, 1.5x, 2x first),
-# then plan="auto" on GPT-2 at its frontier's batches (a step that waits on the host), then every
+# `frontier`: the quick selfcheck's GPU tests and plans_hold (plan="auto" on the GPT at 1x, 1.5x, 2x
+# first; the other sections ran unchanged on the H100 before), then plan="auto" on GPT-2 at its
+# frontier's batches (a step that waits on the host), then every
 # frontier row's plan measured (planned on the CPU beforehand: benchmarks/gpu/frontier-plans-h100.json;
 # GPT-2's held-out batch 5 first, then ResNet-50, then the GPT), then GPT-2's per-op profile with the
 # host's time to issue a step if time is left, within `LIMIT` seconds in all (default 560).
@@ -23,9 +24,10 @@ if [ "$what" = all ] || [ "$what" = frontier ]; then
 fi
 if [ "$what" = frontier ]; then
   limit=${LIMIT:-560}
-  timeout $((limit - 250)) python3 -m lightmem.selfcheck --quick --output "$OUT/quick.md" > "$OUT/quick.log" 2>&1
+  timeout $((limit - 235)) python3 -m lightmem.selfcheck --quick --sections gpu_tests,plans_hold \
+    --output "$OUT/quick.md" > "$OUT/quick.log" 2>&1
   echo "selfcheck exit $? after ${SECONDS} s"; grep -a -E "Verdict|^lightmem selfcheck|section" "$OUT/quick.log" | tail -n 20
-  timeout 100 python3 benchmarks/plans_hold.py --measure --model gpt2 --time-limit-s 95 > "$OUT/plans_hold_gpt2.md" 2>&1
+  timeout 110 python3 benchmarks/plans_hold.py --measure --model gpt2 --time-limit-s 105 > "$OUT/plans_hold_gpt2.md" 2>&1
   echo "plans_hold gpt2 exit $? after ${SECONDS} s"; grep -v '^{' "$OUT/plans_hold_gpt2.md" | cut -c1-300 | tail -n 20
   left=$((limit - SECONDS - 10))
   timeout $left python3 benchmarks/frontier.py --measure --plans benchmarks/gpu/frontier-plans-h100.json \
