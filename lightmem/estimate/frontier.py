@@ -26,10 +26,10 @@ from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.batch import scalable_batch
 from lightmem.estimate.configuration import parse_settings
 from lightmem.estimate.planner import AUTO_POLICY, plan
-from lightmem.estimate.report import BlockMemory, Plan, format_seconds, static_part
+from lightmem.estimate.report import Plan, format_seconds, static_part
 from lightmem.estimate.search import max_batch_size
 from lightmem.estimate.settings import parse_planned_offload
-from lightmem.estimate.step_time import CHECKPOINT, Costs, recompute_s, saves_bytes, step_time
+from lightmem.estimate.step_time import CHECKPOINT, saves_bytes, step_time
 from lightmem.tables import format_table
 
 DEFAULT_MULTIPLES = (1.0, 1.5, 2.0, 3.0, 5.0, 8.0)
@@ -149,8 +149,8 @@ def labelled_batches(reference: int, multiples: Sequence[float]) -> dict[int, st
 def floor_seconds(chosen: Plan) -> float:
     """The least time any schedule takes for ``chosen``'s batch on its device (module docstring):
     the compute, and the bytes over the budget re-computed or moved, whichever mix costs least."""
-    estimate = chosen.estimate
-    if estimate is None or chosen.speeds is None:
+    estimate, costs = chosen.estimate, chosen.costs
+    if estimate is None or chosen.speeds is None or costs is None:
         return chosen.baseline_step_seconds
     base = chosen.baseline_step_seconds
     settings = chosen.settings
@@ -163,20 +163,14 @@ def floor_seconds(chosen: Plan) -> float:
         return base
     need = over / (1 + fragmentation)  # allocated bytes to take off the peak
     link = chosen.speeds.link_bytes_per_s
-    searched = settings.get("offload") or {}
-    costs = chosen.costs or Costs(chosen.flops_per_s or 1.0, link, searched.get("min_bytes", 0), allow_offload=True)
-
-    def rerun_s(block: BlockMemory) -> float:
-        """What re-running ``block`` adds to the step as the plan prices it: on the step's timeline,
-        where a re-run also costs the host its launches (a plan not searched: its device seconds)."""
-        if chosen.costs is None:
-            return recompute_s(block, costs)
-        return step_time(estimate.blocks, {block.name: CHECKPOINT}, costs).recompute_s
-
-    # Re-computation, cheapest seconds per byte first: a piecewise-linear cost of bytes saved.
+    # Re-computation, cheapest seconds per byte first: a piecewise-linear cost of bytes saved. A
+    # block's re-run costs what it adds to the step as the plan prices it (the host's launches too).
     layers = [block for block in estimate.blocks.values() if block.repeated] or list(estimate.blocks.values())
     pieces = sorted(
-        ((rerun_s(block), saves_bytes(block, CHECKPOINT, costs)) for block in layers),
+        (
+            (step_time(estimate.blocks, {block.name: CHECKPOINT}, costs).recompute_s, saves_bytes(block, CHECKPOINT, costs))
+            for block in layers
+        ),
         key=lambda piece: piece[0] / piece[1] if piece[1] else float("inf"),
     )
     movable = sum(block.offloadable_bytes(costs.min_bytes) for block in estimate.blocks.values())

@@ -222,19 +222,39 @@ def forward_intervals(
     blocks: Mapping[str, BlockMemory], actions: Mapping[str, str], costs: Costs
 ) -> dict[str, ForwardInterval]:
     """Each block's forward interval (``ForwardInterval``) with ``actions``, on the host's and the
-    device's timelines of the step without transfers (``_timeline``'s forward)."""
+    device's timelines of the step without transfers (``_forward``, as ``_timeline`` runs it)."""
     order = list(blocks.values())
     checkpointed = [actions.get(block.name, KEEP) in (CHECKPOINT, BOTH) for block in order]
     launches = _host_s(order, checkpointed, costs)[0]
-    found: dict[str, ForwardInterval] = {}
-    now = host = 0.0
-    for block, launch in zip(order, launches):
-        device = forward_s(block, costs)
+    device = [forward_s(block, costs) for block in order]
+    ends, hosts, _ = _forward(device, [0] * len(order), launches, costs)
+    before = [0.0, *ends[:-1]]
+    return {
+        block.name: ForwardInterval(end - start, seconds, host - start, launch)
+        for block, seconds, launch, start, end, host in zip(order, device, launches, before, ends, hosts)
+    }
+
+
+def _forward(
+    forward: list[float], sent: list[int], launches: list[float], costs: Costs
+) -> tuple[list[float], list[float], list[float]]:
+    """The forward on the step's timelines, block by block: when each ends on the device (no sooner
+    than the host has launched it), when the host has launched it, and when its bytes have left
+    (its end when it sends none)."""
+    link = costs.link_bytes_per_s
+    now = link_out = host = 0.0
+    ends, hosts, out_done = [], [], []
+    for seconds, nbytes, launch in zip(forward, sent, launches):
         host += launch
-        end = max(now + device, host)
-        found[block.name] = ForwardInterval(end - now, device, host - now, launch)
-        now = end
-    return found
+        now = max(now + seconds, host)
+        if nbytes:
+            link_out = max(link_out, now) + nbytes / link
+            # The device keeps at most inflight_bytes of copies not yet made: compute waits.
+            now = max(now, link_out - costs.inflight_bytes / link)
+        ends.append(now)
+        hosts.append(host)
+        out_done.append(link_out if nbytes else now)
+    return ends, hosts, out_done
 
 
 def _timeline(
@@ -252,16 +272,8 @@ def _timeline(
     # prices a re-run costs the host its device seconds.
     floor = costs.host_s + (added if costs.host_op_s else sum(rerun))
     link = costs.link_bytes_per_s
-    now = link_out = host = 0.0
-    out_done = []
-    for seconds, nbytes, launch in zip(forward, sent, host_forward):
-        host += launch
-        now = max(now + seconds, host)
-        if nbytes:
-            link_out = max(link_out, now) + nbytes / link
-            # The device keeps at most inflight_bytes of copies not yet made: compute waits.
-            now = max(now, link_out - costs.inflight_bytes / link)
-        out_done.append(link_out if nbytes else now)
+    ends, hosts, out_done = _forward(forward, sent, host_forward, costs)
+    now, host = (ends[-1], hosts[-1]) if ends else (0.0, 0.0)
     link_in = now
     started: dict[int, float] = {}
     for index in reversed(range(len(names))):
