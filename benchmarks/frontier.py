@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(CHECKOUT))
@@ -57,7 +56,7 @@ sys.path.insert(0, str(CHECKOUT / "benchmarks"))
 
 from _common import hardware, run_script  # noqa: E402
 from estimate_factories import resnet50  # noqa: E402
-from plans_hold import _meta_model, fused_adamw, gpt_loss  # noqa: E402
+from plans_hold import GPT2_CAP, _gpt2_ids, _meta_gpt2, _meta_model, fused_adamw, gpt2_loss, gpt_loss  # noqa: E402
 
 from lightmem import apply_checkpointing, frontier, measure_device_speeds, offload_activations  # noqa: E402
 from lightmem.config import format_bytes  # noqa: E402
@@ -95,18 +94,10 @@ def _resnet50() -> dict[str, Any]:
 def _gpt2() -> dict[str, Any]:
     import transformers
 
-    transformers.logging.set_verbosity_error()
-    with torch.device("meta"):
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
     ids = torch.zeros(4, 1024, dtype=torch.long)
-
-    def loss_fn(model: Any, batch: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=batch).logits
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-
-    return {"model": model, "batch": ids, "loss_fn": loss_fn, "budget": "8GiB", "optimizer": "adamw",
+    return {"model": _meta_gpt2(), "batch": ids, "loss_fn": gpt2_loss, "budget": GPT2_CAP, "optimizer": "adamw",
             "precision": "bf16-mixed", "real": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config()),
-            "make_batch": lambda n, device: torch.randint(0, 50257, (n, 1024), device=device)}  # fmt: skip
+            "make_batch": _gpt2_ids}  # fmt: skip
 
 
 def apply_plan(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[Any, Any]:

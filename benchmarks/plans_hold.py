@@ -140,25 +140,32 @@ def _meta_gpt2() -> Any:
         return transformers.GPT2LMHeadModel(transformers.GPT2Config())
 
 
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt": {"cap": CAP, "module": gpt_module, "meta": _meta_model, "loss": gpt_loss, "batch": _tokens,
+            "optimizer": fused_adamw},
+    "gpt2": {"cap": GPT2_CAP, "module": gpt2_module, "meta": _meta_gpt2, "loss": gpt2_loss, "batch": _gpt2_ids,
+             "optimizer": "adamw", "batches": GPT2_BATCHES},
+}  # fmt: skip
+"""Each model's cap, its LightningModule, its meta-device model and loss for the planner, a batch of
+``n`` token ids (``batch(n, device)``), its optimizer, and, where the frontier fixed them, its
+labelled batches (else multiples of its largest batch without lightmem)."""
+
+
 def predictions(
-    cap: str = CAP, multiples: tuple[int, ...] = MULTIPLES, gpu: str = "h100", model: str = "gpt"
+    cap: str | None = None, multiples: tuple[int, ...] = MULTIPLES, gpu: str = "h100", model: str = "gpt"
 ) -> dict[str, Any]:
     """What the planner says, on fake tensors: the largest batch without lightmem and, at each
-    multiple of it, plan="auto"'s choice (expandable segments on, as plan="auto" sets them); for
-    GPT-2, its choice at ``GPT2_BATCHES`` under ``GPT2_CAP``."""
+    multiple of it (or the model's own batches), plan="auto"'s choice (expandable segments on, as
+    plan="auto" sets them), under ``cap`` (default: the model's)."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if model == "gpt2":
-        cap, meta, loss, batch_of = GPT2_CAP, _meta_gpt2(), gpt2_loss, _gpt2_ids
-        common: dict[str, Any] = {"optimizer": "adamw", "precision": "bf16-mixed", "device": "cuda", "gpu": gpu}
-        reference = max_batch_size(meta, batch_of(1), cap, loss, **common).baseline
-        runs = list(GPT2_BATCHES.items())
-    else:
-        meta, loss, batch_of = _meta_model(), gpt_loss, _tokens
-        common = {"optimizer": fused_adamw, "precision": "bf16-mixed", "device": "cuda", "gpu": gpu}
-        reference = max_batch_size(meta, batch_of(1), cap, loss, **common).baseline
-        runs = [(multiple * reference, f"{multiple}x") for multiple in multiples]
+    spec = MODELS[model]
+    cap = cap or spec["cap"]
+    meta, loss, batch_of = spec["meta"](), spec["loss"], spec["batch"]
+    common = {"optimizer": spec["optimizer"], "precision": "bf16-mixed", "device": "cuda", "gpu": gpu}
+    reference = max_batch_size(meta, batch_of(1), cap, loss, **common).baseline
+    runs = spec.get("batches") or labelled_batches(reference, multiples)
     rows = []
-    for batch, label in runs:
+    for batch, label in runs.items():
         found = plan(meta, batch_of(batch), cap, loss, checkpoint_policy="auto", **common)
         rows.append({
             "label": label, "batch": batch, "accepted": found.fits, "plan": "; ".join(found.parts()) or "nothing",
@@ -312,42 +319,40 @@ def replan_lines(row: dict[str, Any]) -> list[str]:
 
 
 def measure(
-    cap: str = CAP, multiples: tuple[float, ...] = MEASURED_MULTIPLES, steps: int = STEPS,
+    cap: str | None = None, multiples: tuple[float, ...] = MEASURED_MULTIPLES, steps: int = STEPS,
     deadline: float = float("inf"), model: str = "gpt", batches: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
-    """The measurements (module docstring), while ``deadline`` (``time.monotonic``) lasts. ``model``
-    "gpt2": GPT-2 at ``batches`` (default ``GPT2_BATCHES``) under ``GPT2_CAP``, no reference trials;
-    "gpt" at ``batches`` when given, else at ``multiples`` of its measured largest batch."""
+    """The measurements (module docstring), while ``deadline`` (``time.monotonic``) lasts: ``model``
+    at ``batches`` when given, else at its own batches (GPT-2: ``GPT2_BATCHES``, no reference
+    trials), else at ``multiples`` of its measured largest batch; under ``cap`` (default: the model's)."""
     device = torch.device("cuda", torch.cuda.current_device())
-    if model == "gpt2":
-        cap = GPT2_CAP
+    spec = MODELS[model]
+    cap = cap or spec["cap"]
     cap_bytes = parse_size(cap, flag="cap")
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
     fits: dict[int, bool] = {}
     predicted_reference = measured_reference = None
-    if model == "gpt2":
-        make_module, make_batch = gpt2_module, _gpt2_ids
-        runs = [(batch, GPT2_BATCHES.get(batch, f"batch {batch}")) for batch in (batches or tuple(GPT2_BATCHES))]
-    else:
-        make_module, make_batch = gpt_module, _tokens
-        if batches:
-            runs = [(batch, f"batch {batch}") for batch in batches]
-        else:
-            predicted_reference = max_batch_size(_meta_model(), _tokens(1), cap, gpt_loss, optimizer=fused_adamw,
-                                                 precision="bf16-mixed", device="cuda").baseline  # fmt: skip
-            reference = predicted_reference
-            fits[reference] = _fits_without_lightmem(reference, device)
-            probe = reference + 1 if fits[reference] else reference - 1
-            fits[probe] = _fits_without_lightmem(probe, device)
-            measured_reference = max((b for b, ok in fits.items() if ok), default=None)
-            runs = list(labelled_batches(reference, multiples).items())  # by size: the frontier's rows first
+    known = spec.get("batches") or {}
+    if batches:
+        runs = [(batch, known.get(batch, f"batch {batch}")) for batch in batches]
+    elif known:
+        runs = list(known.items())
+    else:  # the GPT: its largest batch without lightmem, predicted and tried
+        predicted_reference = max_batch_size(_meta_model(), _tokens(1), cap, gpt_loss, optimizer=fused_adamw,
+                                             precision="bf16-mixed", device="cuda").baseline  # fmt: skip
+        reference = predicted_reference
+        fits[reference] = _fits_without_lightmem(reference, device)
+        probe = reference + 1 if fits[reference] else reference - 1
+        fits[probe] = _fits_without_lightmem(probe, device)
+        measured_reference = max((b for b, ok in fits.items() if ok), default=None)
+        runs = list(labelled_batches(reference, multiples).items())  # by size: the frontier's rows first
     rows = []
     for batch, label in runs:
         if time.monotonic() > deadline - 45:
             rows.append({"batch": batch, "label": label, "outcome": "not run (time limit)"})
             continue
-        row = _fit_with_plan(batch, cap_bytes, steps, make_module, make_batch)
+        row = _fit_with_plan(batch, cap_bytes, steps, spec["module"], spec["batch"])
         row["label"] = label
         rows.append(row)
         print(json.dumps({"progress": row}, default=str), flush=True)
