@@ -452,10 +452,10 @@ class AutoPlan:
             paces = []
             for name in members:
                 measured, interval = timed[name][0], intervals[name]
-                current = self.speeds.block_scale.get(name, 1.0)
+                scale = self.speeds.block_scale.get(name, 1.0)  # under the host's launches: not known off
                 if not interval.host_bound or interval.device_s > measured:
-                    current = measured / blocks[name].forward_s
-                paces.append(current)
+                    scale = measured / blocks[name].forward_s
+                paces.append(scale)
                 if interval.host_bound or interval.host_s > measured:
                     # The host's lead over the block before is taken as priced.
                     host_scales.append((measured + interval.launch_s - interval.host_s) / interval.launch_s)
