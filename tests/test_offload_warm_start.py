@@ -217,7 +217,10 @@ def test_prepared_memory_the_steps_do_not_use_goes_back_trim_window_steps_later(
         gpu.synchronize()
         held.append(off.host_bytes_held)
     prepared = int(10 * SAVES * NBYTES * pool.HEADROOM)
-    assert held == [prepared] * pool.TRIM_WINDOW_STEPS + [SAVES * NBYTES]
+    # Then the pool holds its bound, HEADROOM x the step, queued at that boundary: the step's
+    # requests wait for it rather than copy into pageable memory.
+    assert held == [prepared] * pool.TRIM_WINDOW_STEPS + [int(SAVES * NBYTES * pool.HEADROOM)]
+    assert gpu.pageable_copies == 0
     assert threading.get_ident() not in gpu.runtime.register_threads
     off.release_host_memory()
 

@@ -61,6 +61,8 @@ class RegistrationStats:
     pinned_bytes: int = 0
     """Host bytes page-locked by lightmem now."""
     registrations: int = 0
+    unregistrations: int = 0
+    """``cudaHostUnregister`` calls (memory given back): a steady workload makes none after warm-up."""
     registration_s: float = 0.0
     """Seconds spent in ``cudaHostRegister``, summed over the threads that called it."""
     failures: int = 0
@@ -189,7 +191,7 @@ def page_locked_empty(nbytes: int, device: torch.device | None = None) -> torch.
 def unregister(buffer: torch.Tensor, device: torch.device | None) -> None:
     """``cudaHostUnregister`` with its return checked: a failure is cleared and warned about once
     (the memory is then still page-locked, and freeing it is CUDA's business)."""
-    count(pinned_bytes=-buffer.nbytes)
+    count(pinned_bytes=-buffer.nbytes, unregistrations=1)
     try:
         with device_context(device):
             code = int(_cudart().cudaHostUnregister(buffer.data_ptr()))
@@ -243,10 +245,11 @@ def prefault(buffer: torch.Tensor) -> None:
 class Chunk:
     """Host memory to page-lock in the background: ``tensor`` once registered, or ``error``."""
 
-    __slots__ = ("device", "error", "generation", "nbytes", "tensor")
+    __slots__ = ("device", "error", "generation", "nbytes", "sequence", "tensor")
 
-    def __init__(self, nbytes: int, device: torch.device | None) -> None:
+    def __init__(self, nbytes: int, device: torch.device | None, sequence: int = 0) -> None:
         self.nbytes = nbytes
+        self.sequence = sequence  # its place in the order chunks were submitted
         self.device = device
         self.tensor: torch.Tensor | None = None
         self.error = ""
@@ -292,12 +295,15 @@ class ChunkRegistrar:
         self._threads: list[threading.Thread] = []  # for join: also those about to end
         self._working = 0  # threads that will still take a queued chunk
         self._generation = 0  # raised by each cancel: chunks made for an older one are given back
+        self._submitted = 0  # chunks submitted so far (each chunk's sequence)
         self.done: deque[Chunk] = deque()
         _LIVE.add(self)
 
     def submit(self, sizes: list[int], device: torch.device | None) -> None:
         with self._lock:
-            self._queued.extend(Chunk(nbytes, device) for nbytes in sizes)
+            for nbytes in sizes:
+                self._queued.append(Chunk(nbytes, device, self._submitted))
+                self._submitted += 1
             self._threads = [thread for thread in self._threads if thread.is_alive()]
             while self._working < min(REGISTER_THREADS, len(self._queued) + len(self._running)):
                 name = f"{THREAD_NAME}-{self._working}"

@@ -23,13 +23,27 @@ the device whose tensors it holds (a rank on ``cuda:k`` creates no context on GP
 Page-locking never runs on the training thread (the warm start, docs/host-pool.md). Memory is
 page-locked in chunks on background threads (``lightmem.transfer.page_lock``), each chunk its own
 slab that joins the pool once registered, ahead of the slabs still pageable, so a block never
-spans two registrations:
+spans two registrations. The page-locked chunks (counted from when they are queued) follow two
+rules, applied at each step boundary in this order, and nowhere else:
 
-- ``prepare(nbytes)``, called by whoever knows the host bytes a step will need before its first
-  forward, queues ``HEADROOM`` times that (within the budget and the RAM floor); the window's
-  bound keeps room for it during ``TRIM_WINDOW_STEPS`` step boundaries;
-- at each step boundary, page-locked chunks are queued for what the last step took in pageable
-  memory (within the window's bound), and pageable slabs with nothing in use are given back.
+- **The cap.** The chunks hold at most the *bound*, ``HEADROOM`` times the window's peak (or what
+  ``prepare`` asked for, during its ``TRIM_WINDOW_STEPS`` boundaries), plus the window's largest
+  block: a block never spans two chunks, so room at chunk ends may be lost, at most about one
+  block. Past the cap (the window's peak fell), empty chunks go back, those too small for the
+  window's largest block first, newest first. Nothing else gives a chunk back: not a request, not
+  a step that used less.
+- **Growth.** Chunks are queued only for demand: what the last step put in pageable memory (at
+  least that, up to the bound), or what recent steps used beyond the chunks, each chunk at least
+  the largest block that spilled; never past the cap. Where the cap leaves no room for a block
+  that spilled, empty chunks too small for it go back to make that room.
+
+A chunk is queued only up to the cap and given back only above it, so one boundary never undoes
+another: a step of the shapes of the window's steps fits the chunks after at most two boundaries,
+and from then on registers nothing, gives nothing back and copies nothing to pageable memory
+(``tests/test_offload_pool_steady.py``). ``prepare(nbytes)``, called by whoever knows a step's host
+bytes before its first forward, queues ``HEADROOM`` times that (within the budget and the RAM
+floor). Pageable slabs are a step's stopgap: made for a request no chunk can hold, given back at
+the next boundary once empty.
 
 A request that finds no room waits for a chunk being page-locked that could hold it
 (``WAIT_FOR_CHUNKS``), rather than take fresh pageable memory, whose copies the CUDA runtime stages
@@ -115,15 +129,21 @@ def size_class(nbytes: int) -> int:
 
 
 def chunk_sizes(nbytes: int, at_least: int = 0) -> list[int]:
-    """Chunks for ``nbytes`` of page-locked memory: from ``CHUNK_FIRST_BYTES`` doubling up to
-    ``CHUNK_MAX_BYTES``, none under ``at_least`` (the largest request to hold); a rest smaller than
-    the first chunk joins the last one. Sizes are multiples of ``ALIGN_BYTES``."""
-    sizes: list[int] = []
+    """Chunks for ``nbytes`` of page-locked memory (rounded up to ``ALIGN_BYTES``), summing to
+    exactly that: from ``CHUNK_FIRST_BYTES`` doubling up to ``CHUNK_MAX_BYTES``, none under
+    ``at_least`` (the largest block one must hold); a rest under ``CHUNK_FIRST_BYTES`` or under
+    ``at_least`` joins the last chunk. ``[]`` when ``nbytes`` is under ``at_least``: no chunk of
+    that total could hold such a block."""
     remaining = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    at_least = -(-at_least // ALIGN_BYTES) * ALIGN_BYTES
+    if remaining < at_least:
+        return []
+    sizes: list[int] = []
     size = CHUNK_FIRST_BYTES
+    smallest_rest = max(CHUNK_FIRST_BYTES, at_least)
     while remaining > 0:
         take = min(max(size, at_least), remaining)
-        if remaining - take < CHUNK_FIRST_BYTES:
+        if remaining - take < smallest_rest:
             take = remaining
         sizes.append(take)
         remaining -= take
@@ -135,7 +155,8 @@ class HostSlab:
     """One host allocation of ``capacity`` bytes, carved into blocks; free ranges sorted by offset."""
 
     __slots__ = (
-        "blocks", "capacity", "device", "free_offsets", "free_sizes", "on_free", "registered", "tensor", "used",
+        "blocks", "capacity", "device", "free_offsets", "free_sizes", "on_free", "registered", "sequence",
+        "tensor", "used",
     )  # fmt: skip
 
     def __init__(
@@ -145,6 +166,7 @@ class HostSlab:
         """``page_locked``: the slab's memory, already registered (a chunk made in the background)."""
         self.capacity = capacity
         self.device = device
+        self.sequence = -1  # a chunk's place in the order chunks were queued (``ChunkRegistrar``)
         self.on_free = None
         self.registered = False
         if page_locked is not None:
@@ -330,6 +352,8 @@ class HostPool:
         self._pageable_bytes = 0  # in use in slabs that are not page-locked (with page-locking on)
         self._step_pageable_peak = 0
         self._step_pageable_largest = 0  # the largest block that went to pageable memory this step
+        self._step_largest = 0  # the largest block handed out this step
+        self._window_largest: deque[int] = deque(maxlen=TRIM_WINDOW_STEPS)
 
     @property
     def held_bytes(self) -> int:
@@ -394,6 +418,8 @@ class HostPool:
                     self._step_pageable_peak = pageable
                 if size > self._step_pageable_largest:
                     self._step_pageable_largest = size
+            if size > self._step_largest:
+                self._step_largest = size
             block.requested = nbytes
             self._requested_bytes = requested
             if requested > self._step_peak_requested:
@@ -412,13 +438,15 @@ class HostPool:
                 return block
         step_peak = max(self._step_peak_requested, requested)
         limit = max(self._limit_bytes, int(step_peak * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES)
+        # With the warm start chunks go back only at a step boundary (``_warm_for_next_step``).
+        pageable_only = self._registrar is not None and WARM_START
         if self._held_bytes + size > limit:
-            self._free_empty_slabs(self._held_bytes + size - limit)
+            self._free_empty_slabs(self._held_bytes + size - limit, pageable_only)
         # A step larger than the slab: one overflow slab up to the bound takes the rest of it.
         slab_bytes = max(size, min(limit, self.budget_bytes) - self._held_bytes)
         excess = self._held_bytes + slab_bytes - self.budget_bytes
         if excess > 0:
-            self._free_empty_slabs(excess)
+            self._free_empty_slabs(excess, pageable_only)
             if self._held_bytes + size > self.budget_bytes and self._registrar is not None:
                 # No chunk under way could hold it: chunks not yet started give it their budget.
                 self._release_reservation(self._registrar.cancel(running=False))
@@ -484,8 +512,9 @@ class HostPool:
         return sum(slab.capacity for slab in self._slabs if slab.registered)
 
     def _warm(self, wanted: int, at_least: int = 0) -> int:
-        """Under the lock: queue chunks for ``wanted`` bytes (each at least ``at_least``) within
-        the budget and the RAM floor; they count as held from now on. Returns the bytes queued."""
+        """Under the lock: queue chunks for ``wanted`` bytes (each at least ``at_least``: none when
+        the room left is less) within the budget and the RAM floor; they count as held from now on.
+        Returns the bytes queued."""
         assert self._registrar is not None
         room = min(
             self.budget_bytes - self._held_bytes,
@@ -493,7 +522,7 @@ class HostPool:
         )
         if wanted <= 0:
             return 0
-        sizes = chunk_sizes(min(max(wanted, at_least), room), at_least)
+        sizes = chunk_sizes(min(wanted, room), at_least)
         if not sizes:
             return 0
         queued = sum(sizes)
@@ -528,8 +557,14 @@ class HostPool:
                 chunk.nbytes, True, self._poison, self._on_free, chunk.device, page_locked=chunk.tensor
             )  # fmt: skip
             chunk.tensor = None
+            slab.sequence = chunk.sequence
             slabs = self._slabs
-            index = next((i for i, other in enumerate(slabs) if not other.registered), len(slabs))
+            # In the order the chunks were queued, whichever thread finished first: a step carves
+            # the same layout whatever the threads' timing.
+            index = next(
+                (i for i, other in enumerate(slabs) if not other.registered or other.sequence > chunk.sequence),
+                len(slabs),
+            )  # fmt: skip
             if index == 0 and slabs:  # the main slab changes: blocks in the old one count as overflow
                 if self._recent:
                     self._merge_recent()
@@ -602,6 +637,8 @@ class HostPool:
             self.alloc_failed = False
             self._window.append(max(self._step_peak_requested, self._step_demand_requested))
             self._window_bytes.append(max(self._step_peak_bytes, self._step_demand_bytes))
+            self._window_largest.append(self._step_largest)
+            self._step_largest = 0
             self._step_demand_requested = self._step_demand_bytes = 0
             overflow_peak = self._step_overflow_peak
             pageable_peak, pageable_largest = self._step_pageable_peak, self._step_pageable_largest
@@ -641,11 +678,11 @@ class HostPool:
                     self._new_slab(target, pin=self._pin)
             self._overflow_bytes = 0
 
-    def _warm_for_next_step(self, pageable_peak: int, pageable_largest: int, limit: int) -> None:
-        """Under the lock, at a step boundary with the warm start: pageable slabs with nothing in
-        use go back (page-locked chunks take their bytes), page-locked ones past the window's
-        bound too; chunks are queued for what the last step needed in pageable memory, each
-        large enough for its largest block, within the bound."""
+    def _warm_for_next_step(self, pageable_peak: int, pageable_largest: int, bound: int) -> None:
+        """Under the lock, at a step boundary with the warm start: the pool's two rules over its
+        page-locked chunks (the module docstring), given back first, then grown, so one boundary
+        never undoes the other. Pageable slabs with nothing in use always go back (chunks take
+        their bytes)."""
         if self._registrar.done:  # type: ignore[union-attr]
             self._adopt()
         if self._recent:
@@ -653,11 +690,38 @@ class HostPool:
         for slab in [slab for slab in self._slabs if slab.used == 0 and not slab.registered]:
             self._slabs.remove(slab)
             self._close(slab)
-        if self._held_bytes > limit:
-            self._free_empty_slabs(self._held_bytes - limit)
+        largest = max(self._window_largest, default=0)
+        cap = min(bound + largest, self.budget_bytes)
         planned = self._page_locked_bytes() + self._warming_bytes
-        target = min(max(max(self._window_bytes), planned + pageable_peak), limit, self.budget_bytes)
-        self._warm(target - planned, pageable_largest)
+        # Given back: only what the pool holds past the cap.
+        if planned > cap:
+            planned -= self._give_back_chunks(planned - cap, largest)
+        # Grown: for what the last step put in pageable memory, or what recent steps used beyond
+        # the chunks, up to the bound (at least the spill), never past the cap.
+        if not pageable_peak and planned >= max(self._window_bytes, default=0):
+            return
+        room = cap - planned
+        if room < pageable_largest:  # chunks too small for the block that spilled make room
+            room += self._give_back_chunks(pageable_largest - room, pageable_largest, only_smaller=True)
+        wanted = min(max(bound - planned, pageable_peak), room)
+        if wanted < pageable_largest:
+            wanted = pageable_largest if pageable_largest <= room else 0
+        self._warm(wanted, max(pageable_largest, min(largest, wanted)))
+
+    def _give_back_chunks(self, nbytes: int, block_bytes: int, only_smaller: bool = False) -> int:
+        """Under the lock: page-locked chunks with nothing in use go back until ``nbytes`` are
+        freed, those too small for a block of ``block_bytes`` first (with ``only_smaller``, only
+        those), newest first; returns the bytes freed."""
+        chunks = [slab for slab in reversed(self._slabs) if slab.registered and slab.used == 0]
+        chunks.sort(key=lambda slab: slab.capacity >= block_bytes)  # stable: newest first within
+        freed = 0
+        for slab in chunks:
+            if freed >= nbytes or (only_smaller and slab.capacity >= block_bytes):
+                break
+            self._slabs.remove(slab)
+            self._close(slab)
+            freed += slab.capacity
+        return freed
 
     def _page_lock_beside(self, overflow_peak: int, limit: int) -> None:
         """Under the lock: a page-locked slab for the window's peak (the blocks carried over from
@@ -772,15 +836,16 @@ class HostPool:
                 slab.give_back(block.offset, size)
         self._recent = {}
 
-    def _free_empty_slabs(self, wanted_bytes: int) -> None:
-        """Give slabs with nothing in use back to the OS, newest first, until ``wanted_bytes``."""
+    def _free_empty_slabs(self, wanted_bytes: int, pageable_only: bool = False) -> None:
+        """Give slabs with nothing in use back to the OS, newest first, until ``wanted_bytes``
+        (with ``pageable_only``, page-locked ones stay)."""
         if self._recent:
             self._merge_recent()
         freed = 0
         for slab in reversed(list(self._slabs)):
             if freed >= wanted_bytes:
                 return
-            if slab.used == 0:
+            if slab.used == 0 and not (pageable_only and slab.registered):
                 self._slabs.remove(slab)
                 self._close(slab)
                 freed += slab.capacity
