@@ -43,25 +43,40 @@ _EDITS = (  # (text, replacement, times found)
 )
 
 
-@functools.cache
-def torchtune_offload_activations() -> type | None:
-    """torchtune's ``OffloadActivations`` class runnable on CPU tensors, or ``None`` when torchtune
-    is not installed."""
+_IMPORT_EDITS = _EDITS[:4]
+"""The edits that replace torchtune's imports of torchao and its own package: all a GPU run needs."""
+
+
+def _load(edits: tuple[tuple[str, str, int], ...], name: str) -> type | None:
     spec = importlib.util.find_spec("torchtune")
     if spec is None or not spec.submodule_search_locations:
         return None
     path = os.path.join(spec.submodule_search_locations[0], "training", "_activation_offloading.py")
     with open(path) as file:
         text = file.read()
-    for old, new, expected in _EDITS:
+    for old, new, expected in edits:
         count = text.count(old)
         if count != expected:
             raise RuntimeError(f"torchtune's {path} changed: {old!r} found {count} times, expected {expected}")
         text = text.replace(old, new)
-    module = types.ModuleType("torchtune_activation_offloading_cpu")
+    module = types.ModuleType(name)
     module.__dict__.update(types=types, logging=logging)
     exec(compile(text, path, "exec"), module.__dict__)
     return module.OffloadActivations
+
+
+@functools.cache
+def torchtune_offload_activations() -> type | None:
+    """torchtune's ``OffloadActivations`` class runnable on CPU tensors, or ``None`` when torchtune
+    is not installed."""
+    return _load(_EDITS, "torchtune_activation_offloading_cpu")
+
+
+@functools.cache
+def torchtune_cuda_offload_activations() -> type | None:
+    """torchtune's ``OffloadActivations`` as it runs on a GPU (only its imports stood in for), or
+    ``None`` when torchtune is not installed."""
+    return _load(_IMPORT_EDITS, "torchtune_activation_offloading")
 
 
 def torchtune_hooks(min_offload_size: int) -> Any:

@@ -10,9 +10,12 @@ an hour: ``QUICK_SECTIONS``, each under its own time limit. The first four give 
 mechanisms within six minutes on an H100 (their limits add up to ``VERDICT_BUDGET_S``); the plan
 sections follow, all within ``QUICK_BUDGET_S``:
 
+- ``steady_offload``: 10 interleaved steps of a 16-block GPT (vocab 50257, batch 8, bf16) with
+  lightmem's offload, torchtune's and ``save_on_cpu``: every step's time, page-locked bytes and
+  registrations, peak allocated; fails on a step after warm-up over 1.25x the median
+  (``benchmarks/offload_steady.py``);
 - ``gpu_tests``: ``pytest tests/gpu``, each test at most ``QUICK_TEST_TIMEOUT_S`` (pytest-timeout,
   where installed);
-- ``step_time``: the step-time table (no hooks, lightmem's offload, ``save_on_cpu``), 3 rounds;
 - ``estimator``: ``estimate_memory``'s predicted peak against the measured one;
 - ``swap_row``: the swap-out/in paper's ResNet-50 (seed 001) at one batch under a 12 GB cap: the
   plan's choice and the paper's swap row, their peaks and step times (``benchmarks/swap_table.py``);
@@ -22,8 +25,8 @@ sections follow, all within ``QUICK_BUDGET_S``:
 - ``warm_start``: the first steps of a large offload against the steady one, with the host memory
   page-locked ahead of need (``benchmarks/warm_start.py``).
 
-Without ``--quick`` (``FULL_SECTIONS``): the same and more, unhurried: every GPU test, 10 rounds of
-step time, the largest batch of a GPT sized to the GPU with and without lightmem (search on OOM), the
+Without ``--quick`` (``FULL_SECTIONS``): the same and more, unhurried: the steady offload, every GPU
+test, 10 rounds of step time, the largest batch of a GPT sized to the GPU with and without lightmem (search on OOM), the
 measured frontier (`benchmarks/frontier.py --measure`)
 and several timed steps at it, and the paper's whole table (each row's largest batch measured).
 
@@ -506,11 +509,16 @@ def warm_start(limit_s: float) -> str:
     return _benchmark("warm_start").selfcheck_section(budget_s=limit_s - 5, gib=8.0, micro_gib=2.0)
 
 
+def steady_offload(limit_s: float) -> str:
+    """``benchmarks/offload_steady.py``'s section: every step of a 16-block GPT's offload beside its peers."""
+    return _benchmark("offload_steady").selfcheck_section(limit_s)
+
+
 QUICK_SECTIONS: list[Section] = [
-    Section("gpu_tests", 140, lambda limit: gpu_tests(limit, QUICK_TEST_TIMEOUT_S),
-            f"pytest tests/gpu, each test at most {QUICK_TEST_TIMEOUT_S} s (90 s in all on an H100)"),
-    Section("step_time", 40, lambda limit: benchmark_steps(rounds=3),
-            "step time and device memory of the benchmark GPT: no hooks, lightmem, save_on_cpu; 3 rounds"),
+    Section("steady_offload", 60, steady_offload,
+            "10 interleaved steps of a 16-block GPT: lightmem, torchtune, save_on_cpu; steady after warm-up?"),
+    Section("gpu_tests", 125, lambda limit: gpu_tests(limit, QUICK_TEST_TIMEOUT_S),
+            f"pytest tests/gpu, each test at most {QUICK_TEST_TIMEOUT_S} s (98 s in all on an H200)"),
     Section("estimator", 30, lambda limit: estimate_vs_measured(),
             "estimate_memory's predicted peak against the measured one, without and with offload"),
     Section("swap_row", 80, swap_row,
@@ -534,6 +542,7 @@ limit out of another's."""
 def full_sections(rounds: int = 10, limit_s: float = SECTION_TIMEOUT_S) -> list[Section]:
     """What a run without ``--quick`` does: every section unhurried."""
     return [
+        Section("steady_offload", limit_s, steady_offload, "every step of a 16-block GPT's offload beside its peers"),
         Section("gpu_tests", GPU_TESTS_TIMEOUT_S, gpu_tests, "pytest tests/gpu"),
         Section("step_time", limit_s, lambda limit: benchmark_steps(rounds),
                 f"step time and device memory of the benchmark GPT, {rounds} rounds"),

@@ -97,7 +97,7 @@ def test_relative_is_a_signed_percentage():
 
 def test_quick_sections_have_unique_names_and_their_limits_fit_the_quick_budget():
     names = [section.name for section in selfcheck.QUICK_SECTIONS]
-    assert names == ["gpu_tests", "step_time", "estimator", "swap_row", "plans_hold", "warm_start"]
+    assert names == ["steady_offload", "gpu_tests", "estimator", "swap_row", "plans_hold", "warm_start"]
     assert len(set(names)) == len(names)
     verdict = selfcheck.QUICK_SECTIONS[: selfcheck.VERDICT_SECTIONS]
     assert sum(section.limit_s for section in verdict) <= selfcheck.VERDICT_BUDGET_S <= 360
@@ -160,7 +160,7 @@ def test_sections_option_picks_sections_by_name_in_the_modes_order():
     picked = selfcheck.select_sections(selfcheck.QUICK_SECTIONS, "swap_row, gpu_tests")
     assert [section.name for section in picked] == ["gpu_tests", "swap_row"]
     assert selfcheck.select_sections(selfcheck.QUICK_SECTIONS, None) == selfcheck.QUICK_SECTIONS
-    with pytest.raises(SystemExit, match="no section frontier; this mode has gpu_tests, step_time"):
+    with pytest.raises(SystemExit, match="no section frontier; this mode has steady_offload, gpu_tests"):
         selfcheck.select_sections(selfcheck.QUICK_SECTIONS, "frontier")
 
 
