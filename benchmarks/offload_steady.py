@@ -5,8 +5,10 @@
     python benchmarks/offload_steady.py --device cpu    # CPU: a small GPT, devices=("cpu",), to try it out
 
 One model and one optimizer; each round runs one step of every variant (the order rotates): no
-hooks, lightmem's ``offload_activations`` at its defaults, ``save_on_cpu(pin_memory=True)`` and,
-where torchtune is installed, its ``OffloadActivations(use_streams=True)``. Each step is timed as
+hooks, lightmem's ``offload_activations`` at its defaults, the same without its windows
+(``prefetch=0, max_inflight_bytes=0``: what the windows cost in peak memory and buy in time),
+``save_on_cpu(pin_memory=True)`` and, where torchtune is installed, its
+``OffloadActivations(use_streams=True)``. Each step is timed as
 its forward and its backward plus optimizer step (synchronized between them). The tables show every
 step of every variant, lightmem's page-locked bytes and its ``cudaHostRegister`` /
 ``cudaHostUnregister`` calls per step, and each variant's median, slowest step after warm-up and
@@ -63,6 +65,7 @@ SLOWEST_OVER_MEDIAN = 1.25
 FLOOR_RATIO = 1.3
 """lightmem's median is held to at most this times the link's floor (stated, not failed on)."""
 LIGHTMEM = "lightmem"
+UNWINDOWED = "lightmem, no windows"
 NO_HOOKS = "no hooks"
 
 
@@ -73,6 +76,8 @@ class Steps:
     forward_s: list[float] = field(default_factory=list)
     backward_s: list[float] = field(default_factory=list)
     peak_allocated: list[int] = field(default_factory=list)
+    forward_peak: list[int] = field(default_factory=list)
+    """Peak allocated during the forward (the rest of ``peak_allocated`` is the backward's)."""
     pinned_bytes: list[int] = field(default_factory=list)
     registrations: list[int] = field(default_factory=list)
     releases: list[int] = field(default_factory=list)
@@ -89,9 +94,15 @@ def variants(model: torch.nn.Module, device: torch.device) -> dict[str, Callable
     """Each variant's context for one step (reused across steps, as a training loop would)."""
     on_cuda = device.type == "cuda"
     offloader = offload_activations(model, devices=("cuda",) if on_cuda else ("cpu",))
+    # The same offload without its windows (no copy to host in flight, no reload ahead): its peak
+    # against lightmem's says what the windows cost in device memory, its step what they buy.
+    unwindowed = offload_activations(
+        model, devices=("cuda",) if on_cuda else ("cpu",), prefetch=0, max_inflight_bytes=0
+    )  # fmt: skip
     found: dict[str, Callable[[], Any]] = {
         NO_HOOKS: contextlib.nullcontext,
         LIGHTMEM: lambda: offloader,
+        UNWINDOWED: lambda: unwindowed,
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=on_cuda),
     }
     torchtune = torchtune_cuda_offload_activations() if on_cuda else None
@@ -132,6 +143,7 @@ def run(config: dict[str, Any], batch: int, steps: int, device: torch.device) ->
                 loss = _loss(model, tokens)
             _sync(device)
             middle = time.perf_counter()
+            steps_of.forward_peak.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -181,7 +193,10 @@ def step_rows(results: dict[str, Steps]) -> tuple[list[str], list[list[str]]]:
 
 
 def summary_rows(results: dict[str, Steps], on_cuda: bool) -> tuple[list[str], list[list[str]]]:
-    headers = ["variant", "median step", "forward", "backward", "slowest after warm-up", "vs no hooks", "peak allocated"]
+    headers = [
+        "variant", "median step", "forward", "backward", "slowest after warm-up", "vs no hooks",
+        "peak allocated", "forward's peak",
+    ]  # fmt: skip
     base = statistics.median(results[NO_HOOKS].settled(results[NO_HOOKS].total_s))
     rows = []
     for name, steps in results.items():
@@ -191,6 +206,7 @@ def summary_rows(results: dict[str, Steps], on_cuda: bool) -> tuple[list[str], l
             name, f"{_ms(median)} ms", f"{_ms(statistics.median(steps.settled(steps.forward_s)))} ms",
             f"{_ms(statistics.median(steps.settled(steps.backward_s)))} ms", f"{max(total) / median:.2f}x",
             f"{median / base:.2f}x", format_bytes(max(steps.settled(steps.peak_allocated))) if on_cuda else "n/a",
+            format_bytes(max(steps.settled(steps.forward_peak))) if on_cuda else "n/a",
         ])  # fmt: skip
     return headers, rows
 
@@ -205,7 +221,7 @@ def verdict(results: dict[str, Steps], offloader: Any, link: tuple[float, float]
     steady = slowest <= SLOWEST_OVER_MEDIAN and calls == 0
     peers = [
         f"{name} {_ms(statistics.median(steps.settled(steps.total_s)))} ms"
-        for name, steps in results.items() if name not in (LIGHTMEM, NO_HOOKS)
+        for name, steps in results.items() if name not in (LIGHTMEM, NO_HOOKS, UNWINDOWED)
     ]  # fmt: skip
     line = (
         f"{'PASS' if steady else 'FAIL'}: lightmem's slowest step after {WARM_UP_STEPS} warm-up steps is "

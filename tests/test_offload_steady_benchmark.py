@@ -29,6 +29,7 @@ def _steps(total_ms: list[float], registrations: list[int] | None = None) -> Ste
         steps.forward_s.append(milliseconds / 2e3)
         steps.backward_s.append(milliseconds / 2e3)
         steps.peak_allocated.append(0)
+        steps.forward_peak.append(0)
         steps.pinned_bytes.append(0)
         steps.registrations.append(0 if registrations is None else registrations[index])
         steps.releases.append(0)
@@ -70,8 +71,8 @@ def test_steady_steps_pass_and_the_line_states_the_peers_and_the_links_floor():
 def test_the_benchmark_runs_every_variant_on_the_cpu_and_reports_each_step():
     config = {"vocab": 4096, "dim": 32, "depth": 2, "heads": 2, "seq": 64, "dropout": 0.0}  # 2 MiB logits
     results, offloader = offload_steady.run(config, 2, 3, offload_steady.torch.device("cpu"))
-    assert list(results) == [NO_HOOKS, LIGHTMEM, "save_on_cpu"]
-    assert [len(steps.total_s) for steps in results.values()] == [3, 3, 3]
+    assert list(results) == [NO_HOOKS, LIGHTMEM, "lightmem, no windows", "save_on_cpu"]
+    assert [len(steps.total_s) for steps in results.values()] == [3, 3, 3, 3]
     assert offloader.stats.offloaded_bytes > 0
     _, text = offload_steady.report(results, offloader, offload_steady.torch.device("cpu"), markdown=False)
     assert [line.split()[0] for line in text.splitlines()[4:7]] == ["0", "1", "2"]  # a row per step
