@@ -31,11 +31,12 @@ WARM_UP_STEPS = 2
 SMALL_SAVES = [4608] * 16  # bytes of the 16 saves before the last, large one
 
 
-@pytest.fixture
-def gpu(monkeypatch):
+@pytest.fixture(params=[0.0], ids=["prompt"])
+def gpu(request, monkeypatch):
+    """The simulated GPU; ``request.param`` is its streams' largest random delay (s)."""
     monkeypatch.setattr(pool, "CHUNK_FIRST_BYTES", 4 * KiB)
     monkeypatch.setattr(pool, "CHUNK_MAX_BYTES", 32 * KiB)
-    transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0, page_locking=True)
+    transport = SimulatedAsyncTransport(seed=0, max_delay_s=request.param, page_locking=True)
     use_simulated_runtime(monkeypatch, transport)
     yield transport
     transport.runtime.release_registrations()
@@ -98,7 +99,10 @@ def _assert_steady(rows, off, sizes) -> None:
     assert peak <= off.host_bytes_held <= bound, (off.host_bytes_held, peak, bound)
 
 
-@pytest.mark.parametrize("share", [0.23, 0.26, 0.38])
+@pytest.mark.parametrize(
+    ("share", "gpu"), [(0.23, 0.0), (0.26, 0.0), (0.38, 0.0), (0.26, 0.001)], indirect=["gpu"],
+    ids=["23%", "26%", "38%", "26%-lagging-gpu"],
+)  # fmt: skip
 def test_a_step_of_fixed_shapes_registers_and_releases_nothing_after_warm_up(gpu, share):
     sizes = _with_last_share(share)
     model = _Saves(sizes)
