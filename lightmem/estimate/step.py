@@ -47,6 +47,7 @@ from lightmem.blocks import Blocks, find_blocks
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
+from lightmem.estimate.dry_run_device import DRY_RUN_DEVICE, OnDryRunDevice
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
 from lightmem.estimate.logits import LOGITS_MIN_SHARE, LossLogits, loss_logits
@@ -289,7 +290,7 @@ def _preserved_module_state(model: nn.Module) -> Iterator[None]:
 
 def _fake_like(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-    return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=target, device="cpu")
+    return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=target, device=DRY_RUN_DEVICE)
 
 
 def _known_value(fake_mode: FakeTensorMode, buffer: torch.Tensor, dtype: torch.dtype | None) -> Any:
@@ -301,10 +302,8 @@ def _known_value(fake_mode: FakeTensorMode, buffer: torch.Tensor, dtype: torch.d
     """
     if buffer.numel() > 1 or buffer.is_meta or isinstance(buffer, FakeTensor):
         return None
-    with unset_fake_temporarily():
-        value = buffer.detach().clone()
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
+    with unset_fake_temporarily():  # a copy on the dry run's device, where every other fake is
+        value = buffer.detach().to(DRY_RUN_DEVICE, dtype if dtype is not None and buffer.is_floating_point() else None, copy=True)
     return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, value, make_constant=True)
 
 
@@ -354,7 +353,7 @@ def _run(
     with fake_mode:
         named, params, buffers = _fake_state(model, precision.param_dtype, fake_mode, request.trainable_dtype)
         inputs = fake_batch(
-            batch, device="cpu", batch_size=request.batch_size,
+            batch, device=DRY_RUN_DEVICE, batch_size=request.batch_size,
             original_batch_size=request.original_batch_size, float_dtype=precision.param_dtype,
         )  # fmt: skip
         protected = {id(t.untyped_storage()) for t in params + buffers}
@@ -364,7 +363,7 @@ def _run(
             tracer.track(buffer, BUFFER)
         for tensor in batch_tensors(inputs):
             tracer.track(tensor, INPUT)
-        with _reparametrize_module(model, named), tracer, torch.enable_grad():
+        with _reparametrize_module(model, named), tracer, torch.enable_grad(), OnDryRunDevice():
             trace = _steady_step(
                 model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected, failure
             )
