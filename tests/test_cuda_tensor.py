@@ -233,3 +233,45 @@ def test_the_example_of_simulated_cuda_runs():
 
     result = doctest.testmod(cuda_tensor)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_what_autograd_saves_and_passes_back_reports_cuda_too():
+    weight = torch.randn(3, 3, device="cuda", requires_grad=True)
+    x = torch.randn(2, 3, device="cuda")
+    packed, passed_back = [], []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tensor.device)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        hidden = nn.functional.linear(x, weight).relu()  # relu saves its own output
+    hidden.register_hook(lambda grad: passed_back.append(grad.device))
+    hidden.sum().backward()
+    assert packed == [CUDA_DEVICE] * 2 and passed_back == [CUDA_DEVICE]
+
+
+class _Masked(nn.Module):
+    """Builds a mask on its input's device, as attention does: in a checkpointed block that runs
+    again in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(x.shape[-1], x.shape[-1], device=x.device).tril()
+        return self.linear(x).relu() @ mask
+
+
+def test_a_checkpointed_block_builds_its_tensors_on_cuda_when_backward_runs_it_again():
+    torch.manual_seed(0)
+    block = _Masked()
+    reference = copy.deepcopy(block)
+    block.cuda()
+    x = torch.randn(3, 4, device="cuda")
+    out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    out.sum().backward()  # the recompute would fail on CUDA metadata, or on a CPU-only build's factory
+    reference(x.cpu()).sum().backward()
+    assert _on_cuda(block.linear.weight.grad)
+    assert torch.equal(block.linear.weight.grad.cpu(), reference.linear.weight.grad)

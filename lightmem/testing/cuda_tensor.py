@@ -7,8 +7,9 @@ machine every tensor is on the CPU and no test can see such a mix. Inside ``with
   (``torch.zeros``, ``ones``, ``empty``, ``full``, ``arange``, ``tensor``, ``rand*``, ``randint``,
   ``*_like``, ``Tensor.new_*``), ``.to("cuda")``, ``.cuda()``, ``Module.to("cuda")`` and
   ``Module.cuda()`` make a ``SimulatedCudaTensor``: its values live in CPU memory, its ``device`` is
-  ``cuda:0``, ``is_cuda`` is True, and what ops make from it is simulated CUDA too (gradients
-  included: ``param.grad`` of a simulated parameter is one);
+  ``cuda:0``, ``is_cuda`` is True, and what ops make from it is simulated CUDA too, also where
+  autograd sees it first (the tensors a ``saved_tensors_hooks`` pack hook gets, gradients, the
+  recompute of a checkpointed block, which ``Tensor.backward`` runs under this simulation);
 - an op that mixes it with a CPU tensor raises CUDA's error, ``SAME_DEVICE_ERROR``, except where
   CUDA allows a CPU tensor: a 0-dim CPU tensor as an input (not as the output of an in-place op or
   ``out=``), ``copy_`` either way, indexing (``x[cpu_index]``, ``x[...] = cpu_values``),
@@ -30,10 +31,10 @@ What it cannot model:
   arguments one by one (``mm``, ``cat``, ``embedding``, ``index_select``) word it "Expected all tensors
   to be on the same device, but got mat2 is on cpu, different from other tensors on cuda:0 ..." on a
   GPU. Kernels that accept more than one CPU scalar, or refuse a second one, are not told apart.
-- What reaches Python from inside autograd before any Python code touched it reports the CPU: a
-  tensor an op saves for backward as seen by a ``saved_tensors_hooks`` pack hook (an op's output is
-  packed before the op returns), gradients passed to tensor hooks. ``param.grad`` and anything an
-  op returns report CUDA.
+- torch carries no function mode into a backward that ``torch.autograd.grad`` runs: a factory
+  asked for ``"cuda"`` there (a checkpointed block run again) fails as on a CPU-only build
+  (``Tensor.backward`` and ``torch.autograd.backward`` carry this simulation, and lightmem's
+  estimator calls the engine itself).
 - ``torch.cuda`` is not simulated (``is_available()`` stays False, no streams, no memory
   statistics: :mod:`lightmem.testing.simulated` and :mod:`lightmem.testing.device` model those);
   storages (``untyped_storage().device``) report the CPU; ``torch.autocast("cuda")`` does not cast
@@ -53,7 +54,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 from lightmem.lightning_packages import callback_bases
@@ -119,6 +123,14 @@ class _SimulatedCudaMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            # torch takes a mode off its stack while the mode handles a call, and the engine runs
+            # backward (checkpoint's recompute, hooks) under the modes it finds: put this one back.
+            with self:
+                _backward(*args, **kwargs) if func is torch.autograd.backward else _backward(
+                    *_tensor_backward_args(*args, **kwargs)
+                )
+            return None
         if _active_fake_mode() is None:
             moved = _move(func, args, kwargs)
             if moved is not NotImplemented:
@@ -126,6 +138,24 @@ class _SimulatedCudaMode(TorchFunctionMode):
             if _is_cuda(kwargs.get("device")):
                 return _call_on_cuda(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+class _OutputsOnCuda(TorchDispatchMode):
+    """What an op makes from simulated CUDA tensors is one before autograd sees it: a tensor autograd
+    saves (a pack hook, checkpoint's recompute check) or passes on in backward reports CUDA too.
+    (The subclass's ``__torch_function__`` sees a composite op, e.g. ``linear``, only as a whole;
+    this mode sees each op it runs.)"""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if kwargs.get("device") is not None:  # asked for a device (.cpu()): the caller's to say which
+            return out
+        leaves = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        if any(isinstance(leaf, SimulatedCudaTensor) for leaf in leaves):
+            inputs = {id(leaf) for leaf in leaves}
+            out = tree_map(lambda leaf: _to_simulated(leaf, inputs), out)
+        return out
 
 
 @contextlib.contextmanager
@@ -138,7 +168,7 @@ def simulated_cuda() -> Iterator[None]:
         ...     (x.device, x.is_cuda, (x * 2).device, x.cpu().device)
         (device(type='cuda', index=0), True, device(type='cuda', index=0), device(type='cpu'))
     """
-    with _SimulatedCudaMode():
+    with _SimulatedCudaMode(), _OutputsOnCuda():
         yield
 
 
@@ -161,6 +191,25 @@ class SimulatedCudaFit(*callback_bases()):  # type: ignore[misc]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         vars(pl_module).pop("transfer_batch_to_device", None)
+
+
+def _tensor_backward_args(
+    tensor: torch.Tensor, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False, inputs: Any = None
+) -> tuple:
+    return tensor, gradient, retain_graph, create_graph, None, inputs
+
+
+def _backward(
+    tensors: Any, grad_tensors: Any = None, retain_graph: Any = None, create_graph: bool = False,
+    grad_variables: Any = None, inputs: Any = None,
+) -> None:  # fmt: skip
+    """``torch.autograd.backward`` without its torch-function check, which would take the mode off again."""
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    grads = _tensor_or_tensors_to_tuple(grad_tensors if grad_tensors is not None else grad_variables, len(tensors))
+    grads = _make_grads(tensors, grads, is_grads_batched=False)
+    retain = create_graph if retain_graph is None else retain_graph
+    _engine_run_backward(tensors, grads, retain, create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 def _active_fake_mode() -> Any:
