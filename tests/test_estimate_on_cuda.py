@@ -234,3 +234,50 @@ def test_plan_auto_checkpoints_blocks_of_a_model_on_cuda_that_build_their_masks_
     chosen = callback.chosen_plan
     assert (chosen.predicted_peak_bytes, chosen.checkpoint) == (expected.predicted_peak_bytes, expected.checkpoint)
     assert module.trainer.global_step == 1
+
+
+class CachesItsMask(pl.LightningModule):
+    """Keeps what its training step builds in a plain attribute (not a buffer): a cache that holds
+    None until the first step fills it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 16)
+        self.head = nn.Linear(16, 64)
+        self.mask: torch.Tensor | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        length = tokens.shape[1]
+        if self.mask is None or self.mask.shape[0] != length:  # a running mean over the positions so far
+            self.mask = torch.ones(length, length, device=tokens.device).tril() / torch.arange(
+                1, length + 1, device=tokens.device
+            ).unsqueeze(1)
+        hidden = self.mask @ self.embed(tokens)
+        return F.cross_entropy(self.head(hidden).flatten(0, 1), tokens.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_cache_that_held_none_before_the_dry_run_holds_none_after_it():
+    module = CachesItsMask()
+    estimate_memory(module, (torch.randint(0, 64, (4, 12)),), device="cuda")
+    assert module.mask is None  # the dry run's fake is gone, and the attribute is not
+
+
+def test_plan_auto_plans_again_for_a_module_that_cached_a_cuda_tensor_in_its_first_step():
+    # The second, larger batch is planned again after a real step left a CUDA tensor in the module:
+    # it enters the dry run as a CPU tensor there would, as a fake on the dry run's device.
+    batches = [(torch.randint(0, 64, (size, 12), generator=torch.Generator().manual_seed(size)),) for size in (4, 8)]
+    expected_module = CachesItsMask()
+    expected_module.training_step(batches[0], 0)  # the cache a real step leaves, on the CPU
+    expected = plan(expected_module, batches[1], "2GiB", device="cuda", offload=False, checkpoint_policy="auto")
+    module = CachesItsMask()
+    callback = LightMem(plan="auto", device_budget="2GiB", offload=False)
+    with simulated_cuda():
+        cpu_trainer([SimulatedCudaFit(), callback], max_steps=2).fit(module, DataLoader(batches, batch_size=None))
+    chosen = callback.chosen_plan
+    assert chosen.estimate.batch_size == 8 and module.trainer.global_step == 2
+    assert (chosen.predicted_peak_bytes, chosen.estimate.breakdown) == (expected.predicted_peak_bytes, expected.estimate.breakdown)
