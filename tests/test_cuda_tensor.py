@@ -60,7 +60,9 @@ def test_an_op_mixing_it_with_a_cpu_tensor_raises_cudas_error(mix):
     with pytest.raises(RuntimeError) as error:
         mix(x, torch.ones(3, 3))
     assert str(error.value) == SAME_DEVICE_ERROR
-    assert SAME_DEVICE_ERROR == "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
+    assert SAME_DEVICE_ERROR == (
+        "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
+    )
 
 
 def test_an_in_place_op_of_a_cpu_tensor_mixing_it_raises_cudas_error_as_counts_plus_equals_did():

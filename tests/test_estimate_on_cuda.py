@@ -25,7 +25,9 @@ from lightmem import LightMem, estimate_memory, frontier, max_batch_size, plan
 from lightmem.estimate.batch import inspect_batch
 from lightmem.testing.cuda_tensor import CUDA_DEVICE, SimulatedCudaFit, SimulatedCudaTensor, simulated_cuda
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning"
+)
 
 CLASSES = 8
 
@@ -42,7 +44,7 @@ class Block(nn.Module):
 
 class Net(nn.Module):
     """A small net for any of the batches below; ``temperature`` is a one-element buffer the loss
-    divides by (the estimator reads its value: ``_known_value``), and the forward builds a tensor
+    divides by (the estimator reads its value: ``known_value``), and the forward builds a tensor
     on its input's device."""
 
     def __init__(self, kind: str) -> None:
@@ -128,7 +130,8 @@ def test_a_float_batch_on_cuda_is_checked_for_zeros_on_its_own_device(kind):
 
 
 def test_a_one_element_cuda_buffer_used_in_arithmetic_is_read_on_the_dry_runs_device():
-    # _known_value kept the CUDA buffer's device in its fake: FakeTensorDeviceMismatchError.
+    # _known_value (now dry_run_device.known_value) kept the CUDA buffer's device in its fake:
+    # FakeTensorDeviceMismatchError.
     batch = make_batch("tokens")  # a token batch does not reach the zeros check
     expected = estimate_memory(_net("tokens"), batch, _loss("tokens"), device="cuda")
     with simulated_cuda():
@@ -152,10 +155,13 @@ class LitNet(pl.LightningModule):
         leaves = torch.utils._pytree.tree_leaves(batch)
         if not any(isinstance(leaf, FakeTensor) for leaf in leaves):  # a real step, not the estimator's
             self.devices_seen.append((self.device, self.net.head.weight.device, *(leaf.device for leaf in leaves)))
-        logits = self.net(inputs_of(self.kind, batch))
+        logits = self.net(inputs_of(self.kind, batch)) + torch.zeros(CLASSES).to(self.device)  # a bias moved there
         weights = torch.full((logits.shape[0],), 0.5, device=self.device)  # e.g. per-sample loss weights
-        labels = batch[0][:, -1] % CLASSES if self.kind == "tokens" else batch[1] if self.kind != "dict" else batch["labels"]
-        per_sample = F.cross_entropy(logits.mean(dim=1) if self.kind == "tokens" else logits, labels, reduction="none")
+        if self.kind == "tokens":
+            logits, labels = logits.mean(dim=1), batch[0][:, -1] % CLASSES
+        else:
+            labels = batch["labels"] if self.kind == "dict" else batch[1]
+        per_sample = F.cross_entropy(logits, labels, reduction="none")
         return (per_sample * weights).sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -280,4 +286,5 @@ def test_plan_auto_plans_again_for_a_module_that_cached_a_cuda_tensor_in_its_fir
         cpu_trainer([SimulatedCudaFit(), callback], max_steps=2).fit(module, DataLoader(batches, batch_size=None))
     chosen = callback.chosen_plan
     assert chosen.estimate.batch_size == 8 and module.trainer.global_step == 2
-    assert (chosen.predicted_peak_bytes, chosen.estimate.breakdown) == (expected.predicted_peak_bytes, expected.estimate.breakdown)
+    assert chosen.predicted_peak_bytes == expected.predicted_peak_bytes
+    assert chosen.estimate.breakdown == expected.estimate.breakdown

@@ -82,7 +82,8 @@ class OnDryRunDevice(TorchFunctionMode):
                 if fake is None:
                     with unset_fake_temporarily():
                         meta = value.detach().to("meta")
-                    fake = self.fake_mode.fake_tensor_converter.from_meta_and_device(self.fake_mode, meta, DRY_RUN_DEVICE)
+                    converter = self.fake_mode.fake_tensor_converter
+                    fake = converter.from_meta_and_device(self.fake_mode, meta, DRY_RUN_DEVICE)
                 held = self._fakes[id(value)] = (value, fake)
                 self.entered(fake)
             return held[1]
@@ -101,7 +102,8 @@ class OnDryRunDevice(TorchFunctionMode):
             options = {key: value for key, value in kwargs.items() if key != "copy"}
             device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **options)
             if _elsewhere(device):
-                kwargs = {"device": DRY_RUN_DEVICE, "dtype": dtype, "non_blocking": non_blocking, "copy": kwargs.get("copy", False)}
+                copy = kwargs.get("copy", False)
+                kwargs = {"device": DRY_RUN_DEVICE, "dtype": dtype, "non_blocking": non_blocking, "copy": copy}
                 if memory_format is not None:
                     kwargs["memory_format"] = memory_format
                 args = args[:1]

@@ -66,7 +66,9 @@ CUDA_DEVICE = torch.device("cuda", 0)
 SAME_DEVICE_ERROR = "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
 """CUDA's error for an elementwise or reduction op given a CPU tensor beside a CUDA one (torch's
 TensorIterator names the first CUDA device first, whichever argument it is)."""
-NUMPY_ERROR = "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first."
+NUMPY_ERROR = (
+    "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first."
+)
 
 
 class SimulatedCudaTensor(torch.Tensor):
@@ -127,9 +129,10 @@ class _SimulatedCudaMode(TorchFunctionMode):
             # torch takes a mode off its stack while the mode handles a call, and the engine runs
             # backward (checkpoint's recompute, hooks) under the modes it finds: put this one back.
             with self:
-                _backward(*args, **kwargs) if func is torch.autograd.backward else _backward(
-                    *_tensor_backward_args(*args, **kwargs)
-                )
+                if func is torch.autograd.backward:
+                    _backward(*args, **kwargs)
+                else:
+                    _backward(*_tensor_backward_args(*args, **kwargs))
             return None
         if _active_fake_mode() is None:
             moved = _move(func, args, kwargs)
@@ -149,8 +152,8 @@ class _OutputsOnCuda(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if kwargs.get("device") is not None:  # asked for a device (.cpu()): the caller's to say which
-            return out
+        if kwargs.get("device") is not None or _active_fake_mode() is not None:
+            return out  # asked for a device (.cpu()): the caller's to say which; fakes keep their own
         leaves = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         if any(isinstance(leaf, SimulatedCudaTensor) for leaf in leaves):
             inputs = {id(leaf) for leaf in leaves}
@@ -194,8 +197,10 @@ class SimulatedCudaFit(*callback_bases()):  # type: ignore[misc]
 
 
 def _tensor_backward_args(
-    tensor: torch.Tensor, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False, inputs: Any = None
-) -> tuple:
+    tensor: torch.Tensor, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False,
+    inputs: Any = None,
+) -> tuple:  # fmt: skip
+    """``Tensor.backward``'s arguments as ``torch.autograd.backward`` takes them."""
     return tensor, gradient, retain_graph, create_graph, None, inputs
 
 
@@ -302,8 +307,11 @@ def _set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
 
 
 _IN_PLACE_OPERATORS = {
-    f"__i{name}__" for name in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift")
-}
+    f"__i{name}__"
+    for name in (
+        "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
+    )
+}  # fmt: skip
 
 
 def _is_output(func: Any, position: int, leaf: torch.Tensor, kwargs: dict) -> bool:

@@ -124,7 +124,8 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
 
 def _poison(tensor: torch.Tensor) -> None:
     start = tensor.storage_offset() * tensor.element_size()
-    torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage(), start, (tensor.nbytes,)).fill_(_POISON)
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    raw.set_(tensor.untyped_storage(), start, (tensor.nbytes,)).fill_(_POISON)
 
 
 class SimulatedAsyncTransport:
