@@ -388,7 +388,7 @@ def measure_device_speeds(
     table = GPU_TABLE[gpu_key(name, torch.cuda.get_device_capability(index))]
     started = time.perf_counter()
     with torch.cuda.device(index):
-        host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
+        host = torch.empty(copy_bytes, dtype=torch.uint8, device="cpu", pin_memory=True)
         on_device = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         to_device_s = _best_s(lambda: on_device.copy_(host, non_blocking=True), repeats, device)
         to_host_s = _best_s(lambda: host.copy_(on_device, non_blocking=True), repeats, device)

@@ -450,7 +450,7 @@ def gpu_tests(timeout_s: float = GPU_TESTS_TIMEOUT_S, per_test_timeout_s: float 
 def page_locked_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> tuple[float, float]:
     """Bytes per second of a page-locked host -> device and device -> host copy (the best of
     ``repeats``, timed with CUDA events)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     rates = []
     for destination, source in ((device, host), (host, device)):

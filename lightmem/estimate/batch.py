@@ -130,8 +130,8 @@ def _sparse_input(path: str, tensor: torch.Tensor) -> SparseInput | None:
     nonzeros = 0
     one_hot = values.dim() >= 2
     for rows in _row_pieces(values, piece):
-        counts = torch.zeros(rows.shape[0], dtype=torch.int64)
-        ones = torch.zeros(rows.shape[0], dtype=torch.int64)
+        counts = torch.zeros(rows.shape[0], dtype=torch.int64, device=values.device)
+        ones = torch.zeros(rows.shape[0], dtype=torch.int64, device=values.device)
         for start in range(0, rows.shape[1], piece):
             columns = rows[:, start : start + piece]
             counts += torch.count_nonzero(columns, dim=1)
@@ -174,7 +174,7 @@ def _is_fake(tensor: torch.Tensor) -> bool:
 def fake_batch(
     batch: Any,
     *,
-    device: str,
+    device: str | torch.device,
     batch_size: int | None = None,
     original_batch_size: int | None = None,
     float_dtype: torch.dtype | None = None,

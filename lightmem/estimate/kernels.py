@@ -42,11 +42,11 @@ def _probe(args: tuple[Any, ...], batch: int, steps: int, time_major: bool) -> i
     inp, w0, w1, w2, w3, hx, cx = args[:7]
     shape = (steps, batch, inp.shape[2]) if time_major else (batch, steps, inp.shape[2])
     with unset_fake_temporarily(), torch.enable_grad():
-        real = [torch.zeros(shape, dtype=inp.dtype)]
-        real += [torch.zeros(tuple(w.shape), dtype=w.dtype) for w in (w0, w1, w2, w3)]
+        real = [torch.zeros(shape, dtype=inp.dtype, device="cpu")]  # oneDNN's kernel, run for real on the CPU
+        real += [torch.zeros(tuple(w.shape), dtype=w.dtype, device="cpu") for w in (w0, w1, w2, w3)]
         real += [
-            torch.zeros((batch, *hx.shape[1:]), dtype=hx.dtype),
-            torch.zeros((batch, *cx.shape[1:]), dtype=cx.dtype),
+            torch.zeros((batch, *hx.shape[1:]), dtype=hx.dtype, device="cpu"),
+            torch.zeros((batch, *cx.shape[1:]), dtype=cx.dtype, device="cpu"),
         ]
         out = torch.ops.aten.mkldnn_rnn_layer.default(*real, *args[7:])
         return int(out[3].numel() * out[3].element_size())
@@ -86,7 +86,7 @@ def _fix_mkldnn_rnn_layer(args: tuple[Any, ...], kwargs: dict[str, Any], out: An
         size = mkldnn_workspace_bytes(args)
     except RuntimeError:  # oneDNN may reject a dtype on this CPU: keep the meta kernel's answer
         return out
-    workspace = torch.empty(size, dtype=torch.uint8)
+    workspace = torch.empty(size, dtype=torch.uint8, device=out[0].device)  # beside the op's outputs
     return (out[0], out[1], out[2], workspace)
 
 
@@ -184,7 +184,7 @@ def real_output(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
     def real(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
-        zeros = torch.zeros(leaf.untyped_storage().nbytes(), dtype=torch.uint8)
+        zeros = torch.zeros(leaf.untyped_storage().nbytes(), dtype=torch.uint8, device="cpu")
         return zeros.view(leaf.dtype).as_strided(leaf.shape, leaf.stride(), leaf.storage_offset())
 
     with unset_fake_temporarily(), torch.no_grad():
@@ -196,7 +196,8 @@ def real_output(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
             lambda t: (tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t, output
         )
     return RealKernel.ACCEPTS, tree_map(
-        lambda m: torch.empty_strided(m[0], m[1], dtype=m[2]) if _is_meta_triple(m) else m, shapes,
+        # on the CPU, as the inputs are (checked above)
+        lambda m: torch.empty_strided(m[0], m[1], dtype=m[2], device="cpu") if _is_meta_triple(m) else m, shapes,
         is_leaf=_is_meta_triple,
     ), ""
 

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightmem.config import OffloadSettings
+from lightmem.estimate.dry_run_device import DRY_RUN_DEVICE
 from lightmem.estimate.tracer import StorageTracer
 from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, fits_host_budget, host_bytes, same_save
 from lightmem.offload.protocol import Entry, Handle, Reloads, Session
@@ -207,7 +208,7 @@ class SavedTensorHooks(Reloads):
 
     def _reload(self, entry: _Entry) -> Tensor:
         """The protocol's reload action: a fake storage the tracer counts as an activation."""
-        restored = torch.empty(entry.nbytes, dtype=torch.uint8)
+        restored = torch.empty(entry.nbytes, dtype=torch.uint8, device=DRY_RUN_DEVICE)
         record = self.tracer.mark_saved(restored, entry.block)
         record.recomputed = True  # a reload is an activation brought back, not a temporary
         return restored

@@ -38,7 +38,6 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
-    unset_fake_temporarily,
 )
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -47,6 +46,7 @@ from lightmem.blocks import Blocks, find_blocks
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
+from lightmem.estimate.dry_run_device import DRY_RUN_DEVICE, OnDryRunDevice, known_value
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
 from lightmem.estimate.logits import LOGITS_MIN_SHARE, LossLogits, loss_logits
@@ -266,12 +266,10 @@ def _checkpointed_names(model: nn.Module, handle: Any) -> list[str]:
 
 @contextlib.contextmanager
 def _preserved_module_state(model: nn.Module) -> Iterator[None]:
-    """Train mode for the step, then every module's mode and plain tensor attributes as they were."""
+    """Train mode for the step, then every module's mode as it was, and every plain attribute the
+    step left a fake in as it was before (a cache that held None holds None again)."""
     modes = [(module, module.training) for module in model.modules()]
-    attributes = [
-        (module, {key: value for key, value in vars(module).items() if isinstance(value, torch.Tensor)})
-        for module in model.modules()
-    ]
+    attributes = [(module, dict(vars(module))) for module in model.modules()]
     model.train()
     try:
         yield
@@ -289,23 +287,7 @@ def _preserved_module_state(model: nn.Module) -> Iterator[None]:
 
 def _fake_like(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-    return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=target, device="cpu")
-
-
-def _known_value(fake_mode: FakeTensorMode, buffer: torch.Tensor, dtype: torch.dtype | None) -> Any:
-    """A fake buffer that carries the real one's value, for a scalar buffer with a value.
-
-    Modules read such buffers as Python numbers (BatchNorm with ``momentum=None`` divides by
-    ``num_batches_tracked``); their values are known, so the step can read them. The fake holds a
-    copy: what the step writes to it never reaches the model.
-    """
-    if buffer.numel() > 1 or buffer.is_meta or isinstance(buffer, FakeTensor):
-        return None
-    with unset_fake_temporarily():
-        value = buffer.detach().clone()
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
-    return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, value, make_constant=True)
+    return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=target, device=DRY_RUN_DEVICE)
 
 
 def _fake_state(
@@ -330,7 +312,7 @@ def _fake_state(
     for name, buffer in model.named_buffers(remove_duplicate=False):
         fake = by_id.get(id(buffer))
         if fake is None:
-            fake = _known_value(fake_mode, buffer, param_dtype)
+            fake = known_value(fake_mode, buffer, param_dtype)
             if fake is None:
                 fake = _fake_like(buffer, param_dtype)
             by_id[id(buffer)] = fake
@@ -354,7 +336,7 @@ def _run(
     with fake_mode:
         named, params, buffers = _fake_state(model, precision.param_dtype, fake_mode, request.trainable_dtype)
         inputs = fake_batch(
-            batch, device="cpu", batch_size=request.batch_size,
+            batch, device=DRY_RUN_DEVICE, batch_size=request.batch_size,
             original_batch_size=request.original_batch_size, float_dtype=precision.param_dtype,
         )  # fmt: skip
         protected = {id(t.untyped_storage()) for t in params + buffers}
@@ -364,7 +346,9 @@ def _run(
             tracer.track(buffer, BUFFER)
         for tensor in batch_tensors(inputs):
             tracer.track(tensor, INPUT)
-        with _reparametrize_module(model, named), tracer, torch.enable_grad():
+        # A real tensor from another device enters as a real CPU tensor does: not counted.
+        on_dry_run_device = OnDryRunDevice(fake_mode, entered=lambda fake: tracer.excluded.add(tracer.track(fake)))
+        with _reparametrize_module(model, named), tracer, torch.enable_grad(), on_dry_run_device:
             trace = _steady_step(
                 model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected, failure
             )

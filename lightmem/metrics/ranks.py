@@ -36,6 +36,6 @@ class RankMax:
             self._world = dist.group.WORLD
             backend = str(dist.get_backend())
             self._group = dist.group.WORLD if "gloo" in backend else dist.new_group(backend="gloo")
-        local = torch.tensor(list(values), dtype=torch.float64)  # on the CPU: no device sync
+        local = torch.tensor(list(values), dtype=torch.float64, device="cpu")  # no device sync
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)
         return local.tolist()

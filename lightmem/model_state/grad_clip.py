@@ -99,11 +99,11 @@ class GradClip:
         """How many in-place writes (version bumps) clipping makes to one gradient, measured once
         on a probe: what the overlapped step adds to the version it saw a gradient land with, so
         that any other write to it shows, even one racing the clipping."""
-        probe = torch.nn.Parameter(torch.zeros(1))
-        probe.grad = torch.zeros(1)
+        probe = torch.nn.Parameter(torch.zeros(1, device="cpu"))
+        probe.grad = torch.zeros(1, device="cpu")
         before = probe.grad._version
         if self.by_norm:
-            self.scale([probe], torch.tensor(1.0))
+            self.scale([probe], torch.tensor(1.0, device="cpu"))
         else:
             self.clamp([probe])
         return probe.grad._version - before
@@ -137,7 +137,7 @@ def total_norm(grads: list[torch.Tensor], norm_of: dict[int, torch.Tensor], norm
     their norms (``tensor_norms``): stacked in the order ``get_total_norm`` stacks them, so the
     result is its bits."""
     if not grads:
-        return torch.tensor(0.0)
+        return torch.tensor(0.0, device="cpu")  # get_total_norm's own answer: a host zero
     first_device = grads[0].device
     norms = [
         norm_of[id(grad)]

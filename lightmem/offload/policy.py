@@ -48,7 +48,7 @@ Decision = tuple[int, Any, Any, int, int]
 """``(verdict, alias, storage, nbytes, key)``; only ``verdict`` is meaningful for ``LEAVE``."""
 
 _LEFT_ALONE: Decision = (LEAVE, None, None, 0, 0)
-_TO_COPY_BACKWARD = type(torch.zeros(1, requires_grad=True).double().grad_fn)  # autocast's and .to()'s node
+_TO_COPY_BACKWARD = type(torch.zeros(1, device="cpu", requires_grad=True).double().grad_fn)  # autocast's and .to()'s node
 
 
 class OffloadPolicy:

@@ -124,7 +124,8 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
 
 def _poison(tensor: torch.Tensor) -> None:
     start = tensor.storage_offset() * tensor.element_size()
-    torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), start, (tensor.nbytes,)).fill_(_POISON)
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    raw.set_(tensor.untyped_storage(), start, (tensor.nbytes,)).fill_(_POISON)
 
 
 class SimulatedAsyncTransport:
@@ -231,7 +232,7 @@ class SimulatedAsyncTransport:
         """``torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)``: torch's host caching
         allocator takes the next power of two and keeps it cached after the tensor dies."""
         size = self._pinned.take(nbytes)
-        tensor = torch.empty(nbytes, dtype=torch.uint8)
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         weakref.finalize(tensor.untyped_storage(), self._pinned.give_back, size, nbytes)
         return tensor
 
@@ -473,7 +474,7 @@ class SimulatedAsyncTransport:
         bytes since the copy was queued? (Compared byte for byte: a fused optimizer kernel writes
         in place without bumping the version counter, and NaN bytes compare equal as bytes.)"""
         start = host.storage_offset() * host.element_size()
-        raw = torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage(), start, (host.nbytes,))
+        raw = torch.empty(0, dtype=torch.uint8, device=host.device).set_(host.untyped_storage(), start, (host.nbytes,))
         queued = raw.clone()
 
         def check() -> None:

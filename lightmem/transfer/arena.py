@@ -50,7 +50,7 @@ class HostArena:
         # Each tensor is its own, not a view of the slab: a version counter of its own, so an
         # in-place write to one gradient (clipping) shows on that gradient alone (the overlapped host step checks them).
         self.tensors = [
-            torch.empty(0, dtype=tensor.dtype).set_(
+            torch.empty(0, dtype=tensor.dtype, device=storage.device).set_(
                 storage, (base + offset) // tensor.element_size(), tensor.shape, _contiguous_strides(tensor.shape)
             )
             for offset, tensor in zip(offsets, like)

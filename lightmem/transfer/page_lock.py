@@ -180,7 +180,7 @@ def page_locked_empty(nbytes: int, device: torch.device | None = None) -> torch.
     """Exact-size host memory page-locked on the calling thread (which waits for it: counted in
     ``blocked_s``); raises ``HostAllocationError`` as ``register`` does."""
     start = time.perf_counter()
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     try:
         register(buffer, device)
     finally:
@@ -224,7 +224,7 @@ def host_buffer(nbytes: int, huge_pages: bool | None = None) -> torch.Tensor:
     ``HUGE_PAGES``) a 2 MiB aligned slice of an anonymous mapping advised ``MADV_HUGEPAGE``. The
     tensor keeps its mapping alive (``torch.frombuffer`` holds the buffer until its storage dies)."""
     if not (HUGE_PAGES if huge_pages is None else huge_pages) or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # EINVAL on a kernel built without THP: plain pages then
         mapping.madvise(mmap.MADV_HUGEPAGE)

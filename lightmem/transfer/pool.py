@@ -174,7 +174,7 @@ class HostSlab:
         elif pin:
             self.tensor = page_locked_empty(capacity, device)
         else:
-            self.tensor = torch.empty(capacity, dtype=torch.uint8)
+            self.tensor = torch.empty(capacity, dtype=torch.uint8, device="cpu")
         self.registered = pin
         self.on_free = on_free
         if poison:
