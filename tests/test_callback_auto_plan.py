@@ -60,10 +60,12 @@ def _lines(caplog):
 
 
 def _predicted(chosen) -> str:
-    """How the line at fit start and the re-plan lines give a plan's prediction."""
+    """How the line at fit start and the re-plan lines give a plan's prediction, on a CPU (priced at
+    the table's CPU figures: nothing measured)."""
     return (
         f"predicted peak {chosen.predicted_total_bytes / 2**20:.2f} MiB (reserved, overhead allowance included), "
-        f"step {format_seconds(chosen.step_seconds)}: {chosen.slowdown:.2f}x the step without lightmem"
+        f"step {format_seconds(chosen.step_seconds)} (priced at CPU figures: a generic server CPU; not measured on "
+        f"this machine): {chosen.slowdown:.2f}x the step without lightmem"
     )
 
 
