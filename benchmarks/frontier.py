@@ -194,7 +194,7 @@ class Planned:
     @classmethod
     def of(cls, result: Frontier) -> Planned:
         assert result.speeds is not None
-        kwargs = {size: chosen.lightmem_kwargs() for size, chosen in result.plans.items()}
+        kwargs = {size: chosen.lightmem_kwargs() for size, chosen in result.plans.items() if chosen.fits}
         host = {size: chosen.host_bytes for size, chosen in result.plans.items()}
         return cls(result.rows, result.speeds, kwargs, host, result.budget_bytes, result.reference_batch, result.largest_batch)
 
