@@ -130,7 +130,7 @@ def test_results_print_as_short_tables_and_have_short_reprs(capsys):
     search.print()
     printed = capsys.readouterr().out
     table = (
-        "Largest batch that fits 140.00 MiB (the 0 B overhead allowance included)\n"
+        "Largest batch that fits 140.00 MiB\n"
         "configuration       largest batch\n"
         "------------------  -------------\n"
         f"without lightmem    {search.baseline:>13}\n"

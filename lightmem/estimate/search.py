@@ -57,9 +57,8 @@ class BatchSearch:
             rows.append(["with the configuration given", str(self.configured)])
         if self.planned is not None:
             rows.append(["with the best plan", str(self.planned)])
-        title = (
-            f"Largest batch that fits {format_bytes(self.budget_bytes)} (the {format_bytes(self.overhead_bytes)} "
-            "overhead allowance included)"
+        title = f"Largest batch that fits {format_bytes(self.budget_bytes)}" + (
+            f" (the {format_bytes(self.overhead_bytes)} overhead allowance included)" if self.overhead_bytes else ""
         )
         text = format_table(rows, ("configuration", "largest batch"), title=title, align="lr")
         if self.plan is not None:
