@@ -258,19 +258,19 @@ class FitSession:
         run the offloads there anyway."""
         on, off = [], []
         on_the_cpu = []  # what offload_devices=["cpu"] would run here
-        if self.auto_plan is not None:
-            what = "what to checkpoint; on a CPU it never offloads" if device.type == "cpu" else "what to checkpoint and offload"
+        if self.auto_plan is not None:  # the plan's own line, at the first batch, says what it chose
+            what = "what to checkpoint"
+            if device.type == "cpu":
+                what += "; on a CPU it never offloads"
+            elif self.settings.offload_on:
+                what += " and offload"
             on.append(f"plan='auto' (at the first training batch it chooses {what})")
         if self.offloader is not None:
             on.append(f"activation offload (tensors from {format_bytes(self.offloader.min_bytes)})")
-        elif self.settings.offload_on or self.chosen_plan is not None:
-            reason = offload_off_reason(self.offload_settings)
-            if reason is not None:
-                off.append(f"activation offload ({reason})")
-                if self.auto_plan is None and device.type == "cpu":
-                    on_the_cpu.append("activation offload")
-            elif self.chosen_plan is not None:
-                off.append("activation offload (the plan offloads nothing)")
+        elif self.settings.offload_on and offload_off_reason(self.offload_settings) is not None:
+            off.append(f"activation offload ({offload_off_reason(self.offload_settings)})")
+            if self.auto_plan is None and device.type == "cpu":
+                on_the_cpu.append("activation offload")
         if self._optimizer_offloaders:
             notes = [
                 (str(offloader.host_kernel), offloader.overlap_note, offloader.device_dtype_note)
