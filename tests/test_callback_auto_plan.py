@@ -379,7 +379,13 @@ def test_the_tiniest_budget_says_not_even_a_batch_of_one_fits():
     callback = LightMem(plan="auto", device_budget="16KiB", offload_devices=["cpu"])
     with pytest.raises(PlanDoesNotFit) as error:
         cpu_trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
-    assert "parameters + gradients + optimizer state alone take" in str(error.value)
+    chosen = plan(LitGPT(), _tokens(4, 33), "16KiB", device="cpu")
+    assert str(error.value).startswith(
+        "lightmem: plan='auto' found no configuration that fits the 16.00 KiB device budget for batches of [4, 33]: "
+        f"{chosen.reason}"
+    )
+    assert chosen.reason.startswith("parameters (658.25 KiB), gradients (658.25 KiB) and optimizer state (")
+    assert chosen.reason.endswith(", over the 16.00 KiB budget; no activation technique helps (see the advice)")
     assert ". Not even a batch of 1 fits. Training stopped before this batch's forward" in str(error.value)
 
 

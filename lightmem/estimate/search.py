@@ -204,9 +204,9 @@ def max_batch_size(
             plan at that size in ``plan``): the largest size at which one of the planner's
             extreme configurations fits (every repeated layer checkpointed, with and without
             offload, and offload alone), then :func:`lightmem.plan` at that size picks the
-            fastest configuration that fits there. The extremes are the planner's at the first
-            size that does not fit without lightmem and again at each answer, until none there
-            fits the next size: the answer does not depend on ``batch``'s own size.
+            fastest configuration that fits there. Each size is asked of the planner's space at
+            that size (its extremes, with their offload windows), from the first size that does
+            not fit without lightmem: the answer does not depend on ``batch``'s own size.
             The plan searches under ``offload``'s settings less its ``include`` (the plan picks
             the modules), or lightmem's defaults when ``offload`` is None.
             With ``offload_optimizer`` the extremes and the plan run with model-state offload too.
