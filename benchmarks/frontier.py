@@ -194,8 +194,9 @@ class Planned:
     @classmethod
     def of(cls, result: Frontier) -> Planned:
         assert result.speeds is not None
-        kwargs = {size: chosen.lightmem_kwargs() for size, chosen in result.plans.items()}
-        host = {size: chosen.host_bytes for size, chosen in result.plans.items()}
+        fitting = {size: chosen for size, chosen in result.plans.items() if chosen.fits}  # a plan that does not fit has no flags
+        kwargs = {size: chosen.lightmem_kwargs() for size, chosen in fitting.items()}
+        host = {size: chosen.host_bytes for size, chosen in fitting.items()}
         return cls(result.rows, result.speeds, kwargs, host, result.budget_bytes, result.reference_batch, result.largest_batch)
 
     def to_dict(self) -> dict[str, Any]:

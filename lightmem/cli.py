@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,10 +43,14 @@ from lightmem.estimate.settings import parse_device, parse_optimizer, parse_over
 
 
 def load_factory(spec: str) -> Callable[[int], Any]:
-    """Import ``module:function`` or ``file.py:function``.
+    """Import ``module:function`` or ``file.py:function``, as Python would run them: a file with its
+    own folder first on ``sys.path`` (``python file.py``), so that it imports the modules beside it;
+    a module from the current directory (``python -m``).
 
     Raises:
-        ValueError: the spec has no ':', or the module or function cannot be found.
+        ValueError: the spec has no ':', the file or function cannot be found, or importing the
+            module fails (the message names the ``factory`` argument and the error; the error is the
+            cause).
     """
     if ":" not in spec:
         raise ValueError(f"factory: expected 'package.module:function' or 'file.py:function'; got {spec!r}")
@@ -54,23 +59,41 @@ def load_factory(spec: str) -> Callable[[int], Any]:
         path = os.path.abspath(module_name)
         if not os.path.exists(path):
             raise ValueError(f"factory: no such file {module_name!r}")
+        folder = os.path.dirname(path)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         name = os.path.splitext(os.path.basename(path))[0]
         module_spec = importlib.util.spec_from_file_location(name, path)
         assert module_spec is not None and module_spec.loader is not None
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as error:
+            del sys.modules[name]
+            raise ValueError(f"factory: cannot import {module_name!r}: {_import_failure(error)}") from error
     else:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # as `python -m` would: modules of the current project
         try:
             module = importlib.import_module(module_name)
-        except ImportError as error:
-            raise ValueError(f"factory: cannot import {module_name!r} ({error})") from None
+        except Exception as error:
+            raise ValueError(f"factory: cannot import {module_name!r}: {_import_failure(error)}") from error
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ValueError(f"factory: {module_name!r} has no function {attribute!r}")
     return factory
+
+
+def _import_failure(error: BaseException) -> str:
+    """What went wrong importing the factory's module, and where: ``ModuleNotFoundError: No module
+    named 'helpers' (my_file.py, line 1)``."""
+    frames = [
+        frame for frame in traceback.extract_tb(error.__traceback__)
+        if frame.filename != __file__ and not frame.filename.startswith("<") and "importlib" not in frame.filename
+    ]  # fmt: skip
+    where = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
+    return f"{type(error).__name__}: {error}{where}"
 
 
 def _call_factory(factory: Callable[[int], Any], batch_size: int) -> tuple[Any, Any, Any]:

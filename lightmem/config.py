@@ -121,6 +121,23 @@ def parse_size(
     raise ValueError(f"{flag}: expected {accepted}; got {value!r}")
 
 
+_DECIMAL_UNITS = {"k", "kb", "m", "mb", "g", "gb", "t", "tb"}
+
+
+def decimal_reading(value: int | float | str) -> str | None:
+    """How ``parse_size`` read a size string in decimal units (powers of 1000):
+    ``"2 GB"`` -> ``"2 GB = 2,000,000,000 bytes (1.86 GiB)"``. None for any other value (binary
+    units, byte counts and fractions mean what they say), or one ``parse_size`` refuses."""
+    match = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if match is None or match.group(2).lower() not in _DECIMAL_UNITS:
+        return None
+    try:
+        size = parse_size(value, flag="")
+    except ValueError:
+        return None
+    return f"{value.strip()} = {size:,} bytes ({format_bytes(size)})"
+
+
 def parse_fraction(value: float, *, flag: str, allow_none: bool = False) -> float | None:
     """Validate a fraction in (0, 1] (e.g. a share of a memory limit); None where ``allow_none``."""
     if value is None and allow_none:
@@ -699,6 +716,8 @@ class PlanSettings:
     auto: bool
     device_budget_bytes: int | None
     spelling: Spelling = LIGHTMEM
+    device_budget_reading: str | None = None
+    """A ``device_budget`` given in decimal units, as read (``decimal_reading``): said at fit start."""
 
     @classmethod
     def parse(
@@ -710,7 +729,10 @@ class PlanSettings:
         budget = None if device_budget is None else parse_size(device_budget, flag=flag("device_budget"))
         if plan is None and budget is not None:
             reject_without_partner(spelling, "device_budget", f"{spelling.entry}(plan='auto')", "set plan='auto'")
-        return cls(auto=plan == "auto", device_budget_bytes=budget, spelling=spelling)
+        return cls(
+            auto=plan == "auto", device_budget_bytes=budget, spelling=spelling,
+            device_budget_reading=None if device_budget is None else decimal_reading(device_budget),
+        )  # fmt: skip
 
     def flag(self, field: str) -> str:
         return self.spelling.flag(field)

@@ -134,23 +134,11 @@ class FitSession:
 
     def start(self, trainer: Trainer, pl_module: Module) -> None:
         """At ``on_fit_start``: the host guard, the OOM history, optimizer offload (the strategy has
-        set the optimizers up), and (without a plan) activation offload and metrics; with
-        ``plan="auto"``, its budget (measured here without ``device_budget``)."""
-        if self.settings.plan.auto:
+        set the optimizers up), activation offload (without a plan), metrics and the line of what is
+        on; then, with ``plan="auto"``, its budget (measured here without ``device_budget``) and prices.
+        """
+        if self.settings.plan.auto:  # first: a budget it cannot measure fails before anything is set up
             self.auto_plan = AutoPlan.at_fit_start(self.settings.plan, pl_module.device, trainer.world_size)
-            measured = self.auto_plan.budget_source
-            if measured is not None:
-                rank_zero_info(f"lightmem: plan='auto' device budget, measured at fit start: {measured}")
-            if self._allocator_note:
-                rank_zero_info(self._allocator_note)
-            if self.auto_plan.speeds is not None:
-                rank_zero_info(f"lightmem: plan='auto' prices steps at {self.auto_plan.speeds.describe()}")
-            if self.auto_plan.peaks_reset:
-                rank_zero_info(
-                    "lightmem: measuring the device raised the allocator's peak statistics above anything before "
-                    "the fit: reset them (torch.cuda.reset_peak_memory_stats), so that the training batches' "
-                    "peaks can be measured against the plan"
-                )
         guard = self.settings.host_guard
         self.host_guard = HostGuard(guard.limit_bytes, guard.warn_at, guard.stop_at, self._all_host_bytes_held)
         if self.settings.metrics.oom_snapshot:
@@ -163,11 +151,34 @@ class FitSession:
             readers = gradient_readers(trainer) if self._optimizer_offloaders else []
             if readers:
                 rank_zero_warn(self._gradients_elsewhere(readers))
-        if self.settings.plan.auto:  # planned from the first training batch, then recording starts
-            return
-        if self.settings.offload_on:
+        if self.settings.offload_on and self.auto_plan is None:  # with a plan: what the plan chooses
             self._start_offload(pl_module, self.offload_settings)
         self._start_recording(trainer, pl_module)
+        if self.auto_plan is not None:
+            self._say_how_plans_are_made()
+
+    def _say_how_plans_are_made(self) -> None:
+        """``plan="auto"``'s lines at fit start: its budget, the allocator, the prices."""
+        assert self.auto_plan is not None
+        measured = self.auto_plan.budget_source
+        if measured is not None:
+            rank_zero_info(f"lightmem: plan='auto' device budget, measured at fit start: {measured}")
+        reading = self.settings.plan.device_budget_reading
+        if reading is not None:
+            rank_zero_info(
+                f"lightmem: plan='auto' device budget: {reading}, in decimal units (kB, MB, GB, TB: powers of "
+                "1000; KiB, MiB, GiB, TiB: of 1024)"
+            )
+        if self._allocator_note:
+            rank_zero_info(self._allocator_note)
+        if self.auto_plan.speeds is not None:
+            rank_zero_info(f"lightmem: plan='auto' prices steps at {self.auto_plan.speeds.describe()}")
+        if self.auto_plan.peaks_reset:
+            rank_zero_info(
+                "lightmem: measuring the device raised the allocator's peak statistics above anything before "
+                "the fit: reset them (torch.cuda.reset_peak_memory_stats), so that the training batches' "
+                "peaks can be measured against the plan"
+            )
 
     def _gradients_elsewhere(self, readers: list[str]) -> str:
         """The warning for user code that reads gradients where optimizer offload leaves ``param.grad``
@@ -209,7 +220,8 @@ class FitSession:
     def _start_recording(self, trainer: Trainer, pl_module: Module) -> None:
         metrics = self.settings.metrics
         if is_barebones(trainer):  # Lightning's "no logging, no progress, no summaries" covers ours
-            rank_zero_info(self._what_is_on([], dict.fromkeys(metrics.groups, "Trainer(barebones=True)")))
+            off = dict.fromkeys(metrics.groups, "Trainer(barebones=True)")
+            rank_zero_info(self._what_is_on([], off, pl_module.device))
             return
         probes, metrics_off = self._probes(trainer, pl_module)
         self.recorder = MetricsRecorder(
@@ -217,7 +229,7 @@ class FitSession:
             checkpointed_blocks=self.checkpointed_blocks,
         )  # fmt: skip
         self.recorder.start(trainer)
-        rank_zero_info(self._what_is_on([probe.group for probe in probes], metrics_off))
+        rank_zero_info(self._what_is_on([probe.group for probe in probes], metrics_off, pl_module.device))
 
     def _probes(self, trainer: Trainer, pl_module: Module) -> tuple[list[Any], dict[str, str]]:
         """The probes of what is on now, and why each group asked for is off."""
@@ -241,14 +253,24 @@ class FitSession:
             probes.append(self.host_guard)
         return probes, metrics_off
 
-    def _what_is_on(self, metrics_on: list[str], metrics_off: dict[str, str]) -> str:
-        """One line: every feature that is on, and why each one asked for is off."""
+    def _what_is_on(self, metrics_on: list[str], metrics_off: dict[str, str], device: torch.device) -> str:
+        """One line: every feature that is on, why each one asked for is off, and, on a CPU, how to
+        run the offloads there anyway."""
         on, off = [], []
+        on_the_cpu = []  # what offload_devices=["cpu"] would run here
+        if self.auto_plan is not None:  # the plan's own line, at the first batch, says what it chose
+            what = "what to checkpoint"
+            if device.type == "cpu":
+                what += "; on a CPU it never offloads"
+            elif self.settings.offload_on:
+                what += " and offload"
+            on.append(f"plan='auto' (at the first training batch it chooses {what})")
         if self.offloader is not None:
             on.append(f"activation offload (tensors from {format_bytes(self.offloader.min_bytes)})")
-        elif self.settings.offload_on or self.chosen_plan is not None:
-            reason = offload_off_reason(self.offload_settings) or "the plan offloads nothing"
-            off.append(f"activation offload ({reason})")
+        elif self.settings.offload_on and offload_off_reason(self.offload_settings) is not None:
+            off.append(f"activation offload ({offload_off_reason(self.offload_settings)})")
+            if self.auto_plan is None and device.type == "cpu":
+                on_the_cpu.append("activation offload")
         if self._optimizer_offloaders:
             notes = [
                 (str(offloader.host_kernel), offloader.overlap_note, offloader.device_dtype_note)
@@ -258,6 +280,9 @@ class FitSession:
             on.append(f"optimizer offload (gradients, optimizer state and step on the host; {kernels})")
         elif self._optimizer_offload_off:
             off.append(f"optimizer offload ({self._optimizer_offload_off})")
+            optimizer_offload = self.settings.optimizer_offload
+            if device.type == "cpu" and optimizer_offload is not None and "cpu" not in optimizer_offload.devices:
+                on_the_cpu.append("optimizer offload")
         blocks = self.checkpointed_blocks
         if blocks:
             names = self._checkpoint.modules  # type: ignore[union-attr]
@@ -270,7 +295,15 @@ class FitSession:
             groups = [group for group, why in metrics_off.items() if why == reason]
             named = " and ".join(filter(None, [", ".join(groups[:-1]), groups[-1]]))
             off.append(f"{named} metrics ({reason})")
-        return f"lightmem: on: {'; '.join(on) or 'nothing'}." + (f" Off: {'; '.join(off)}." if off else "")
+        line = f"lightmem: on: {'; '.join(on) or 'nothing'}." + (f" Off: {'; '.join(off)}." if off else "")
+        if on_the_cpu:
+            spelling = self.settings.offload.spelling
+            them = "them" if len(on_the_cpu) > 1 else "it"
+            line += (
+                f" On this CPU, {spelling.entry}({spelling.name('devices')}=['cpu']) runs {' and '.join(on_the_cpu)} "
+                f"anyway, with host-to-host copies that save no memory: to see {them} work."
+            )
+        return line
 
     def _host_bytes_peak_in_use(self) -> int:
         return self.offloader.host_bytes_peak_in_use if self.offloader is not None else 0
@@ -336,14 +369,15 @@ class FitSession:
             if replanned_because is not None:
                 rank_zero_info(
                     f"lightmem: planned again for the same batches ({replanned_because}) at step {logged_step(trainer)}: "
-                    f"the choice stands, step {format_seconds(chosen.step_seconds)}: {chosen.slowdown:.2f}x the step "
-                    "without lightmem"
+                    f"the choice stands, step {format_seconds(chosen.step_seconds)}{self._priced_at(chosen)}: "
+                    f"{chosen.slowdown:.2f}x the step without lightmem"
                 )
             return  # nothing to re-apply: checkpointed blocks and offloader stay as they are
         choice = (
             f"checkpoint {chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}; predicted peak "
             f"{format_bytes(chosen.predicted_total_bytes)} (reserved, overhead allowance included), step "
-            f"{format_seconds(chosen.step_seconds)}: {chosen.slowdown:.2f}x the step without lightmem"
+            f"{format_seconds(chosen.step_seconds)}{self._priced_at(chosen)}: {chosen.slowdown:.2f}x the step without "
+            "lightmem"
         )
         if previous is None:
             summary = f"lightmem: plan for a {format_bytes(chosen.budget_bytes)} device budget: {choice}"
@@ -364,10 +398,16 @@ class FitSession:
         if self.offloader is not None and chosen.host_bytes:
             # Page-lock the host memory the plan's offload holds, in the background, before it is needed.
             self.offloader.prepare_host(chosen.host_bytes)
-        if previous is None:
-            self._start_recording(trainer, pl_module)
-        elif self.recorder is not None:
+        if self.recorder is not None:  # recording started at fit start: the plan's figures from now on
             self.recorder.use_probes(self._probes(trainer, pl_module)[0], self.checkpointed_blocks)
+
+    def _priced_at(self, chosen: Plan) -> str:
+        """Where the plan's step time comes from, when no measure of this machine's device priced it
+        (the training device is not CUDA): the table figures it was priced at."""
+        speeds = chosen.speeds
+        if self.auto_plan is None or self.auto_plan.speeds is not None or speeds is None:
+            return ""
+        return f" (priced at {speeds.name} figures: {speeds.source}; not measured on this machine)"
 
     def _run_planner(
         self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, *, search_up_to: int | None = None

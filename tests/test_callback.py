@@ -13,6 +13,8 @@ from lit_models import LitGPT, cpu_trainer, lit_gpt_class, token_loader
 
 from lightmem import LightMem
 from lightmem.checkpoint import is_checkpointed
+from lightmem.estimate.report import format_seconds
+from lightmem.metrics.recorder import SUMMARY_TITLE
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
 
@@ -211,21 +213,76 @@ def test_cpu_only_default_turns_offload_off_and_says_so(caplog):
     callback = LightMem(checkpoint=["Block"])
     with caplog.at_level("INFO"):
         _fit(callback)
-    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("lightmem:")] == [
+    assert _fit_start_lines(caplog) == [
         "lightmem: on: checkpointing 3 blocks (model.blocks.0, model.blocks.1, model.blocks.2); host, lightmem "
         "metrics. Off: activation offload (no CUDA device: moving CPU tensors to host memory gains nothing); "
-        "gpu and device metrics (the training device is not a CUDA device)."
+        "gpu and device metrics (the training device is not a CUDA device). On this CPU, "
+        "LightMem(offload_devices=['cpu']) runs activation offload anyway, with host-to-host copies that save no "
+        "memory: to see it work."
     ]
     assert "offloaded per step" not in callback.summary()
+
+
+def _fit_start_lines(caplog):
+    """lightmem's lines but the end-of-fit summary."""
+    messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lightmem:")]
+    return [message for message in messages if not message.startswith(SUMMARY_TITLE)]
 
 
 def test_cpu_only_defaults_say_exactly_what_is_on_in_one_line(caplog):
     with caplog.at_level("INFO"):
         _fit(LightMem())
-    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("lightmem:")] == [
+    assert _fit_start_lines(caplog) == [
         "lightmem: on: host metrics. Off: activation offload (no CUDA device: moving CPU tensors to host memory "
-        "gains nothing); gpu and device metrics (the training device is not a CUDA device)."
+        "gains nothing); gpu and device metrics (the training device is not a CUDA device). On this CPU, "
+        "LightMem(offload_devices=['cpu']) runs activation offload anyway, with host-to-host copies that save no "
+        "memory: to see it work."
     ]
+
+
+def test_cpu_only_offload_devices_cpu_runs_activation_offload_and_the_line_says_it_is_on(caplog):
+    with caplog.at_level("INFO"):
+        _fit(LightMem(offload_devices=["cpu"]))
+    assert _fit_start_lines(caplog) == [
+        "lightmem: on: activation offload (tensors from 1.00 MiB); host, lightmem metrics. Off: gpu and device "
+        "metrics (the training device is not a CUDA device)."
+    ]
+
+
+def test_cpu_only_optimizer_offload_is_off_and_the_line_says_how_to_run_both_offloads_on_the_cpu(caplog):
+    with caplog.at_level("INFO"):
+        _fit(LightMem(offload_optimizer=True))
+    assert _fit_start_lines(caplog) == [
+        "lightmem: on: host metrics. Off: activation offload (no CUDA device: moving CPU tensors to host memory "
+        "gains nothing); optimizer offload (the model is on cpu, not a device type in "
+        "LightMem(offload_devices=...)); gpu and device metrics (the training device is not a CUDA device). On "
+        "this CPU, LightMem(offload_devices=['cpu']) runs activation offload and optimizer offload anyway, with "
+        "host-to-host copies that save no memory: to see them work."
+    ]
+
+
+def test_plan_auto_on_a_cpu_says_what_is_on_at_fit_start_then_plans_at_the_first_batch_at_cpu_prices(caplog):
+    callback = LightMem(plan="auto", device_budget="4.5 MB")
+    with caplog.at_level("INFO"):
+        _fit(callback)
+    on, budget, chosen = _fit_start_lines(caplog)
+    assert on == (
+        "lightmem: on: plan='auto' (at the first training batch it chooses what to checkpoint; on a CPU it never "
+        "offloads); host metrics. Off: activation offload (no CUDA device: moving CPU tensors to host memory gains "
+        "nothing); gpu and device metrics (the training device is not a CUDA device)."
+    )
+    assert budget == (
+        "lightmem: plan='auto' device budget: 4.5 MB = 4,500,000 bytes (4.29 MiB), in decimal units (kB, MB, GB, "
+        "TB: powers of 1000; KiB, MiB, GiB, TiB: of 1024)"
+    )
+    plan = callback.chosen_plan
+    assert plan.budget_bytes == 4_500_000 and plan.checkpoint == ["model.blocks.0"]
+    assert chosen == (
+        f"lightmem: plan for a 4.29 MiB device budget: checkpoint ['model.blocks.0'], offload nothing; predicted "
+        f"peak {plan.predicted_total_bytes / 2**20:.2f} MiB (reserved, overhead allowance included), step "
+        f"{format_seconds(plan.step_seconds)} (priced at CPU figures: a generic server CPU; not measured on this "
+        f"machine): {plan.slowdown:.2f}x the step without lightmem"
+    )
 
 
 def test_existing_checkpoint_wrapper_is_not_checkpointed_twice():

@@ -60,10 +60,12 @@ def _lines(caplog):
 
 
 def _predicted(chosen) -> str:
-    """How the line at fit start and the re-plan lines give a plan's prediction."""
+    """How the line at fit start and the re-plan lines give a plan's prediction, on a CPU (priced at
+    the table's CPU figures: nothing measured)."""
     return (
         f"predicted peak {chosen.predicted_total_bytes / 2**20:.2f} MiB (reserved, overhead allowance included), "
-        f"step {format_seconds(chosen.step_seconds)}: {chosen.slowdown:.2f}x the step without lightmem"
+        f"step {format_seconds(chosen.step_seconds)} (priced at CPU figures: a generic server CPU; not measured on "
+        f"this machine): {chosen.slowdown:.2f}x the step without lightmem"
     )
 
 
@@ -377,7 +379,13 @@ def test_the_tiniest_budget_says_not_even_a_batch_of_one_fits():
     callback = LightMem(plan="auto", device_budget="16KiB", offload_devices=["cpu"])
     with pytest.raises(PlanDoesNotFit) as error:
         cpu_trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
-    assert "parameters + gradients + optimizer state alone take" in str(error.value)
+    chosen = plan(LitGPT(), _tokens(4, 33), "16KiB", device="cpu")
+    assert str(error.value).startswith(
+        "lightmem: plan='auto' found no configuration that fits the 16.00 KiB device budget for batches of [4, 33]: "
+        f"{chosen.reason}"
+    )
+    assert chosen.reason.startswith("parameters (658.25 KiB), gradients (658.25 KiB) and optimizer state (")
+    assert chosen.reason.endswith(", over the 16.00 KiB budget; no activation technique helps (see the advice)")
     assert ". Not even a batch of 1 fits. Training stopped before this batch's forward" in str(error.value)
 
 

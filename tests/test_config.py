@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightmem.config import format_bytes, parse_devices, parse_size
+from lightmem.config import decimal_reading, format_bytes, parse_devices, parse_size
 
 
 @pytest.mark.parametrize(
@@ -43,6 +43,22 @@ def test_bad_sizes_name_the_flag_and_the_accepted_forms(value):
     assert message.startswith("LightMem(host_budget=...): expected a byte count (int), or a string such as")
     assert "fraction of available RAM" in message
     assert message.endswith(f"got {value!r}")
+
+
+@pytest.mark.parametrize(
+    ("value", "reading"),
+    [
+        ("2 GB", "2 GB = 2,000,000,000 bytes (1.86 GiB)"),
+        ("64mb", "64mb = 64,000,000 bytes (61.04 MiB)"),
+        ("1.5T", "1.5T = 1,500,000,000,000 bytes (1.36 TiB)"),
+        ("2GiB", None),
+        ("100", None),
+        (2_000_000_000, None),
+        ("12 parsecs", None),
+    ],
+)
+def test_a_size_in_decimal_units_is_read_back_in_bytes_and_binary_units(value, reading):
+    assert decimal_reading(value) == reading
 
 
 def test_format_bytes_is_binary_and_readable():

@@ -217,6 +217,33 @@ def test_a_step_that_reads_tensor_values_says_so():
         estimate_memory(TinyGPT(), _tokens(), loss_with_item, device="cpu")
 
 
+def test_a_loss_fn_that_fails_on_a_lightning_module_says_it_receives_the_module_passed_as_model():
+    from lit_models import LitGPT
+
+    def inner_model_loss(model, tokens):  # written for the TinyGPT inside, given the LightningModule
+        return gpt_loss(model.blocks, tokens)
+
+    with pytest.raises(EstimateError) as raised:
+        estimate_memory(LitGPT(), (_tokens(),), inner_model_loss, device="cpu")
+    assert str(raised.value) == (
+        "estimate_memory(loss_fn=...): loss_fn(model, batch) raised AttributeError: 'LitGPT' object has no "
+        "attribute 'blocks'. loss_fn receives the object passed as model: here LitGPT, a LightningModule holding "
+        "model (TinyGPT); call the module inside it as training_step does (model.model(...)), or leave loss_fn out "
+        "to run training_step."
+    )
+    assert isinstance(raised.value.__cause__, AttributeError)
+
+
+def test_a_loss_fn_that_fails_on_a_plain_module_says_what_it_was_given():
+    with pytest.raises(EstimateError) as raised:
+        estimate_memory(_mlp(), torch.randn(4, 64), lambda model, batch: model(x=batch), device="cpu")
+    assert str(raised.value) == (
+        "estimate_memory(loss_fn=...): loss_fn(model, batch) raised TypeError: Sequential.forward() got an "
+        "unexpected keyword argument 'x'. loss_fn receives the object passed as model: here Sequential."
+    )
+    assert isinstance(raised.value.__cause__, TypeError)
+
+
 def test_to_dict_and_text_carry_the_same_figures():
     import json
 

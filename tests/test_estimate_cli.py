@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -58,6 +59,35 @@ def test_table_output_with_a_file_factory_and_plan(capsys):
 def test_errors_exit_with_status_2_and_a_message(capsys, argv, message):
     assert main(["estimate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_file_factory_imports_the_modules_beside_it_as_python_would(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "issue52_layers.py").write_text(
+        "import torch\n\ndef make(batch_size):\n"
+        "    return torch.nn.Linear(8, 8), torch.randn(batch_size, 8), lambda model, batch: model(batch).sum()\n"
+    )
+    (tmp_path / "issue52_factory.py").write_text("from issue52_layers import make\n\ndef factory(n):\n    return make(n)\n")
+    monkeypatch.chdir(tmp_path.parent)
+    status = main(["estimate", f"{tmp_path.name}/issue52_factory.py:factory", "--batch-size", "2", "--device", "cpu", "--json"])
+    assert status == 0
+    assert json.loads(capsys.readouterr().out)["estimate"]["parameter_count"] == 72
+
+
+def test_a_factory_module_that_fails_to_import_exits_2_naming_the_argument_and_the_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "issue52_broken.py").write_text("import torch\nimport issue52_not_installed\n\ndef factory(n):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["estimate", "issue52_broken.py:factory", "--batch-size", "2", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        "lightmem estimate: error: factory: cannot import 'issue52_broken.py': ModuleNotFoundError: No module named "
+        "'issue52_not_installed' (issue52_broken.py, line 2)\n"
+    )
+    assert main(["estimate", "issue52_broken:factory", "--batch-size", "2", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        "lightmem estimate: error: factory: cannot import 'issue52_broken': ModuleNotFoundError: No module named "
+        "'issue52_not_installed' (issue52_broken.py, line 2)\n"
+    )
 
 
 @pytest.mark.parametrize(

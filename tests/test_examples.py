@@ -77,3 +77,22 @@ def test_linear_cross_entropy_example_gives_the_hugging_face_loss_and_gradients(
     assert expected.keys() == actual.keys() and len(expected) == len(list(model.parameters()))
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_newcomer_cpu_example_shows_each_mode_doing_its_job_on_a_cpu(tmp_path):
+    import re
+
+    out = _run([str(EXAMPLES / "newcomer_cpu.py")], tmp_path)
+    # 1. activation offload, run on the CPU: saved activations went to host buffers.
+    assert "lightmem: on: activation offload (tensors from 1.00 MiB); host, lightmem metrics." in out
+    moved = re.search(r"activation offload: ([\d.]+) (KiB|MiB) of saved activations went to host buffers", out)
+    assert moved and float(moved.group(1)) > 0
+    # 2. plan="auto" for a budget under the step's peak: said at fit start, then a plan applied.
+    assert "lightmem: on: plan='auto' (at the first training batch it chooses what to checkpoint; on a CPU it never offloads)" in out
+    applied = re.search(r"plan applied: checkpoint \['model\.transformer\.h\.\d'.*; predicted peak ([\d.]+) MiB against ([\d.]+) MiB without lightmem", out)
+    assert applied and float(applied.group(1)) < float(applied.group(2))
+    assert "(priced at CPU figures: a generic server CPU; not measured on this machine)" in out
+    # 3. optimizer offload: the optimizer stepped on the host.
+    stepped = re.search(r"optimizer offload: (\d+) optimizer steps ran on the host .* moved ([\d.]+) KiB of gradients out", out)
+    assert stepped and int(stepped.group(1)) == 2 and float(stepped.group(2)) > 0
+    assert out.count("lightmem: memory summary of this fit") == 3  # without a progress bar too

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import textwrap
 import types
 
 import pytest
@@ -22,7 +23,14 @@ from lightmem import estimate_memory, frontier, max_batch_size
 from lightmem import cli
 from lightmem.cli import main
 from lightmem.config import format_bytes
-from lightmem.estimate.frontier import DEFAULT_MULTIPLES, Frontier, FrontierRow, floor_seconds, labelled_batches
+from lightmem.estimate.frontier import (
+    DEFAULT_MULTIPLES,
+    PLAN_WIDTH,
+    Frontier,
+    FrontierRow,
+    floor_seconds,
+    labelled_batches,
+)
 from lightmem.estimate.report import format_seconds, static_part
 from lightmem.estimate.step_time import CHECKPOINT, saves_bytes
 
@@ -189,7 +197,8 @@ def test_the_floor_is_between_the_steps_compute_and_the_plans_step(found):
 
 def test_to_dict_carries_every_row_and_survives_json(found):
     data = found.to_dict()
-    assert set(data) == {"budget_bytes", "reference_batch", "largest_batch", "speeds", "rows", "seconds"}
+    assert set(data) == {"budget_bytes", "reference_batch", "largest_batch", "speeds", "rows", "reason", "seconds"}
+    assert data["reason"] == ""  # rows: some batch fits
     assert (data["budget_bytes"], data["reference_batch"], data["largest_batch"]) == (
         found.budget_bytes, found.reference_batch, found.largest_batch,
     )  # fmt: skip
@@ -211,16 +220,19 @@ def test_to_dict_carries_every_row_and_survives_json(found):
     assert json.loads(json.dumps(data)) == data
 
 
-def _cells(row: FrontierRow) -> list[str]:
-    """The table's cells of one row, as the module says a row reads."""
+def _cells(row: FrontierRow) -> list[list[str]]:
+    """The table's lines of one row, as the module says a row reads: the plan in words wrapped at
+    ``PLAN_WIDTH``, each further line of it a line of its own."""
+    first, *rest = textwrap.wrap(row.plan if row.fits else f"does not fit; closest: {row.plan}", PLAN_WIDTH)
     if not row.fits:
-        return [str(row.batch_size), row.label, f"does not fit (closest: {row.plan})",
-                format_bytes(row.predicted_total_bytes), "-", "-", "-", "-", "-"]  # fmt: skip
-    return [
-        str(row.batch_size), row.label, row.plan, format_bytes(row.predicted_total_bytes),
-        format_seconds(row.step_s), format_seconds(row.step_s / row.batch_size), f"{row.vs_reference:.2f}x",
-        format_seconds(row.floor_s / row.batch_size), f"{row.floor_vs_reference:.2f}x",
-    ]  # fmt: skip
+        cells = [str(row.batch_size), row.label, first, format_bytes(row.predicted_total_bytes), "-", "-", "-", "-", "-"]
+    else:
+        cells = [
+            str(row.batch_size), row.label, first, format_bytes(row.predicted_total_bytes),
+            format_seconds(row.step_s), format_seconds(row.step_s / row.batch_size), f"{row.vs_reference:.2f}x",
+            format_seconds(row.floor_s / row.batch_size), f"{row.floor_vs_reference:.2f}x",
+        ]  # fmt: skip
+    return [cells, *([line] for line in rest)]
 
 
 def test_to_text_has_the_title_a_line_per_row_and_the_prices(found):
@@ -234,11 +246,11 @@ def test_to_text_has_the_title_a_line_per_row_and_the_prices(found):
         "batch", "plan", "total", "step", "per sample", "vs reference", "floor / sample", "floor vs ref",
     ]  # fmt: skip
     assert set(lines[2]) <= {"-", " "}
-    body = lines[3 : 3 + len(found.rows)]
-    assert [re.split(r"\s{2,}", line.strip()) for line in body] == [_cells(row) for row in found.rows]
-    assert lines[3 + len(found.rows) :] == [f"Priced at {found.speeds.describe()}."]
+    body = lines[3:-1]
+    assert [re.split(r"\s{2,}", line.strip()) for line in body] == [cells for row in found.rows for cells in _cells(row)]
+    assert lines[-1] == f"Priced at {found.speeds.describe()}."
     assert text.endswith(".\n")
-    refused = sum("does not fit (closest: " in line for line in body)
+    refused = sum("does not fit; closest: " in line for line in body)
     assert refused == sum(not row.fits for row in found.rows) > 0
 
 
@@ -256,8 +268,8 @@ def test_a_budget_that_no_batch_fits_without_lightmem_takes_a_batch_of_one_with_
     expected = {1: "1x", 2: "2x"} | ({} if result.largest_batch <= 2 else {result.largest_batch: "largest"})
     assert [(row.batch_size, row.label) for row in result.rows] == sorted(expected.items())
     assert result.to_text().startswith(
-        f"Frontier on {format_bytes(budget)}: reference batch 0 (the largest without lightmem), "
-        f"largest with a plan {result.largest_batch}\n"
+        f"Frontier on {format_bytes(budget)}: nothing fits without lightmem (the reference is a batch of 1 with its "
+        f"plan), largest with a plan {result.largest_batch}\n"
     )
 
 
@@ -388,7 +400,7 @@ def test_cli_frontier_prints_the_frontiers_table_after_the_estimate(
     assert "checkpoint_policy" not in kwargs  # not given: the frontier's own default ("auto")
     table = found.to_text()
     assert out.endswith(table) and out.count("Frontier on ") == 1
-    assert "does not fit (closest: " in table
+    assert "does not fit; closest: " in table
     assert out[: -len(table)].strip()  # the estimate's own report comes first
 
 

@@ -28,7 +28,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path"
 
 def test_a_rows_plan_is_applied_to_a_plain_module_with_its_checkpoint_policy_and_offload_flags():
     model, tokens = TinyGPT(), torch.randint(0, 128, (2, 32))
-    chosen = plan(model, tokens, "1GiB", gpt_loss, gpu="h100")
+    chosen = plan(model, tokens, "2GiB", gpt_loss, gpu="h100")
     offload = OffloadSettings.parse(min_bytes="2MiB", include=["blocks.1"], prefetch="8MiB", max_inflight_bytes="16MiB")
     chosen = replace(chosen, checkpoint=["blocks.0", "blocks.2"], checkpoint_policy="save_matmuls", offload=offload)
     handle, offloader = frontier_benchmark.apply_plan(model, chosen.lightmem_kwargs())
@@ -48,7 +48,7 @@ def test_a_rows_plan_is_applied_to_a_plain_module_with_its_checkpoint_policy_and
 
 def test_a_plan_without_checkpoint_or_offload_applies_nothing():
     model, tokens = TinyGPT(), torch.randint(0, 128, (2, 32))
-    chosen = plan(model, tokens, "1GiB", gpt_loss, gpu="h100")
+    chosen = plan(model, tokens, "2GiB", gpt_loss, gpu="h100")
     assert (chosen.checkpoint, chosen.offload) == ([], None)
     assert frontier_benchmark.apply_plan(model, chosen.lightmem_kwargs()) == (None, None)
 
@@ -87,7 +87,7 @@ def test_the_rows_and_plans_saved_for_a_gpu_are_read_back_as_planned(tmp_path):
     from lightmem.estimate.frontier import Frontier
 
     model, tokens = TinyGPT(), torch.randint(0, 128, (2, 32))
-    nothing = plan(model, tokens, "1GiB", gpt_loss, gpu="h100")
+    nothing = plan(model, tokens, "2GiB", gpt_loss, gpu="h100")
     offload = OffloadSettings.parse(min_bytes="2MiB", include=["blocks.1"], prefetch="8MiB", max_inflight_bytes="16MiB")
     moving = replace(nothing, checkpoint=["blocks.0"], checkpoint_policy="save_matmuls", offload=offload, host_bytes=3 << 20)
     rows = [_row(10, "1x", 0.070), _row(15, "1.5x", 0.110), _row(30, "3x", 0.0, fits=False)]

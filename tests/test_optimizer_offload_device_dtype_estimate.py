@@ -128,7 +128,10 @@ def test_a_plan_fits_only_thanks_to_the_halved_weights(seed_case, monkeypatch):
     model, batch, loss_fn = seed_case
     settings = LightMem(plan="auto", offload_optimizer=True, offload_optimizer_device_dtype="bf16").settings
     fp32 = plan(model, batch, "1.2GB", loss_fn, offload_optimizer=True, **CARD)
-    assert not fp32.fits and fp32.reason.startswith("the parameters alone take 804.13 MiB of the 744.41 MiB left")
+    assert not fp32.fits and fp32.reason.startswith(
+        "the parameters (787.88 MiB) and cuBLAS workspaces (16.25 MiB) alone take 804.13 MiB, over the 744.41 MiB "
+        "the 1.12 GiB budget leaves"
+    )
     found = plan(model, batch, "1.2GB", loss_fn, offload_optimizer=settings.optimizer_offload, **CARD)
     assert found.fits and found.offload_optimizer_device_dtype == "bf16"
     # The kwargs give back the flags it was verified with.
@@ -261,4 +264,7 @@ def test_a_plan_names_the_bf16_parameters_when_even_they_exceed_the_budget(seed_
     model, batch, loss_fn = seed_case
     found = plan(model, batch, "800MB", loss_fn, offload_optimizer=BF16, **CARD)
     # 394 MiB of bf16 weights (allocator-rounded) and the 16.25 MiB cuBLAS workspace.
-    assert not found.fits and found.reason.startswith("the bf16 parameters alone take 410.19 MiB of the 362.94 MiB left")
+    assert not found.fits and found.reason.startswith(
+        "the bf16 parameters (393.94 MiB) and cuBLAS workspaces (16.25 MiB) alone take 410.19 MiB, over the 362.94 MiB "
+        "the 762.94 MiB budget leaves"
+    )

@@ -2,6 +2,8 @@
 
 Rules (identifiers as they appear in ``Advice.rule``):
 
+- ``budget-below-overhead``: the budget is no larger than the overhead allowance it must hold: nothing
+  is left for the step, whatever the model (said instead of ``static-exceeds-budget``).
 - ``static-exceeds-budget``: parameters + gradients + optimizer state (+ overhead) exceed the
   budget by themselves, so no activation technique can help; name the options that can, first
   ``LightMem(offload_optimizer=True)`` when the parameters alone leave room (with that option on:
@@ -55,6 +57,9 @@ def static_exceeds_budget(estimate: MemoryEstimate) -> list[Advice]:
     if not estimate.static_exceeds_budget:
         return []
     assert estimate.budget_bytes is not None and estimate.available_bytes is not None
+    if estimate.budget_below_overhead:  # nothing about the model can help
+        shortfall = estimate.overhead_shortfall()
+        return [Advice("budget-below-overhead", f"{shortfall[0].upper()}{shortfall[1:]}.")]
     parts = estimate.scenarios["baseline"].breakdown
     static = estimate.static_bytes
     if estimate.offload_optimizer:
@@ -68,7 +73,7 @@ def static_exceeds_budget(estimate: MemoryEstimate) -> list[Advice]:
         return [
             Advice(
                 "static-exceeds-budget",
-                f"the {dtype + ' ' if dtype else ''}parameters alone take {format_bytes(static)} (gradients and "
+                f"{estimate.static_parts()} alone take {format_bytes(static)} (gradients and "
                 f"optimizer state are on the host with offload_optimizer), over the "
                 f"{format_bytes(estimate.available_bytes)} the {format_bytes(estimate.budget_bytes)} budget leaves "
                 f"after the {format_bytes(estimate.overhead_bytes)} overhead allowance. Options: {halve}bf16 weights "
@@ -87,13 +92,10 @@ def static_exceeds_budget(estimate: MemoryEstimate) -> list[Advice]:
             f"alone take {format_bytes(static)}, which leaves no room for activations in the "
             f"{format_bytes(estimate.budget_bytes)} budget"
         )
-    workspaces = f", cuBLAS workspaces ({format_bytes(parts['workspaces'])})" if parts["workspaces"] else ""
     return [
         Advice(
             "static-exceeds-budget",
-            f"parameters ({format_bytes(parts['parameters'])}), "
-            f"gradients ({format_bytes(parts['gradients'])}){workspaces} "
-            f"and optimizer state ({format_bytes(parts['optimizer_state'])}) {over}: no activation technique "
+            f"{estimate.static_parts()} {over}: no activation technique "
             "(offload, checkpointing, a smaller batch) can help. "
             + (
                 f"Options: LightMem(offload_optimizer=True) (lightmem.offload_optimizer in plain PyTorch) keeps "

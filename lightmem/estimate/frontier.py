@@ -13,6 +13,7 @@ of what to move: a plan at the floor hides everything it moves.
 from __future__ import annotations
 
 import math
+import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from lightmem.estimate.step_time import CHECKPOINT, saves_bytes, step_time
 from lightmem.tables import format_table
 
 DEFAULT_MULTIPLES = (1.0, 1.5, 2.0, 3.0, 5.0, 8.0)
+PLAN_WIDTH = 60
+"""The table's plan column wraps here: a plan in words runs to hundreds of characters."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class Frontier:
     plans: dict[int, Plan] = field(default_factory=dict, repr=False)
     """The plan behind each row, by batch size."""
     seconds: float = 0.0
+    reason: str = ""
+    """When not even a batch of 1 fits with a plan (no rows): why, as the plan at batch 1 says."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -105,31 +110,48 @@ class Frontier:
             "largest_batch": self.largest_batch,
             "speeds": self.speeds.to_dict() if self.speeds is not None else None,
             "rows": [row.to_dict() for row in self.rows],
+            "reason": self.reason,
             "seconds": round(self.seconds, 3),
         }
 
     def to_text(self) -> str:
-        """The frontier as a table: one row per batch size."""
+        """The frontier as a table: one row per batch size, the plan in words wrapped at
+        ``PLAN_WIDTH`` characters."""
+        where = f"Priced at {self.speeds.describe()}." if self.speeds is not None else ""
+        if not self.rows:
+            title = f"Frontier on {format_bytes(self.budget_bytes)}: no batch fits, not even 1 with a plan: {self.reason}"
+            return title + ("\n" + where if where else "") + "\n"
         headers = ["batch", "", "plan", "total", "step", "per sample", "vs reference", "floor / sample", "floor vs ref"]
-        rows = [
-            [
-                str(row.batch_size), row.label, row.plan if row.fits else f"does not fit (closest: {row.plan})",
+        rows = []
+        for row in self.rows:
+            text = row.plan if row.fits else f"does not fit; closest: {row.plan}"
+            first, *rest = textwrap.wrap(text, PLAN_WIDTH) or [""]
+            rows.append([
+                str(row.batch_size), row.label, first,
                 format_bytes(row.predicted_total_bytes), format_seconds(row.step_s) if row.fits else "-",
                 format_seconds(row.per_sample_s) if row.fits else "-", f"{row.vs_reference:.2f}x" if row.fits else "-",
                 format_seconds(row.floor_per_sample_s) if row.fits else "-",
                 f"{row.floor_vs_reference:.2f}x" if row.fits else "-",
-            ]
-            for row in self.rows
-        ]  # fmt: skip
-        title = (
-            f"Frontier on {format_bytes(self.budget_bytes)}: reference batch {self.reference_batch} (the largest "
-            f"without lightmem), largest with a plan {self.largest_batch}"
-        )
-        where = f"Priced at {self.speeds.describe()}." if self.speeds is not None else ""
+            ])  # fmt: skip
+            rows.extend(["", "", line] for line in rest)
+        reference = (
+            f"reference batch {self.reference_batch} (the largest without lightmem)" if self.reference_batch
+            else "nothing fits without lightmem (the reference is a batch of 1 with its plan)"
+        )  # fmt: skip
+        title = f"Frontier on {format_bytes(self.budget_bytes)}: {reference}, largest with a plan {self.largest_batch}"
         return format_table(rows, headers, title=title, align="rlllrrrrr") + ("\n" + where if where else "") + "\n"
 
     def print(self) -> None:
         print(self.to_text(), end="")
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def __repr__(self) -> str:
+        return (
+            f"Frontier(budget {format_bytes(self.budget_bytes)}, reference batch {self.reference_batch}, largest "
+            f"with a plan {self.largest_batch}, {len(self.rows)} rows; print() for the table)"
+        )
 
 
 def labelled_batches(reference: int, multiples: Sequence[float]) -> dict[int, str]:
@@ -269,6 +291,11 @@ def frontier(
     if largest and largest not in sizes:
         sizes[largest] = "largest"
     result = Frontier(budget_bytes, search.baseline, largest)
+    if not largest:  # not even a batch of 1 fits: no rows, what the plan there says instead
+        at_one = plan(model, batch, budget_bytes, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=1, **common)
+        result.plans[1], result.speeds, result.reason = at_one, at_one.speeds, at_one.reason
+        result.seconds = time.perf_counter() - started
+        return result
     reference_plan = plan(
         model, batch, budget_bytes, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=reference, **common
     )

@@ -450,15 +450,18 @@ class PlanSpace:
         result.estimate_kinds = base.block_kinds
         before = len(self.verified)
         model_state = settings.offload_optimizer
+        if base.budget_below_overhead:
+            result.reason = base.overhead_shortfall()
+            return result
         if base.static_exceeds_budget and (model_state or not base.parameters_fit):
-            dtype = settings.optimizer_offload.device_dtype_name if settings.optimizer_offload is not None else None
-            on_device = f"the {dtype} parameters" if dtype is not None else "the parameters"
-            what = on_device if model_state else "parameters + gradients + optimizer state"
+            overhead = settings.overhead_bytes
+            left = f"the {format_bytes(budget_bytes)} budget" if not overhead else (
+                f"the {format_bytes(budget_bytes - overhead)} the {format_bytes(budget_bytes)} budget leaves after the "
+                f"{format_bytes(overhead)} overhead allowance"
+            )  # fmt: skip
             result.reason = (
-                f"{what} alone take {format_bytes(base.static_bytes)} "
-                f"of the {format_bytes(budget_bytes - settings.overhead_bytes)} left after the "
-                f"{format_bytes(settings.overhead_bytes)} "
-                "overhead allowance; no activation technique helps (see the advice)"
+                f"{base.static_parts()} alone take {format_bytes(base.static_bytes)}, over {left}; no activation "
+                "technique helps (see the advice)"
             )
             return result
         # Model-state offload is decided once, before the walks: every verified step below runs

@@ -242,6 +242,36 @@ class MemoryEstimate:
             baseline["parameters"] + baseline["gradients"] + baseline["optimizer_state"] + baseline["workspaces"]
         )
 
+    def static_parts(self) -> str:
+        """What ``static_bytes`` holds, each part as the breakdown gives it: "parameters (677.00 KiB),
+        gradients (0 B), optimizer state (1.32 MiB) and cuBLAS workspaces (64.00 MiB)"."""
+        baseline = self.scenarios["baseline"].breakdown
+        if self.offload_optimizer:
+            model_state = self.scenarios.get("offload_optimizer", self.scenarios["baseline"]).breakdown
+            dtype = self.offload_optimizer_device_dtype
+            parts = [(f"the {dtype} parameters" if dtype else "the parameters", model_state["parameters"])]
+        else:
+            parts = [(name.replace("_", " "), baseline[name]) for name in ("parameters", "gradients", "optimizer_state")]
+        if baseline["workspaces"]:
+            parts.append(("cuBLAS workspaces", baseline["workspaces"]))
+        named = [f"{name} ({format_bytes(size)})" for name, size in parts]
+        return " and ".join(filter(None, [", ".join(named[:-1]), named[-1]]))
+
+    @property
+    def budget_below_overhead(self) -> bool:
+        """The budget is no larger than the overhead allowance it must hold: nothing is left for the step."""
+        return self.budget_bytes is not None and self.budget_bytes <= self.overhead_bytes
+
+    def overhead_shortfall(self) -> str:
+        """What ``budget_below_overhead`` means, in words."""
+        assert self.budget_bytes is not None
+        overhead = format_bytes(self.overhead_bytes)
+        return (
+            f"the {format_bytes(self.budget_bytes)} budget is no larger than the {overhead} overhead allowance it "
+            f"must also hold (the CUDA context and what the caching allocator does not count), so nothing is left "
+            f"for the step: give a budget above {overhead}, or a smaller allowance (overhead_bytes=..., --overhead)"
+        )
+
     @property
     def parameters_fit(self) -> bool:
         """The parameters alone (with the cuBLAS workspaces, which stay on the device too) leave
@@ -445,6 +475,18 @@ class MemoryEstimate:
     def __str__(self) -> str:
         return self.to_text()
 
+    def __repr__(self) -> str:
+        batch = f", batch {self.batch_size}" if self.batch_size is not None else ""
+        return (
+            f"MemoryEstimate(peak {format_bytes(self.peak_bytes)}, reserved {format_bytes(self.reserved_bytes)} "
+            f"on {self.device}, {self.precision}{batch}; print() for the table)"
+        )
+
+
+def shortened(text: str, width: int = 100) -> str:
+    """``text`` cut to ``width`` characters, with "..." where it was cut (a repr's one line)."""
+    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
+
 
 @dataclass
 class PlanOption:
@@ -547,7 +589,17 @@ class Plan:
         offload_include (omitted when the plan offloads everywhere) and offload_exclude (when the
         search ran under one); checkpoint when it checkpoints, with checkpoint_policy when it is
         not the default; offload_optimizer when the plan moves model state to the host. No list
-        is ever empty (``LightMem`` refuses empty lists)."""
+        is ever empty (``LightMem`` refuses empty lists).
+
+        Raises:
+            ValueError: the plan does not fit its budget (``fits`` is False): no flags would make
+                the step fit, and the message says why (``reason``).
+        """
+        if not self.fits:
+            raise ValueError(
+                f"Plan.lightmem_kwargs(): this plan does not fit its {format_bytes(self.budget_bytes)} budget, so "
+                f"no LightMem flags would make the step fit: {self.reason}"
+            )
         kwargs: dict[str, Any] = {"offload": self.offload is not None}
         if self.offload is not None:
             kwargs["offload_min_bytes"] = self.offload.min_bytes
@@ -599,7 +651,7 @@ class Plan:
             "lightmem_kwargs": {
                 name: policy_name(value) if name == "checkpoint_policy" else value
                 for name, value in self.lightmem_kwargs().items()
-            },
+            } if self.fits else None,
         }
 
     def parts(self) -> list[str]:
@@ -663,6 +715,19 @@ class Plan:
             for option in refused
         )
         return "\n".join(lines)
+
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        if not self.fits:
+            return f"Plan(does not fit {format_bytes(self.budget_bytes)}: {shortened(self.reason)})"
+        return (
+            f"Plan(fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
+            f"{shortened('; '.join(self.parts()) or 'nothing')}; step {format_seconds(self.step_seconds)}, "
+            f"{self.slowdown:.2f}x)"
+        )
 
 
 def format_seconds(seconds: float) -> str:

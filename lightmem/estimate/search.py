@@ -18,13 +18,14 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import OffloadSettings, OptimizerOffloadSettings
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes
 from lightmem.estimate.batch import scalable_batch
 from lightmem.estimate.configuration import parse_settings, run_configuration
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.planner import plan_space
 from lightmem.estimate.report import Plan, static_part
 from lightmem.estimate.settings import parse_checkpoint, parse_offload
+from lightmem.tables import format_table
 
 DEFAULT_LIMIT = 1 << 20
 
@@ -47,6 +48,32 @@ class BatchSearch:
     """With ``plan=True``: the largest batch at which a configuration of the planner's space fits."""
     plan: Plan | None = None
     """With ``plan=True``: the best plan at ``planned`` (None when not even a batch of 1 fits)."""
+
+    def to_text(self) -> str:
+        """The answers as a short table: the largest batch without lightmem, with the configuration
+        given, and with the best plan (then that plan in words)."""
+        rows = [["without lightmem", str(self.baseline)]]
+        if self.configured is not None:
+            rows.append(["with the configuration given", str(self.configured)])
+        if self.planned is not None:
+            rows.append(["with the best plan", str(self.planned)])
+        title = f"Largest batch that fits {format_bytes(self.budget_bytes)}" + (
+            f" (the {format_bytes(self.overhead_bytes)} overhead allowance included)" if self.overhead_bytes else ""
+        )
+        text = format_table(rows, ("configuration", "largest batch"), title=title, align="lr")
+        if self.plan is not None:
+            text += f"\nThe best plan at batch {self.planned}: {self.plan.describe()}"
+        return text + "\n"
+
+    def print(self) -> None:
+        print(self.to_text(), end="")
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def __repr__(self) -> str:
+        found = f"baseline={self.baseline}, configured={self.configured}, planned={self.planned}"
+        return f"BatchSearch({found}, budget {format_bytes(self.budget_bytes)}; print() for the table)"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -176,9 +203,10 @@ def max_batch_size(
         plan: also search the largest batch that fits with the best plan (``planned``, and the
             plan at that size in ``plan``): the largest size at which one of the planner's
             extreme configurations fits (every repeated layer checkpointed, with and without
-            offload, and offload alone; the one with the smallest step at ``batch``'s size is
-            searched in full, each other one only when it also fits the next size), then
-            :func:`lightmem.plan` at that size picks the fastest configuration that fits there.
+            offload, and offload alone), then :func:`lightmem.plan` at that size picks the
+            fastest configuration that fits there. Each size is asked of the planner's space at
+            that size (its extremes, with their offload windows), from the first size that does
+            not fit without lightmem: the answer does not depend on ``batch``'s own size.
             The plan searches under ``offload``'s settings less its ``include`` (the plan picks
             the modules), or lightmem's defaults when ``offload`` is None.
             With ``offload_optimizer`` the extremes and the plan run with model-state offload too.
@@ -243,26 +271,38 @@ def max_batch_size(
             "offload": offload_config.with_choice(min_bytes=offload_config.min_bytes, include=None)
             if offload_config is not None else None,
         }  # fmt: skip
-        space = plan_space(model, batch, loss_fn, **common)  # type: ignore[arg-type]
-        extremes = {
-            space.describe(candidate): totals(
-                candidate.offload_settings(space.offload), tuple(candidate.checkpoint_names()) or None,
-                settings.offload_optimizer,
-            )
-            for candidate in space.extremes()
-        }
-        # The extreme with the smallest step at the batch given is searched in full; each other
-        # one only when it fits the next size too (then from there).
-        start = info.batch_size or 1
-        first = min(extremes, key=lambda name: extremes[name](start))
-        result.planned = largest_fitting(extremes[first], budget_bytes, start, limit)[0]
-        for name, total in extremes.items():
-            if name != first and result.planned < limit and total(result.planned + 1) <= budget_bytes:
-                result.planned = largest_fitting(total, budget_bytes, result.planned + 1, limit)[0]
-        for name, total in extremes.items():
-            result.evaluations[f"plan: {name}"] = sorted(total.seen.items())  # type: ignore[attr-defined]
+        # Whether a plan fits a size is asked of the planner's space at that size: its extremes,
+        # with their offload windows, are that size's (at a small batch no saved tensor may reach
+        # offload's threshold, and its space has no offload at all). So the answer is a function
+        # of the size alone, whatever batch the search starts from, and the plan there fits.
+        spaces: dict[int, Any] = {}
+        model_state = settings.offload_optimizer
+
+        def space_at(size: int) -> Any:
+            if size not in spaces:
+                spaces[size] = plan_space(model, batch, loss_fn, batch_size=size, **common)  # type: ignore[arg-type]
+            return spaces[size]
+
+        def planned_total(size: int) -> int:
+            """The least reserved peak + overhead of the step at ``size`` without lightmem and of the
+            extremes of the space at ``size``."""
+            space = space_at(size)
+            baseline_step = space.base.scenarios["baseline"]
+            least = space.settings.reserved_bytes(baseline_step.peak_bytes, static_part(baseline_step.breakdown))
+            for candidate in space.extremes():
+                reserved = space.reserved(space.verify(candidate, model_state))
+                name = f"plan: {space.describe(candidate)}"
+                result.evaluations.setdefault(name, []).append((size, reserved + space.settings.overhead_bytes))
+                least = min(least, reserved)
+            return least + space.settings.overhead_bytes
+
+        # From the first size that does not fit without lightmem: where the plans start to matter.
+        seed = max(1, min(baseline + 1, limit))
+        result.planned = largest_fitting(planned_total, budget_bytes, seed, limit)[0]
+        for name, evaluations in result.evaluations.items():
+            if name.startswith("plan: "):
+                evaluations.sort()
         if result.planned:
-            at_size = plan_space(model, batch, loss_fn, batch_size=result.planned, **common)  # type: ignore[arg-type]
-            result.plan = at_size.plan(budget_bytes)
+            result.plan = space_at(result.planned).plan(budget_bytes)
     result.seconds = time.perf_counter() - started
     return result

@@ -701,7 +701,12 @@ def _optimizers_from(config: Any) -> list[torch.optim.Optimizer]:
 
 def _forward(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None, is_lightning: bool) -> Any:
     if loss_fn is not None:
-        return loss_fn(model, batch)
+        try:
+            return loss_fn(model, batch)
+        except RuntimeError:
+            raise  # the model failing on fake tensors: run_step names the module and the op
+        except Exception as error:
+            raise EstimateError(_loss_fn_failed(model, error, is_lightning)) from error
     if is_lightning:
         try:
             return model.training_step(batch, 0)
@@ -718,6 +723,22 @@ def _forward(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None, i
     if isinstance(batch, (list, tuple)):
         return model(*batch)
     return model(batch)
+
+
+def _loss_fn_failed(model: nn.Module, error: Exception, is_lightning: bool) -> str:
+    """The user's ``loss_fn`` raised: what it raised, and what it was given (the object passed as
+    ``model``, which for a LightningModule is not the network inside it)."""
+    given = f"here {type(model).__name__}"
+    if is_lightning:
+        children = list(model.named_children())
+        held = ", ".join(f"{name} ({type(child).__name__})" for name, child in children[:3])
+        given += f", a LightningModule holding {held}" if held else ", a LightningModule"
+        call = f" (model.{children[0][0]}(...))" if children else ""
+        given += f"; call the module inside it as training_step does{call}, or leave loss_fn out to run training_step"
+    return (
+        f"estimate_memory(loss_fn=...): loss_fn(model, batch) raised {type(error).__name__}: {error}. loss_fn "
+        f"receives the object passed as model: {given}."
+    )
 
 
 def _as_loss(output: Any, loss_fn: Any, is_lightning: bool) -> torch.Tensor:

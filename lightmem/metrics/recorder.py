@@ -295,16 +295,15 @@ class MetricsRecorder:
         return figures
 
     def publish_summary(self, trainer: pl.Trainer) -> None:
-        """Report the summary as Lightning's own callbacks report (``rank_zero_info``, where the
-        Trainer shows progress: not with ``enable_progress_bar=False``), write it to TensorBoard's
-        Text tab and to every logger's metrics (``lightmem/summary/...``: CSV columns, TensorBoard
-        scalars) at Lightning's step. Rank zero only."""
+        """Report the summary as Lightning's own callbacks report (``rank_zero_info``: Lightning's
+        logger, with or without a progress bar), write it to TensorBoard's Text tab and to every
+        logger's metrics (``lightmem/summary/...``: CSV columns, TensorBoard scalars) at Lightning's
+        step. Rank zero only."""
         figures = self.summary()
         if not figures or not trainer.is_global_zero:
             return
         rows = [(figure.label, figure.readable()) for figure in figures]
-        if trainer.progress_bar_callback is not None:
-            rank_zero_info(format_table(rows, ("figure", "value"), title=SUMMARY_TITLE, align="lr"))
+        rank_zero_info(format_table(rows, ("figure", "value"), title=SUMMARY_TITLE, align="lr"))
         step = logged_step(trainer)
         for logger in trainer.loggers:
             if is_tensorboard_logger(logger):
