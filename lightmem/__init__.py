@@ -5,6 +5,7 @@ from lightmem.callback import LightMem
 from lightmem.devices import DeviceSpeeds, measure_device_speeds
 from lightmem.checkpoint import apply_checkpointing
 from lightmem.estimate import estimate_memory, frontier, max_batch_size, plan
+from lightmem.loss import linear_cross_entropy
 from lightmem.model_state.host_grads import named_grads
 from lightmem.model_state.offloader import offload_optimizer
 from lightmem.offload import offload_activations
@@ -16,6 +17,7 @@ __all__ = [
     "apply_checkpointing",
     "estimate_memory",
     "frontier",
+    "linear_cross_entropy",
     "max_batch_size",
     "measure_device_speeds",
     "named_grads",
