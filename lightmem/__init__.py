@@ -2,6 +2,7 @@
 
 from lightmem.auto_plan import PlanDoesNotFit
 from lightmem.callback import LightMem
+from lightmem.causal_lm import chunked_causal_lm_loss
 from lightmem.devices import DeviceSpeeds, measure_device_speeds
 from lightmem.checkpoint import apply_checkpointing
 from lightmem.estimate import estimate_memory, frontier, max_batch_size, plan
@@ -15,6 +16,7 @@ __all__ = [
     "LightMem",
     "PlanDoesNotFit",
     "apply_checkpointing",
+    "chunked_causal_lm_loss",
     "estimate_memory",
     "frontier",
     "linear_cross_entropy",

@@ -18,6 +18,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightmem import oom
 from lightmem.auto_plan import AutoPlan, PlanDoesNotFit, format_shapes, no_fit_message
+from lightmem.causal_lm import ChunkedCausalLMLoss, causal_lms, chunked_causal_lm_loss
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
 from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
 from lightmem.device_memory import use_expandable_segments
@@ -72,6 +73,7 @@ class FitSession:
         self._offload: TrainingOffload | None = None
         self._checkpoint: CheckpointHandle | None = None
         self._patched_module: Module | None = None
+        self._chunked_losses: list[ChunkedCausalLMLoss] = []
         self._optimizer_offloaders: list[OptimizerOffloader] = []
         self._optimizer_offload_off: str | None = None  # why offload_optimizer is off on this machine
         # Plans fit what the allocator reserves; with expandable segments it strands least. Set
@@ -136,6 +138,15 @@ class FitSession:
         """At ``on_fit_start``: the host guard, the OOM history, optimizer offload (the strategy has
         set the optimizers up), and (without a plan) activation offload and metrics; with
         ``plan="auto"``, its budget (measured here without ``device_budget``)."""
+        if self.settings.chunked_loss:  # before any plan: the planner's dry run sees the chunked loss
+            models = causal_lms(pl_module)
+            if not models:
+                raise ValueError(
+                    "LightMem(chunked_loss=...): the LightningModule holds no Hugging Face causal LM whose loss_function "
+                    "is transformers' ForCausalLMLoss; for a loss you compute yourself, call "
+                    "lightmem.linear_cross_entropy in training_step and leave chunked_loss off"
+                )
+            self._chunked_losses = [chunked_causal_lm_loss(model) for model in models]
         if self.settings.plan.auto:
             self.auto_plan = AutoPlan.at_fit_start(self.settings.plan, pl_module.device, trainer.world_size)
             measured = self.auto_plan.budget_source
@@ -481,6 +492,9 @@ class FitSession:
             if self._patched_module is not None:
                 self._patched_module.__dict__.pop("configure_model", None)
                 self._patched_module = None
+            for chunked in self._chunked_losses:
+                chunked.remove()
+            self._chunked_losses = []
             if self._offload is not None:
                 self._offload.close()
                 self._offload = None

@@ -62,7 +62,8 @@ def linear_cross_entropy(
     Args:
         hidden: the hidden states the output head reads, shape ``(..., in_features)``.
         weight: the head's weight, shape ``(classes, in_features)`` (``lm_head.weight``).
-        target: class indices, shape ``hidden.shape[:-1]`` (an integer tensor).
+        target: class indices, one per row: shape ``hidden.shape[:-1]``, or those rows flattened
+            (an integer tensor).
         bias: the head's bias, shape ``(classes,)``, or None.
         ignore_index: targets equal to it add nothing to the loss nor to the gradients.
         reduction: ``"mean"`` (over the targets not ignored, weighted by ``class_weight``),
@@ -181,10 +182,10 @@ def _check(
             f"{name}: hidden's last dimension must be weight's in_features ({weight.shape[1]}); "
             f"got hidden of shape {list(hidden.shape)}"
         )
-    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+    if target.numel() != hidden.numel() // max(hidden.shape[-1], 1):
         raise ValueError(
-            f"{name}(target=...): expected class indices of shape {list(hidden.shape[:-1])} (hidden's "
-            f"without its last dimension); got {list(target.shape)}"
+            f"{name}(target=...): expected one class index per row of hidden, {list(hidden.shape[:-1])} (hidden's "
+            f"shape without its last dimension, or flattened); got {list(target.shape)}"
         )
     if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
         raise ValueError(f"{name}(target=...): expected class indices (an integer tensor); got {target.dtype}")

@@ -147,7 +147,7 @@ def test_one_row_one_chunk_or_more_rows_than_there_are(chunk_rows):
     _assert_close(expected, _run(_chunked, inputs, chunk_rows=chunk_rows), torch.float32)
 
 
-def test_hidden_states_of_any_leading_shape_with_targets_of_that_shape():
+def test_hidden_states_of_any_leading_shape_with_targets_of_that_shape_or_flattened():
     hidden, weight, bias, target = _inputs()
     batched = (hidden[:36].reshape(4, 9, FEATURES), weight, bias, target[:36].reshape(4, 9))
     flat = (hidden[:36], weight, bias, target[:36])
@@ -156,6 +156,9 @@ def test_hidden_states_of_any_leading_shape_with_targets_of_that_shape():
     assert loss.shape == (4, 9) and grads[0].shape == (4, 9, FEATURES)
     assert torch.equal(loss.flatten(), flat_loss) and torch.equal(grads[0].flatten(0, 1), flat_grads[0])
     assert torch.equal(grads[1], flat_grads[1]) and torch.equal(grads[2], flat_grads[2])
+    # Targets flattened (as F.cross_entropy takes them beside flattened logits) give the same.
+    flattened = (batched[0], weight, bias, target[:36])
+    assert torch.equal(_run(_chunked, flattened, chunk_rows=CHUNK, reduction="none")[0], flat_loss)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -252,7 +255,7 @@ def test_default_chunk_rows():
         ({"chunk_rows": 0}, "linear_cross_entropy(chunk_rows=...): expected an integer >= 1 or None; got 0"),
         ({"ignore_index": None}, "linear_cross_entropy(ignore_index=...): expected an int; got None"),
         ({"target": torch.zeros(ROWS)}, "linear_cross_entropy(target=...): expected class indices (an integer tensor); got torch.float32"),
-        ({"target": torch.zeros(ROWS, 2, dtype=torch.long)}, "linear_cross_entropy(target=...): expected class indices of shape [37] (hidden's without its last dimension); got [37, 2]"),
+        ({"target": torch.zeros(ROWS, 2, dtype=torch.long)}, "linear_cross_entropy(target=...): expected one class index per row of hidden, [37] (hidden's shape without its last dimension, or flattened); got [37, 2]"),
         ({"bias": torch.zeros(3)}, "linear_cross_entropy(bias=...): expected shape (50,); got [3]"),
         ({"class_weight": torch.zeros(3)}, "linear_cross_entropy(class_weight=...): expected shape (50,); got [3]"),
         ({"weight": torch.zeros(CLASSES, 3)}, "linear_cross_entropy: hidden's last dimension must be weight's in_features (3); got hidden of shape [37, 16]"),
