@@ -19,6 +19,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from lightmem import oom
 from lightmem.auto_plan import AutoPlan, PlanDoesNotFit, format_shapes, no_fit_message
 from lightmem.causal_lm import ChunkedCausalLMLoss, causal_lms, chunked_causal_lm_loss
+from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, largest_with_chunked_loss, no_fit_sentence
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
 from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
 from lightmem.device_memory import use_expandable_segments
@@ -410,15 +411,24 @@ class FitSession:
             del pl_module.log, pl_module.log_dict
 
     def _no_fit(self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, chosen: Plan) -> str:
-        """The message of ``PlanDoesNotFit``, with the largest batch a plan fits (searched now)."""
+        """The message of ``PlanDoesNotFit``, with the largest batch a plan fits (searched now) and,
+        where the loss's logits dominate, the change that chunks the loss and the largest batch a
+        plan then fits (searched now, the loss priced as chunked)."""
         size = shapes[0][0] if shapes and shapes[0] else None
-        largest = None
+        largest = chunked_largest = None
         if size is not None and size > 1:
             try:
                 largest = self._run_planner(trainer, pl_module, batch, shapes, search_up_to=size - 1).planned
             except ValueError:  # no batch dimension to scale
                 largest = None
-        return no_fit_message(chosen, shapes, largest, size)
+        limit = SEARCH_MULTIPLE * size if size is not None else None
+        if limit is not None and dominant_logits(chosen.estimate) is not None:
+            with contextlib.suppress(ValueError):
+                chunked_largest = largest_with_chunked_loss(
+                    lambda: self._run_planner(trainer, pl_module, batch, shapes, search_up_to=limit)
+                ).planned
+        sentence = no_fit_sentence(chosen, chunked_largest, limit)
+        return no_fit_message(chosen, shapes, largest, size, chunked_loss=sentence)
 
     @contextlib.contextmanager
     def _without_checkpointing(self, pl_module: Module) -> Iterator[None]:

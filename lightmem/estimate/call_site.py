@@ -43,10 +43,6 @@ class CallSite:
         """``gpt_model.py:52``: the file's name and the statement's first line."""
         return f"{os.path.basename(self.filename)}:{self.line}"
 
-    def name_of(self, module: nn.Module) -> str | None:
-        """The local name bound to ``module`` in the user's frame (``self``), or None."""
-        return next((name for name, ident in self.modules if ident == id(module)), None)
-
     def source(self, node: ast.AST) -> str:
         return ast.unparse(node)
 

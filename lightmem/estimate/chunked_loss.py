@@ -18,6 +18,10 @@ from lightmem.config import format_bytes
 from lightmem.estimate.logits import CHUNKED_LOSS, LossLogits, priced_as_chunked, pricing_chunked
 from lightmem.estimate.report import MemoryEstimate, Plan, format_seconds
 
+SEARCH_MULTIPLE = 16
+"""``plan="auto"``'s refusal searches the largest batch a chunked loss reaches up to this multiple
+of the batch refused."""
+
 
 def dominant_logits(estimate: MemoryEstimate | None) -> LossLogits | None:
     """The loss's logits of ``estimate``'s baseline step when they dominate its peak (and the step
@@ -63,24 +67,22 @@ class ChunkedLossReach:
         }  # fmt: skip
 
 
-def no_fit_sentence(chosen: Plan, largest: int | None) -> str:
+def no_fit_sentence(chosen: Plan, largest: int | None, limit: int | None = None) -> str:
     """For ``plan="auto"``'s refusal: the change that chunks the loss, whether this batch then fits
-    (its plan and step) and the largest batch a plan then fits (``largest``; None: not searched).
-    Empty when the logits do not dominate."""
+    (its plan and step) and the largest batch a plan then fits (``largest``, searched up to
+    ``limit``; None: not searched). Empty when the logits do not dominate."""
     logits = dominant_logits(chosen.estimate)
     if logits is None:
         return ""
-    text = f"The loss's logits ({logits.rows:,} x {logits.classes:,}) dominate the step: {logits.change}"
+    text = f"To chunk the loss: {logits.change}"
     chunked = chosen.chunked_loss
-    if chunked is not None and chunked.fits:
-        text += (
-            f". With it this batch fits ({'; '.join(chunked.parts()) or 'nothing'}, predicted step "
-            f"{format_seconds(chunked.step_seconds)})"
-        )
+    fits = chunked is not None and chunked.fits
+    if fits:
+        what = "; ".join(chunked.parts()) or "without lightmem"  # type: ignore[union-attr]
+        text += f". With it this batch fits ({what}, predicted step {format_seconds(chunked.step_seconds)})"  # type: ignore[union-attr]
     if largest:
-        text += f" and plans fit batches up to {largest}" if chunked is not None and chunked.fits else (
-            f". With it plans fit batches up to {largest}"
-        )  # fmt: skip
+        reach = f"batches up to {largest}" + (" (as far as it was searched)" if largest == limit else "")
+        text += f" and plans fit {reach}" if fits else f". With it plans fit {reach}"
     return text
 
 
@@ -95,6 +97,6 @@ def reach_sentence(reach: ChunkedLossReach | None) -> str:
 
 
 __all__ = [
-    "CHUNKED_LOSS", "ChunkedLossReach", "dominant_logits", "largest_with_chunked_loss", "no_fit_sentence",
+    "CHUNKED_LOSS", "SEARCH_MULTIPLE", "ChunkedLossReach", "dominant_logits", "largest_with_chunked_loss", "no_fit_sentence",
     "plan_with_chunked_loss", "reach_sentence",
 ]  # fmt: skip

@@ -160,15 +160,15 @@ def _classifier_weight(named: dict[str, torch.Tensor], classes: int) -> tuple[st
 def loss_change(site: CallSite | None, weight_name: str, model: nn.Module | None) -> str:
     """The change that makes the loss chunked, in the user's words: for a Hugging Face model that
     computes its own loss, the opt-in; otherwise the statement that calls the cross-entropy and
-    what to write instead (its targets and options kept, ``weight=`` renamed ``class_weight=``)."""
-    head = weight_name.rsplit(".", 1)[0] if "." in weight_name else weight_name
+    what to write instead (its targets and options kept, ``weight=`` renamed ``class_weight=``),
+    the head's weight named through a local name of the user's frame where one holds its owner."""
     if site is not None and site.library == "transformers":
         return (
             f"the model computes its own loss (labels=...): {HUGGING_FACE_OPT_IN} (in plain PyTorch "
             "lightmem.chunked_causal_lm_loss(model)) makes it chunked, with no change to the training step"
         )
-    owner = site.name_of(model) if site is not None and model is not None else None
-    weight = f"{owner}.{weight_name}" if owner else weight_name
+    weight = _local_path(site, weight_name, model) if site is not None and model is not None else weight_name
+    head = weight.rsplit(".", 1)[0] if "." in weight else weight
     arguments = "targets"
     if site is not None and site.call is not None:
         arguments = site.source(site.call.args[1])
@@ -182,6 +182,21 @@ def loss_change(site: CallSite | None, weight_name: str, model: nn.Module | None
         f"{where}compute the loss as `{replacement}`, where hidden is what {head} reads (have the model "
         f"return it in place of the logits)"
     )
+
+
+def _local_path(site: CallSite, weight_name: str, model: nn.Module) -> str:
+    """``weight_name`` (qualified in ``model``) through the local name of the user's frame that
+    holds its closest owner: ``model.lm_head.weight`` in ``gpt_loss(model, tokens)``."""
+    qualified = {id(module): name for name, module in model.named_modules()}
+    best: tuple[int, str] | None = None
+    for local, ident in site.modules:
+        owner = qualified.get(ident)
+        if owner is None or (owner and not weight_name.startswith(owner + ".")):
+            continue
+        rest = weight_name[len(owner) + 1 :] if owner else weight_name
+        if best is None or len(owner) > best[0]:
+            best = (len(owner), f"{local}.{rest}")
+    return best[1] if best is not None else weight_name
 
 
 # -- what-if pricing -------------------------------------------------------------------------------
