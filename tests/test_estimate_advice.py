@@ -238,7 +238,7 @@ def test_logits_advice_names_the_users_loss_line_and_the_chunked_call_that_repla
     assert match["change"] == (
         "in models.py:64, `return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))`, "
         "compute the loss as `lightmem.linear_cross_entropy(hidden, model.lm_head.weight, tokens[:, 1:].reshape(-1))`, "
-        "where hidden is what lm_head reads (have the model return it in place of the logits)"
+        "where hidden is what model.lm_head reads (have the model return it in place of the logits)"
     )
     # That change (tests/models.py's chunked_gpt_loss) gives the predicted peak, within 5% above it:
     # the prediction counts one chunk of logits (64 MiB here) throughout the step.

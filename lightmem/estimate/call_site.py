@@ -9,6 +9,7 @@ the model's own code (a causal LM's ``loss_function``).
 from __future__ import annotations
 
 import ast
+import functools
 import linecache
 import os
 import sys
@@ -87,8 +88,12 @@ def call_site(frame: FrameType | None = None) -> CallSite | None:
 def _statement(path: str, line: int) -> tuple[ast.stmt, int] | None:
     """The innermost statement of ``path`` that spans ``line``, and its first line."""
     source = "".join(linecache.getlines(path))
-    if not source:
-        return None
+    return _statement_of(source, line) if source else None
+
+
+@functools.lru_cache(maxsize=64)
+def _statement_of(source: str, line: int) -> tuple[ast.stmt, int] | None:
+    """``_statement`` of a file's text (every fake step of a plan asks again: parsed once)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:

@@ -11,7 +11,7 @@ receives a gradient, hence never has optimizer state) can still be taken out of 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -383,7 +383,7 @@ class StorageTracer(TorchDispatchMode):
         ``held`` counted (as ``self.held``) instead."""
         return self._highest(self.excluded | records, self.held + list(held or ()))[0]
 
-    def _highest(self, excluded: set[int], held: list[tuple[int, int, int]] = ()) -> tuple[int, int]:  # type: ignore[assignment]
+    def _highest(self, excluded: set[int], held: Sequence[tuple[int, int, int]] = ()) -> tuple[int, int]:
         """(bytes, event index) of the highest live total in the window, ``excluded`` left out and
         ``held`` counted over its events."""
         records = self.records
@@ -428,7 +428,7 @@ class StorageTracer(TorchDispatchMode):
         return [rid for rid in alive if rid not in self.excluded]
 
 
-def _held_at(held: list[tuple[int, int, int]], index: int) -> int:
+def _held_at(held: Sequence[tuple[int, int, int]], index: int) -> int:
     """The bytes of ``held`` counted at event ``index``."""
     return sum(nbytes for first, last, nbytes in held if first <= index <= last)
 
