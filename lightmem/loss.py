@@ -39,9 +39,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 REDUCTIONS = ("mean", "sum", "none")
-CHUNK_FLOOR_BYTES = 64 * 2**20
-"""The default chunk is never smaller than this many bytes of float32 logits (a few hundred rows
-at a 32k-256k vocabulary): smaller products would leave a GPU's matrix units idle."""
+CHUNK_FLOOR_BYTES = 256 * 2**20
+"""The default chunk is never smaller than this many bytes of float32 logits (2048 rows at a 32k
+vocabulary, 256 at 256k): a chunk's products then keep a GPU busy longer than the host takes to
+launch its dozen kernels, and its share of the step's memory stays small beside the whole logits."""
 
 
 def linear_cross_entropy(
@@ -71,7 +72,7 @@ def linear_cross_entropy(
         label_smoothing: in [0, 1], as for ``F.cross_entropy``.
         class_weight: a weight per class, shape ``(classes,)`` (``F.cross_entropy``'s ``weight``).
         chunk_rows: rows of logits made at a time; None: enough rows that a chunk's float32
-            logits take about half the hidden states' float32 size, and at least 64 MiB
+            logits take about half the hidden states' float32 size, and at least 256 MiB
             (``default_chunk_rows``).
 
     Returns:
@@ -297,8 +298,14 @@ class _Rows:
 
         A row's loss, with smoothing s, C classes, class weights w (all 1 without) and z the
         logits less their maximum: (1 - s) w_t (log sum exp z - z_t) + (s / C) sum_c w_c (log
-        sum exp z - z_c); its gradient with respect to the logits: ((1 - s) w_t + (s / C) sum w)
-        softmax(z) - (1 - s) w_t onehot(t) - (s / C) w. Ignored rows: 0."""
+        sum exp z - z_c); its gradient with respect to the logits: a softmax(z) - (1 - s) w_t
+        onehot(t) - (s / C) w, where a = (1 - s) w_t + (s / C) sum w. Ignored rows: 0.
+
+        Per chunk, few passes over its logits (each op is a kernel launch, each pass memory
+        traffic): the product; its maximum; z in float32; exp in place; the rows' sums; the
+        target's and the smoothing's terms, divided by the row's factor, taken off in place; the
+        product by the factor, written straight into the logits' buffer in their dtype; the two
+        products of the gradients. Row-sized work is done once for every row, outside the loop."""
         hidden, weight, bias = self.hidden, self.weight, self.bias
         rows, accumulate, smoothing, classes = hidden.shape[0], self.accumulate, self.smoothing, self.classes
         want_hidden, want_weight, want_bias = wants
@@ -306,47 +313,56 @@ class _Rows:
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=device) if want_weight else None
         grad_bias = torch.zeros(classes, dtype=accumulate, device=device) if want_bias and bias is not None else None
-        losses = torch.empty(rows if loss else 0, dtype=accumulate, device=device)
+        grads_wanted = grad_hidden is not None or grad_weight is not None or grad_bias is not None
+        uniform = None
         if smoothing:
             uniform = self.class_weight if self.class_weight is not None else torch.ones(classes, dtype=accumulate, device=device)
-            uniform_total = uniform.sum()
+        sums = torch.empty(rows, dtype=accumulate, device=device)
+        picked = torch.empty(rows, 1, dtype=accumulate, device=device) if loss else None
+        weighted = torch.empty(rows, dtype=accumulate, device=device) if loss and smoothing else None
+        target_over = spread_over = None  # the target's and smoothing's terms over a (None: 1, none)
+        if grads_wanted and not smoothing and scale is None:
+            factor = self.target_weight  # a = w_t; a row whose a is 0 has gradient 0 whatever is taken off
+        elif grads_wanted:
+            # The factor a of each row's softmax, and the target's and smoothing's terms over it
+            # (0 for a row whose factor is 0: an ignored row, or a zero gradient from above).
+            picked_share = (1 - smoothing) * self.target_weight
+            spread = self.valid * (smoothing / classes) if smoothing else None
+            factor = picked_share if spread is None else picked_share + spread * uniform.sum()  # type: ignore[union-attr]
+            if scale is not None:
+                factor = factor * scale.to(accumulate)
+            nonzero = factor != 0
+            safe = torch.where(nonzero, factor, 1.0)
+            target_over = torch.where(nonzero, picked_share * (scale if scale is not None else 1.0) / safe, 0.0)
+            if spread is not None:
+                spread_over = torch.where(nonzero, spread * (scale if scale is not None else 1.0) / safe, 0.0)
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
             part = hidden[start:end]
             logits = part @ weight.t() if bias is None else torch.addmm(bias, part, weight.t())
-            shifted = logits.to(accumulate) if logits.dtype != accumulate else logits  # ``.float()``
-            shifted.sub_(shifted.amax(dim=1, keepdim=True))
-            target, target_weight = self.target[start:end, None], self.target_weight[start:end]
-            valid = self.valid[start:end]
-            if loss:
-                picked = shifted.gather(1, target).squeeze(1)
-                if smoothing:
-                    weighted = shifted @ uniform
+            maximum = logits.amax(dim=1, keepdim=True)
+            if logits.dtype == accumulate:
+                shifted = logits.sub_(maximum)
+            else:  # ``.float()`` and the shift in one pass
+                shifted = torch.sub(logits, maximum.to(accumulate))
+            target = self.target[start:end, None]
+            if picked is not None:
+                torch.gather(shifted, 1, target, out=picked[start:end])
+            if weighted is not None:
+                torch.mv(shifted, uniform, out=weighted[start:end])  # type: ignore[arg-type]
             exps = shifted.exp_()
-            sums = exps.sum(1)
-            if loss:
-                log_sums = sums.log()
-                row_loss = (1 - smoothing) * target_weight * (log_sums - picked)
-                if smoothing:
-                    row_loss += (smoothing / classes) * valid * (uniform_total * log_sums - weighted)
-                losses[start:end] = row_loss
-            if grad_hidden is None and grad_weight is None and grad_bias is None:
+            chunk_sums = torch.sum(exps, 1, out=sums[start:end])
+            if not grads_wanted:
                 continue
-            picked_share = (1 - smoothing) * target_weight
-            spread = valid * (smoothing / classes) if smoothing else None
-            softmax_share = picked_share if spread is None else picked_share + spread * uniform_total
-            if scale is not None:
-                row_scale = scale[start:end].to(accumulate)
-                picked_share, softmax_share = picked_share * row_scale, softmax_share * row_scale
-                spread = None if spread is None else spread * row_scale
-            gradient = exps.mul_((softmax_share / sums)[:, None])
-            gradient.scatter_add_(1, target, -picked_share[:, None])
-            if spread is not None:
-                gradient.addr_(spread, uniform, alpha=-1)
+            # a softmax - (terms) = (exps - (terms) * sum / a) * a / sum
+            row_factor = factor[start:end] / chunk_sums
+            taken = chunk_sums.neg() if target_over is None else (target_over[start:end] * chunk_sums).neg_()
+            exps.scatter_add_(1, target, taken[:, None])
+            if spread_over is not None:
+                exps.addr_(spread_over[start:end] * chunk_sums, uniform, alpha=-1)  # type: ignore[arg-type]
             if grad_bias is not None:
-                grad_bias += gradient.sum(0)
-            if gradient.dtype != logits.dtype:
-                gradient = logits.copy_(gradient)  # the products run in the inputs' dtype
+                grad_bias.addmv_(exps.t(), row_factor)
+            gradient = torch.mul(exps, row_factor[:, None], out=logits)  # in the products' dtype
             del exps, shifted
             if grad_hidden is not None:
                 torch.mm(gradient, weight, out=grad_hidden[start:end])
@@ -356,4 +372,10 @@ class _Rows:
                 else:
                     grad_weight += gradient.t() @ part
             del gradient, logits
+        if not loss:
+            return torch.empty(0, dtype=accumulate, device=device), [grad_hidden, grad_weight, grad_bias]
+        log_sums = sums.log_()
+        losses = (1 - smoothing) * self.target_weight * (log_sums - picked.squeeze(1))  # type: ignore[union-attr]
+        if smoothing:
+            losses += (smoothing / classes) * self.valid * (uniform.sum() * log_sums - weighted)  # type: ignore[union-attr, operator]
         return losses, [grad_hidden, grad_weight, grad_bias]

@@ -239,10 +239,12 @@ def test_compiled_model_with_the_chunked_loss_gives_the_eager_gradients():
 
 def test_default_chunk_rows():
     # The GPT of benchmarks/plans_hold.py at batch 55 (56,320 rows of 1024 features, 32,000
-    # classes): 1024 rows, 125 MiB of float32 logits, where the whole would be 6.7 GiB.
-    assert default_chunk_rows(56_320, 1024, 32_000) == 1024
-    # Few rows: at least 64 MiB of float32 logits per chunk (512 rows of 32,000), at most every row.
-    assert default_chunk_rows(1024, 64, 32_000) == 512
+    # classes): 2048 rows, 250 MiB of float32 logits, where the whole would be 6.7 GiB.
+    assert default_chunk_rows(56_320, 1024, 32_000) == 2048
+    # Half the hidden states' float32 size when that is more: 1,048,576 rows of 4096 features.
+    assert default_chunk_rows(1 << 20, 4096, 32_000) == 65_536
+    # Few rows: at least 256 MiB of float32 logits per chunk (2048 rows of 32,000), at most every row.
+    assert default_chunk_rows(4096, 64, 32_000) == 2048
     assert default_chunk_rows(10, 64, 32_000) == 10
     assert default_chunk_rows(0, 64, 32_000) == 1
 

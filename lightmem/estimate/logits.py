@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -69,24 +69,26 @@ class LossLogits:
         return self.bytes_at_peak >= LOGITS_MIN_SHARE * peak_bytes
 
 
-def chunked_kept_bytes(rows: int, classes: int, in_features: int, element_bytes: int) -> tuple[int, int]:
+def chunked_kept_bytes(
+    rows: int, classes: int, in_features: int, element_bytes: int, rounding: Callable[[int], int] | None = None
+) -> tuple[int, int]:
     """What ``lightmem.linear_cross_entropy`` holds beside its inputs, at its default chunk: (kept,
-    chunk). Kept from its forward to its backward: the gradient of the hidden states (in the
-    products' dtype, ``element_bytes`` each), the float32 gradient of the weight and the rows'
-    losses, the targets' weights and (int64) the targets, three times: the caller's flattened or
-    shifted copy, made after the logits where the loss is not chunked, and the loss's own. Held
-    while its forward runs: one chunk's logits, with
+    chunk), each allocation as ``rounding`` hands it out (the allocator's block size; None: as asked).
+    Kept from its forward to its backward: the gradient of the hidden states (in the products'
+    dtype, ``element_bytes`` each), the float32 gradient of the weight, and per row at most eight
+    float32 figures (sums, picked logits, losses, weights and factors), a mask and (int64) the
+    targets three times: the caller's flattened or shifted copy, made after the logits where the
+    loss is not chunked, and the loss's own. Held while its forward runs: one chunk's logits, with
     (products in half precision) their float32 copy and the chunk's weight-gradient product, and
-    its rows' vectors (maxima, sums, picked logits: at most eight float32 each)."""
+    the chunk's rows' figures (at most eight float32 each)."""
     chunk = default_chunk_rows(rows, in_features, classes)
     half = element_bytes != 4
-    kept = rows * in_features * element_bytes + classes * in_features * 4 + rows * (4 + 1 + 4 + 3 * 8)
-    held = (
-        chunk * classes * element_bytes
-        + (chunk * classes * 4 + classes * in_features * element_bytes if half else 0)
-        + chunk * 4 * 8
-    )
-    return kept, held
+    size = rounding or (lambda nbytes: nbytes)
+    kept = [rows * in_features * element_bytes, classes * in_features * 4, *[rows * 4] * 8, rows, *[rows * 8] * 3]
+    held = [chunk * classes * element_bytes, *[chunk * 4] * 8]
+    if half:
+        held += [chunk * classes * 4, classes * in_features * element_bytes]
+    return sum(map(size, kept)), sum(map(size, held))
 
 
 def loss_logits(
@@ -132,7 +134,7 @@ def loss_logits(
     )
     alive = set(tracer.alive_at(peak.event))
     bytes_at_peak = sum(tracer.records[rid].nbytes for rid in logits_sized & alive)
-    kept, chunk = chunked_kept_bytes(rows, classes, in_features, element_bytes)
+    kept, chunk = chunked_kept_bytes(rows, classes, in_features, element_bytes, tracer.block_bytes)
     forward = min(tracer.records[rid].alloc_event for rid in logits_sized)
     backward = min(
         (tracer.records[rid].alloc_event for rid in logits_sized if tracer.records[rid].alloc_event >= tracer.window.forward_end),
