@@ -257,6 +257,7 @@ def test_with_a_budget_the_logits_advice_gives_the_largest_batch_with_the_chunke
     chunked = max_batch_size(_wide_gpt(), _wide_tokens(), budget, lambda m, t: chunked_gpt_loss(m, t, None), device="cpu").baseline
     reach = est.chunked_loss
     assert (reach.budget_bytes, reach.as_written_batch_size) == (budget, as_written)
+    assert est.to_dict()["chunked_loss"] == reach.to_dict()
     # Priced as chunked, the step is a little over the chunked step's own: never a batch more.
     assert chunked - 1 <= reach.batch_size <= chunked and reach.batch_size > 2 * as_written > 0
     advice = next(item.message for item in est.advice if item.rule == "loss-logits")

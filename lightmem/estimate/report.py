@@ -300,6 +300,7 @@ class MemoryEstimate:
             "not_modelled": list(self.not_modelled),
             "compiled": self.compiled,
             "seconds": round(self.seconds, 3),
+            "chunked_loss": self.chunked_loss.to_dict() if self.chunked_loss is not None else None,
         }
 
     def _tables(self, max_blocks: int) -> list[tuple[str, list[str], list[list[str]]]]:
