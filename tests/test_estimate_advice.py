@@ -240,10 +240,9 @@ def test_logits_advice_names_the_users_loss_line_and_the_chunked_call_that_repla
         "compute the loss as `lightmem.linear_cross_entropy(hidden, model.lm_head.weight, tokens[:, 1:].reshape(-1))`, "
         "where hidden is what model.lm_head reads (have the model return it in place of the logits)"
     )
-    # That change (tests/models.py's chunked_gpt_loss) gives the predicted peak, within 5% above it:
-    # the prediction counts one chunk of logits (64 MiB here) throughout the step.
+    # That change (tests/models.py's chunked_gpt_loss) gives the predicted peak, within 1% above it.
     chunked = estimate_memory(_wide_gpt(), _wide_tokens(), lambda m, t: chunked_gpt_loss(m, t, None), device="cpu")
-    assert chunked.peak_bytes <= est.loss_logits.peak_bytes_chunked <= 1.05 * chunked.peak_bytes
+    assert chunked.peak_bytes <= est.loss_logits.peak_bytes_chunked <= 1.01 * chunked.peak_bytes
 
 
 def test_with_a_budget_the_logits_advice_gives_the_largest_batch_with_the_chunked_loss_and_without():
