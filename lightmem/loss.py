@@ -26,9 +26,11 @@ Dtypes follow the unchunked reference: under autocast the products run in autoca
 What is not bitwise equal to the reference, and why: the weight's and the bias's gradients are
 summed chunk by chunk (each chunk's product rounded to the products' dtype, then added in float32),
 where the reference sums all rows in one product; the loss is summed row by row with the label
-smoothing term added per row, where the reference sums the two terms apart; the softmax is
-computed as exp(z - max) / sum (one pass, in place) where torch's log-softmax kernel may order the
-sum differently. Within a chunk the logits are the same product as the reference's.
+smoothing term added per row, where the reference sums the two terms apart; the gradient of the
+logits is computed as (exp(z - max) - terms * sum / a) * a / sum (the target's and smoothing's terms
+taken off before the row's factor a is applied, so that it is written in the products' dtype in one
+pass), where torch's log-softmax backward computes softmax * a - terms. Within a chunk the logits
+are the same product as the reference's. The tests' bounds: docs/chunked-loss.md.
 """
 
 from __future__ import annotations
