@@ -16,6 +16,11 @@ device: what ``plan="auto"``'s block clock must hold against the step's timeline
     python benchmarks/plans_hold.py                 # predictions: fake tensors, any machine (a few minutes)
     python benchmarks/plans_hold.py --measure       # on a GPU: the fits themselves, under the cap
     python benchmarks/plans_hold.py --measure --model gpt2 --batches 5   # GPT-2 at batch 5 alone
+    python benchmarks/plans_hold.py --model gpt-chunked --gpu h200         # the GPT with lightmem.linear_cross_entropy
+
+``--model gpt-chunked``: the GPT with its loss computed by ``lightmem.linear_cross_entropy``
+(``CHUNKED_BATCHES``: 1x, 2.5x, 5x and 8x of 11, the largest batch the GPT trains without lightmem on
+the H200): as written no plan fits past 2.5x, the loss's logits being most of the step.
 
 Predicted, for each batch: whether plan="auto" accepts it (a plan fits) and the plan's predicted
 peaks (allocated, and reserved with the allocator's share: what the plan must fit) and step time.
