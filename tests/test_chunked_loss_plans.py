@@ -139,3 +139,12 @@ def _seconds(seconds: float) -> str:
     from lightmem.estimate.report import format_seconds
 
     return format_seconds(seconds)
+
+
+def test_the_reach_in_words_says_nothing_when_not_a_batch_fits_and_not_even_1_as_written():
+    from lightmem.estimate.chunked_loss import ChunkedLossReach, reach_sentence
+
+    assert reach_sentence(ChunkedLossReach(2**30, 0, 0)) == "" and reach_sentence(None) == ""
+    assert reach_sentence(ChunkedLossReach(2**30, 12, 0)) == (
+        " Under the 1.00 GiB budget without lightmem, batches up to 12 would fit with it, not even 1 as written."
+    )

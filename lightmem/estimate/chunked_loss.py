@@ -88,11 +88,12 @@ def no_fit_sentence(chosen: Plan, largest: int | None, limit: int | None = None)
 
 def reach_sentence(reach: ChunkedLossReach | None) -> str:
     """The advice's words for ``estimate_memory``'s reach (empty without one)."""
-    if reach is None:
+    if reach is None or not reach.batch_size:  # not a batch fits even chunked: other advice says why
         return ""
+    written = f"up to {reach.as_written_batch_size}" if reach.as_written_batch_size else "not even 1"
     return (
         f" Under the {format_bytes(reach.budget_bytes)} budget without lightmem, batches up to "
-        f"{reach.batch_size} would fit with it, up to {reach.as_written_batch_size} as written."
+        f"{reach.batch_size} would fit with it, {written} as written."
     )
 
 
