@@ -1,6 +1,6 @@
 """Estimator accuracy: predicted (fake tensors, device="cpu") against a real CPU step.
 
-    python benchmarks/estimate_accuracy.py            # the five architectures, float32 and bf16-mixed
+    python benchmarks/estimate_accuracy.py            # the six architectures, float32 and bf16-mixed
     python benchmarks/estimate_accuracy.py --small    # the sizes the test suite uses
     python benchmarks/estimate_accuracy.py --small --json   # what the test suite reads
 
@@ -30,7 +30,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from _common import hardware
-from models import ConvNet, LSTMTagger, TinyGPT, gpt_loss
+from models import ConvNet, LSTMTagger, TinyGPT, chunked_gpt_loss, gpt_loss
 
 from lightmem import estimate_memory
 from lightmem.config import format_bytes
@@ -110,10 +110,18 @@ def make_case(name: str, small: bool = False) -> Case:
             torch.randint(0, 2000 if small else 5000, (16 if small else 64, 50), generator=generator),
             _classification_loss,
         )
+    if name == "chunked-loss":
+        # A large vocabulary's loss through lightmem.linear_cross_entropy: its chunks in forward,
+        # the gradients it keeps for backward.
+        return Case(
+            TinyGPT(vocab=4096, depth=2),
+            torch.randint(0, 4096, (4 if small else 16, 33), generator=generator),
+            chunked_gpt_loss,
+        )
     raise KeyError(name)
 
 
-CASES = ("mlp", "cnn-batchnorm", "transformer", "lstm", "embedding")
+CASES = ("mlp", "cnn-batchnorm", "transformer", "lstm", "embedding", "chunked-loss")
 # oneDNN has no bfloat16 LSTM on every CPU, so that real step cannot run.
 RUNS = [("32-true", name) for name in CASES] + [("bf16-mixed", name) for name in CASES if name != "lstm"]
 

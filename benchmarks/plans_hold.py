@@ -16,6 +16,11 @@ device: what ``plan="auto"``'s block clock must hold against the step's timeline
     python benchmarks/plans_hold.py                 # predictions: fake tensors, any machine (a few minutes)
     python benchmarks/plans_hold.py --measure       # on a GPU: the fits themselves, under the cap
     python benchmarks/plans_hold.py --measure --model gpt2 --batches 5   # GPT-2 at batch 5 alone
+    python benchmarks/plans_hold.py --model gpt-chunked --gpu h200         # the GPT with lightmem.linear_cross_entropy
+
+``--model gpt-chunked``: the GPT with its loss computed by ``lightmem.linear_cross_entropy``
+(``CHUNKED_BATCHES``: 1x, 2.5x, 5x and 8x of 11, the largest batch the GPT trains without lightmem on
+the H200): as written no plan fits past 2.5x, the loss's logits being most of the step.
 
 Predicted, for each batch: whether plan="auto" accepts it (a plan fits) and the plan's predicted
 peaks (allocated, and reserved with the allocator's share: what the plan must fit) and step time.
@@ -49,7 +54,7 @@ sys.path.insert(0, str(CHECKOUT / "examples"))
 sys.path.insert(0, str(CHECKOUT / "benchmarks"))
 
 from _common import run_script  # noqa: E402
-from lightmem import LightMem, PlanDoesNotFit, max_batch_size, plan  # noqa: E402
+from lightmem import LightMem, PlanDoesNotFit, linear_cross_entropy, max_batch_size, plan  # noqa: E402
 from lightmem.config import format_bytes, parse_size  # noqa: E402
 from lightmem.estimate.frontier import labelled_batches  # noqa: E402
 from lightmem.estimate.report import format_seconds  # noqa: E402
@@ -65,6 +70,10 @@ GPT2_CAP = "8GiB"
 GPT2_BATCHES = {3: "1x", 5: "1.5x", 6: "2x", 7: "largest"}
 """GPT-2's frontier under 8 GiB on the H100 (``benchmarks/gpu/frontier-plans-h100.json``): batch 3
 fits without lightmem; 5, 6 and 7 (the largest a plan fits) need a plan."""
+CHUNKED_BATCHES = {11: "1x", 28: "2.5x", 55: "5x", 88: "8x"}
+"""``--model gpt-chunked``: the GPT with ``lightmem.linear_cross_entropy``, at multiples of 11, the
+largest batch the GPT trains without lightmem (and without a chunked loss) on an H200 under 16 GiB
+(measured, 2026-11-28); as written, plan="auto" refused everything past 28 (2.5x) for the logits."""
 STEPS = 7
 """Steps of each fit: the first (page-locking, allocator and cuDNN warm-ups), three whose blocks
 plan="auto" times (it may plan again after them), then three of the last plan."""
@@ -76,13 +85,19 @@ def fused_adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-4, fused=True)
 
 
-def gpt_module(config: dict[str, Any] = GPT_CONFIG) -> Any:
-    """The example GPT as a LightningModule with fused AdamW (what the GPU run trained)."""
+def gpt_module(config: dict[str, Any] = GPT_CONFIG, chunked_loss: bool = False) -> Any:
+    """The example GPT as a LightningModule with fused AdamW (what the GPU run trained); with
+    ``chunked_loss``, its training step computes ``gpt_chunked_loss``."""
     from gpt_model import GPT
 
     class FusedGPT(GPT):
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return fused_adamw(self.parameters())
+
+        if chunked_loss:
+
+            def _loss(self, batch: tuple[torch.Tensor]) -> torch.Tensor:
+                return gpt_chunked_loss(self, batch[0])
 
     return FusedGPT(**config)
 
@@ -90,6 +105,16 @@ def gpt_module(config: dict[str, Any] = GPT_CONFIG) -> Any:
 def gpt_loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def gpt_chunked_loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """``gpt_loss`` with ``lightmem.linear_cross_entropy``: the logits never whole."""
+    return linear_cross_entropy(model.hidden_states(tokens[:, :-1]), model.lm_head.weight, tokens[:, 1:])
+
+
+def gpt_chunked_module(config: dict[str, Any] = GPT_CONFIG) -> Any:
+    """The GPT whose training step computes ``gpt_chunked_loss``."""
+    return gpt_module(config, chunked_loss=True)
 
 
 def gpt2_module() -> Any:
@@ -132,6 +157,11 @@ def _meta_model(config: dict[str, Any] = GPT_CONFIG) -> Any:
         return gpt_module(config)
 
 
+def _meta_chunked(config: dict[str, Any] = GPT_CONFIG) -> Any:
+    with torch.device("meta"):
+        return gpt_chunked_module(config)
+
+
 def _meta_gpt2() -> Any:
     import transformers
 
@@ -145,6 +175,8 @@ MODELS: dict[str, dict[str, Any]] = {
             "optimizer": fused_adamw},
     "gpt2": {"cap": GPT2_CAP, "module": gpt2_module, "meta": _meta_gpt2, "loss": gpt2_loss, "batch": _gpt2_ids,
              "optimizer": "adamw", "batches": GPT2_BATCHES},
+    "gpt-chunked": {"cap": CAP, "module": gpt_chunked_module, "meta": _meta_chunked, "loss": gpt_chunked_loss,
+                    "batch": _tokens, "optimizer": fused_adamw, "batches": CHUNKED_BATCHES},
 }  # fmt: skip
 """Each model's cap, its LightningModule, its meta-device model and loss for the planner, a batch of
 ``n`` token ids (``batch(n, device)``), its optimizer, and, where the frontier fixed them, its
@@ -366,6 +398,10 @@ def measure(
 
 def _model_text(result: dict[str, Any]) -> str:
     """The model, precision and optimizer of a result, and its largest batch without lightmem."""
+    if result.get("model") == "gpt-chunked":
+        return (f"GPT {GPT_CONFIG} with lightmem.linear_cross_entropy, Lightning bf16-mixed, fused AdamW, "
+                f"`LightMem(plan='auto', device_budget=cap)`, {STEPS} steps per batch; batches are multiples of 11, "
+                "the largest without lightmem and without a chunked loss on the H200 (2026-11-28).")  # fmt: skip
     if result.get("model") == "gpt2":
         return ("GPT-2 (transformers' default config, 1024 tokens), Lightning bf16-mixed, AdamW, "
                 "`LightMem(plan='auto', device_budget=cap)`, "
@@ -443,8 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", action="store_true", help="run the fits on this machine's GPU")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     parser.add_argument("--time-limit-s", type=float, default=float("inf"))
-    parser.add_argument("--model", choices=("gpt", "gpt2"), default="gpt",
-                        help="the GPT under 16 GiB (default) or GPT-2 under 8 GiB")
+    parser.add_argument("--model", choices=tuple(MODELS), default="gpt",
+                        help="the GPT under 16 GiB (default), GPT-2 under 8 GiB, or the GPT with a chunked loss")
+    parser.add_argument("--gpu", default="h100", help="predictions: the GPU whose speeds price them (default h100)")
     parser.add_argument("--batches", type=int, nargs="+", help="with --measure: these batches (default: the model's)")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.time_limit_s
@@ -455,9 +492,12 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(deadline=deadline, model=args.model, batches=tuple(args.batches or ()) or None)
         print(json.dumps(result, default=str) if args.json else markdown(result))
         return 0
-    result = predictions(model=args.model)
-    what = f"GPT {GPT_CONFIG}, bf16-mixed, fused AdamW" if args.model == "gpt" else "GPT-2, bf16-mixed, AdamW"
-    print(f"Predicted on fake tensors for an H100 ({result['gpu']}), cap {result['cap']}, {what}, "
+    result = predictions(model=args.model, gpu=args.gpu)
+    what = {
+        "gpt": f"GPT {GPT_CONFIG}, bf16-mixed, fused AdamW", "gpt2": "GPT-2, bf16-mixed, AdamW",
+        "gpt-chunked": f"GPT {GPT_CONFIG} with lightmem.linear_cross_entropy, bf16-mixed, fused AdamW",
+    }[args.model]  # fmt: skip
+    print(f"Predicted on fake tensors ({result['gpu']}), cap {result['cap']}, {what}, "
           f"expandable segments: largest batch without lightmem {result['reference']}.")  # fmt: skip
     for row in result["rows"]:
         if row["accepted"]:

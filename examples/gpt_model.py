@@ -47,10 +47,14 @@ class GPT(pl.LightningModule):
         self.lm_head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(tokens))
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What the output head reads: with ``lightmem.linear_cross_entropy`` the loss starts here."""
         x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.ln_f(x)
 
     def _loss(self, batch: tuple[torch.Tensor]) -> torch.Tensor:
         (tokens,) = batch

@@ -2,9 +2,11 @@
 
 from lightmem.auto_plan import PlanDoesNotFit
 from lightmem.callback import LightMem
+from lightmem.causal_lm import chunked_causal_lm_loss
 from lightmem.devices import DeviceSpeeds, measure_device_speeds
 from lightmem.checkpoint import apply_checkpointing
 from lightmem.estimate import estimate_memory, frontier, max_batch_size, plan
+from lightmem.loss import linear_cross_entropy
 from lightmem.model_state.host_grads import named_grads
 from lightmem.model_state.offloader import offload_optimizer
 from lightmem.offload import offload_activations
@@ -14,8 +16,10 @@ __all__ = [
     "LightMem",
     "PlanDoesNotFit",
     "apply_checkpointing",
+    "chunked_causal_lm_loss",
     "estimate_memory",
     "frontier",
+    "linear_cross_entropy",
     "max_batch_size",
     "measure_device_speeds",
     "named_grads",

@@ -138,9 +138,12 @@ def format_shapes(shapes: Shapes) -> str:
     return ", ".join(str(list(shape)) for shape in shapes) or "no tensors"
 
 
-def no_fit_message(chosen: Plan, shapes: Shapes, largest: int | None, batch_size: int | None) -> str:
+def no_fit_message(
+    chosen: Plan, shapes: Shapes, largest: int | None, batch_size: int | None, chunked_loss: str = ""
+) -> str:
     """What ``PlanDoesNotFit`` says: the budget, the closest plan's predicted peak and what
-    dominates it, and the largest batch a plan fits (``largest``; None: not searched)."""
+    dominates it, the largest batch a plan fits (``largest``; None: not searched), and
+    ``chunked_loss``: what a chunked loss would change, where the loss's logits dominate."""
     closest = min((option for option in chosen.alternatives), key=lambda o: o.predicted_total_bytes, default=None)
     parts = [
         f"lightmem: plan='auto' found no configuration that fits the {format_bytes(chosen.budget_bytes)} device "
@@ -160,6 +163,8 @@ def no_fit_message(chosen: Plan, shapes: Shapes, largest: int | None, batch_size
             f". The largest batch a plan fits is {largest} (this one: {batch_size})" if largest
             else ". Not even a batch of 1 fits"
         )  # fmt: skip
+    if chunked_loss:
+        parts.append(f". {chunked_loss}")
     parts.append(". Training stopped before this batch's forward: lower the batch size, or raise device_budget.")
     return "".join(parts)
 

@@ -107,6 +107,12 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
             the device's weights; not bitwise equal to training without lightmem). Needs
             ``precision="bf16-mixed"`` and fp32 parameters; not under DDP, and the host step then
             runs after backward. ``state_dict()`` holds the fp32 masters. None (default): off.
+        chunked_loss: compute the training loss of every Hugging Face causal LM in the module
+            (``model(..., labels=labels).loss``) with ``lightmem.linear_cross_entropy``, from the
+            hidden states, without making the logits (see :func:`~lightmem.chunked_causal_lm_loss`;
+            the output's ``logits`` then hold no position). For a loss you write yourself, call
+            ``lightmem.linear_cross_entropy`` in ``training_step`` instead. Fails at fit start when
+            the module holds no such model.
 
     Works with either Lightning package: ``pytorch_lightning`` or ``lightning.pytorch``
     (``import lightning as L``; LightMem is a ``Callback`` of both).
@@ -154,6 +160,7 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         offload_optimizer: bool = False,
         offload_overlap_step: bool | str = "auto",
         offload_optimizer_device_dtype: str | torch.dtype | None = None,
+        chunked_loss: bool = False,
     ) -> None:
         flags = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         super().__init__()

@@ -780,6 +780,8 @@ class LightMemSettings:
     plan: PlanSettings
     optimizer_offload: OptimizerOffloadSettings | None = None
     """None: ``offload_optimizer=False``."""
+    chunked_loss: bool = False
+    """``chunked_loss``: the Hugging Face causal LMs' own loss through ``lightmem.linear_cross_entropy``."""
 
     @classmethod
     def parse(cls, *, metric_groups: tuple[str, ...], **flags: Any) -> LightMemSettings:
@@ -828,6 +830,7 @@ class LightMemSettings:
             ),
             plan=plan,
             optimizer_offload=optimizer_offload,
+            chunked_loss=parse_bool(flags["chunked_loss"], flag=flag("chunked_loss")),
         )  # fmt: skip
 
 

@@ -18,6 +18,8 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightmem import oom
 from lightmem.auto_plan import AutoPlan, PlanDoesNotFit, format_shapes, no_fit_message
+from lightmem.causal_lm import ChunkedCausalLMLoss, causal_lms, chunked_causal_lm_loss
+from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, largest_with_chunked_loss, no_fit_sentence
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
 from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
 from lightmem.device_memory import use_expandable_segments
@@ -72,6 +74,7 @@ class FitSession:
         self._offload: TrainingOffload | None = None
         self._checkpoint: CheckpointHandle | None = None
         self._patched_module: Module | None = None
+        self._chunked_losses: list[ChunkedCausalLMLoss] = []
         self._optimizer_offloaders: list[OptimizerOffloader] = []
         self._optimizer_offload_off: str | None = None  # why offload_optimizer is off on this machine
         # Plans fit what the allocator reserves; with expandable segments it strands least. Set
@@ -137,6 +140,15 @@ class FitSession:
         set the optimizers up), activation offload (without a plan), metrics and the line of what is
         on; then, with ``plan="auto"``, its budget (measured here without ``device_budget``) and prices.
         """
+        if self.settings.chunked_loss:  # before any plan: the planner's dry run sees the chunked loss
+            models = causal_lms(pl_module)
+            if not models:
+                raise ValueError(
+                    "LightMem(chunked_loss=...): the LightningModule holds no Hugging Face causal LM whose loss_function "
+                    "is transformers' ForCausalLMLoss; for a loss you compute yourself, call "
+                    "lightmem.linear_cross_entropy in training_step and leave chunked_loss off"
+                )
+            self._chunked_losses = [chunked_causal_lm_loss(model) for model in models]
         if self.settings.plan.auto:  # first: a budget it cannot measure fails before anything is set up
             self.auto_plan = AutoPlan.at_fit_start(self.settings.plan, pl_module.device, trainer.world_size)
         guard = self.settings.host_guard
@@ -439,15 +451,24 @@ class FitSession:
             del pl_module.log, pl_module.log_dict
 
     def _no_fit(self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, chosen: Plan) -> str:
-        """The message of ``PlanDoesNotFit``, with the largest batch a plan fits (searched now)."""
+        """The message of ``PlanDoesNotFit``, with the largest batch a plan fits (searched now) and,
+        where the loss's logits dominate, the change that chunks the loss and the largest batch a
+        plan then fits (searched now, the loss priced as chunked)."""
         size = shapes[0][0] if shapes and shapes[0] else None
-        largest = None
+        largest = chunked_largest = None
         if size is not None and size > 1:
             try:
                 largest = self._run_planner(trainer, pl_module, batch, shapes, search_up_to=size - 1).planned
             except ValueError:  # no batch dimension to scale
                 largest = None
-        return no_fit_message(chosen, shapes, largest, size)
+        limit = SEARCH_MULTIPLE * size if size is not None else None
+        if limit is not None and dominant_logits(chosen.estimate) is not None:
+            with contextlib.suppress(ValueError):
+                chunked_largest = largest_with_chunked_loss(
+                    lambda: self._run_planner(trainer, pl_module, batch, shapes, search_up_to=limit)
+                ).planned
+        sentence = no_fit_sentence(chosen, chunked_largest, limit)
+        return no_fit_message(chosen, shapes, largest, size, chunked_loss=sentence)
 
     @contextlib.contextmanager
     def _without_checkpointing(self, pl_module: Module) -> Iterator[None]:
@@ -521,6 +542,9 @@ class FitSession:
             if self._patched_module is not None:
                 self._patched_module.__dict__.pop("configure_model", None)
                 self._patched_module = None
+            for chunked in self._chunked_losses:
+                chunked.remove()
+            self._chunked_losses = []
             if self._offload is not None:
                 self._offload.close()
                 self._offload = None

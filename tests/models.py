@@ -64,6 +64,22 @@ def gpt_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def gpt_hidden_states(model: TinyGPT, tokens: torch.Tensor) -> torch.Tensor:
+    """What ``model``'s head reads: its forward without ``lm_head``."""
+    x = model.embed(tokens) + model.pos[:, : tokens.shape[1]]
+    for block in model.blocks:
+        x = block(x)
+    return model.ln_f(x)
+
+
+def chunked_gpt_loss(model: TinyGPT, tokens: torch.Tensor, chunk_rows: int | None = 32) -> torch.Tensor:
+    """``gpt_loss`` with ``lightmem.linear_cross_entropy``: the logits never whole."""
+    import lightmem
+
+    hidden = gpt_hidden_states(model, tokens[:, :-1])
+    return lightmem.linear_cross_entropy(hidden, model.lm_head.weight, tokens[:, 1:], chunk_rows=chunk_rows)
+
+
 class ConvNet(nn.Module):
     def __init__(self, channels: int = 16, classes: int = 10) -> None:
         super().__init__()

@@ -50,9 +50,10 @@ def test_deep_convnet_example_explains_why_it_did_not_fit(tmp_path):
 
 
 def test_linear_cross_entropy_example_gives_the_hugging_face_loss_and_gradients():
-    """The example's chunked loss equals ``model(labels=...).loss`` to float32 rounding (not
-    bitwise: the chunks sum in another order). In process, on a tiny model: the script itself
-    spends most of its time importing transformers and estimating a 32k-vocabulary model."""
+    """The example's chunked loss (``lightmem.chunked_causal_lm_loss``) equals ``model(labels=...).loss``
+    to float32 rounding (not bitwise: the chunks sum in another order). In process, on a tiny
+    model: the script itself spends most of its time importing transformers and estimating a
+    32k-vocabulary model."""
     import importlib.util
 
     import pytest
@@ -64,14 +65,17 @@ def test_linear_cross_entropy_example_gives_the_hugging_face_loss_and_gradients(
     spec.loader.exec_module(example)
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=4096, n_positions=32)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=4096, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids.clone()}
     batch["labels"][:, :4] = -100
     reference = model(**batch).loss
     expected = example.gradients(model, reference)
-    chunked = example.chunked_causal_lm_loss(model, batch)
+    chunked = example.chunked_loss(model, batch)
+    assert chunked.grad_fn.name() == "_LinearCrossEntropyBackward"
     actual = example.gradients(model, chunked)
     torch.testing.assert_close(chunked, reference, rtol=1e-6, atol=0)
     assert expected.keys() == actual.keys() and len(expected) == len(list(model.parameters()))

@@ -197,8 +197,11 @@ def test_the_floor_is_between_the_steps_compute_and_the_plans_step(found):
 
 def test_to_dict_carries_every_row_and_survives_json(found):
     data = found.to_dict()
-    assert set(data) == {"budget_bytes", "reference_batch", "largest_batch", "speeds", "rows", "reason", "seconds"}
+    assert set(data) == {
+        "budget_bytes", "reference_batch", "largest_batch", "speeds", "rows", "reason", "seconds", "chunked_loss",
+    }  # fmt: skip
     assert data["reason"] == ""  # rows: some batch fits
+    assert data["chunked_loss"] is None  # no logits here: nothing to chunk
     assert (data["budget_bytes"], data["reference_batch"], data["largest_batch"]) == (
         found.budget_bytes, found.reference_batch, found.largest_batch,
     )  # fmt: skip

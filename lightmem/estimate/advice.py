@@ -13,8 +13,10 @@ Rules (identifiers as they appear in ``Advice.rule``):
 - ``quadratic-attention``: tensors saved for backward have two trailing dims equal to the sequence
   length (attention scores kept per layer): use scaled_dot_product_attention.
 - ``loss-logits``: the cross-entropy's logits, their float32 copies and gradients are a large
-  share of the peak (large vocabularies): ``torch.nn.functional.linear_cross_entropy`` with
-  chunking never holds them whole; the advice gives the predicted peak with it.
+  share of the peak (large vocabularies): ``lightmem.linear_cross_entropy`` never holds them
+  whole; the advice gives the predicted peak with it, the change in the user's own code (the
+  statement that calls the cross-entropy, or ``LightMem(chunked_loss=True)`` for a Hugging Face
+  model's own loss) and, with a budget, the largest batch without lightmem with it and without.
 - ``reach-budget``: the step does not fit: the verified plan (which repeated layers to
   checkpoint or offload, and the peak it gives), or, when no plan fits, a smaller batch.
 """
@@ -26,7 +28,8 @@ from collections import defaultdict
 from lightmem.config import format_bytes
 from lightmem.estimate.batch import BatchInfo
 from lightmem.estimate.report import Advice, MemoryEstimate, Plan, compact_names, natural_order
-from lightmem.estimate.logits import LOGITS_MIN_SHARE
+from lightmem.estimate.chunked_loss import reach_sentence
+from lightmem.estimate.logits import CHUNKED_LOSS
 from lightmem.estimate.step import StepTrace
 
 QUADRATIC_MIN_SHARE = 0.05
@@ -168,7 +171,7 @@ def quadratic_attention(estimate: MemoryEstimate, info: BatchInfo, baseline: Ste
 def loss_logits(estimate: MemoryEstimate, baseline: StepTrace) -> list[Advice]:
     logits = baseline.loss_logits
     peak = baseline.peak
-    if logits is None or logits.bytes_at_peak < LOGITS_MIN_SHARE * peak.bytes:
+    if logits is None or not logits.dominates(peak.bytes):
         return []
     saving = peak.bytes - logits.peak_bytes_chunked
     if saving < LOGITS_MIN_SAVING * peak.bytes:
@@ -179,13 +182,11 @@ def loss_logits(estimate: MemoryEstimate, baseline: StepTrace) -> list[Advice]:
             f"the loss's logits ({logits.rows:,} x {logits.classes:,}, from {logits.weight_name}), their "
             f"float32 copies and gradients take {format_bytes(logits.bytes_at_peak)} of the "
             f"{format_bytes(peak.bytes)} peak ({100 * logits.bytes_at_peak / peak.bytes:.0f}%, at {peak.phase}: "
-            f"{peak.op}); checkpointing and offload cannot reach them. "
-            f"torch.nn.functional.linear_cross_entropy(hidden_states, {logits.weight_name}, labels, "
-            "options=torch.nn.LinearCrossEntropyOptions()) computes the loss from the hidden states in "
-            f"chunks and never holds them whole: predicted peak about {format_bytes(logits.peak_bytes_chunked)} "
-            f"({format_bytes(saving)} less), counting the {format_bytes(logits.chunked_kept_bytes)} of "
-            "gradient buffers and float32 chunk it keeps instead. examples/hf_linear_cross_entropy.py "
-            "shows the change for a Hugging Face causal LM.",
+            f"{peak.op}); checkpointing and offload cannot reach them. {CHUNKED_LOSS} computes the loss from the "
+            f"hidden states in chunks and never holds them whole: predicted peak about "
+            f"{format_bytes(logits.peak_bytes_chunked)} ({format_bytes(saving)} less), counting the "
+            f"{format_bytes(logits.chunked_kept_bytes)} of gradients and one chunk of logits it keeps instead. "
+            f"The change: {logits.change}." + reach_sentence(estimate.chunked_loss),
         )
     ]
 

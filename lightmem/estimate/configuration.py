@@ -302,6 +302,7 @@ def build_report(
         offload_optimizer_device_dtype=settings.optimizer_offload.device_dtype_name if model_state else None,
         compiled=holds_compiled_modules(model),
         op_seconds=dict(baseline.op_seconds),
+        loss_logits=baseline.loss_logits,
     )
     return estimate, baseline
 

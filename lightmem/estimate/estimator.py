@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -12,9 +13,11 @@ from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
+from lightmem.estimate.chunked_loss import ChunkedLossReach, dominant_logits, largest_with_chunked_loss
 from lightmem.estimate.configuration import EstimateSettings, LossFn, build_report, parse_settings
 from lightmem.estimate.planner import costs_for, search_plan
 from lightmem.estimate.report import MemoryEstimate
+from lightmem.estimate.search import max_batch_size
 from lightmem.estimate.settings import parse_checkpoint, parse_offload
 
 
@@ -128,7 +131,15 @@ def estimate_memory(
         )  # fmt: skip
     targets = parse_checkpoint(checkpoint, flag="estimate_memory(checkpoint=...)")
     info = inspect_batch(batch)
-    return build_estimate(model, batch, settings, info, offload_config, targets, started=started)
+
+    def largest_batch() -> int:
+        """The largest batch that fits the budget without lightmem."""
+        return max_batch_size(
+            model, batch, settings.budget_bytes, loss_fn, optimizer=optimizer, precision=precision, device=device,
+            gpu=gpu, overhead_bytes=overhead_bytes, zero_grad=zero_grad,
+        ).baseline  # fmt: skip
+
+    return build_estimate(model, batch, settings, info, offload_config, targets, started=started, largest_batch=largest_batch)
 
 
 def build_estimate(
@@ -140,15 +151,24 @@ def build_estimate(
     checkpoint: tuple[Any, ...] | None,
     *,
     started: float | None = None,
+    largest_batch: Callable[[], int] | None = None,
 ) -> MemoryEstimate:
     """The report with its advice. Over a budget that activations can be brought under, the
-    advice is the verified plan (the same search as ``plan``), so the two never disagree."""
+    advice is the verified plan (the same search as ``plan``), so the two never disagree. With a
+    budget, where the loss's logits dominate the step, ``largest_batch()`` (a search of the largest
+    batch without lightmem) is asked as the loss is written and with it priced as chunked
+    (``MemoryEstimate.chunked_loss``)."""
     started = time.perf_counter() if started is None else started
     estimate, baseline = build_report(model, batch, settings, info, offload, checkpoint)
     verified = None
     over_budget = estimate.budget_bytes is not None and not estimate.baseline_fits
     if over_budget and not estimate.static_exceeds_budget:
         verified = search_plan(model, batch, settings, info, estimate, costs_for(settings, baseline, parse_offload(True, flag="estimate_memory(offload=...)")))
+    if largest_batch is not None and estimate.budget_bytes is not None and dominant_logits(estimate) is not None:
+        with contextlib.suppress(ValueError):  # a batch without a batch dimension to scale
+            estimate.chunked_loss = ChunkedLossReach(
+                estimate.budget_bytes, largest_with_chunked_loss(largest_batch), largest_batch()
+            )
     estimate.advice = advise(estimate, info, baseline, verified)
     estimate.seconds = time.perf_counter() - started
     return estimate

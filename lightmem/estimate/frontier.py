@@ -25,6 +25,7 @@ from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes, parse_count
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.batch import scalable_batch
+from lightmem.estimate.chunked_loss import largest_with_chunked_loss
 from lightmem.estimate.configuration import parse_settings
 from lightmem.estimate.planner import AUTO_POLICY, plan
 from lightmem.estimate.report import Plan, format_seconds, static_part
@@ -102,6 +103,10 @@ class Frontier:
     seconds: float = 0.0
     reason: str = ""
     """When not even a batch of 1 fits with a plan (no rows): why, as the plan at batch 1 says."""
+    chunked_loss: Frontier | None = None
+    """Where the loss's logits dominate the rows that do not fit: the same rows with the loss priced
+    as chunked (``lightmem.linear_cross_entropy``), and the largest batch a plan then fits; per
+    sample against the same reference."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,6 +117,7 @@ class Frontier:
             "rows": [row.to_dict() for row in self.rows],
             "reason": self.reason,
             "seconds": round(self.seconds, 3),
+            "chunked_loss": self.chunked_loss.to_dict() if self.chunked_loss is not None else None,
         }
 
     def to_text(self) -> str:
@@ -139,7 +145,14 @@ class Frontier:
             else "nothing fits without lightmem (the reference is a batch of 1 with its plan)"
         )  # fmt: skip
         title = f"Frontier on {format_bytes(self.budget_bytes)}: {reference}, largest with a plan {self.largest_batch}"
-        return format_table(rows, headers, title=title, align="rlllrrrrr") + ("\n" + where if where else "") + "\n"
+        text = format_table(rows, headers, title=title, align="rlllrrrrr") + ("\n" + where if where else "") + "\n"
+        if self.chunked_loss is not None:
+            chunked = self.chunked_loss.to_text().split("\n", 1)[1].rsplit("Priced at", 1)[0]
+            text += (
+                f"With a chunked loss (lightmem.linear_cross_entropy; the loss's logits dominate the rows that do not "
+                f"fit): largest with a plan {self.chunked_loss.largest_batch}\n{chunked}"
+            )
+        return text
 
     def print(self) -> None:
         print(self.to_text(), end="")
@@ -306,19 +319,42 @@ def frontier(
             model, batch, budget_bytes, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=size, **common
         )  # fmt: skip
         result.plans[size] = found
-        parts = "; ".join(found.parts()) or "nothing"
-        if not found.fits:
-            closest = min(found.alternatives, key=lambda option: option.predicted_total_bytes, default=None)
-            parts = closest.description if closest is not None else found.reason
-        result.rows.append(
-            FrontierRow(
-                size, sizes[size], found.fits, parts,
-                found.predicted_total_bytes if found.fits else min(
-                    (o.predicted_total_bytes for o in found.alternatives), default=found.predicted_total_bytes
-                ),
-                found.step_seconds if found.fits else found.baseline_step_seconds, floor_seconds(found),
-                reference_per_sample,
+        result.rows.append(_row(found, size, sizes[size], reference_per_sample))
+    chunked = {size: found.chunked_loss for size, found in result.plans.items() if found.chunked_loss is not None}
+    if chunked:  # the rows a plan does not fit because of the logits, again with the loss priced as chunked
+        what_if = largest_with_chunked_loss(
+            lambda: max_batch_size(
+                model, batch, budget_bytes, loss_fn, plan=True, limit=limit, checkpoint_policy=searched_policy, **common
+            )
+        )  # fmt: skip
+        section = Frontier(budget_bytes, search.baseline, what_if.planned or 0, speeds=result.speeds)
+        if section.largest_batch and section.largest_batch not in chunked:
+            chunked[section.largest_batch] = largest_with_chunked_loss(
+                lambda: plan(
+                    model, batch, budget_bytes, loss_fn, checkpoint_policy=checkpoint_policy,
+                    batch_size=section.largest_batch, **common,
+                )
             )  # fmt: skip
-        )
+        for size in sorted(chunked):
+            section.plans[size] = chunked[size]
+            section.rows.append(_row(chunked[size], size, sizes.get(size, "largest"), reference_per_sample))
+        result.chunked_loss = section
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _row(found: Plan, size: int, label: str, reference_per_sample: float) -> FrontierRow:
+    """The frontier's row for ``found``, the plan at batch ``size`` (its closest configuration
+    when it does not fit)."""
+    parts = "; ".join(found.parts()) or "nothing"
+    if not found.fits:
+        closest = min(found.alternatives, key=lambda option: option.predicted_total_bytes, default=None)
+        parts = closest.description if closest is not None else found.reason
+    return FrontierRow(
+        size, label, found.fits, parts,
+        found.predicted_total_bytes if found.fits else min(
+            (o.predicted_total_bytes for o in found.alternatives), default=found.predicted_total_bytes
+        ),
+        found.step_seconds if found.fits else found.baseline_step_seconds, floor_seconds(found),
+        reference_per_sample,
+    )  # fmt: skip

@@ -50,6 +50,7 @@ from lightmem.config import (
 )
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
+from lightmem.estimate.chunked_loss import plan_with_chunked_loss
 from lightmem.estimate.configuration import EstimateSettings, build_report, costs_for, parse_settings, run_configuration
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.report import (
@@ -676,6 +677,7 @@ def plan(
     Raises:
         ValueError: a bad argument (named in the message).
     """
+    arguments = dict(locals())  # the call as made: asked again with the loss priced as chunked
     started = time.perf_counter()
     if isinstance(checkpoint_policy, str) and checkpoint_policy == AUTO_POLICY:
         return _plan_either_policy(
@@ -693,6 +695,7 @@ def plan(
     assert space.settings.budget_bytes is not None
     result = space.plan(space.settings.budget_bytes)
     space.base.advice = advise(space.base, space.info, space.baseline, result)
+    result.chunked_loss = plan_with_chunked_loss(result, lambda: plan(**arguments))
     result.seconds = time.perf_counter() - started
     return result
 

@@ -195,6 +195,12 @@ class MemoryEstimate:
     op_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)
     """Where the baseline step's priced device time goes: seconds and calls per ``aten`` op (a
     profiler's per-op table sits beside it: ``benchmarks/op_prices.py``)."""
+    loss_logits: Any = None
+    """The baseline step's loss logits and what a chunked loss would leave
+    (``lightmem.estimate.logits.LossLogits``); None: no cross-entropy over a linear layer's output."""
+    chunked_loss: Any = None
+    """With a budget, where the logits dominate the peak: the largest batch without lightmem, as
+    written and with the loss chunked (``lightmem.estimate.chunked_loss.ChunkedLossReach``)."""
 
     @property
     def reserved_bytes(self) -> int:
@@ -324,6 +330,7 @@ class MemoryEstimate:
             "not_modelled": list(self.not_modelled),
             "compiled": self.compiled,
             "seconds": round(self.seconds, 3),
+            "chunked_loss": self.chunked_loss.to_dict() if self.chunked_loss is not None else None,
         }
 
     def _tables(self, max_blocks: int) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -573,6 +580,9 @@ class Plan:
     """The ``step_time.Costs`` the search priced every configuration with (None: not searched)."""
     dominant: str = ""
     """When nothing fits: what dominates the peak of the configuration that came closest."""
+    chunked_loss: Plan | None = None
+    """When nothing fits and the loss's logits dominate the step: the plan for the same batch with
+    the loss priced as chunked (``lightmem.linear_cross_entropy``), fitting or not."""
 
     @property
     def predicted_total_bytes(self) -> int:
@@ -648,6 +658,7 @@ class Plan:
             "alternatives": [option.to_dict() for option in self.alternatives],
             "evaluations": self.evaluations,
             "host_bytes": self.host_bytes,
+            "chunked_loss": self.chunked_loss.to_dict() if self.chunked_loss is not None else None,
             "lightmem_kwargs": {
                 name: policy_name(value) if name == "checkpoint_policy" else value
                 for name, value in self.lightmem_kwargs().items()
@@ -684,7 +695,15 @@ class Plan:
     def describe(self) -> str:
         """What the plan chose, at what predicted cost, what else fitted, and why this one."""
         if not self.fits:
-            return f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
+            text = f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
+            chunked = self.chunked_loss
+            if chunked is not None:
+                text += "\n  with a chunked loss (lightmem.linear_cross_entropy): " + (
+                    f"fits at {format_bytes(chunked.predicted_total_bytes)}: {'; '.join(chunked.parts()) or 'nothing'}; "
+                    f"predicted step {format_seconds(chunked.step_seconds)}" if chunked.fits
+                    else f"does not fit either: {chunked.reason}"
+                )  # fmt: skip
+            return text
         if not self.checkpoint and self.offload is None and not self.offload_optimizer:
             return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
         prices = self.speeds.describe() if self.speeds is not None else (

@@ -49,7 +49,7 @@ from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
 from lightmem.estimate.dry_run_device import DRY_RUN_DEVICE, OnDryRunDevice, known_value
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
-from lightmem.estimate.logits import LOGITS_MIN_SHARE, LossLogits, loss_logits
+from lightmem.estimate.logits import CHUNKED_LOSS, LossLogits, loss_logits, price_as_chunked, pricing_chunked
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
@@ -352,7 +352,11 @@ def _run(
             trace = _steady_step(
                 model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected, failure
             )
-    trace.loss_logits = loss_logits(tracer, trace.peak, named, blocks.repeated)
+    trace.loss_logits = loss_logits(
+        tracer, trace.peak, named, blocks.repeated, product_dtype=precision.autocast_dtype, model=model
+    )
+    if trace.loss_logits is not None and pricing_chunked():
+        trace.peak = price_as_chunked(tracer, trace.loss_logits)
     return trace
 
 
@@ -889,16 +893,16 @@ def _forward_end_usage(
 def dominant_part(trace: StepTrace) -> str:
     """What dominates a traced step's peak, in words, for a message about a step that does not fit:
     where the peak is, its largest part, and the loss's logits with what a chunked loss would
-    leave when they are a large share of it (``LOGITS_MIN_SHARE`` of the peak or more)."""
+    leave and the change that gets it when they are a large share of it (``LossLogits.dominates``)."""
     peak = trace.peak
     part, part_bytes = max(peak.breakdown.items(), key=lambda item: item[1])
     where = f"{peak.phase}: {peak.op}" + (f" in {peak.block}" if peak.block else "")
     text = f"{format_bytes(peak.bytes)} at {where}, {part.replace('_', ' ')} {format_bytes(part_bytes)} of it"
     logits = trace.loss_logits
-    if logits is not None and logits.bytes_at_peak >= LOGITS_MIN_SHARE * peak.bytes:
+    if logits is not None and logits.dominates(peak.bytes):
         text += (
             f"; the loss's logits ({logits.rows:,} x {logits.classes:,}), their float32 copies and gradients take "
-            f"{format_bytes(logits.bytes_at_peak)}: a chunked loss (torch.nn.functional.linear_cross_entropy) "
-            f"would bring the peak to about {format_bytes(logits.peak_bytes_chunked)}"
+            f"{format_bytes(logits.bytes_at_peak)}: a chunked loss ({CHUNKED_LOSS}) would bring the peak to about "
+            f"{format_bytes(logits.peak_bytes_chunked)}"
         )
     return text

@@ -11,7 +11,7 @@ receives a gradient, hence never has optimizer state) can still be taken out of 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightmem.devices import DeviceSpeeds, op_cost
+from lightmem.estimate.call_site import CallSite, call_site
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "workspaces")
 
@@ -139,6 +140,9 @@ class StorageTracer(TorchDispatchMode):
         self.block_kept_bytes: dict[str | None, int] = {}
         self.block_recompute_flops: dict[str | None, float] = {}
         self.excluded: set[int] = set()
+        self.held: list[tuple[int, int, int]] = []
+        """(first event, last event, bytes): memory no traced storage stands for, counted from the
+        first event to the last (a what-if: what a chunked loss keeps in place of the logits)."""
         self.saved: list[int] = []  # record ids in the order autograd first saved them
         self.when_fake_refuses: Any = None
         """Called with (op, args, kwargs) when an op's fake kernel raises: returns (verdict, output,
@@ -147,6 +151,8 @@ class StorageTracer(TorchDispatchMode):
         """Called with (op, (args, kwargs), exception, what when_fake_refuses said) when an op raises."""
         self.log_softmax_inputs: list[tuple[tuple[int, ...], int]] = []
         """(shape, dim) of each log_softmax input of the forward: the loss's logits, usually."""
+        self.log_softmax_sites: list[CallSite | None] = []
+        """The user's statement behind each of ``log_softmax_inputs`` (``call_site``)."""
         self.price: DeviceSpeeds | None = None
         """With speeds, every op of the forward, backward and optimizer step is priced
         (``devices.op_cost``) into ``seconds`` by (phase, block)."""
@@ -182,6 +188,7 @@ class StorageTracer(TorchDispatchMode):
             out = real[1]
         if func is _LOG_SOFTMAX and self.context.phase == "forward":
             self.log_softmax_inputs.append((tuple(args[0].shape), args[1] % max(args[0].dim(), 1)))
+            self.log_softmax_sites.append(call_site())
         correction = self.corrections.get(func)
         if correction is not None:
             out = correction(args, kwargs or {}, out)
@@ -348,12 +355,13 @@ class StorageTracer(TorchDispatchMode):
         """The highest live total inside the measured window and what made it up."""
         records = self.records
         start = self.window.start
-        best, best_at = self._highest(self.excluded)
+        best, best_at = self._highest(self.excluded, self.held)
         # cuBLAS workspaces: allocated in an earlier step, alive throughout this one.
         workspace_bytes = 0 if self.workspaces is None else self.workspaces.total_bytes
         alive = self.alive_at(best_at)
         breakdown = dict.fromkeys(CATEGORIES, 0)
         breakdown["workspaces"] = workspace_bytes
+        breakdown["temporaries"] += _held_at(self.held, best_at)
         inputs = buffers = 0
         for rid in alive:
             record = records[rid]
@@ -370,12 +378,14 @@ class StorageTracer(TorchDispatchMode):
             phase, op, block = "forward", "(start of step)", None
         return PeakInfo(best, breakdown, phase, op, block, best_at, inputs, buffers)
 
-    def peak_bytes_without(self, records: set[int]) -> int:
-        """The peak had ``records`` never been allocated (what a change that avoids them gives)."""
-        return self._highest(self.excluded | records)[0]
+    def peak_bytes_without(self, records: set[int], held: list[tuple[int, int, int]] | None = None) -> int:
+        """The peak had ``records`` never been allocated (what a change that avoids them gives), with
+        ``held`` counted (as ``self.held``) instead."""
+        return self._highest(self.excluded | records, self.held + list(held or ()))[0]
 
-    def _highest(self, excluded: set[int]) -> tuple[int, int]:
-        """(bytes, event index) of the highest live total in the window, ``excluded`` left out."""
+    def _highest(self, excluded: set[int], held: Sequence[tuple[int, int, int]] = ()) -> tuple[int, int]:
+        """(bytes, event index) of the highest live total in the window, ``excluded`` left out and
+        ``held`` counted over its events."""
         records = self.records
         events = self.events
         start, end = self.window.start, self.window.end
@@ -386,17 +396,21 @@ class StorageTracer(TorchDispatchMode):
                 continue
             live += records[rid].nbytes if event > 0 else -records[rid].nbytes
         best, best_at = live, start - 1
+        starts = {first for first, _, _ in held}
         for index in range(start, end):
             event = events[index]
             rid = event - 1 if event > 0 else -event - 1
-            if rid in excluded:
-                continue
-            if event > 0:
-                live += records[rid].nbytes
-                if live > best:
-                    best, best_at = live, index
-            else:
-                live -= records[rid].nbytes
+            grows = index in starts
+            if rid not in excluded:
+                if event > 0:
+                    live += records[rid].nbytes
+                    grows = True
+                else:
+                    live -= records[rid].nbytes
+            if grows:
+                total = live + _held_at(held, index) if held else live
+                if total > best:
+                    best, best_at = total, index
         return best, best_at
 
     def block_at(self, event: int) -> str | None:
@@ -412,6 +426,11 @@ class StorageTracer(TorchDispatchMode):
             else:
                 alive.pop(-event - 1, None)
         return [rid for rid in alive if rid not in self.excluded]
+
+
+def _held_at(held: Sequence[tuple[int, int, int]], index: int) -> int:
+    """The bytes of ``held`` counted at event ``index``."""
+    return sum(nbytes for first, last, nbytes in held if first <= index <= last)
 
 
 @dataclass
