@@ -87,6 +87,9 @@ __all__ = [
     "config_for", "costs_for", "plan", "plan_space", "recompute_s", "saves_bytes", "search_plan",
 ]  # fmt: skip
 _RANK = {KEEP: 0, PARTIAL: 1, OFFLOAD: 2, CHECKPOINT: 3, BOTH: 4}  # a block only moves up this list
+KINDS = ("checkpoint", "offload", "checkpoint + offload")
+"""The three kinds of configuration the space holds, each searched for every model layout; a
+refusal names the closest of each kind."""
 _TRIES_PAST_FIRST_FIT = 3
 """Cheaper candidates verified past a family's first fit before settling on that fit."""
 
@@ -107,20 +110,24 @@ def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
 
 
 def greedy_steps(
-    blocks: Mapping[str, BlockMemory], costs: Costs, start: Mapping[str, str] | None = None
+    blocks: Mapping[str, BlockMemory],
+    costs: Costs,
+    start: Mapping[str, str] | None = None,
+    checkpoint: bool = True,
 ) -> list[tuple[str, str]]:
     """Every action upgrade, cheapest per byte saved first, until none saves more.
 
     Repeated layers (``planned_blocks``) may be checkpointed, offloaded (their largest tensors
     only, or all) or both; with offload allowed, any other block may be offloaded. Free offloads
     (transfer hidden by compute) come first; a block may later move from offload to checkpoint.
+    ``checkpoint=False``: offloads only.
     """
     actions = dict(start or {})
     checkpointable = planned_blocks(blocks)
     allowed: dict[str, tuple[str, ...]] = {}
     for name, block in blocks.items():
         offloads = (PARTIAL, OFFLOAD) if costs.partial.get(name, (0, 0))[1] else (OFFLOAD,)
-        if name in checkpointable:
+        if name in checkpointable and checkpoint:
             allowed[name] = (*offloads, CHECKPOINT, BOTH) if costs.allow_offload else (CHECKPOINT,)
         elif costs.allow_offload and name != ROOT_BLOCK:
             allowed[name] = offloads
@@ -205,6 +212,13 @@ class Candidate:
     def offloads(self) -> bool:
         return self.everywhere or bool(self.offload) or bool(self.partial)
 
+    @property
+    def kind(self) -> str:
+        """What the candidate does: one of ``KINDS``."""
+        if self.checkpoint:
+            return KINDS[2] if self.offloads else KINDS[0]
+        return KINDS[1]
+
     def actions(self, blocks: Mapping[str, BlockMemory]) -> dict[str, str]:
         """Per-block actions, for pricing: with ``everywhere``, every block offloads."""
         found = {}
@@ -280,7 +294,7 @@ def _family(name: str, candidates: list[Candidate], blocks: Mapping[str, BlockMe
 
 
 def build_families(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Family]:
-    """The planner's three walks through the space (one on CPU: checkpoint only)."""
+    """The planner's four walks through the space (one on CPU: checkpoint only)."""
     families = []
     checkpoint_only = dataclasses.replace(costs, allow_offload=False)
     actions: dict[str, str] = {}
@@ -293,6 +307,15 @@ def build_families(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Fami
     if not costs.allow_offload:
         return families
     thresholds = {name: threshold for name, (threshold, _) in costs.partial.items()}
+    # Offload alone: any block's largest saved tensors or all of them, cheapest per byte first
+    # (free offloads first), then every saved tensor of at least min_bytes anywhere in the model.
+    actions, candidates = {}, []
+    for name, action in greedy_steps(blocks, costs, checkpoint=False):
+        actions[name] = action
+        candidates.append(Candidate.from_actions(actions, thresholds=thresholds))
+    offload_alone = _family("offload", [*candidates, Candidate(everywhere=True)], blocks, costs)
+    if offload_alone.times[-1].moved_bytes:  # else nothing reaches the threshold
+        families.append(offload_alone)
     actions, candidates = {}, []
     for name, action in greedy_steps(blocks, costs):
         actions[name] = action
@@ -318,9 +341,10 @@ def build_families(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Fami
     return families
 
 
-def _rank(price: StepTime, candidate: Candidate) -> tuple[float, int, int]:
-    """Order of preference: least predicted time; on a tie, fewer bytes moved, fewer re-runs."""
-    return (price.total_s, price.moved_bytes, len(candidate.checkpoint))
+def _rank(price: StepTime, candidate: Candidate) -> tuple[float, int, int, bool]:
+    """Order of preference: least predicted time; on a tie, fewer bytes moved, fewer re-runs, and
+    offload everywhere (LightMem's default: no module list) before the same offload block by block."""
+    return (price.total_s, price.moved_bytes, len(candidate.checkpoint), not candidate.everywhere)
 
 
 class PlanSpace:
@@ -492,7 +516,6 @@ class PlanSpace:
         need = int((baseline_reserved - available) / (1 + settings.fragmentation))  # in allocated bytes
         best: tuple[StepTime, Family, int] | None = None
         fitted: dict[Candidate, tuple[StepTime, str]] = {}
-        refused: list[PlanOption] = []
         for family in sorted(self.families, key=lambda f: min(t.total_s for t in f.times)):
             # What it might offer: its candidates from the first predicted to fit (the start of
             # offload everywhere always: the others may only fit with it).
@@ -502,11 +525,9 @@ class PlanSpace:
                 continue  # a configuration that fits is already at least as fast
             first = self._first_fit(family, available, need, model_state)
             if first is None:
-                last = len(family.candidates) - 1
-                refused.append(self._option(family.candidates[last], False, model_state))
                 continue
 
-            def rank(index: int, family: Family = family) -> tuple[float, int, int]:
+            def rank(index: int, family: Family = family) -> tuple[float, int, int, bool]:
                 return _rank(family.times[index], family.candidates[index])
 
             # The first fit is verified. Cheaper candidates after it are verified nearest first,
@@ -521,7 +542,10 @@ class PlanSpace:
             fitted[family.candidates[chosen]] = (family.times[chosen], family.name)
             if best is None or rank(chosen) < _rank(best[0], best[1].candidates[best[2]]):
                 best = (family.times[chosen], family, chosen)
+        if best is None:  # a configuration verified for another budget may fit this one
+            best = self._fastest_verified_fit(available, model_state)
         result.evaluations = len(self.verified) - before
+        refused = self._closest_refused(available, model_state)
         if best is None and not refused:
             result.reason = (
                 "the model has no blocks to checkpoint and saves no tensor of at least "
@@ -572,6 +596,35 @@ class PlanSpace:
             f"{format_bytes(result.predicted_reserved_bytes)} reserved + overhead {format_bytes(settings.overhead_bytes)}"
         )
         return result
+
+    def _fastest_verified_fit(self, available: int, model_state: bool) -> tuple[StepTime, Family, int] | None:
+        """The fastest configuration already verified that fits ``available``, with its family."""
+        found = None
+        for family in self.families:
+            for index, candidate in enumerate(family.candidates):
+                verified = self.verified.get((candidate, model_state))
+                if verified is None or self.reserved(verified) > available:
+                    continue
+                if found is None or _rank(family.times[index], candidate) < _rank(found[0], found[1].candidates[found[2]]):
+                    found = (family.times[index], family, index)
+        return found
+
+    def _closest_refused(self, available: int, model_state: bool) -> list[PlanOption]:
+        """For each kind of configuration (``KINDS``) none of whose verified ones fits
+        ``available``: the verified one of that kind that came closest."""
+        closest: dict[str, tuple[int, Candidate]] = {}
+        fitting: set[str] = set()
+        for (candidate, state), verified in self.verified.items():
+            if state != model_state or not (candidate.checkpoint or candidate.offloads):
+                continue
+            reserved = self.reserved(verified)
+            if reserved <= available:
+                fitting.add(candidate.kind)
+            elif candidate.kind not in closest or reserved < closest[candidate.kind][0]:
+                closest[candidate.kind] = (reserved, candidate)
+        return [
+            self._option(closest[kind][1], False, model_state) for kind in KINDS if kind in closest and kind not in fitting
+        ]
 
     def step_of(self, candidate: Candidate, verified: Verified) -> StepTime:
         """A verified candidate's step: its re-runs and the bytes its fake step sent per block."""
