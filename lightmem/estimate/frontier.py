@@ -25,8 +25,8 @@ from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_by
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.batch import scalable_batch
 from lightmem.estimate.configuration import parse_settings
-from lightmem.estimate.planner import AUTO_POLICY, plan
-from lightmem.estimate.report import Plan, format_seconds, static_part
+from lightmem.estimate.planner import AUTO_POLICY, allocated_need, plan
+from lightmem.estimate.report import Plan, format_seconds
 from lightmem.estimate.search import max_batch_size
 from lightmem.estimate.settings import parse_planned_offload
 from lightmem.estimate.step_time import CHECKPOINT, saves_bytes, step_time
@@ -155,13 +155,10 @@ def floor_seconds(chosen: Plan) -> float:
     base = chosen.baseline_step_seconds
     settings = chosen.settings
     baseline = estimate.scenarios["baseline"]
-    fragmentation = settings.get("fragmentation", 0.0)
-    dynamic = baseline.peak_bytes - static_part(baseline.breakdown)
-    reserved = baseline.peak_bytes + int(dynamic * fragmentation)
-    over = reserved + chosen.overhead_bytes - chosen.budget_bytes
-    if over <= 0:
+    available = chosen.budget_bytes - chosen.overhead_bytes
+    if baseline.reserved <= available:
         return base
-    need = over / (1 + fragmentation)  # allocated bytes to take off the peak
+    need = allocated_need(baseline.peak_bytes, baseline.reserved, available)  # allocated bytes to take off the peak
     link = chosen.speeds.link_bytes_per_s
     # Re-computation, cheapest seconds per byte first: a piecewise-linear cost of bytes saved. A
     # block's re-run costs what it adds to the step as the plan prices it (the host's launches too).

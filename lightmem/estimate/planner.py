@@ -60,7 +60,6 @@ from lightmem.estimate.report import (
     compact_names,
     natural_order,
     policy_name,
-    static_part,
 )
 from lightmem.estimate.settings import parse_offload, parse_planned_offload
 from lightmem.estimate.step import ROOT_BLOCK, StepTrace, dominant_part
@@ -99,6 +98,13 @@ def model_state_transfer_s(link_bytes: int, costs: Costs) -> float:
     parameter back, in the device's dtype: the estimator's ``model_state_link_bytes``), priced as
     not hidden by compute: an upper bound on what it exposes."""
     return link_bytes / costs.link_bytes_per_s
+
+
+def allocated_need(peak_bytes: int, reserved_bytes: int, available_bytes: int) -> int:
+    """The allocated bytes a step whose allocated peak is ``peak_bytes`` and reserved peak
+    ``reserved_bytes`` must lose to fit ``available_bytes``: the reserved overshoot, in allocated
+    bytes (the allocator's share taken as the step's own)."""
+    return max(0, (reserved_bytes - available_bytes) * peak_bytes // max(reserved_bytes, 1))
 
 
 def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
@@ -280,8 +286,8 @@ class Verified:
     link_bytes: int = 0
     moved: tuple[tuple[str, int], ...] = ()
     dominant: str = ""
-    static_bytes: int = 0
-    """Parameters, gradients, optimizer state and workspaces at the peak (what does not fragment)."""
+    reserved_bytes: int = 0
+    """What the allocator must be able to reserve for the step (``StepTrace.reserved_bytes``)."""
 
 
 def _family(name: str, candidates: list[Candidate], blocks: Mapping[str, BlockMemory], costs: Costs) -> Family:
@@ -389,7 +395,7 @@ class PlanSpace:
             )  # fmt: skip
             found = Verified(
                 trace.peak.bytes, trace.host_bytes, trace.optimizer_link_bytes,
-                tuple(trace.offloaded_by_block.items()), dominant_part(trace), static_part(trace.peak.breakdown),
+                tuple(trace.offloaded_by_block.items()), dominant_part(trace), trace.reserved_bytes,
             )  # fmt: skip
             self.verified[(candidate, model_state)] = found
         return found
@@ -400,13 +406,13 @@ class PlanSpace:
         named = self.base.scenarios.get("offload_optimizer")
         if named is not None:  # run with the report, at the space's batch size
             return Verified(
-                named.peak_bytes, named.host_bytes, named.model_state_link_bytes, static_bytes=static_part(named.breakdown)
+                named.peak_bytes, named.host_bytes, named.model_state_link_bytes, reserved_bytes=named.reserved
             )
         return self.verify(Candidate(), model_state=True)
 
     def reserved(self, verified: Verified) -> int:
-        """What the allocator reserves for a verified step: what must fit the budget."""
-        return self.settings.reserved_bytes(verified.peak_bytes, verified.static_bytes)
+        """What the allocator must be able to reserve for a verified step: what must fit the budget."""
+        return max(verified.reserved_bytes, verified.peak_bytes)
 
     def describe(self, candidate: Candidate) -> str:
         """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
@@ -462,7 +468,7 @@ class PlanSpace:
         # What must fit is what the allocator reserves for a verified (allocated) peak.
         available = budget_bytes - settings.overhead_bytes
         baseline_peak = base.scenarios["baseline"].peak_bytes
-        baseline_reserved = settings.reserved_bytes(baseline_peak, static_part(base.scenarios["baseline"].breakdown))
+        baseline_reserved = base.scenarios["baseline"].reserved
         baseline_s = compute_s(base.blocks, costs)
         result = Plan(
             [], None, baseline_peak, settings.overhead_bytes, budget_bytes, False, "", estimate=base,
@@ -513,7 +519,7 @@ class PlanSpace:
             result.evaluations = len(self.verified) - before
             return result
 
-        need = int((baseline_reserved - available) / (1 + settings.fragmentation))  # in allocated bytes
+        need = allocated_need(baseline_peak, baseline_reserved, available)
         best: tuple[StepTime, Family, int] | None = None
         fitted: dict[Candidate, tuple[StepTime, str]] = {}
         for family in sorted(self.families, key=lambda f: min(t.total_s for t in f.times)):
@@ -863,7 +869,7 @@ def _searched_under(settings: EstimateSettings, costs: Costs, offload: OffloadSe
         "gpu": settings.gpu,
         "speeds": settings.speeds.to_dict() if settings.speeds is not None else None,
         "expandable_segments": settings.expandable_segments,
-        "fragmentation": settings.fragmentation,
+        "allocator": "replayed" if settings.device == "cuda" else None,
         "flops_per_s": costs.flops_per_s,
         "link_bytes_per_s": costs.link_bytes_per_s,
     }

@@ -6,6 +6,11 @@ one is over the budget even at the smallest slope seen, less how far the step fe
 Otherwise the search brackets the answer (a size that fits, the next one that does not)
 with secant steps that fall back to bisection. The answer is always an estimated size that fits;
 the next size is either estimated not to fit or, on a confirmed line, predicted not to.
+
+What must fit is what the caching allocator reserves for the step (its requests replayed:
+``caching_allocator``), which follows the line in steps of its segments, a few MiB at a time: a size
+past the answer can fit again where a segment size comes out even, so the answer is the crossing
+the search lands on, not a promise about every larger size.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ from lightmem.estimate.batch import scalable_batch
 from lightmem.estimate.configuration import parse_settings, run_configuration
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.planner import plan_space
-from lightmem.estimate.report import Plan, static_part
+from lightmem.estimate.report import Plan
 from lightmem.estimate.settings import parse_checkpoint, parse_offload
 
 DEFAULT_LIMIT = 1 << 20
+PLAN_TRIES = 4
+"""Sizes ``max_batch_size(plan=True)`` plans at, from the largest an extreme configuration fits down,
+until the best plan at one fits."""
 
 
 @dataclass
@@ -106,6 +114,8 @@ def largest_fitting(
                     return guess, sorted(seen.items())
     while high - low > 1:
         guess = _affine_guess(seen, budget_bytes, low, high)
+        if guess is not None and guess <= low < high - 1:  # the line crosses just above the size that fits
+            guess = low + 1
         if guess is None or not low < guess < high:
             guess = min(limit, max(1, 2 * low)) if high == limit + 1 else (low + high) // 2
         if evaluate(guess):
@@ -217,7 +227,7 @@ def max_batch_size(
                     model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info,
                     offload_optimizer=model_state,
                 )  # fmt: skip
-                seen[size] = settings.reserved_bytes(trace.peak.bytes, static_part(trace.peak.breakdown)) + settings.overhead_bytes
+                seen[size] = max(trace.reserved_bytes, trace.peak.bytes) + settings.overhead_bytes
             return seen[size]
 
         total.seen = seen  # type: ignore[attr-defined]
@@ -261,8 +271,15 @@ def max_batch_size(
                 result.planned = largest_fitting(total, budget_bytes, result.planned + 1, limit)[0]
         for name, total in extremes.items():
             result.evaluations[f"plan: {name}"] = sorted(total.seen.items())  # type: ignore[attr-defined]
-        if result.planned:
+        # The plan at that size sizes its transfer windows for it: where that tips its step over the
+        # budget, the size below is planned (a few sizes at most: the windows move a few MiB).
+        for _ in range(PLAN_TRIES):
+            if not result.planned:
+                break
             at_size = plan_space(model, batch, loss_fn, batch_size=result.planned, **common)  # type: ignore[arg-type]
             result.plan = at_size.plan(budget_bytes)
+            if result.plan.fits:
+                break
+            result.planned -= 1
     result.seconds = time.perf_counter() - started
     return result

@@ -52,6 +52,8 @@ from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
 from lightmem.estimate.logits import LOGITS_MIN_SHARE, LossLogits, loss_logits
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
+from lightmem.estimate.caching_allocator import StepAllocations
+from lightmem.estimate.caching_allocator import reserved_bytes as allocator_reserved_bytes
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
 from lightmem.lightning_packages import is_lightning_module
 
@@ -90,6 +92,8 @@ class StepRequest:
     ``precision``'s). With ``optimizer_offload.device_dtype``: that dtype."""
     speeds: DeviceSpeeds | None = None
     """Price every op of the step at these speeds (``StepTrace.compute``); None: not priced."""
+    expandable_segments: bool = False
+    """The CUDA allocator maps pages into growing segments (what ``StepTrace.reserved_bytes`` replays)."""
 
 
 @dataclass
@@ -135,6 +139,11 @@ class StepTrace:
     """Ops of the step that cost device time: the host launches each one."""
     op_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)
     """Priced device seconds and calls of each op (``aten`` name), summed over the step."""
+    reserved_bytes: int = 0
+    """What the device's allocator must be able to reserve for the step (CUDA: its requests replayed
+    through the caching allocator, ``caching_allocator.reserved_bytes``; the CPU: the peak)."""
+    allocations: StepAllocations | None = None
+    """The step's device requests in the allocator's order (CUDA only), as replayed."""
 
 
 class EstimateError(RuntimeError):
@@ -467,6 +476,10 @@ def _steady_step(
     _mark_state(tracer, optimizers, request.device)
 
     peak = tracer.peak()
+    reserved, allocations = peak.bytes, None
+    if request.device == "cuda":
+        allocations = tracer.step_allocations()
+        reserved = max(peak.bytes, allocator_reserved_bytes(allocations, request.expandable_segments))
     for (phase, block), seconds in tracer.seconds.items():
         if phase == "backward":
             entry = usage.setdefault(block or ROOT_BLOCK, BlockUsage())
@@ -474,6 +487,8 @@ def _steady_step(
             entry.backward_ops += tracer.ops.get((phase, block), 0)
     return StepTrace(
         peak=peak,
+        reserved_bytes=reserved,
+        allocations=allocations,
         optimizer_s=tracer.seconds.get(("optimizer", None), 0.0),
         priced_ops=tracer.priced_ops,
         op_seconds=dict(tracer.op_seconds),
