@@ -89,7 +89,7 @@ class BlockMemory:
 
 STATIC_PARTS = ("parameters", "gradients", "optimizer_state", "workspaces")
 """The parts of a step's memory that come back at the same sizes every step (the rest, activations
-and temporaries, is what fragments the allocator: ``lightmem.device_memory.FRAGMENTATION``)."""
+and temporaries, changes with the batch)."""
 
 
 def static_part(breakdown: Mapping[str, int]) -> int:
