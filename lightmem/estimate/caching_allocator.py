@@ -116,10 +116,6 @@ class _Block:
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
-    @property
-    def key(self) -> tuple[int, int, int]:
-        return (self.size, self.address, id(self))
-
 
 class CachingAllocator:
     """The allocator's bookkeeping for one device and stream (module docstring), under ``cap_bytes``
@@ -130,7 +126,8 @@ class CachingAllocator:
         self.expandable = expandable
         self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
         self.retries = 0
-        self._free: dict[bool, list[tuple[tuple[int, int, int], _Block]]] = {True: [], False: []}
+        self._free: dict[bool, list[tuple[int, int, int, _Block]]] = {True: [], False: []}
+        """Cached free blocks of each pool by (size, address): the allocator's best-fit order."""
         self._segments = itertools.count()
         self._next_address = 0
         self._heads: dict[bool, _Block] = {}
@@ -142,12 +139,11 @@ class CachingAllocator:
     # -- the pool of cached free blocks ---------------------------------------------------------------
 
     def _insert(self, block: _Block) -> None:
-        bisect.insort(self._free[block.small], (block.key, block))
+        bisect.insort(self._free[block.small], (block.size, block.address, id(block), block))
 
     def _remove(self, block: _Block) -> None:
         pool = self._free[block.small]
-        index = bisect.bisect_left(pool, (block.key,))
-        del pool[index]
+        del pool[bisect.bisect_left(pool, (block.size, block.address, id(block)))]
 
     def _page(self, small: bool) -> int:
         return SMALL_SEGMENT_BYTES if small else LARGE_SEGMENT_BYTES
@@ -199,7 +195,7 @@ class CachingAllocator:
 
     def _cached(self, size: int, small: bool) -> _Block | None:
         pool = self._free[small]
-        index = bisect.bisect_left(pool, ((size, -1, -1),))
+        index = bisect.bisect_left(pool, (size,))
         if index == len(pool):
             return None
         if self.expandable:
@@ -208,9 +204,9 @@ class CachingAllocator:
                 following = block.next
                 return block.size + (following.size if following is not None and not following.mapped else 0)
 
-            while index + 1 < len(pool) and room(pool[index + 1][1]) < room(pool[index][1]):
+            while index + 1 < len(pool) and room(pool[index + 1][3]) < room(pool[index][3]):
                 index += 1
-        return pool.pop(index)[1]
+        return pool.pop(index)[3]
 
     def _grow(self, size: int, small: bool) -> _Block | None:
         """A new segment (or, with expandable segments, newly mapped pages) holding ``size``; None when
@@ -281,7 +277,7 @@ class CachingAllocator:
         with expandable segments, every whole page of a cached free block is unmapped."""
         for small in (True, False):
             pool, self._free[small] = self._free[small], []
-            for _, block in pool:
+            for *_, block in pool:
                 if self.expandable:
                     self._unmap(block)
                 elif block.prev is None and block.next is None:
@@ -385,6 +381,8 @@ def reserved_bytes(allocations: StepAllocations, expandable: bool) -> int:
     high = -(-free.peak_reserved_bytes // grain)
     while not runs_under(allocations, high * grain, expandable):  # the cap checks whole segments
         low, high = high, high + max(1, (high - low) * 2)
+    if high - low > 1 and not runs_under(allocations, (high - 1) * grain, expandable):
+        return high * grain  # what it reserves uncapped: no release helps (often so without expandable segments)
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (low, middle) if runs_under(allocations, middle * grain, expandable) else (middle, high)
