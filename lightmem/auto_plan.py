@@ -46,12 +46,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightmem.config import PlanSettings, format_bytes
+from lightmem.config import PlanSettings, format_bytes, parse_size
 from lightmem.device_memory import (
+    OVERHEAD_GRAIN_BYTES,
     DeviceMemory,
     measure_device_budget,
     measured_speeds,
     memory_to_measure,
+    overhead_for_given_budget,
     overhead_for_measured_budget,
     training_device_memory,
 )
@@ -60,6 +62,7 @@ from lightmem.estimate.batch import batch_shapes
 from lightmem.devices import DeviceSpeeds
 from lightmem.compiled import holds_compiled_modules
 from lightmem.estimate.report import BlockMemory, format_seconds
+from lightmem.estimate.settings import DEFAULT_CUDA_OVERHEAD
 from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.step_time import CHECKPOINT, KEEP, ForwardInterval, forward_intervals
 
@@ -220,6 +223,17 @@ class AutoPlan:
         self.tighter_by_bytes = 0
         """How far the budget the next plans are made for is below ``budget_bytes``: the overshoots
         of the reserved peak measured so far."""
+        self.outside_grown_bytes = 0
+        """What the device's memory outside the allocator grew by past what the plans set aside."""
+        self.looser_by_bytes = 0
+        """How far it is above: half of what a plan's reserved peak stayed under its prediction
+        (``_loosen``), once per fit."""
+        outside = memory.outside_bytes() if memory is not None else 0
+        overhead = plan_overhead_bytes if plan_overhead_bytes is not None else parse_size(DEFAULT_CUDA_OVERHEAD, flag="overhead_bytes")
+        self.outside_allowed_bytes = overhead + (outside if budget_source is not None else 0)
+        """What the device may hold outside the caching allocator before plans are made tighter: the
+        overhead they set aside (and, for a measured budget, what was outside it when measured)."""
+        self._retries_at_plan = 0
         self.replan_reason: str | None = None
         """Why the current plan is to be replaced before the next batch (None: it stands)."""
         self.step_times_s: list[float] = []
@@ -248,7 +262,8 @@ class AutoPlan:
         memory = training_device_memory(device)
         speeds, peaks_reset = measured_speeds(memory) if memory is not None and measure_speeds else (None, False)
         if settings.device_budget_bytes is not None:
-            return cls(settings.device_budget_bytes, memory, speeds=speeds, peaks_reset=peaks_reset)
+            overhead = overhead_for_given_budget(memory, parse_size(DEFAULT_CUDA_OVERHEAD, flag="overhead_bytes"))
+            return cls(settings.device_budget_bytes, memory, plan_overhead_bytes=overhead, speeds=speeds, peaks_reset=peaks_reset)
         memory = memory_to_measure(
             device, flag=settings.flag("plan"), budget_flag="device_budget", subject="'auto'",
             device_named="the training device",
@@ -262,8 +277,9 @@ class AutoPlan:
 
     @property
     def planning_budget_bytes(self) -> int:
-        """The budget the next plan is made for: ``budget_bytes`` less the overshoots measured."""
-        return self.budget_bytes - self.tighter_by_bytes
+        """The budget the next plan is made for: ``budget_bytes`` less the overshoots measured, plus
+        what a plan was measured to leave unused (``looser_by_bytes``)."""
+        return self.budget_bytes - self.tighter_by_bytes - self.outside_grown_bytes + self.looser_by_bytes
 
     def needs_plan(self, batch: Any) -> bool:
         """True for the first batch, for any batch the current plan does not cover, and after a
@@ -290,6 +306,7 @@ class AutoPlan:
         self._first_step_of_plan = True
         self.block_times_s = {}
         self._steps_of_plan = 0
+        self._retries_at_plan = self.memory.alloc_retries() if self.memory is not None else 0
         self.remove_block_timer()
         if module is not None and self.memory is not None and self.speeds is not None:
             self._time_blocks(module, chosen)
@@ -362,15 +379,18 @@ class AutoPlan:
             seconds = self._clock.stop()
             if seconds is not None:
                 self._time_step(seconds)
+        where = f"step {step}" if rank is None else f"step {step} on rank {rank}"
+        self._hold_outside(where)
         predicted, measured = self.predicted_reserved_bytes, self.training_reserved_bytes
         if not measured or predicted <= 0:
             return
         ratio = measured / predicted
         self.worst_ratio = ratio if self.worst_ratio is None else max(self.worst_ratio, ratio)
+        if ratio < 1 - REPLAN_MARGIN:
+            self._loosen(measured, predicted)
         if ratio <= 1 + REPLAN_MARGIN or measured - predicted <= self.tighter_by_bytes:
             return
         self.tighter_by_bytes = measured - predicted
-        where = f"step {step}" if rank is None else f"step {step} on rank {rank}"
         self.replan_reason = (
             f"the reserved peak measured at {where}, {format_bytes(measured)}, passed the predicted "
             f"{format_bytes(predicted)} by more than {REPLAN_MARGIN:.0%}: planned again for a budget "
@@ -385,6 +405,39 @@ class AutoPlan:
                 f"for a budget {format_bytes(self.tighter_by_bytes)} smaller.",
                 stacklevel=2,
             )
+
+    def _hold_outside(self, where: str) -> None:
+        """What the device holds outside the allocator (the context grows as libraries load their
+        kernels in the first steps) against what the plans set aside: past it, the next batch is
+        planned for a budget smaller by the growth."""
+        assert self.memory is not None
+        outside = self.memory.outside_bytes()
+        if outside <= self.outside_allowed_bytes + OVERHEAD_GRAIN_BYTES:
+            return
+        grown = outside - self.outside_allowed_bytes
+        self.outside_grown_bytes += grown
+        self.outside_allowed_bytes = outside
+        self.replan_reason = (
+            f"the device's memory outside the allocator measured at {where}, {format_bytes(outside)}, passed the "
+            f"{format_bytes(outside - grown)} set aside: planned again for a budget {format_bytes(grown)} smaller"
+        )
+
+    def _loosen(self, measured: int, predicted: int) -> None:
+        """Upward: once the plan's first steps are timed, a reserved peak under the prediction by more
+        than ``REPLAN_MARGIN``, reached without an allocator retry (so the allocator's own high, not
+        one held under a limit), leaves room: the next batch is planned for a budget larger by half of
+        it, once per fit (a plan that then passes its prediction is planned tighter again)."""
+        assert self.memory is not None and self.plan is not None
+        if self.looser_by_bytes or self.replan_reason is not None or self._steps_of_plan != TIMED_STEPS + 1:
+            return
+        if not (self.plan.checkpoint or self.plan.offload is not None) or self.memory.alloc_retries() > self._retries_at_plan:
+            return  # nothing to take back, or a peak held under a limit
+        self.looser_by_bytes = (predicted - measured) // 2
+        self.replan_reason = (
+            f"the reserved peak measured over the plan's first steps, {format_bytes(measured)}, is under the predicted "
+            f"{format_bytes(predicted)} by more than {REPLAN_MARGIN:.0%} with no allocator retry: planned again for a "
+            f"budget {format_bytes(self.looser_by_bytes)} larger"
+        )
 
     def _read_block_times(self) -> None:
         """After a batch: end the block clock's step and take every step it has finished timing;

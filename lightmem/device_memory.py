@@ -91,6 +91,23 @@ FRAGMENTATION_MARGIN = 0.05
 them, so a step whose tensors need all of it fails to allocate before reaching it."""
 
 
+OVERHEAD_GRAIN_BYTES = 64 << 20
+"""The memory outside the allocator is set aside in steps of this (what it measures moves by a few
+MiB between reads: cuBLAS and cuDNN handles, the driver's own)."""
+
+
+def overhead_for_given_budget(memory: DeviceMemory | None, default_bytes: int) -> int | None:
+    """The ``overhead_bytes`` of a plan for a given ``device_budget``: what the device holds outside
+    this process's caching allocator now (its CUDA context, libraries' handles), rounded up to
+    ``OVERHEAD_GRAIN_BYTES`` and never more than ``default_bytes`` (the planner's 1 GiB: memory other
+    processes hold is no part of this one's budget); None without a device to read (the default).
+    At fit start the H100 held 0.51 GiB outside the allocator, the H200 0.74 GiB (torch 2.11, CUDA 13)."""
+    if memory is None:
+        return None
+    outside = -(-memory.outside_bytes() // OVERHEAD_GRAIN_BYTES) * OVERHEAD_GRAIN_BYTES
+    return min(outside, default_bytes)
+
+
 NCCL_ALLOWANCE_BYTES = 512 << 20
 """What a plan for a measured budget sets aside with several ranks: NCCL allocates its buffers
 outside the caching allocator as collectives first need them, some after fit start. An allowance,
@@ -123,6 +140,14 @@ class DeviceMemory(Protocol):
 
     def peak_reserved_bytes(self) -> int:
         """The allocator's peak of reserved bytes (``max_memory_reserved``), read the same way."""
+
+    def alloc_retries(self) -> int:
+        """How often the allocator released its cache to serve a request (``num_alloc_retries``):
+        a reserved peak with retries was held under the device's limit, not reached freely."""
+
+    def outside_bytes(self) -> int:
+        """Device memory in use outside this process's caching allocator: its CUDA context and the
+        libraries' handles (and any other process's memory)."""
 
     def speeds(self) -> DeviceSpeeds | None:
         """The device's speeds (measured, or from the table), or None."""
@@ -217,6 +242,13 @@ class CudaMemory:
 
     def peak_reserved_bytes(self) -> int:
         return int(torch.cuda.max_memory_reserved(self.index))
+
+    def alloc_retries(self) -> int:
+        return int(torch.cuda.memory_stats(self.index).get("num_alloc_retries", 0))
+
+    def outside_bytes(self) -> int:
+        free, total = self.free_and_total_bytes()
+        return max(0, total - free - self.held_bytes())
 
     def speeds(self) -> DeviceSpeeds:
         return measure_device_speeds(torch.device("cuda", self.index))
