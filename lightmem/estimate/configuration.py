@@ -188,7 +188,7 @@ def scenario_from(name: str, trace: StepTrace) -> StepMemory:
     return StepMemory(
         name=name,
         peak_bytes=peak.bytes,
-        reserved_bytes=trace.reserved_bytes,
+        reserve=trace.reserve,
         breakdown=dict(peak.breakdown),
         peak_phase=peak.phase,
         peak_op=peak.op,
@@ -270,7 +270,7 @@ def build_report(
         ).step_s
     estimate = MemoryEstimate(
         peak_bytes=chosen.peak_bytes,
-        reserved_peak_bytes=chosen.reserved,
+        reserve=chosen.reserve,
         breakdown=dict(chosen.breakdown),
         peak_phase=chosen.peak_phase,
         peak_op=chosen.peak_op,

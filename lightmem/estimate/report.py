@@ -117,13 +117,14 @@ class StepMemory:
     step_seconds: float = 0.0
     """The predicted time of one step in this configuration on the estimate's device
     (``lightmem.estimate.step_time``): compute, re-runs and transfer not hidden by compute."""
-    reserved_bytes: int = 0
-    """What the allocator must be able to reserve for the step (``StepTrace.reserved_bytes``); 0: the peak."""
+    reserve: Any = field(default=None, repr=False, compare=False)
+    """What the allocator must be able to reserve for the step (``StepTrace.reserve``, worked out
+    when first asked); None: the peak."""
 
     @property
     def reserved(self) -> int:
         """The reserved peak a budget must hold (the allocated peak where nothing was replayed)."""
-        return max(self.reserved_bytes, self.peak_bytes)
+        return max(self.reserve.bytes, self.peak_bytes) if self.reserve is not None else self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -201,15 +202,16 @@ class MemoryEstimate:
     """The ``DeviceSpeeds`` every op and transfer was priced at (``lightmem.devices``)."""
     expandable_segments: bool = False
     """The CUDA allocator's steps were replayed with expandable segments."""
-    reserved_peak_bytes: int = 0
-    """What the allocator must be able to reserve for the configuration asked for (0: the peak)."""
+    reserve: Any = field(default=None, repr=False, compare=False)
+    """What the allocator must be able to reserve for the configuration asked for (``StepTrace.reserve``;
+    None: the peak)."""
     op_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)
     """Where the baseline step's priced device time goes: seconds and calls per ``aten`` op (a
     profiler's per-op table sits beside it: ``benchmarks/op_prices.py``)."""
 
     @property
     def reserved_bytes(self) -> int:
-        return max(self.reserved_peak_bytes, self.peak_bytes)
+        return max(self.reserve.bytes, self.peak_bytes) if self.reserve is not None else self.peak_bytes
 
     @property
     def total_bytes(self) -> int:

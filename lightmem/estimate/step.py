@@ -52,8 +52,7 @@ from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
 from lightmem.estimate.logits import LOGITS_MIN_SHARE, LossLogits, loss_logits
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
-from lightmem.estimate.caching_allocator import StepAllocations
-from lightmem.estimate.caching_allocator import reserved_bytes as allocator_reserved_bytes
+from lightmem.estimate.caching_allocator import Reserve
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
 from lightmem.lightning_packages import is_lightning_module
 
@@ -139,11 +138,13 @@ class StepTrace:
     """Ops of the step that cost device time: the host launches each one."""
     op_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)
     """Priced device seconds and calls of each op (``aten`` name), summed over the step."""
-    reserved_bytes: int = 0
-    """What the device's allocator must be able to reserve for the step (CUDA: its requests replayed
-    through the caching allocator, ``caching_allocator.reserved_bytes``; the CPU: the peak)."""
-    allocations: StepAllocations | None = None
-    """The step's device requests in the allocator's order (CUDA only), as replayed."""
+    reserve: Reserve | None = field(default=None, repr=False)
+    """What the device's allocator must be able to reserve for the step (CUDA: its requests, in the
+    allocator's order, replayed through it; the CPU: the peak), worked out as far as asked."""
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.reserve.bytes if self.reserve is not None else self.peak.bytes
 
 
 class EstimateError(RuntimeError):
@@ -476,10 +477,7 @@ def _steady_step(
     _mark_state(tracer, optimizers, request.device)
 
     peak = tracer.peak()
-    reserved, allocations = peak.bytes, None
-    if request.device == "cuda":
-        allocations = tracer.step_allocations()
-        reserved = max(peak.bytes, allocator_reserved_bytes(allocations, request.expandable_segments))
+    allocations = tracer.step_allocations() if request.device == "cuda" else None
     for (phase, block), seconds in tracer.seconds.items():
         if phase == "backward":
             entry = usage.setdefault(block or ROOT_BLOCK, BlockUsage())
@@ -487,8 +485,7 @@ def _steady_step(
             entry.backward_ops += tracer.ops.get((phase, block), 0)
     return StepTrace(
         peak=peak,
-        reserved_bytes=reserved,
-        allocations=allocations,
+        reserve=Reserve(peak.bytes, allocations, request.expandable_segments),
         optimizer_s=tracer.seconds.get(("optimizer", None), 0.0),
         priced_ops=tracer.priced_ops,
         op_seconds=dict(tracer.op_seconds),
