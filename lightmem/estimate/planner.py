@@ -413,7 +413,7 @@ class PlanSpace:
         """Fake steps this space ran (verified steps found in ``_VERIFIED`` are not run again)."""
         self._memory_key = (
             _model_signature(model), _batch_signature(batch), batch_size, settings.device, settings.precision.name,
-            settings.optimizer.name, id(settings.optimizer.factory), id(settings.loss_fn), settings.zero_grad,
+            settings.optimizer.name, settings.optimizer.factory, settings.loss_fn, settings.zero_grad,
             settings.gpu, settings.expandable_segments,
             repr(settings.optimizer_offload),
         )  # fmt: skip
