@@ -8,10 +8,18 @@ the bytes that must leave the device (its peak over the budget) either re-comput
 plan prices it, cheapest blocks first) or moved over the host link, whose time no schedule can take
 below the bytes over the link's speed each way. The floor assumes perfect overlap and free choice
 of what to move: a plan at the floor hides everything it moves.
+
+Where steps were measured (``Frontier.measured``: ``benchmarks/frontier.py --measure``, the fits of
+``benchmarks/plans_hold.py``), each row's time per sample is told against the measured 1x step, not
+the predicted one (the H200 ran the GPT's 1x at 4.5 ms a sample where 5.5 ms was predicted: against
+the prediction its larger batches looked 18% cheaper than they were), and the floor is taken at the
+pace the 1x step measured (the floor's compute is the step's own), so each measured row's distance to
+it is measured against measured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +59,13 @@ class FrontierRow:
     step_s: float
     floor_s: float
     reference_per_sample_s: float
+    """The reference batch's predicted step per sample."""
+    measured_step_s: float | None = None
+    """The step as measured on a device (None: not measured)."""
+    measured_reference_per_sample_s: float | None = None
+    """The reference batch's measured step per sample (None: the reference was not measured)."""
+    pace: float = 1.0
+    """The reference step measured over predicted: the floor is taken at this pace beside measured steps."""
 
     @property
     def per_sample_s(self) -> float:
@@ -69,6 +84,20 @@ class FrontierRow:
     def floor_vs_reference(self) -> float:
         return self.floor_per_sample_s / self.reference_per_sample_s if self.reference_per_sample_s else 0.0
 
+    @property
+    def measured_vs_reference(self) -> float | None:
+        """Measured time per sample over the reference's measured one."""
+        if self.measured_step_s is None or not self.measured_reference_per_sample_s:
+            return None
+        return self.measured_step_s / self.batch_size / self.measured_reference_per_sample_s
+
+    @property
+    def measured_vs_floor(self) -> float | None:
+        """The measured step over the floor at the measured pace: how far a finer plan could still go."""
+        if self.measured_step_s is None or not self.floor_s:
+            return None
+        return self.measured_step_s / (self.floor_s * self.pace)
+
     def to_dict(self) -> dict[str, Any]:
         """The row, JSON-ready; a row that does not fit has no step to time: its times are None."""
         times = {
@@ -76,9 +105,14 @@ class FrontierRow:
             "floor_seconds": self.floor_s, "floor_per_sample_seconds": self.floor_per_sample_s,
             "floor_vs_reference": self.floor_vs_reference,
         }  # fmt: skip
+        measured = {
+            "measured_step_seconds": self.measured_step_s, "measured_vs_reference": self.measured_vs_reference,
+            "measured_vs_floor": self.measured_vs_floor,
+        }  # fmt: skip
         return {
             "batch_size": self.batch_size, "label": self.label, "fits": self.fits, "plan": self.plan,
             "predicted_total_bytes": self.predicted_total_bytes, **(times if self.fits else dict.fromkeys(times)),
+            **(measured if self.measured_step_s is not None else {}),
         }  # fmt: skip
 
 
@@ -98,6 +132,10 @@ class Frontier:
     """The plan behind each row, by batch size."""
     seconds: float = 0.0
 
+    def measured(self, steps: Mapping[int, float]) -> Frontier:
+        """This frontier with the steps measured on a device (``measured_rows``)."""
+        return dataclasses.replace(self, rows=measured_rows(self.rows, steps))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "budget_bytes": self.budget_bytes,
@@ -109,7 +147,8 @@ class Frontier:
         }
 
     def to_text(self) -> str:
-        """The frontier as a table: one row per batch size."""
+        """The frontier as a table: one row per batch size; with measured steps, their columns after
+        the predicted ones (labelled "measured")."""
         headers = ["batch", "", "plan", "total", "step", "per sample", "vs reference", "floor / sample", "floor vs ref"]
         rows = [
             [
@@ -121,15 +160,40 @@ class Frontier:
             ]
             for row in self.rows
         ]  # fmt: skip
+        if any(row.measured_step_s is not None for row in self.rows):
+            headers += ["measured step", "measured vs measured ref", "measured vs floor"]
+            for cells, row in zip(rows, self.rows):
+                ratio, floor = row.measured_vs_reference, row.measured_vs_floor
+                cells += [
+                    format_seconds(row.measured_step_s) if row.measured_step_s is not None else "-",
+                    f"{ratio:.2f}x" if ratio is not None else "-", f"{floor:.2f}x" if floor is not None else "-",
+                ]
         title = (
             f"Frontier on {format_bytes(self.budget_bytes)}: reference batch {self.reference_batch} (the largest "
             f"without lightmem), largest with a plan {self.largest_batch}"
         )
         where = f"Priced at {self.speeds.describe()}." if self.speeds is not None else ""
-        return format_table(rows, headers, title=title, align="rlllrrrrr") + ("\n" + where if where else "") + "\n"
+        align = "rlllrrrrr" + "rrr" * (len(headers) > 9)
+        return format_table(rows, headers, title=title, align=align) + ("\n" + where if where else "") + "\n"
 
     def print(self) -> None:
         print(self.to_text(), end="")
+
+
+def measured_rows(rows: Sequence[FrontierRow], steps: Mapping[int, float]) -> list[FrontierRow]:
+    """``rows`` with the steps measured on a device (seconds by batch size): each row's time per
+    sample told against the reference's (the "1x" row) measured step, when it ran, and the floor taken
+    at the pace that step measured (module docstring)."""
+    reference = next((row for row in rows if row.label == "1x"), None)
+    measured = steps.get(reference.batch_size) if reference is not None else None
+    per_sample, pace = None, 1.0
+    if reference is not None and measured:
+        per_sample = measured / reference.batch_size
+        pace = measured / reference.step_s if reference.step_s else 1.0
+    return [
+        dataclasses.replace(row, measured_step_s=steps.get(row.batch_size), measured_reference_per_sample_s=per_sample, pace=pace)
+        for row in rows
+    ]
 
 
 def labelled_batches(reference: int, multiples: Sequence[float]) -> dict[int, str]:
