@@ -73,6 +73,8 @@ REPLAN_MARGIN = 0.15
 batch is planned again."""
 TIMED_STEPS = 3
 """Steps after the first whose time is held against the prediction (the first pays warm-ups)."""
+FOLLOW_UP_STEPS = 1
+"""Steps of a plan made again at new prices (its configuration kept) held against its prediction."""
 BLOCK_TIMING_MIN_S = 1e-4
 """Blocks whose forward interval is priced under this are not held to their price: a CUDA event
 pair around a few microseconds times little but the events themselves."""
@@ -247,6 +249,7 @@ class AutoPlan:
         self._reserved_before_batch = 0
         self._warned = False
         self._clock: Any = None
+        self._follow_up = False
 
     @classmethod
     def at_fit_start(
@@ -298,12 +301,15 @@ class AutoPlan:
         """``chosen``, made for batches of ``shapes``, is applied from the current batch on; with
         ``module`` (the model it was made for) and a device that times blocks, the blocks it priced
         are timed in its first steps."""
+        # A plan made again at new prices that chose the same configuration changes nothing on the
+        # device: its first step pays no warm-up, and one step tells whether the new prices hold.
+        self._follow_up = self.plan is not None and self.plan.lightmem_kwargs() == chosen.lightmem_kwargs()
         self.plan, self.planned_shapes = chosen, shapes
         self.predicted_peak_bytes = max(self.predicted_peak_bytes, chosen.predicted_peak_bytes)
         self.predicted_reserved_bytes = max(self.predicted_reserved_bytes, chosen.predicted_reserved_bytes)
         self.replan_reason = None
         self.step_times_s = []
-        self._first_step_of_plan = True
+        self._first_step_of_plan = not self._follow_up
         self.block_times_s = {}
         self._steps_of_plan = 0
         self._retries_at_plan = self.memory.alloc_retries() if self.memory is not None else 0
@@ -540,17 +546,23 @@ class AutoPlan:
 
     def _time_step(self, seconds: float) -> None:
         """One step's device time. The first after a plan pays warm-ups and is not counted; once
-        ``TIMED_STEPS`` are timed their median is held against the prediction, once per plan."""
+        ``TIMED_STEPS`` are timed their median is held against the prediction, and after that the
+        median of the last ``TIMED_STEPS`` at every step (warm-ups that outlast the first step hide
+        the steady pace from the first check). A plan made again at new prices that kept its
+        configuration is held to the next step already (no warm-up to wait out): prices set from
+        steps that were still warming up (GPT-2 on the H200: 70-78 ms, then 61 ms from the fourth
+        step on) are corrected a step later, not three."""
         assert self.plan is not None
         if self._first_step_of_plan:
             self._first_step_of_plan = False
             return
         self.step_times_s.append(seconds)
-        if len(self.step_times_s) != TIMED_STEPS or self.speeds is None or self.plan.step_seconds <= 0:
+        steps = FOLLOW_UP_STEPS if self._follow_up else TIMED_STEPS
+        if len(self.step_times_s) < steps or self.speeds is None or self.plan.step_seconds <= 0:
             return
         if self.replan_reason is not None:  # the blocks' times have asked for it already
             return
-        measured, predicted = statistics.median(self.step_times_s), self.plan.step_seconds
+        measured, predicted = statistics.median(self.step_times_s[-TIMED_STEPS:]), self.plan.step_seconds
         if abs(measured / predicted - 1) <= REPLAN_MARGIN:
             return
         # The machine runs at another pace than priced: the device's compute and the host's launches
