@@ -61,7 +61,7 @@ from plans_hold import GPT2_CAP, _gpt2_ids, _meta_gpt2, _meta_model, fused_adamw
 from lightmem import apply_checkpointing, frontier, measure_device_speeds, offload_activations  # noqa: E402
 from lightmem.config import format_bytes  # noqa: E402
 from lightmem.devices import DeviceSpeeds, cuda_seconds  # noqa: E402
-from lightmem.estimate.frontier import Frontier, FrontierRow  # noqa: E402
+from lightmem.estimate.frontier import Frontier, FrontierRow, measured_rows  # noqa: E402
 from lightmem.estimate.report import format_seconds  # noqa: E402
 from lightmem.tables import format_table  # noqa: E402
 
@@ -259,20 +259,25 @@ def measured_table(result: Any, measured: list[dict[str, Any]], speeds_here: Dev
     """Predicted beside measured, per row (the step time per sample, the reserved peak against the
     predicted total); the verdict line says which steps are within 15%."""
     rows, off = [], []
-    for row, got in zip(result.rows, measured):
+    steps = {row.batch_size: got["step_s"] for row, got in zip(result.rows, measured) if got.get("step_s")}
+    for row, got in zip(measured_rows(result.rows, steps), measured):
         step = got.get("step_s")
         ratio = step / row.step_s if step and row.fits else None
         if ratio is not None and abs(ratio - 1) > WITHIN:
             off.append(f"{row.batch_size} ({ratio:.2f}x)")
         reserved = got.get("reserved")
+        vs_reference, vs_floor = row.measured_vs_reference, row.measured_vs_floor
         rows.append([
             f"{row.batch_size} ({row.label})", row.plan if row.fits else "does not fit",
             format_seconds(row.per_sample_s) if row.fits else "-",
             format_seconds(step / row.batch_size) if step else got["outcome"],
             f"{ratio:.2f}x" if ratio is not None else "-",
+            f"{vs_reference:.2f}x ({row.vs_reference:.2f}x)" if vs_reference is not None else "-",
+            f"{vs_floor:.2f}x" if vs_floor is not None else "-",
             f"{format_bytes(reserved)} of {format_bytes(row.predicted_total_bytes)}" if reserved else "-",
         ])  # fmt: skip
     headers = ["batch", "plan", "predicted per sample", "measured per sample", "measured / predicted step",
+               "per sample vs 1x, measured (predicted)", "measured / floor at the measured pace",
                "peak reserved of predicted"]  # fmt: skip
     ran = [got for got in measured if got.get("step_s")]
     failed = [f"{row.batch_size} ({got['outcome']})" for row, got in zip(result.rows, measured)

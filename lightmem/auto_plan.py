@@ -46,12 +46,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightmem.config import PlanSettings, format_bytes
+from lightmem.config import PlanSettings, format_bytes, parse_size
 from lightmem.device_memory import (
+    OVERHEAD_GRAIN_BYTES,
     DeviceMemory,
     measure_device_budget,
     measured_speeds,
     memory_to_measure,
+    overhead_for_given_budget,
     overhead_for_measured_budget,
     training_device_memory,
 )
@@ -60,6 +62,7 @@ from lightmem.estimate.batch import batch_shapes
 from lightmem.devices import DeviceSpeeds
 from lightmem.compiled import holds_compiled_modules
 from lightmem.estimate.report import BlockMemory, format_seconds
+from lightmem.estimate.settings import DEFAULT_CUDA_OVERHEAD
 from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.step_time import CHECKPOINT, KEEP, ForwardInterval, forward_intervals
 
@@ -70,6 +73,8 @@ REPLAN_MARGIN = 0.15
 batch is planned again."""
 TIMED_STEPS = 3
 """Steps after the first whose time is held against the prediction (the first pays warm-ups)."""
+FOLLOW_UP_STEPS = 1
+"""Steps of a plan made again at new prices (its configuration kept) held against its prediction."""
 BLOCK_TIMING_MIN_S = 1e-4
 """Blocks whose forward interval is priced under this are not held to their price: a CUDA event
 pair around a few microseconds times little but the events themselves."""
@@ -225,6 +230,17 @@ class AutoPlan:
         self.tighter_by_bytes = 0
         """How far the budget the next plans are made for is below ``budget_bytes``: the overshoots
         of the reserved peak measured so far."""
+        self.outside_grown_bytes = 0
+        """What the device's memory outside the allocator grew by past what the plans set aside."""
+        self.looser_by_bytes = 0
+        """How far it is above: half of what a plan's reserved peak stayed under its prediction
+        (``_loosen``), once per fit."""
+        outside = memory.outside_bytes() if memory is not None else 0
+        overhead = plan_overhead_bytes if plan_overhead_bytes is not None else parse_size(DEFAULT_CUDA_OVERHEAD, flag="overhead_bytes")
+        self.outside_allowed_bytes = overhead + (outside if budget_source is not None else 0)
+        """What the device may hold outside the caching allocator before plans are made tighter: the
+        overhead they set aside (and, for a measured budget, what was outside it when measured)."""
+        self._retries_at_plan = 0
         self.replan_reason: str | None = None
         """Why the current plan is to be replaced before the next batch (None: it stands)."""
         self.step_times_s: list[float] = []
@@ -238,6 +254,7 @@ class AutoPlan:
         self._reserved_before_batch = 0
         self._warned = False
         self._clock: Any = None
+        self._follow_up = False
 
     @classmethod
     def at_fit_start(
@@ -253,7 +270,8 @@ class AutoPlan:
         memory = training_device_memory(device)
         speeds, peaks_reset = measured_speeds(memory) if memory is not None and measure_speeds else (None, False)
         if settings.device_budget_bytes is not None:
-            return cls(settings.device_budget_bytes, memory, speeds=speeds, peaks_reset=peaks_reset)
+            overhead = overhead_for_given_budget(memory, parse_size(DEFAULT_CUDA_OVERHEAD, flag="overhead_bytes"))
+            return cls(settings.device_budget_bytes, memory, plan_overhead_bytes=overhead, speeds=speeds, peaks_reset=peaks_reset)
         memory = memory_to_measure(
             device, flag=settings.flag("plan"), budget_flag="device_budget", subject="'auto'",
             device_named="the training device",
@@ -267,8 +285,9 @@ class AutoPlan:
 
     @property
     def planning_budget_bytes(self) -> int:
-        """The budget the next plan is made for: ``budget_bytes`` less the overshoots measured."""
-        return self.budget_bytes - self.tighter_by_bytes
+        """The budget the next plan is made for: ``budget_bytes`` less the overshoots measured, plus
+        what a plan was measured to leave unused (``looser_by_bytes``)."""
+        return self.budget_bytes - self.tighter_by_bytes - self.outside_grown_bytes + self.looser_by_bytes
 
     def needs_plan(self, batch: Any) -> bool:
         """True for the first batch, for any batch the current plan does not cover, and after a
@@ -287,14 +306,18 @@ class AutoPlan:
         """``chosen``, made for batches of ``shapes``, is applied from the current batch on; with
         ``module`` (the model it was made for) and a device that times blocks, the blocks it priced
         are timed in its first steps."""
+        # A plan made again at new prices that chose the same configuration changes nothing on the
+        # device: its first step pays no warm-up, and one step tells whether the new prices hold.
+        self._follow_up = self.plan is not None and self.plan.lightmem_kwargs() == chosen.lightmem_kwargs()
         self.plan, self.planned_shapes = chosen, shapes
         self.predicted_peak_bytes = max(self.predicted_peak_bytes, chosen.predicted_peak_bytes)
         self.predicted_reserved_bytes = max(self.predicted_reserved_bytes, chosen.predicted_reserved_bytes)
         self.replan_reason = None
         self.step_times_s = []
-        self._first_step_of_plan = True
+        self._first_step_of_plan = not self._follow_up
         self.block_times_s = {}
         self._steps_of_plan = 0
+        self._retries_at_plan = self.memory.alloc_retries() if self.memory is not None else 0
         self.remove_block_timer()
         if module is not None and self.memory is not None and self.speeds is not None:
             self._time_blocks(module, chosen)
@@ -367,15 +390,18 @@ class AutoPlan:
             seconds = self._clock.stop()
             if seconds is not None:
                 self._time_step(seconds)
+        where = f"step {step}" if rank is None else f"step {step} on rank {rank}"
+        self._hold_outside(where)
         predicted, measured = self.predicted_reserved_bytes, self.training_reserved_bytes
         if not measured or predicted <= 0:
             return
         ratio = measured / predicted
         self.worst_ratio = ratio if self.worst_ratio is None else max(self.worst_ratio, ratio)
+        if ratio < 1 - REPLAN_MARGIN:
+            self._loosen(measured, predicted)
         if ratio <= 1 + REPLAN_MARGIN or measured - predicted <= self.tighter_by_bytes:
             return
         self.tighter_by_bytes = measured - predicted
-        where = f"step {step}" if rank is None else f"step {step} on rank {rank}"
         self.replan_reason = (
             f"the reserved peak measured at {where}, {format_bytes(measured)}, passed the predicted "
             f"{format_bytes(predicted)} by more than {REPLAN_MARGIN:.0%}: planned again for a budget "
@@ -390,6 +416,39 @@ class AutoPlan:
                 f"for a budget {format_bytes(self.tighter_by_bytes)} smaller.",
                 stacklevel=2,
             )
+
+    def _hold_outside(self, where: str) -> None:
+        """What the device holds outside the allocator (the context grows as libraries load their
+        kernels in the first steps) against what the plans set aside: past it, the next batch is
+        planned for a budget smaller by the growth."""
+        assert self.memory is not None
+        outside = self.memory.outside_bytes()
+        if outside <= self.outside_allowed_bytes + OVERHEAD_GRAIN_BYTES:
+            return
+        grown = outside - self.outside_allowed_bytes
+        self.outside_grown_bytes += grown
+        self.outside_allowed_bytes = outside
+        self.replan_reason = (
+            f"the device's memory outside the allocator measured at {where}, {format_bytes(outside)}, passed the "
+            f"{format_bytes(outside - grown)} set aside: planned again for a budget {format_bytes(grown)} smaller"
+        )
+
+    def _loosen(self, measured: int, predicted: int) -> None:
+        """Upward: once the plan's first steps are timed, a reserved peak under the prediction by more
+        than ``REPLAN_MARGIN``, reached without an allocator retry (so the allocator's own high, not
+        one held under a limit), leaves room: the next batch is planned for a budget larger by half of
+        it, once per fit (a plan that then passes its prediction is planned tighter again)."""
+        assert self.memory is not None and self.plan is not None
+        if self.looser_by_bytes or self.replan_reason is not None or self._steps_of_plan != TIMED_STEPS + 1:
+            return
+        if not (self.plan.checkpoint or self.plan.offload is not None) or self.memory.alloc_retries() > self._retries_at_plan:
+            return  # nothing to take back, or a peak held under a limit
+        self.looser_by_bytes = (predicted - measured) // 2
+        self.replan_reason = (
+            f"the reserved peak measured over the plan's first steps, {format_bytes(measured)}, is under the predicted "
+            f"{format_bytes(predicted)} by more than {REPLAN_MARGIN:.0%} with no allocator retry: planned again for a "
+            f"budget {format_bytes(self.looser_by_bytes)} larger"
+        )
 
     def _read_block_times(self) -> None:
         """After a batch: end the block clock's step and take every step it has finished timing;
@@ -492,17 +551,23 @@ class AutoPlan:
 
     def _time_step(self, seconds: float) -> None:
         """One step's device time. The first after a plan pays warm-ups and is not counted; once
-        ``TIMED_STEPS`` are timed their median is held against the prediction, once per plan."""
+        ``TIMED_STEPS`` are timed their median is held against the prediction, and after that the
+        median of the last ``TIMED_STEPS`` at every step (warm-ups that outlast the first step hide
+        the steady pace from the first check). A plan made again at new prices that kept its
+        configuration is held to the next step already (no warm-up to wait out): prices set from
+        steps that were still warming up (GPT-2 on the H200: 70-78 ms, then 61 ms from the fourth
+        step on) are corrected a step later, not three."""
         assert self.plan is not None
         if self._first_step_of_plan:
             self._first_step_of_plan = False
             return
         self.step_times_s.append(seconds)
-        if len(self.step_times_s) != TIMED_STEPS or self.speeds is None or self.plan.step_seconds <= 0:
+        steps = FOLLOW_UP_STEPS if self._follow_up else TIMED_STEPS
+        if len(self.step_times_s) < steps or self.speeds is None or self.plan.step_seconds <= 0:
             return
         if self.replan_reason is not None:  # the blocks' times have asked for it already
             return
-        measured, predicted = statistics.median(self.step_times_s), self.plan.step_seconds
+        measured, predicted = statistics.median(self.step_times_s[-TIMED_STEPS:]), self.plan.step_seconds
         if abs(measured / predicted - 1) <= REPLAN_MARGIN:
             return
         # The machine runs at another pace than priced: the device's compute and the host's launches

@@ -21,13 +21,24 @@ def _has_parameters(module: nn.Module) -> bool:
 
 
 def _repeats(container: nn.Module) -> bool:
-    """A container holds repeated layers: two children with parameters share a class."""
-    classes = [type(child) for child in container.children() if _has_parameters(child)]
+    """A container holds repeated layers: two of its layers share a class."""
+    classes = [type(child) for child in container.children() if _is_layer(child)]
     return len(classes) != len(set(classes))
 
 
 def _holds_repeats(module: nn.Module) -> bool:
     return any(isinstance(inner, _CONTAINERS) and _repeats(inner) for inner in module.modules())
+
+
+def _is_stage(module: nn.Module) -> bool:
+    """A plain container (``Sequential``, ``ModuleList``, ``ModuleDict``) holding repeated layers
+    somewhere inside: a group of layers (a ResNet stage), opened, never a layer itself."""
+    return isinstance(module, _CONTAINERS) and _holds_repeats(module)
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """A candidate repeated layer: a module with parameters that is not a group of layers."""
+    return _has_parameters(module) and not _is_stage(module)
 
 
 @dataclass
@@ -74,19 +85,22 @@ def find_blocks(model: nn.Module) -> Blocks:
             if repeated:
                 found.repeated.add(name)
 
-    def open_up(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            qualified = f"{prefix}{name}"
-            if isinstance(child, _CONTAINERS) and _repeats(child):
-                classes = collections.Counter(type(layer) for layer in child.children() if _has_parameters(layer))
-                for inner, layer in child.named_children():
-                    add(f"{qualified}.{inner}", layer, classes[type(layer)] > 1)
-            elif isinstance(child, _CONTAINERS) or _holds_repeats(child):
-                open_up(f"{qualified}.", child)
-            else:
-                add(qualified, child, False)
+    def visit(name: str, module: nn.Module) -> None:
+        if isinstance(module, _CONTAINERS) and _repeats(module):
+            classes = collections.Counter(type(layer) for layer in module.children() if _is_layer(layer))
+            for inner, layer in module.named_children():
+                if _is_stage(layer):  # a stage beside layers: opened in turn
+                    visit(f"{name}.{inner}", layer)
+                else:
+                    add(f"{name}.{inner}", layer, classes[type(layer)] > 1)
+        elif isinstance(module, _CONTAINERS) or _holds_repeats(module):
+            for inner, child in module.named_children():
+                visit(f"{name}.{inner}", child)
+        else:
+            add(name, module, False)
 
-    open_up(prefix, root)
+    for name, child in root.named_children():
+        visit(f"{prefix}{name}", child)
     # The names the user wrote, also on a compiled model: they are checkpoint targets for the plan.
     return Blocks(
         {user_module_name(name): module for name, module in found.modules.items()},

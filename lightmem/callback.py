@@ -74,8 +74,9 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
             than the one planned for is planned for again before its forward, together with every
             batch planned for so far (the elementwise maximum of their shapes). A batch no plan fits
             stops the fit before its forward (``lightmem.PlanDoesNotFit``). The predicted peaks and
-            step are logged beside the measured ones; a reserved peak or a step above its prediction
-            by more than ``lightmem.auto_plan.REPLAN_MARGIN`` (15%) plans the next batch again.
+            step are logged beside the measured ones; a reserved peak above its prediction (or under
+            it, reached without an allocator retry) or a step off it by more than
+            ``lightmem.auto_plan.REPLAN_MARGIN`` (15%) plans the next batch again.
             Expandable segments are turned on unless ``PYTORCH_CUDA_ALLOC_CONF`` is set.
         device_budget: device memory the step must fit in; needs ``plan="auto"``. Without it, the
             budget is what the CUDA training device can give this process, measured at fit start

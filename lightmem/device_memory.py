@@ -23,28 +23,8 @@ import torch
 from lightmem.config import format_bytes
 from lightmem.devices import DeviceSpeeds, measure_device_speeds
 
-FRAGMENTATION = {True: 0.15, False: 0.35}
-"""What the caching allocator reserves beyond a step's allocated peak, as a share of the step's
-dynamic part (activations and temporaries: what is freed and allocated again at other sizes every
-step), with expandable segments (True) and without (False). Parameters, gradients, optimizer state
-and workspaces come back at the same sizes every step and strand nothing. Without expandable
-segments, blocks split and strand memory: on an H100 a plan made for 14.78 GiB allocated ran out of
-memory under a 16 GiB cap at 11.8 GiB allocated and 14.26 GiB reserved, 3.97 GiB of it in inactive
-split blocks, about a third of that step's dynamic bytes (docs/planner.md). Expandable segments map
-pages into one growing segment per stream instead, so a freed range is reused whatever sizes follow;
-on an H200 (torch 2.11) fits under plan="auto" then reserved 14% and 17% of their dynamic bytes
-beyond the allocated peak (docs/gpu-runs/2026-11-27-h200.md)."""
-
 _ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _expandable_set_here = False
-
-
-def reserved_bytes(allocated_bytes: int, fragmentation: float, static_bytes: int = 0) -> int:
-    """What the caching allocator reserves for a step whose allocated peak is ``allocated_bytes``, of
-    which ``static_bytes`` are parameters, gradients, optimizer state and workspaces, at
-    ``fragmentation`` (``FRAGMENTATION[expandable_segments]``; 0 on the CPU): the bytes a plan must
-    fit in the budget."""
-    return allocated_bytes + int(max(0, allocated_bytes - static_bytes) * fragmentation)
 
 
 def allocator_configured_by_user() -> str | None:
@@ -89,8 +69,7 @@ def use_expandable_segments() -> str:
         state = "on" if expandable_segments_on() else "off"
         return (
             f"lightmem: the CUDA allocator is configured by {configured}: lightmem leaves it as it is "
-            f"(expandable segments {state}; plans leave {FRAGMENTATION[expandable_segments_on()]:.0%} for "
-            "fragmentation)"
+            f"(expandable segments {state}; plans replay the allocator so)"
         )
     setter = _allocator_settings_setter()
     if setter is None or not torch.cuda.is_available():
@@ -98,18 +77,35 @@ def use_expandable_segments() -> str:
     try:
         setter("expandable_segments:True")
     except (RuntimeError, ValueError) as error:  # a build or platform without them
-        return f"lightmem: the CUDA allocator's expandable segments could not be turned on ({error}): plans leave " \
-            f"{FRAGMENTATION[False]:.0%} of the activations for fragmentation"
+        return f"lightmem: the CUDA allocator's expandable segments could not be turned on ({error}): plans " \
+            "replay the allocator without them"
     _expandable_set_here = True
     return (
         "lightmem: plan='auto' turned on the CUDA allocator's expandable segments "
-        f"(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for this process; plans leave "
-        f"{FRAGMENTATION[True]:.0%} for fragmentation). Set PYTORCH_CUDA_ALLOC_CONF yourself to choose."
+        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for this process; plans replay the allocator with "
+        "them). Set PYTORCH_CUDA_ALLOC_CONF yourself to choose."
     )
 
 FRAGMENTATION_MARGIN = 0.05
 """Share of the usable device memory left unplanned: the caching allocator rounds blocks and splits
 them, so a step whose tensors need all of it fails to allocate before reaching it."""
+
+
+OVERHEAD_GRAIN_BYTES = 64 << 20
+"""The memory outside the allocator is set aside in steps of this (what it measures moves by a few
+MiB between reads: cuBLAS and cuDNN handles, the driver's own)."""
+
+
+def overhead_for_given_budget(memory: DeviceMemory | None, default_bytes: int) -> int | None:
+    """The ``overhead_bytes`` of a plan for a given ``device_budget``: what the device holds outside
+    this process's caching allocator now (its CUDA context, libraries' handles), rounded up to
+    ``OVERHEAD_GRAIN_BYTES`` and never more than ``default_bytes`` (the planner's 1 GiB: memory other
+    processes hold is no part of this one's budget); None without a device to read (the default).
+    At fit start the H100 held 0.51 GiB outside the allocator, the H200 0.74 GiB (torch 2.11, CUDA 13)."""
+    if memory is None:
+        return None
+    outside = -(-memory.outside_bytes() // OVERHEAD_GRAIN_BYTES) * OVERHEAD_GRAIN_BYTES
+    return min(outside, default_bytes)
 
 
 NCCL_ALLOWANCE_BYTES = 512 << 20
@@ -144,6 +140,14 @@ class DeviceMemory(Protocol):
 
     def peak_reserved_bytes(self) -> int:
         """The allocator's peak of reserved bytes (``max_memory_reserved``), read the same way."""
+
+    def alloc_retries(self) -> int:
+        """How often the allocator released its cache to serve a request (``num_alloc_retries``):
+        a reserved peak with retries was held under the device's limit, not reached freely."""
+
+    def outside_bytes(self) -> int:
+        """Device memory in use outside this process's caching allocator: its CUDA context and the
+        libraries' handles (and any other process's memory)."""
 
     def speeds(self) -> DeviceSpeeds | None:
         """The device's speeds (measured, or from the table), or None."""
@@ -238,6 +242,13 @@ class CudaMemory:
 
     def peak_reserved_bytes(self) -> int:
         return int(torch.cuda.max_memory_reserved(self.index))
+
+    def alloc_retries(self) -> int:
+        return int(torch.cuda.memory_stats(self.index).get("num_alloc_retries", 0))
+
+    def outside_bytes(self) -> int:
+        free, total = self.free_and_total_bytes()
+        return max(0, total - free - self.held_bytes())
 
     def speeds(self) -> DeviceSpeeds:
         return measure_device_speeds(torch.device("cuda", self.index))

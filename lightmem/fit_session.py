@@ -364,7 +364,17 @@ class FitSession:
         assert self.auto_plan is not None
         shapes = self.auto_plan.shapes_to_plan_for(batch)
         replanned_because = self.auto_plan.replan_reason
+        if self.chosen_plan is None:  # the fit waits for it: say so
+            rank_zero_info(
+                f"lightmem: plan='auto' is planning for batches of {format_shapes(shapes)} within a "
+                f"{format_bytes(self.auto_plan.planning_budget_bytes)} device budget (each configuration's step "
+                "traced on fake tensors)"
+            )
         chosen = self._run_planner(trainer, pl_module, batch, shapes)
+        rank_zero_info(
+            f"lightmem: planned batches of {format_shapes(shapes)} in {chosen.seconds:.1f} s "
+            f"({chosen.evaluations} configuration(s) traced on fake tensors)"
+        )
         if not chosen.fits:
             raise PlanDoesNotFit(self._no_fit(trainer, pl_module, batch, shapes, chosen))
         if chosen.offload_optimizer and not self._optimizer_offloaders:

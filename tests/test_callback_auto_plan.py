@@ -26,7 +26,6 @@ from lightmem.auto_plan import REPLAN_MARGIN, TIMED_STEPS, AutoPlan, covers, for
 from lightmem.checkpoint import is_checkpointed
 from lightmem.cli import main
 from lightmem.device_memory import (
-    FRAGMENTATION,
     FRAGMENTATION_MARGIN,
     NCCL_ALLOWANCE_BYTES,
     measure_device_budget,
@@ -92,8 +91,6 @@ def test_the_guide_states_the_margin_and_the_nccl_allowance_the_code_uses():
     assert f"less {margin} for fragmentation" in docstring
     replan = f"{REPLAN_MARGIN:.0%}"
     assert f"passes the prediction by more than {replan}" in readme and f"REPLAN_MARGIN`` ({replan})" in docstring
-    shares = f"({FRAGMENTATION[True]:.0%} with expandable segments, {FRAGMENTATION[False]:.0%} without)"
-    assert shares in readme
     assert f"{NCCL_ALLOWANCE_BYTES >> 20} MiB for the buffers NCCL" in readme
     assert f"({NCCL_ALLOWANCE_BYTES >> 20} MiB, an" in design
 
@@ -736,7 +733,7 @@ def test_expandable_segments_are_turned_on_for_plan_auto_unless_the_user_configu
     assert calls == ["expandable_segments:True"] and device_memory.expandable_segments_on()
     assert line == (
         "lightmem: plan='auto' turned on the CUDA allocator's expandable segments "
-        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for this process; plans leave 15% for fragmentation). "
+        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for this process; plans replay the allocator with them). "
         "Set PYTORCH_CUDA_ALLOC_CONF yourself to choose."
     )
     # The user's settings win: nothing is set, and the line says what holds.
@@ -745,7 +742,7 @@ def test_expandable_segments_are_turned_on_for_plan_auto_unless_the_user_configu
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert device_memory.use_expandable_segments() == (
         "lightmem: the CUDA allocator is configured by PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512: lightmem leaves "
-        "it as it is (expandable segments off; plans leave 35% for fragmentation)"
+        "it as it is (expandable segments off; plans replay the allocator so)"
     )
     assert calls == [] and not device_memory.expandable_segments_on()
 

@@ -62,9 +62,6 @@ def test_cuda_rounds_every_allocation_to_512_bytes_and_keeps_step_counters_on_ho
     assert est.scenarios["baseline"].breakdown["optimizer_state"] == 2 * rounded
     assert all(value % 512 == 0 for value in est.breakdown.values())
     assert est.overhead_bytes == 1 << 30 and est.total_bytes == est.reserved_bytes + (1 << 30)
-    # The allocator's share: of the activations and temporaries, which change size from step to step.
-    dynamic = est.breakdown["activations"] + est.breakdown["temporaries"]
-    assert est.reserved_bytes == est.peak_bytes + int(dynamic * est.fragmentation)
 
 
 def test_real_model_is_left_untouched():

@@ -7,7 +7,6 @@ import torch
 from models import TinyGPT, gpt_loss
 
 from lightmem import estimate_memory, max_batch_size, plan
-from lightmem.device_memory import reserved_bytes
 from lightmem.estimate.planner import BOTH, CHECKPOINT, OFFLOAD, Costs, choose_actions, config_for
 from lightmem.estimate.report import BlockMemory
 from lightmem.estimate.search import largest_fitting
@@ -58,7 +57,7 @@ def test_max_batch_size_answer_fits_and_the_next_size_does_not():
 
 def test_plan_fits_when_the_budget_allows_and_its_flags_verify():
     base = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cuda", overhead_bytes=0)
-    budget = reserved_bytes(base.static_bytes + (base.peak_bytes - base.static_bytes) * 6 // 10, base.fragmentation, base.static_bytes)
+    budget = base.static_bytes + (base.reserved_bytes - base.static_bytes) * 6 // 10
     result = plan(TinyGPT(), _tokens(16), budget, gpt_loss, device="cuda", overhead_bytes=0)
     assert result.fits and result.predicted_total_bytes <= budget
     kwargs = result.lightmem_kwargs()
@@ -83,7 +82,7 @@ def test_plan_fits_when_the_budget_allows_and_its_flags_verify():
 def test_plan_with_offload_off_checkpoints_only_and_verifies():
     # LightMem(plan="auto", offload=False) asks for this plan on a GPU.
     base = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cuda", overhead_bytes=0)
-    budget = reserved_bytes(base.static_bytes + (base.peak_bytes - base.static_bytes) * 6 // 10, base.fragmentation, base.static_bytes)
+    budget = base.static_bytes + (base.reserved_bytes - base.static_bytes) * 6 // 10
     result = plan(TinyGPT(), _tokens(16), budget, gpt_loss, device="cuda", overhead_bytes=0, offload=False)
     assert result.fits and result.checkpoint and result.offload is None
     assert set(result.lightmem_kwargs()) == {"offload", "checkpoint"}

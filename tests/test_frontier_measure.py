@@ -18,7 +18,7 @@ from models import TinyGPT, gpt_loss
 from lightmem import plan
 from lightmem.checkpoint import is_checkpointed
 from lightmem.config import OffloadSettings
-from lightmem.estimate.frontier import FrontierRow
+from lightmem.estimate.frontier import FrontierRow, measured_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import frontier as frontier_benchmark  # noqa: E402
@@ -156,3 +156,35 @@ def test_the_verdict_names_rows_that_did_not_run_and_says_when_none_did():
     assert "3.00 GiB of" in text
     none = frontier_benchmark.measured_table(result, [{"outcome": "not run (time limit)"}] * 3)
     assert none.endswith("Verdict: no row ran\n")
+
+
+# The GPT of the GPU runs under 16 GiB, planned at the H100's prices, run on the H200 on 2026-11-28
+# (../shared/gpu-runs/2026-11-28/frontier.json): predicted step and floor, then the measured step.
+H200_GPT = [
+    (10, "1x", 0.055485199913772876, 0.055485199913772876, 0.04538591957092285),
+    (15, "1.5x", 0.08456832250956707, 0.07583287039027652, 0.08309894561767578),
+    (20, "2x", 0.1173258336384596, 0.10673547189814692, 0.11601756668090821),
+    (28, "largest", 0.17300367690687363, 0.15600663752435912, 0.17735049438476563),
+]
+
+
+def test_measured_rows_tell_each_sample_against_the_measured_1x_and_their_distance_to_the_floor():
+    # The H200 ran the 1x step at 4.5 ms a sample where 5.5 ms was predicted: against the prediction
+    # the larger batches cost 9-19% per sample more; against the measured 1x, 22-40%.
+    rows = [FrontierRow(b, label, True, "plan", 0, step, floor, H200_GPT[0][2] / 10) for b, label, step, floor, _ in H200_GPT]
+    measured = measured_rows(rows, {b: got for b, *_, got in H200_GPT})
+    assert [f"{row.vs_reference:.2f}" for row in measured] == ["1.00", "1.02", "1.06", "1.11"]
+    assert [f"{row.measured_vs_reference:.2f}" for row in measured] == ["1.00", "1.22", "1.28", "1.40"]
+    pace = H200_GPT[0][4] / H200_GPT[0][2]  # the device ran the 1x step at 0.82x its price
+    assert [row.measured_vs_floor for row in measured] == [got / (floor * pace) for *_, floor, got in H200_GPT]
+    assert [f"{row.measured_vs_floor:.2f}" for row in measured] == ["1.00", "1.34", "1.33", "1.39"]
+    unmeasured = measured_rows(rows, {15: 0.083})  # without the reference: nothing to tell against
+    assert unmeasured[1].measured_step_s == 0.083 and unmeasured[1].measured_vs_reference is None
+
+
+def test_the_measured_table_tells_per_sample_costs_against_the_measured_1x():
+    rows = [FrontierRow(b, label, True, "plan", 0, step, floor, H200_GPT[0][2] / 10) for b, label, step, floor, _ in H200_GPT]
+    result = SimpleNamespace(rows=rows, speeds=SimpleNamespace(describe=lambda: "an H100 (measured)"))
+    text = frontier_benchmark.measured_table(result, [{"outcome": "ran", "step_s": got} for *_, got in H200_GPT])
+    assert "per sample vs 1x, measured (predicted)" in text and "measured / floor at the measured pace" in text
+    assert "1.40x (1.11x)" in text and "1.39x" in text

@@ -121,7 +121,7 @@ def seed_case():
 
 def test_a_plan_fits_only_thanks_to_the_halved_weights(seed_case, monkeypatch):
     """1.2 GB with a 400 MiB allowance leaves 744 MiB: the fp32 parameters (788 MiB) alone exceed
-    it; in bf16 (394 MiB) the step fits, with the allocator's 5% under expandable segments (which
+    it; in bf16 (394 MiB) the step fits, as the allocator reserves it with expandable segments (which
     ``plan="auto"`` turns on). The settings are LightMem's, parsed once, as ``plan="auto"`` hands
     them to the planner."""
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -15,7 +15,6 @@ from models import TinyGPT, gpt_loss
 from lightmem import LightMem, apply_checkpointing, estimate_memory, offload_activations, plan
 from lightmem.cli import main
 from lightmem.config import LIGHTMEM, OFFLOAD_ACTIVATIONS, OffloadSettings, OptimizerOffloadSettings
-from lightmem.device_memory import reserved_bytes
 from lightmem.estimate.settings import parse_offload
 from lightmem.estimate.step_time import WINDOW_GRAIN_BYTES
 
@@ -145,7 +144,7 @@ def test_a_checkpoint_policy_serves_a_plan_too():
 
 def test_a_plan_offloads_under_the_given_threshold_and_exclusions():
     base = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cuda", overhead_bytes=0)
-    budget = reserved_bytes(base.static_bytes + (base.peak_bytes - base.static_bytes) * 6 // 10, base.fragmentation, base.static_bytes)
+    budget = base.static_bytes + (base.reserved_bytes - base.static_bytes) * 7 // 10
     offload = {"min_bytes": "16KiB", "exclude": ["lm_head"]}
     result = plan(
         TinyGPT(), _tokens(16), budget, gpt_loss, device="cuda", overhead_bytes=0, offload=offload,

@@ -26,7 +26,7 @@ from lightmem.config import (
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.devices import DeviceSpeeds, gpu_key, parse_gpu, resolve_gpu, speeds_for
 from lightmem.compiled import holds_compiled_modules
-from lightmem.device_memory import FRAGMENTATION, expandable_segments_on, reserved_bytes
+from lightmem.device_memory import expandable_segments_on
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
 from lightmem.estimate.settings import (
     OptimizerChoice,
@@ -66,18 +66,8 @@ class EstimateSettings:
     speeds: DeviceSpeeds | None = None
     """What every op, re-run and transfer is priced at (``lightmem.devices``)."""
     expandable_segments: bool = False
-    """The CUDA allocator's expandable segments are on: plans leave less for fragmentation
-    (``lightmem.device_memory.reserved_bytes``)."""
-
-    def reserved_bytes(self, allocated_bytes: int, static_bytes: int = 0) -> int:
-        """What the device's allocator reserves for a step whose allocated peak is ``allocated_bytes``,
-        ``static_bytes`` of them parameters, gradients, optimizer state and workspaces (on the CPU:
-        exactly the peak)."""
-        return reserved_bytes(allocated_bytes, self.fragmentation, static_bytes)
-
-    @property
-    def fragmentation(self) -> float:
-        return FRAGMENTATION[self.expandable_segments] if self.device == "cuda" else 0.0
+    """The CUDA allocator's expandable segments are on: the steps' requests are replayed through
+    them (``StepTrace.reserved_bytes``)."""
 
     @property
     def offload_optimizer(self) -> bool:
@@ -188,6 +178,7 @@ def run_configuration(
         optimizer_offload=model_state if offload_optimizer else None,
         trainable_dtype=trainable_dtype,
         speeds=settings.speeds if priced else None,
+        expandable_segments=settings.expandable_segments,
     )
     return run_step(model, batch, request)
 
@@ -197,6 +188,7 @@ def scenario_from(name: str, trace: StepTrace) -> StepMemory:
     return StepMemory(
         name=name,
         peak_bytes=peak.bytes,
+        reserve=trace.reserve,
         breakdown=dict(peak.breakdown),
         peak_phase=peak.phase,
         peak_op=peak.op,
@@ -278,6 +270,7 @@ def build_report(
         ).step_s
     estimate = MemoryEstimate(
         peak_bytes=chosen.peak_bytes,
+        reserve=chosen.reserve,
         breakdown=dict(chosen.breakdown),
         peak_phase=chosen.peak_phase,
         peak_op=chosen.peak_op,
@@ -295,7 +288,7 @@ def build_report(
         scenarios=scenarios,
         step_seconds=chosen.step_seconds,
         speeds=settings.speeds,
-        fragmentation=settings.fragmentation,
+        expandable_segments=settings.expandable_segments and settings.device == "cuda",
         not_modelled=list(NOT_MODELLED) + (list(CUDA_NOTES) if settings.device == "cuda" else []),
         inputs_bytes=baseline.peak.inputs_bytes,
         offload_optimizer=model_state,

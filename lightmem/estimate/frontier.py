@@ -8,10 +8,18 @@ the bytes that must leave the device (its peak over the budget) either re-comput
 plan prices it, cheapest blocks first) or moved over the host link, whose time no schedule can take
 below the bytes over the link's speed each way. The floor assumes perfect overlap and free choice
 of what to move: a plan at the floor hides everything it moves.
+
+Where steps were measured (``Frontier.measured``: ``benchmarks/frontier.py --measure``, the fits of
+``benchmarks/plans_hold.py``), each row's time per sample is told against the measured 1x step, not
+the predicted one (the H200 ran the GPT's 1x at 4.5 ms a sample where 5.5 ms was predicted: against
+the prediction its larger batches looked 18% cheaper than they were), and the floor is taken at the
+pace the 1x step measured (the floor's compute is the step's own), so each measured row's distance to
+it is measured against measured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 import time
@@ -27,8 +35,8 @@ from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.batch import scalable_batch
 from lightmem.estimate.chunked_loss import largest_with_chunked_loss
 from lightmem.estimate.configuration import parse_settings
-from lightmem.estimate.planner import AUTO_POLICY, plan
-from lightmem.estimate.report import Plan, format_seconds, static_part
+from lightmem.estimate.planner import AUTO_POLICY, allocated_need, plan
+from lightmem.estimate.report import Plan, format_seconds
 from lightmem.estimate.search import max_batch_size
 from lightmem.estimate.settings import parse_planned_offload
 from lightmem.estimate.step_time import CHECKPOINT, saves_bytes, step_time
@@ -55,6 +63,13 @@ class FrontierRow:
     step_s: float
     floor_s: float
     reference_per_sample_s: float
+    """The reference batch's predicted step per sample."""
+    measured_step_s: float | None = None
+    """The step as measured on a device (None: not measured)."""
+    measured_reference_per_sample_s: float | None = None
+    """The reference batch's measured step per sample (None: the reference was not measured)."""
+    pace: float = 1.0
+    """The reference step measured over predicted: the floor is taken at this pace beside measured steps."""
 
     @property
     def per_sample_s(self) -> float:
@@ -73,6 +88,20 @@ class FrontierRow:
     def floor_vs_reference(self) -> float:
         return self.floor_per_sample_s / self.reference_per_sample_s if self.reference_per_sample_s else 0.0
 
+    @property
+    def measured_vs_reference(self) -> float | None:
+        """Measured time per sample over the reference's measured one."""
+        if self.measured_step_s is None or not self.measured_reference_per_sample_s:
+            return None
+        return self.measured_step_s / self.batch_size / self.measured_reference_per_sample_s
+
+    @property
+    def measured_vs_floor(self) -> float | None:
+        """The measured step over the floor at the measured pace: how far a finer plan could still go."""
+        if self.measured_step_s is None or not self.floor_s:
+            return None
+        return self.measured_step_s / (self.floor_s * self.pace)
+
     def to_dict(self) -> dict[str, Any]:
         """The row, JSON-ready; a row that does not fit has no step to time: its times are None."""
         times = {
@@ -80,9 +109,14 @@ class FrontierRow:
             "floor_seconds": self.floor_s, "floor_per_sample_seconds": self.floor_per_sample_s,
             "floor_vs_reference": self.floor_vs_reference,
         }  # fmt: skip
+        measured = {
+            "measured_step_seconds": self.measured_step_s, "measured_vs_reference": self.measured_vs_reference,
+            "measured_vs_floor": self.measured_vs_floor,
+        }  # fmt: skip
         return {
             "batch_size": self.batch_size, "label": self.label, "fits": self.fits, "plan": self.plan,
             "predicted_total_bytes": self.predicted_total_bytes, **(times if self.fits else dict.fromkeys(times)),
+            **(measured if self.measured_step_s is not None else {}),
         }  # fmt: skip
 
 
@@ -108,6 +142,10 @@ class Frontier:
     as chunked (``lightmem.linear_cross_entropy``), and the largest batch a plan then fits; per
     sample against the same reference."""
 
+    def measured(self, steps: Mapping[int, float]) -> Frontier:
+        """This frontier with the steps measured on a device (``measured_rows``)."""
+        return dataclasses.replace(self, rows=measured_rows(self.rows, steps))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "budget_bytes": self.budget_bytes,
@@ -122,30 +160,42 @@ class Frontier:
 
     def to_text(self) -> str:
         """The frontier as a table: one row per batch size, the plan in words wrapped at
-        ``PLAN_WIDTH`` characters."""
+        ``PLAN_WIDTH`` characters; with measured steps, their columns after the predicted ones
+        (labelled "measured")."""
         where = f"Priced at {self.speeds.describe()}." if self.speeds is not None else ""
         if not self.rows:
             title = f"Frontier on {format_bytes(self.budget_bytes)}: no batch fits, not even 1 with a plan: {self.reason}"
             return title + ("\n" + where if where else "") + "\n"
         headers = ["batch", "", "plan", "total", "step", "per sample", "vs reference", "floor / sample", "floor vs ref"]
+        measured = any(row.measured_step_s is not None for row in self.rows)
+        if measured:
+            headers += ["measured step", "measured vs measured ref", "measured vs floor"]
         rows = []
         for row in self.rows:
             text = row.plan if row.fits else f"does not fit; closest: {row.plan}"
             first, *rest = textwrap.wrap(text, PLAN_WIDTH) or [""]
-            rows.append([
+            cells = [
                 str(row.batch_size), row.label, first,
                 format_bytes(row.predicted_total_bytes), format_seconds(row.step_s) if row.fits else "-",
                 format_seconds(row.per_sample_s) if row.fits else "-", f"{row.vs_reference:.2f}x" if row.fits else "-",
                 format_seconds(row.floor_per_sample_s) if row.fits else "-",
                 f"{row.floor_vs_reference:.2f}x" if row.fits else "-",
-            ])  # fmt: skip
-            rows.extend(["", "", line] for line in rest)
+            ]  # fmt: skip
+            if measured:
+                ratio, floor = row.measured_vs_reference, row.measured_vs_floor
+                cells += [
+                    format_seconds(row.measured_step_s) if row.measured_step_s is not None else "-",
+                    f"{ratio:.2f}x" if ratio is not None else "-", f"{floor:.2f}x" if floor is not None else "-",
+                ]
+            rows.append(cells)
+            rows.extend(["", "", line] + [""] * (len(headers) - 3) for line in rest)
         reference = (
             f"reference batch {self.reference_batch} (the largest without lightmem)" if self.reference_batch
             else "nothing fits without lightmem (the reference is a batch of 1 with its plan)"
         )  # fmt: skip
         title = f"Frontier on {format_bytes(self.budget_bytes)}: {reference}, largest with a plan {self.largest_batch}"
-        text = format_table(rows, headers, title=title, align="rlllrrrrr") + ("\n" + where if where else "") + "\n"
+        align = "rlllrrrrr" + "rrr" * measured
+        text = format_table(rows, headers, title=title, align=align) + ("\n" + where if where else "") + "\n"
         if self.chunked_loss is not None:
             chunked = self.chunked_loss.to_text().split("\n", 1)[1].rsplit("Priced at", 1)[0]
             text += (
@@ -165,6 +215,22 @@ class Frontier:
             f"Frontier(budget {format_bytes(self.budget_bytes)}, reference batch {self.reference_batch}, largest "
             f"with a plan {self.largest_batch}, {len(self.rows)} rows; print() for the table)"
         )
+
+
+def measured_rows(rows: Sequence[FrontierRow], steps: Mapping[int, float]) -> list[FrontierRow]:
+    """``rows`` with the steps measured on a device (seconds by batch size): each row's time per
+    sample told against the reference's (the "1x" row) measured step, when it ran, and the floor taken
+    at the pace that step measured (module docstring)."""
+    reference = next((row for row in rows if row.label == "1x"), None)
+    measured = steps.get(reference.batch_size) if reference is not None else None
+    per_sample, pace = None, 1.0
+    if reference is not None and measured:
+        per_sample = measured / reference.batch_size
+        pace = measured / reference.step_s if reference.step_s else 1.0
+    return [
+        dataclasses.replace(row, measured_step_s=steps.get(row.batch_size), measured_reference_per_sample_s=per_sample, pace=pace)
+        for row in rows
+    ]
 
 
 def labelled_batches(reference: int, multiples: Sequence[float]) -> dict[int, str]:
@@ -190,13 +256,10 @@ def floor_seconds(chosen: Plan) -> float:
     base = chosen.baseline_step_seconds
     settings = chosen.settings
     baseline = estimate.scenarios["baseline"]
-    fragmentation = settings.get("fragmentation", 0.0)
-    dynamic = baseline.peak_bytes - static_part(baseline.breakdown)
-    reserved = baseline.peak_bytes + int(dynamic * fragmentation)
-    over = reserved + chosen.overhead_bytes - chosen.budget_bytes
-    if over <= 0:
+    available = chosen.budget_bytes - chosen.overhead_bytes
+    if baseline.reserved <= available:
         return base
-    need = over / (1 + fragmentation)  # allocated bytes to take off the peak
+    need = allocated_need(baseline.peak_bytes, baseline.reserved, available)  # allocated bytes to take off the peak
     link = chosen.speeds.link_bytes_per_s
     # Re-computation, cheapest seconds per byte first: a piecewise-linear cost of bytes saved. A
     # block's re-run costs what it adds to the step as the plan prices it (the host's launches too).

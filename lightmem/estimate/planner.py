@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import (
@@ -50,6 +53,7 @@ from lightmem.config import (
 )
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
+from lightmem.estimate.caching_allocator import Reserve
 from lightmem.estimate.chunked_loss import plan_with_chunked_loss
 from lightmem.estimate.configuration import EstimateSettings, build_report, costs_for, parse_settings, run_configuration
 from lightmem.devices import DeviceSpeeds
@@ -61,7 +65,6 @@ from lightmem.estimate.report import (
     compact_names,
     natural_order,
     policy_name,
-    static_part,
 )
 from lightmem.estimate.settings import parse_offload, parse_planned_offload
 from lightmem.estimate.step import ROOT_BLOCK, StepTrace, dominant_part
@@ -88,6 +91,9 @@ __all__ = [
     "config_for", "costs_for", "plan", "plan_space", "recompute_s", "saves_bytes", "search_plan",
 ]  # fmt: skip
 _RANK = {KEEP: 0, PARTIAL: 1, OFFLOAD: 2, CHECKPOINT: 3, BOTH: 4}  # a block only moves up this list
+KINDS = ("checkpoint", "offload", "checkpoint + offload")
+"""The three kinds of configuration the space holds, each searched for every model layout; a
+refusal names the closest of each kind."""
 _TRIES_PAST_FIRST_FIT = 3
 """Cheaper candidates verified past a family's first fit before settling on that fit."""
 
@@ -99,6 +105,13 @@ def model_state_transfer_s(link_bytes: int, costs: Costs) -> float:
     return link_bytes / costs.link_bytes_per_s
 
 
+def allocated_need(peak_bytes: int, reserved_bytes: int, available_bytes: int) -> int:
+    """The allocated bytes a step whose allocated peak is ``peak_bytes`` and reserved peak
+    ``reserved_bytes`` must lose to fit ``available_bytes``: the reserved overshoot, in allocated
+    bytes (the allocator's share taken as the step's own)."""
+    return max(0, (reserved_bytes - available_bytes) * peak_bytes // max(reserved_bytes, 1))
+
+
 def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
     """The blocks a plan checkpoints: the repeated layers, or every block of a model without any."""
     repeated = {name: block for name, block in blocks.items() if block.repeated}
@@ -108,20 +121,24 @@ def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
 
 
 def greedy_steps(
-    blocks: Mapping[str, BlockMemory], costs: Costs, start: Mapping[str, str] | None = None
+    blocks: Mapping[str, BlockMemory],
+    costs: Costs,
+    start: Mapping[str, str] | None = None,
+    checkpoint: bool = True,
 ) -> list[tuple[str, str]]:
     """Every action upgrade, cheapest per byte saved first, until none saves more.
 
     Repeated layers (``planned_blocks``) may be checkpointed, offloaded (their largest tensors
     only, or all) or both; with offload allowed, any other block may be offloaded. Free offloads
     (transfer hidden by compute) come first; a block may later move from offload to checkpoint.
+    ``checkpoint=False``: offloads only.
     """
     actions = dict(start or {})
     checkpointable = planned_blocks(blocks)
     allowed: dict[str, tuple[str, ...]] = {}
     for name, block in blocks.items():
         offloads = (PARTIAL, OFFLOAD) if costs.partial.get(name, (0, 0))[1] else (OFFLOAD,)
-        if name in checkpointable:
+        if name in checkpointable and checkpoint:
             allowed[name] = (*offloads, CHECKPOINT, BOTH) if costs.allow_offload else (CHECKPOINT,)
         elif costs.allow_offload and name != ROOT_BLOCK:
             allowed[name] = offloads
@@ -206,6 +223,13 @@ class Candidate:
     def offloads(self) -> bool:
         return self.everywhere or bool(self.offload) or bool(self.partial)
 
+    @property
+    def kind(self) -> str:
+        """What the candidate does: one of ``KINDS``."""
+        if self.checkpoint:
+            return KINDS[2] if self.offloads else KINDS[0]
+        return KINDS[1]
+
     def actions(self, blocks: Mapping[str, BlockMemory]) -> dict[str, str]:
         """Per-block actions, for pricing: with ``everywhere``, every block offloads."""
         found = {}
@@ -267,8 +291,8 @@ class Verified:
     link_bytes: int = 0
     moved: tuple[tuple[str, int], ...] = ()
     dominant: str = ""
-    static_bytes: int = 0
-    """Parameters, gradients, optimizer state and workspaces at the peak (what does not fragment)."""
+    reserve: Reserve | None = field(default=None, compare=False, repr=False)
+    """What the allocator must be able to reserve for the step (``StepTrace.reserve``; None: the peak)."""
 
 
 def _family(name: str, candidates: list[Candidate], blocks: Mapping[str, BlockMemory], costs: Costs) -> Family:
@@ -281,7 +305,7 @@ def _family(name: str, candidates: list[Candidate], blocks: Mapping[str, BlockMe
 
 
 def build_families(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Family]:
-    """The planner's three walks through the space (one on CPU: checkpoint only)."""
+    """The planner's four walks through the space (one on CPU: checkpoint only)."""
     families = []
     checkpoint_only = dataclasses.replace(costs, allow_offload=False)
     actions: dict[str, str] = {}
@@ -294,6 +318,15 @@ def build_families(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Fami
     if not costs.allow_offload:
         return families
     thresholds = {name: threshold for name, (threshold, _) in costs.partial.items()}
+    # Offload alone: any block's largest saved tensors or all of them, cheapest per byte first
+    # (free offloads first), then every saved tensor of at least min_bytes anywhere in the model.
+    actions, candidates = {}, []
+    for name, action in greedy_steps(blocks, costs, checkpoint=False):
+        actions[name] = action
+        candidates.append(Candidate.from_actions(actions, thresholds=thresholds))
+    offload_alone = _family("offload", [*candidates, Candidate(everywhere=True)], blocks, costs)
+    if offload_alone.times[-1].moved_bytes:  # else nothing reaches the threshold
+        families.append(offload_alone)
     actions, candidates = {}, []
     for name, action in greedy_steps(blocks, costs):
         actions[name] = action
@@ -319,16 +352,40 @@ def build_families(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Fami
     return families
 
 
-def _rank(price: StepTime, candidate: Candidate) -> tuple[float, int, int]:
-    """Order of preference: least predicted time; on a tie, fewer bytes moved, fewer re-runs."""
-    return (price.total_s, price.moved_bytes, len(candidate.checkpoint))
+def _rank(price: StepTime, candidate: Candidate) -> tuple[float, int, int, bool]:
+    """Order of preference: least predicted time; on a tie, fewer bytes moved, fewer re-runs, and
+    offload everywhere (LightMem's default: no module list) before the same offload block by block."""
+    return (price.total_s, price.moved_bytes, len(candidate.checkpoint), not candidate.everywhere)
+
+
+_VERIFIED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Verified]] = weakref.WeakKeyDictionary()
+"""Verified steps by model, kept across calls: the configuration, batch and every setting that decides
+what a fake step allocates (``_step_key``), never the prices. A re-plan of ``LightMem(plan="auto")``
+for the same batches at new prices, the second checkpoint policy of ``checkpoint_policy="auto"`` (for
+the configurations that re-run nothing) and ``max_batch_size(plan=True)``'s plan at the size it found
+verify nothing twice."""
+
+
+def _model_signature(model: nn.Module) -> tuple[Any, ...]:
+    """What a step's memory depends on in the model: its modules' classes and its parameters' and
+    buffers' names, shapes, dtypes and whether they train (a model changed in place misses)."""
+    return (
+        tuple(type(module).__name__ for module in model.modules()),
+        tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()),
+        tuple((name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()),
+    )
+
+
+def _batch_signature(batch: Any) -> tuple[Any, ...]:
+    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in tree_leaves(batch))
 
 
 class PlanSpace:
     """The planner's space for one model, batch and settings; ``plan(budget)`` searches it.
 
-    Verified steps are remembered by configuration, so asking for several budgets (or the same
-    budget twice) runs each configuration's fake step once.
+    Verified steps are remembered by configuration (``_VERIFIED``: across spaces of the same model,
+    batch and settings too), so asking for several budgets (or the same budget twice) runs each
+    configuration's fake step once.
     """
 
     def __init__(
@@ -353,12 +410,32 @@ class PlanSpace:
         self.families = build_families(base.blocks, costs)
         self.verified: dict[tuple[Candidate, bool], Verified] = {}
         """Verified steps by candidate and whether model state was offloaded."""
+        self.traced = 0
+        """Fake steps this space ran (verified steps found in ``_VERIFIED`` are not run again)."""
+        self._memory_key = (
+            _model_signature(model), _batch_signature(batch), batch_size, settings.device, settings.precision.name,
+            settings.optimizer.name, settings.optimizer.factory, settings.loss_fn, settings.zero_grad,
+            settings.gpu, settings.expandable_segments,
+            repr(settings.optimizer_offload),
+        )  # fmt: skip
+
+    def _step_key(self, candidate: Candidate, model_state: bool) -> tuple[Any, ...]:
+        """What decides the candidate's fake step: the space's memory key, the candidate, its offload
+        settings (windows included) and, when it checkpoints, the policy."""
+        offload = candidate.offload_settings(self.offload)
+        policy = policy_name(self.settings.checkpoint_policy) if candidate.checkpoint else None
+        return (self._memory_key, candidate, model_state, repr(offload.to_dict()) if offload is not None else None, policy)
 
     def verify(self, candidate: Candidate, model_state: bool = False) -> Verified:
         """The candidate's fake step, with model-state offload when ``model_state`` (run once per
         candidate and choice)."""
         found = self.verified.get((candidate, model_state))
+        remembered = _VERIFIED.setdefault(self.model, {})
+        key = self._step_key(candidate, model_state) if found is None else None
+        if key is not None and key in remembered:
+            found = self.verified[(candidate, model_state)] = remembered[key]
         if found is None:
+            self.traced += 1
             trace = run_configuration(
                 self.model, self.batch, self.settings, info=self.info, batch_size=self.batch_size,
                 checkpoint=tuple(candidate.checkpoint_names()) or None,
@@ -366,9 +443,9 @@ class PlanSpace:
             )  # fmt: skip
             found = Verified(
                 trace.peak.bytes, trace.host_bytes, trace.optimizer_link_bytes,
-                tuple(trace.offloaded_by_block.items()), dominant_part(trace), static_part(trace.peak.breakdown),
+                tuple(trace.offloaded_by_block.items()), dominant_part(trace), trace.reserve,
             )  # fmt: skip
-            self.verified[(candidate, model_state)] = found
+            self.verified[(candidate, model_state)] = remembered[key] = found
         return found
 
     def model_state_step(self) -> Verified:
@@ -377,13 +454,19 @@ class PlanSpace:
         named = self.base.scenarios.get("offload_optimizer")
         if named is not None:  # run with the report, at the space's batch size
             return Verified(
-                named.peak_bytes, named.host_bytes, named.model_state_link_bytes, static_bytes=static_part(named.breakdown)
+                named.peak_bytes, named.host_bytes, named.model_state_link_bytes,
+                reserve=named.reserve,
             )
         return self.verify(Candidate(), model_state=True)
 
     def reserved(self, verified: Verified) -> int:
-        """What the allocator reserves for a verified step: what must fit the budget."""
-        return self.settings.reserved_bytes(verified.peak_bytes, verified.static_bytes)
+        """What the allocator must be able to reserve for a verified step: what must fit the budget."""
+        return verified.reserve.bytes if verified.reserve is not None else verified.peak_bytes
+
+    def fits(self, verified: Verified, available: int) -> bool:
+        """Whether a verified step runs with ``available`` bytes reservable (one replay, not the bisection
+        ``reserved`` runs)."""
+        return verified.reserve.fits(available) if verified.reserve is not None else verified.peak_bytes <= available
 
     def describe(self, candidate: Candidate) -> str:
         """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
@@ -407,7 +490,7 @@ class PlanSpace:
         offload raises the peak when a re-run materialises a large block in backward): when
         nothing after the start fits, the start itself (offload alone) is the answer if it fits.
         """
-        fits = lambda index: self.reserved(self.verify(family.candidates[index], model_state)) <= available  # noqa: E731
+        fits = lambda index: self.fits(self.verify(family.candidates[index], model_state), available)  # noqa: E731
         last = len(family.candidates) - 1
         guess = family.guess(need)
         step = 1
@@ -433,13 +516,16 @@ class PlanSpace:
             low, high = (low, probe) if fits(probe) else (probe, high)
         return high
 
-    def plan(self, budget_bytes: int) -> Plan:
-        """The fastest verified configuration within ``budget_bytes`` (overhead allowance included)."""
+    def plan(self, budget_bytes: int, to_beat: Plan | None = None) -> Plan:
+        """The fastest verified configuration within ``budget_bytes`` (overhead allowance included).
+
+        ``to_beat``: a plan that fits, found under the other checkpoint policy; only what this policy
+        changes is searched (walks that re-run something) and only where it could be faster."""
         settings, base, costs = self.settings, self.base, self.costs
         # What must fit is what the allocator reserves for a verified (allocated) peak.
         available = budget_bytes - settings.overhead_bytes
         baseline_peak = base.scenarios["baseline"].peak_bytes
-        baseline_reserved = settings.reserved_bytes(baseline_peak, static_part(base.scenarios["baseline"].breakdown))
+        baseline_reserved = base.scenarios["baseline"].reserved
         baseline_s = compute_s(base.blocks, costs)
         result = Plan(
             [], None, baseline_peak, settings.overhead_bytes, budget_bytes, False, "", estimate=base,
@@ -449,7 +535,7 @@ class PlanSpace:
             predicted_reserved_bytes=baseline_reserved, costs=costs,
         )  # fmt: skip
         result.estimate_kinds = base.block_kinds
-        before = len(self.verified)
+        before = self.traced
         model_state = settings.offload_optimizer
         if base.budget_below_overhead:
             result.reason = base.overhead_shortfall()
@@ -490,14 +576,20 @@ class PlanSpace:
                 if model_state
                 else "the baseline step already fits"
             )
-            result.evaluations = len(self.verified) - before
+            result.evaluations = self.traced - before
             return result
 
-        need = int((baseline_reserved - available) / (1 + settings.fragmentation))  # in allocated bytes
+        need = allocated_need(baseline_peak, baseline_reserved, available)
         best: tuple[StepTime, Family, int] | None = None
         fitted: dict[Candidate, tuple[StepTime, str]] = {}
-        refused: list[PlanOption] = []
-        for family in sorted(self.families, key=lambda f: min(t.total_s for t in f.times)):
+        families = self.families
+        if to_beat is not None and to_beat.fits:
+            added = to_beat.recompute_s + to_beat.exposed_transfer_s
+            families = [
+                family for family in families
+                if any(candidate.checkpoint for candidate in family.candidates) and min(t.total_s for t in family.times) < added
+            ]  # fmt: skip
+        for family in sorted(families, key=lambda f: min(t.total_s for t in f.times)):
             # What it might offer: its candidates from the first predicted to fit (the start of
             # offload everywhere always: the others may only fit with it).
             start = 0 if family.starts_with_offload_alone else family.guess(need)
@@ -506,11 +598,9 @@ class PlanSpace:
                 continue  # a configuration that fits is already at least as fast
             first = self._first_fit(family, available, need, model_state)
             if first is None:
-                last = len(family.candidates) - 1
-                refused.append(self._option(family.candidates[last], False, model_state))
                 continue
 
-            def rank(index: int, family: Family = family) -> tuple[float, int, int]:
+            def rank(index: int, family: Family = family) -> tuple[float, int, int, bool]:
                 return _rank(family.times[index], family.candidates[index])
 
             # The first fit is verified. Cheaper candidates after it are verified nearest first,
@@ -519,13 +609,16 @@ class PlanSpace:
             chosen = first
             for _ in range(_TRIES_PAST_FIRST_FIT):
                 cheaper = [i for i in range(chosen + 1, len(family.candidates)) if rank(i) < rank(chosen)]
-                if not cheaper or self.reserved(self.verify(family.candidates[cheaper[0]], model_state)) > available:
+                if not cheaper or not self.fits(self.verify(family.candidates[cheaper[0]], model_state), available):
                     break
                 chosen = cheaper[0]
             fitted[family.candidates[chosen]] = (family.times[chosen], family.name)
             if best is None or rank(chosen) < _rank(best[0], best[1].candidates[best[2]]):
                 best = (family.times[chosen], family, chosen)
-        result.evaluations = len(self.verified) - before
+        if best is None:  # a configuration verified for another budget may fit this one
+            best = self._fastest_verified_fit(available, model_state)
+        result.evaluations = self.traced - before
+        refused = self._closest_refused(available, model_state)
         if best is None and not refused:
             result.reason = (
                 "the model has no blocks to checkpoint and saves no tensor of at least "
@@ -576,6 +669,36 @@ class PlanSpace:
             f"{format_bytes(result.predicted_reserved_bytes)} reserved + overhead {format_bytes(settings.overhead_bytes)}"
         )
         return result
+
+    def _fastest_verified_fit(self, available: int, model_state: bool) -> tuple[StepTime, Family, int] | None:
+        """The fastest configuration already verified that fits ``available``, with its family."""
+        found = None
+        for family in self.families:
+            for index, candidate in enumerate(family.candidates):
+                verified = self.verified.get((candidate, model_state))
+                if verified is None or not self.fits(verified, available):
+                    continue
+                if found is None or _rank(family.times[index], candidate) < _rank(found[0], found[1].candidates[found[2]]):
+                    found = (family.times[index], family, index)
+        return found
+
+    def _closest_refused(self, available: int, model_state: bool) -> list[PlanOption]:
+        """For each kind of configuration (``KINDS``) none of whose verified ones fits
+        ``available``: the verified one of that kind that came closest."""
+        closest: dict[str, tuple[int, Candidate]] = {}
+        fitting: set[str] = set()
+        for (candidate, state), verified in self.verified.items():
+            if state != model_state or not (candidate.checkpoint or candidate.offloads):
+                continue
+            if self.fits(verified, available):
+                fitting.add(candidate.kind)
+                continue
+            reserved = self.reserved(verified)
+            if candidate.kind not in closest or reserved < closest[candidate.kind][0]:
+                closest[candidate.kind] = (reserved, candidate)
+        return [
+            self._option(closest[kind][1], False, model_state) for kind in KINDS if kind in closest and kind not in fitting
+        ]
 
     def step_of(self, candidate: Candidate, verified: Verified) -> StepTime:
         """A verified candidate's step: its re-runs and the bytes its fake step sent per block."""
@@ -686,14 +809,21 @@ def plan(
             link_bytes_per_s=link_bytes_per_s, offload=offload, offload_optimizer=offload_optimizer,
             batch_size=batch_size,
         )  # fmt: skip
-    space = plan_space(
-        model, batch, loss_fn, budget=budget, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
-        overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
-        link_bytes_per_s=link_bytes_per_s, offload=offload, checkpoint_policy=checkpoint_policy, fn_name="plan",
-        offload_optimizer=offload_optimizer, batch_size=batch_size,
+    return _plan_under(
+        model, batch, budget, loss_fn, started, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
+        overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
+        offload=offload, checkpoint_policy=checkpoint_policy, offload_optimizer=offload_optimizer, batch_size=batch_size,
     )  # fmt: skip
+
+
+def _plan_under(
+    model: nn.Module, batch: Any, budget: int | str, loss_fn: Any, started: float, to_beat: Plan | None = None,
+    **common: Any,
+) -> Plan:
+    """``plan`` under one checkpoint policy (``common``'s), searching only where ``to_beat`` could be beaten."""
+    space = plan_space(model, batch, loss_fn, budget=budget, fn_name="plan", **common)
     assert space.settings.budget_bytes is not None
-    result = space.plan(space.settings.budget_bytes)
+    result = space.plan(space.settings.budget_bytes, to_beat=to_beat)
     space.base.advice = advise(space.base, space.info, space.baseline, result)
     result.chunked_loss = plan_with_chunked_loss(result, lambda: plan(**arguments))
     result.seconds = time.perf_counter() - started
@@ -707,12 +837,16 @@ AUTO_POLICY = "auto"
 def _plan_either_policy(model: nn.Module, batch: Any, budget: int | str, loss_fn: Any, started: float, **common: Any) -> Plan:
     """The faster of the plans under the "full" and "save_matmuls" policies (one that fits before
     one that does not). The second is searched only when the first checkpoints or does not fit:
-    otherwise no block is re-run and the policy changes nothing."""
-    full = plan(model, batch, budget, loss_fn, checkpoint_policy="full", **common)
+    otherwise no block is re-run and the policy changes nothing; and then only along the walks that
+    re-run something, where they could beat the first."""
+    full = _plan_under(model, batch, budget, loss_fn, started, checkpoint_policy="full", **common)
     if full.fits and not full.checkpoint:
         full.seconds = time.perf_counter() - started
         return full
-    matmuls = plan(model, batch, budget, loss_fn, checkpoint_policy="save_matmuls", **common)
+    matmuls = _plan_under(
+        model, batch, budget, loss_fn, started, to_beat=full if full.fits else None, checkpoint_policy="save_matmuls",
+        **common,
+    )  # fmt: skip
     chosen, other = (matmuls, full) if _better(matmuls, full) else (full, matmuls)
     if other.fits:
         chosen.alternatives = [
@@ -816,7 +950,7 @@ def _searched_under(settings: EstimateSettings, costs: Costs, offload: OffloadSe
         "gpu": settings.gpu,
         "speeds": settings.speeds.to_dict() if settings.speeds is not None else None,
         "expandable_segments": settings.expandable_segments,
-        "fragmentation": settings.fragmentation,
+        "allocator": "replayed" if settings.device == "cuda" else None,
         "flops_per_s": costs.flops_per_s,
         "link_bytes_per_s": costs.link_bytes_per_s,
     }

@@ -16,7 +16,6 @@ from typing import Any
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, format_bytes
-from lightmem.device_memory import reserved_bytes
 from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.tracer import CATEGORIES
 from lightmem.tables import format_table
@@ -24,7 +23,8 @@ from lightmem.tables import format_table
 NOT_MODELLED = (
     "the CUDA context and NCCL buffers, which the caching allocator does not count (covered by the "
     "overhead allowance); cuDNN workspaces",
-    "allocator fragmentation and cached-but-free blocks (reserved minus allocated memory)",
+    "the allocator's cache beyond what a step under a cap needs (reserved memory is replayed through the "
+    "caching allocator on the compute stream only; blocks held for copies on other streams are not)",
     "memory a kernel allocates and frees inside itself (e.g. convolution algorithm workspaces)",
     "GradScaler's unscale and gradient clipping temporaries; LR schedulers; logging",
 )
@@ -89,7 +89,7 @@ class BlockMemory:
 
 STATIC_PARTS = ("parameters", "gradients", "optimizer_state", "workspaces")
 """The parts of a step's memory that come back at the same sizes every step (the rest, activations
-and temporaries, is what fragments the allocator: ``lightmem.device_memory.FRAGMENTATION``)."""
+and temporaries, changes with the batch)."""
 
 
 def static_part(breakdown: Mapping[str, int]) -> int:
@@ -117,10 +117,19 @@ class StepMemory:
     step_seconds: float = 0.0
     """The predicted time of one step in this configuration on the estimate's device
     (``lightmem.estimate.step_time``): compute, re-runs and transfer not hidden by compute."""
+    reserve: Any = field(default=None, repr=False, compare=False)
+    """What the allocator must be able to reserve for the step (``StepTrace.reserve``, worked out
+    when first asked); None: the peak."""
+
+    @property
+    def reserved(self) -> int:
+        """The reserved peak a budget must hold (the allocated peak where nothing was replayed)."""
+        return max(self.reserve.bytes, self.peak_bytes) if self.reserve is not None else self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved,
             "step_seconds": self.step_seconds,
             "breakdown": dict(self.breakdown),
             "peak": {"phase": self.peak_phase, "op": self.peak_op, "block": self.peak_block},
@@ -155,8 +164,9 @@ class MemoryEstimate:
     temporaries and workspaces (cuBLAS, CUDA only), summing to ``peak_bytes``: on CUDA the
     prediction of ``torch.cuda.max_memory_allocated``. ``overhead_bytes`` is the allowance for what
     the caching allocator does not count (CUDA context, NCCL) and is never part of the breakdown.
-    ``reserved_bytes`` is what the caching allocator reserves for the peak (its fragmentation
-    allowance, ``lightmem.device_memory.FRAGMENTATION``; the peak itself on the CPU), and
+    ``reserved_bytes`` is what the caching allocator must be able to reserve for the step (its
+    requests replayed through it: ``lightmem.estimate.caching_allocator``; the peak itself on the
+    CPU), and
     ``total_bytes`` = reserved + overhead: what must fit the budget.
     """
 
@@ -190,8 +200,11 @@ class MemoryEstimate:
     for each one), at ``speeds``."""
     speeds: Any = None
     """The ``DeviceSpeeds`` every op and transfer was priced at (``lightmem.devices``)."""
-    fragmentation: float = 0.0
-    """What the device's allocator reserves beyond the allocated peak, as a share of it."""
+    expandable_segments: bool = False
+    """The CUDA allocator's steps were replayed with expandable segments."""
+    reserve: Any = field(default=None, repr=False, compare=False)
+    """What the allocator must be able to reserve for the configuration asked for (``StepTrace.reserve``;
+    None: the peak)."""
     op_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)
     """Where the baseline step's priced device time goes: seconds and calls per ``aten`` op (a
     profiler's per-op table sits beside it: ``benchmarks/op_prices.py``)."""
@@ -204,7 +217,7 @@ class MemoryEstimate:
 
     @property
     def reserved_bytes(self) -> int:
-        return reserved_bytes(self.peak_bytes, self.fragmentation, static_part(self.breakdown))
+        return max(self.reserve.bytes, self.peak_bytes) if self.reserve is not None else self.peak_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -225,8 +238,7 @@ class MemoryEstimate:
         """Whether the step without lightmem fits the budget (None without a budget)."""
         available = self.available_bytes
         baseline = self.scenarios["baseline"]
-        reserved = reserved_bytes(baseline.peak_bytes, self.fragmentation, static_part(baseline.breakdown))
-        return None if available is None else reserved <= available
+        return None if available is None else baseline.reserved <= available
 
     @property
     def static_exceeds_budget(self) -> bool:
@@ -350,11 +362,11 @@ class MemoryEstimate:
             for category in CATEGORIES
             if category != "workspaces" or any(s.breakdown[category] for s in scenarios)
         ]
-        reserved = [reserved_bytes(s.peak_bytes, self.fragmentation, static_part(s.breakdown)) for s in scenarios]
+        reserved = [s.reserved for s in scenarios]
         totals = [r + self.overhead_bytes for r in reserved]
         rows.append(["peak", *(format_bytes(s.peak_bytes) for s in scenarios)])
-        if self.fragmentation:
-            rows.append([f"reserved (+{self.fragmentation:.0%})", *(format_bytes(r) for r in reserved)])
+        if any(r != s.peak_bytes for r, s in zip(reserved, scenarios)):
+            rows.append(["reserved (allocator)", *(format_bytes(r) for r in reserved)])
         rows.append(["overhead", *(format_bytes(self.overhead_bytes) for _ in scenarios)])
         rows.append(["total", *(format_bytes(t) for t in totals)])
         if self.budget_bytes is not None:
@@ -571,7 +583,7 @@ class Plan:
     host_bytes: int = 0
     """Peak host memory the plan's offload holds (pinned), as the estimator's step predicts."""
     predicted_reserved_bytes: int = 0
-    """What the caching allocator reserves for ``predicted_peak_bytes`` (fragmentation included)."""
+    """What the caching allocator must be able to reserve for the plan's step (its requests replayed)."""
     step_seconds: float = 0.0
     baseline_step_seconds: float = 0.0
     speeds: Any = None

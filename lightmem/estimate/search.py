@@ -6,6 +6,11 @@ one is over the budget even at the smallest slope seen, less how far the step fe
 Otherwise the search brackets the answer (a size that fits, the next one that does not)
 with secant steps that fall back to bisection. The answer is always an estimated size that fits;
 the next size is either estimated not to fit or, on a confirmed line, predicted not to.
+
+What must fit is what the caching allocator reserves for the step (its requests replayed:
+``caching_allocator``), which follows the line in steps of its segments, a few MiB at a time: a size
+past the answer can fit again where a segment size comes out even, so the answer is the crossing
+the search lands on, not a promise about every larger size.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ from lightmem.estimate.batch import scalable_batch
 from lightmem.estimate.configuration import parse_settings, run_configuration
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.planner import plan_space
-from lightmem.estimate.report import Plan, static_part
+from lightmem.estimate.report import Plan
 from lightmem.estimate.settings import parse_checkpoint, parse_offload
 from lightmem.tables import format_table
 
 DEFAULT_LIMIT = 1 << 20
+PLAN_TRIES = 4
+"""Sizes ``max_batch_size(plan=True)`` plans at, from the largest an extreme configuration fits down,
+until the best plan at one fits."""
 
 
 @dataclass
@@ -133,6 +141,8 @@ def largest_fitting(
                     return guess, sorted(seen.items())
     while high - low > 1:
         guess = _affine_guess(seen, budget_bytes, low, high)
+        if guess is not None and guess <= low < high - 1:  # the line crosses just above the size that fits
+            guess = low + 1
         if guess is None or not low < guess < high:
             guess = min(limit, max(1, 2 * low)) if high == limit + 1 else (low + high) // 2
         if evaluate(guess):
@@ -245,7 +255,7 @@ def max_batch_size(
                     model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info,
                     offload_optimizer=model_state,
                 )  # fmt: skip
-                seen[size] = settings.reserved_bytes(trace.peak.bytes, static_part(trace.peak.breakdown)) + settings.overhead_bytes
+                seen[size] = max(trace.reserved_bytes, trace.peak.bytes) + settings.overhead_bytes
             return seen[size]
 
         total.seen = seen  # type: ignore[attr-defined]
@@ -256,7 +266,8 @@ def max_batch_size(
     ) -> tuple[int, list[tuple[int, int]]]:
         return largest_fitting(totals(offload_config, targets, model_state), budget_bytes, info.batch_size or 1, limit)
 
-    baseline, baseline_evals = search(None, None)
+    baseline_total = totals(None, None)
+    baseline, baseline_evals = largest_fitting(baseline_total, budget_bytes, info.batch_size or 1, limit)
     result = BatchSearch(baseline, None, budget_bytes, settings.overhead_bytes, {"baseline": baseline_evals})
     if offload_config is not None or targets or settings.offload_optimizer:
         configured, evals = search(offload_config, targets, settings.offload_optimizer)
@@ -274,7 +285,7 @@ def max_batch_size(
         # Whether a plan fits a size is asked of the planner's space at that size: its extremes,
         # with their offload windows, are that size's (at a small batch no saved tensor may reach
         # offload's threshold, and its space has no offload at all). So the answer is a function
-        # of the size alone, whatever batch the search starts from, and the plan there fits.
+        # of the size alone, whatever batch the search starts from.
         spaces: dict[int, Any] = {}
         model_state = settings.offload_optimizer
 
@@ -284,17 +295,21 @@ def max_batch_size(
             return spaces[size]
 
         def planned_total(size: int) -> int:
-            """The least reserved peak + overhead of the step at ``size`` without lightmem and of the
-            extremes of the space at ``size``."""
+            """The least of the step without lightmem and the extremes of the space at ``size``:
+            what the allocator must reserve, plus the overhead allowance. Where none of them fits,
+            the plan at ``size`` decides: a configuration between the extremes can fit where they
+            do not (offloading every saved tensor holds more in flight than offloading most)."""
             space = space_at(size)
-            baseline_step = space.base.scenarios["baseline"]
-            least = space.settings.reserved_bytes(baseline_step.peak_bytes, static_part(baseline_step.breakdown))
+            least = baseline_total(size)
             for candidate in space.extremes():
-                reserved = space.reserved(space.verify(candidate, model_state))
-                name = f"plan: {space.describe(candidate)}"
-                result.evaluations.setdefault(name, []).append((size, reserved + space.settings.overhead_bytes))
-                least = min(least, reserved)
-            return least + space.settings.overhead_bytes
+                total = space.reserved(space.verify(candidate, model_state)) + space.settings.overhead_bytes
+                result.evaluations.setdefault(f"plan: {space.describe(candidate)}", []).append((size, total))
+                least = min(least, total)
+            if least > budget_bytes:
+                found = space.plan(budget_bytes)
+                if found.fits:
+                    least = found.predicted_reserved_bytes + found.overhead_bytes
+            return least
 
         # From the first size that does not fit without lightmem: where the plans start to matter.
         seed = max(1, min(baseline + 1, limit))
@@ -302,7 +317,15 @@ def max_batch_size(
         for name, evaluations in result.evaluations.items():
             if name.startswith("plan: "):
                 evaluations.sort()
-        if result.planned:
+        # The best plan at that size; where the allocator's replay tips it over the budget (the
+        # extremes were asked their smallest reservable cap, the plan whether it runs under the
+        # budget), the size below is planned (a few sizes at most).
+        for _ in range(PLAN_TRIES):
+            if not result.planned:
+                break
             result.plan = space_at(result.planned).plan(budget_bytes)
+            if result.plan.fits:
+                break
+            result.planned -= 1
     result.seconds = time.perf_counter() - started
     return result

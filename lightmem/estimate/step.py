@@ -52,6 +52,7 @@ from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
 from lightmem.estimate.logits import CHUNKED_LOSS, LossLogits, loss_logits, price_as_chunked, pricing_chunked
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
+from lightmem.estimate.caching_allocator import Reserve
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
 from lightmem.lightning_packages import is_lightning_module
 
@@ -90,6 +91,8 @@ class StepRequest:
     ``precision``'s). With ``optimizer_offload.device_dtype``: that dtype."""
     speeds: DeviceSpeeds | None = None
     """Price every op of the step at these speeds (``StepTrace.compute``); None: not priced."""
+    expandable_segments: bool = False
+    """The CUDA allocator maps pages into growing segments (what ``StepTrace.reserved_bytes`` replays)."""
 
 
 @dataclass
@@ -135,6 +138,13 @@ class StepTrace:
     """Ops of the step that cost device time: the host launches each one."""
     op_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)
     """Priced device seconds and calls of each op (``aten`` name), summed over the step."""
+    reserve: Reserve | None = field(default=None, repr=False)
+    """What the device's allocator must be able to reserve for the step (CUDA: its requests, in the
+    allocator's order, replayed through it; the CPU: the peak), worked out as far as asked."""
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.reserve.bytes if self.reserve is not None else self.peak.bytes
 
 
 class EstimateError(RuntimeError):
@@ -455,6 +465,7 @@ def _steady_step(
     _mark_state(tracer, optimizers, request.device)
 
     peak = tracer.peak()
+    allocations = tracer.step_allocations() if request.device == "cuda" else None
     for (phase, block), seconds in tracer.seconds.items():
         if phase == "backward":
             entry = usage.setdefault(block or ROOT_BLOCK, BlockUsage())
@@ -462,6 +473,7 @@ def _steady_step(
             entry.backward_ops += tracer.ops.get((phase, block), 0)
     return StepTrace(
         peak=peak,
+        reserve=Reserve(peak.bytes, allocations, request.expandable_segments),
         optimizer_s=tracer.seconds.get(("optimizer", None), 0.0),
         priced_ops=tracer.priced_ops,
         op_seconds=dict(tracer.op_seconds),

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightmem.devices import DeviceSpeeds, op_cost
+from lightmem.estimate.caching_allocator import ALLOCATE, FREE, FREE_PREVIOUS, StepAllocations
 from lightmem.estimate.call_site import CallSite, call_site
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "workspaces")
@@ -51,6 +52,8 @@ class StorageRecord:
     """Allocated by a forward re-run during backward (activation checkpointing)."""
     last_dim: int = 0
     """Size of the last dimension of the tensor the storage was first seen as (0: a scalar)."""
+    requested: int = 0
+    """Bytes the storage asked for (``nbytes`` is what the allocator hands out for it)."""
 
 
 @dataclass(slots=True)
@@ -266,7 +269,7 @@ class StorageTracer(TorchDispatchMode):
                 rid = None
         if rid is None:
             rid = len(self.records)
-            record = StorageRecord(self._round(nbytes), role, len(self.events))
+            record = StorageRecord(self._round(nbytes), role, len(self.events), requested=nbytes)
             record.last_dim = tensor.shape[-1] if tensor.dim() else 0
             if self.in_recompute:
                 record.recomputed = True
@@ -412,6 +415,55 @@ class StorageTracer(TorchDispatchMode):
                 if total > best:
                     best, best_at = total, index
         return best, best_at
+
+    def step_allocations(self) -> StepAllocations:
+        """The step's device requests in the allocator's order (``caching_allocator.replay``): what
+        was made before the step (parameters, the batch, the previous step's gradients and the
+        optimizer state) by role, the step's own requests and frees, and which of its storages the
+        next step frees as previous gradients (this step's gradients). Excluded storages (state the
+        step never has) are left out; the cuBLAS workspaces are made before the first step."""
+        records, excluded = self.records, self.excluded
+        workspaces = () if self.workspaces is None else (self.workspaces.bytes_each,) * len(self.workspaces.threads)
+        persistent, state, inputs = list(workspaces), [], []
+        slots: dict[int, int] = {}
+        sizes: list[int] = []
+        events: list[tuple[int, int]] = []
+        state_at = -1
+        start, end = self.window.start, self.window.end
+        for index, event in enumerate(self.events[:end]):
+            rid = event - 1 if event > 0 else -event - 1
+            if rid in excluded:
+                continue
+            record = records[rid]
+            if index < start and event > 0:
+                if record.role in (PARAMETER, BUFFER):
+                    persistent.append(record.requested)
+                elif record.role == STATE:
+                    state.append(record.requested)
+                elif record.role == INPUT:
+                    inputs.append(record.requested)
+                continue
+            if index >= start and state_at < 0 and self._context_list[self.event_context[index]][0] == "optimizer":
+                state_at = len(events)
+            if event > 0:
+                slots[rid] = len(sizes)
+                sizes.append(record.requested)
+                events.append((ALLOCATE, slots[rid]))
+            elif rid in slots:
+                events.append((FREE, slots.pop(rid)))
+            elif record.role == GRADIENT:  # the previous step's
+                events.append((FREE_PREVIOUS, record.requested))
+        # Gradients alive at the end are the next step's previous ones where it frees those (with
+        # model-state offload they leave for the host instead: freed as the step ends).
+        frees_previous = any(kind == FREE_PREVIOUS for kind, _ in events)
+        carried = frozenset(
+            slot for rid, slot in slots.items()
+            if frees_previous and (records[rid].role == GRADIENT or records[rid].grad_at >= 0)
+        )  # fmt: skip
+        return StepAllocations(
+            tuple(persistent), tuple(state), state_at if state_at >= 0 else len(events), tuple(inputs),
+            tuple(sizes), tuple(events), carried,
+        )  # fmt: skip
 
     def block_at(self, event: int) -> str | None:
         """The block running when event ``event`` happened (None: outside every block)."""

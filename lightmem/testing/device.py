@@ -32,7 +32,8 @@ class SimulatedDeviceMemory:
     def __init__(
         self, capacity_bytes: int, *, used_by_others_bytes: int = 0, held_bytes: int = 0, peak_bytes: int = 0,
         transport: Any = None, reserved_peak_bytes: int = 0, gpu: str | None = None, step_seconds: float | None = None,
-        measure_peak_bytes: int = 0, block_seconds: dict[str, float] | None = None,
+        measure_peak_bytes: int = 0, block_seconds: dict[str, float] | None = None, alloc_retries: int = 0,
+        context_bytes: int = 0,
     ) -> None:  # fmt: skip
         self.capacity_bytes = capacity_bytes
         self.used_by_others_bytes = used_by_others_bytes
@@ -46,10 +47,20 @@ class SimulatedDeviceMemory:
         self.block_seconds = block_seconds
         """Seconds of each named block's forward its block clock reads (None: no block clock)."""
         self.transport = transport
+        self.retries = alloc_retries
+        """The allocator's ``num_alloc_retries`` (set by the test)."""
+        self.context_bytes = context_bytes
+        """What this process holds outside its allocator (its CUDA context; set by the test)."""
         self.source = f"simulated device of {capacity_bytes} bytes"
 
     def free_and_total_bytes(self) -> tuple[int, int]:
-        return self.capacity_bytes - self.used_by_others_bytes - self.held, self.capacity_bytes
+        return self.capacity_bytes - self.used_by_others_bytes - self.context_bytes - self.held, self.capacity_bytes
+
+    def alloc_retries(self) -> int:
+        return self.retries
+
+    def outside_bytes(self) -> int:
+        return self.used_by_others_bytes + self.context_bytes
 
     def held_bytes(self) -> int:
         return self.held
