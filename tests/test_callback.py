@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import warnings
 
 import pytest
@@ -265,7 +267,7 @@ def test_plan_auto_on_a_cpu_says_what_is_on_at_fit_start_then_plans_at_the_first
     callback = LightMem(plan="auto", device_budget="4.5 MB")
     with caplog.at_level("INFO"):
         _fit(callback)
-    on, budget, chosen = _fit_start_lines(caplog)
+    on, budget, planning, planned, chosen = _fit_start_lines(caplog)
     assert on == (
         "lightmem: on: plan='auto' (at the first training batch it chooses what to checkpoint; on a CPU it never "
         "offloads); host metrics. Off: activation offload (no CUDA device: moving CPU tensors to host memory gains "
@@ -274,6 +276,13 @@ def test_plan_auto_on_a_cpu_says_what_is_on_at_fit_start_then_plans_at_the_first
     assert budget == (
         "lightmem: plan='auto' device budget: 4.5 MB = 4,500,000 bytes (4.29 MiB), in decimal units (kB, MB, GB, "
         "TB: powers of 1000; KiB, MiB, GiB, TiB: of 1024)"
+    )
+    assert planning == (
+        "lightmem: plan='auto' is planning for batches of [4, 33] within a 4.29 MiB device budget (each "
+        "configuration's step traced on fake tensors)"
+    )
+    assert re.fullmatch(
+        r"lightmem: planned batches of \[4, 33\] in \d+\.\d s \(\d+ configuration\(s\) traced on fake tensors\)", planned
     )
     plan = callback.chosen_plan
     assert plan.budget_bytes == 4_500_000 and plan.checkpoint == ["model.blocks.0"]

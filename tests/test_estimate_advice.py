@@ -155,6 +155,22 @@ def test_reach_budget_advice_is_the_verified_plan():
     assert [item.message for item in chosen.estimate.advice if item.rule == "reach-budget"] == [message]
 
 
+def test_reach_budget_counts_what_the_allocator_reserves_as_the_fit_check_does():
+    # A budget the allocated peak fits but the reserved one does not: the step does not fit, and
+    # the bytes it needs are the reserved ones past the budget (they read "-893.83 MiB" for the
+    # GPU runs' GPT at batch 11 under 16 GiB, counted from the allocated peak).
+    from lightmem.config import format_bytes
+
+    base = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cuda", overhead_bytes=0)
+    baseline = base.scenarios["baseline"]
+    assert baseline.reserved > baseline.peak_bytes
+    budget = baseline.peak_bytes + 512 * 1024
+    est = estimate_memory(TinyGPT(), _tokens(16), gpt_loss, device="cuda", overhead_bytes=0, budget=budget)
+    assert est.baseline_fits is False
+    (message,) = [item.message for item in est.advice if item.rule == "reach-budget"]
+    assert f"the step needs {format_bytes(baseline.reserved - budget)} less" in message
+
+
 def test_when_no_plan_fits_the_advice_says_so_with_the_plans_reason():
     from lightmem import plan
 

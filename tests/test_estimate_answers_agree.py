@@ -4,6 +4,8 @@ budget smaller than the overhead allowance is said to be, and results print as s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from models import TinyGPT, gpt_loss
@@ -153,6 +155,9 @@ def test_results_print_as_short_tables_and_have_short_reprs(capsys):
 
 def test_the_frontier_wraps_its_plan_column():
     found = frontier(MLP(), torch.randn(2, 32), "140MiB", _mlp_loss, multiples=(1, 2, 3), **MLP_ARGS)
+    # A plan in many words, as a deep model's offload of named modules reads (over 200 characters).
+    long_plan = "offload " + ", ".join(f"layers.{index} (Layer)" for index in range(12))
+    found.rows[-1] = dataclasses.replace(found.rows[-1], plan=long_plan)
     lines = found.to_text().splitlines()
     assert lines[0] == (
         f"Frontier on 140.00 MiB: reference batch {found.reference_batch} (the largest without lightmem), largest "

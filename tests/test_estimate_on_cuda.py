@@ -229,8 +229,10 @@ def test_plan_auto_checkpoints_blocks_of_a_model_on_cuda_that_build_their_masks_
     # TinyGPT's attention builds its causal mask on its input's device, in the forward and again in
     # the recompute of a checkpointed block.
     tokens = next(iter(token_loader(batches=1)))
-    alone = estimate_memory(LitGPT(), tokens, device="cuda", overhead_bytes=0)
-    budget = alone.peak_bytes - (alone.peak_bytes - alone.static_bytes) // 2 + (1 << 30)  # the planner's CUDA allowance
+    alone = estimate_memory(LitGPT(), tokens, device="cuda", overhead_bytes=0, checkpoint=["Block"])
+    reserved = {name: step.reserved for name, step in alone.scenarios.items()}
+    assert reserved["checkpoint"] < reserved["baseline"]  # what the allocator reserves, in 2 MiB pages
+    budget = (reserved["checkpoint"] + reserved["baseline"]) // 2 + (1 << 30)  # the planner's CUDA allowance
     expected = plan(LitGPT(), tokens, budget, device="cuda", offload=False, checkpoint_policy="full")
     assert expected.checkpoint  # the case: blocks are checkpointed
     callback = LightMem(plan="auto", device_budget=budget, offload=False, checkpoint_policy="full")

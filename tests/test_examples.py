@@ -44,9 +44,9 @@ def test_deep_convnet_example_explains_why_it_did_not_fit(tmp_path):
     out = _run([str(EXAMPLES / "deep_convnet.py")], tmp_path, steps="1")
     assert "parameters: 206,538,153" in out
     assert "static-exceeds-budget" in out
-    # 1.88 GiB: the 1.85 GiB of the optim branch, the 16.25 MiB cuBLAS workspace the CUDA estimate counts
-    # and the allocator's share of the activations.
-    assert "With LightMem(offload_optimizer=True): 1.88 GiB on the device (fits 2 GiB), 1.54 GiB on the host" in out
+    # 1.89 GiB: the 1.85 GiB of the optim branch, the 16.25 MiB cuBLAS workspace the CUDA estimate counts
+    # and what the caching allocator reserves beyond the allocated peak (its replay of the step).
+    assert "With LightMem(offload_optimizer=True): 1.89 GiB on the device (fits 2 GiB), 1.54 GiB on the host" in out
 
 
 def test_linear_cross_entropy_example_gives_the_hugging_face_loss_and_gradients():

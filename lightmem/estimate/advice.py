@@ -198,7 +198,7 @@ def reach_budget(estimate: MemoryEstimate, plan: Plan | None) -> list[Advice]:
         return []
     if estimate.offload_optimizer and estimate.fits:  # the configuration asked for fits
         return []
-    need = estimate.scenarios["baseline"].peak_bytes - (estimate.available_bytes or 0)
+    need = estimate.scenarios["baseline"].reserved - (estimate.available_bytes or 0)  # as baseline_fits counts
     budget = format_bytes(estimate.budget_bytes)
     if not plan.fits:
         return [

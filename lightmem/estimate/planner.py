@@ -803,17 +803,22 @@ def plan(
     arguments = dict(locals())  # the call as made: asked again with the loss priced as chunked
     started = time.perf_counter()
     if isinstance(checkpoint_policy, str) and checkpoint_policy == AUTO_POLICY:
-        return _plan_either_policy(
+        result = _plan_either_policy(
             model, batch, budget, loss_fn, started, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
             overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
             link_bytes_per_s=link_bytes_per_s, offload=offload, offload_optimizer=offload_optimizer,
             batch_size=batch_size,
         )  # fmt: skip
-    return _plan_under(
-        model, batch, budget, loss_fn, started, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
-        overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
-        offload=offload, checkpoint_policy=checkpoint_policy, offload_optimizer=offload_optimizer, batch_size=batch_size,
-    )  # fmt: skip
+    else:
+        result = _plan_under(
+            model, batch, budget, loss_fn, started, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
+            overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
+            link_bytes_per_s=link_bytes_per_s, offload=offload, checkpoint_policy=checkpoint_policy,
+            offload_optimizer=offload_optimizer, batch_size=batch_size,
+        )  # fmt: skip
+    result.chunked_loss = plan_with_chunked_loss(result, lambda: plan(**arguments))
+    result.seconds = time.perf_counter() - started
+    return result
 
 
 def _plan_under(
@@ -825,7 +830,6 @@ def _plan_under(
     assert space.settings.budget_bytes is not None
     result = space.plan(space.settings.budget_bytes, to_beat=to_beat)
     space.base.advice = advise(space.base, space.info, space.baseline, result)
-    result.chunked_loss = plan_with_chunked_loss(result, lambda: plan(**arguments))
     result.seconds = time.perf_counter() - started
     return result
 

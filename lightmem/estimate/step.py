@@ -367,6 +367,10 @@ def _run(
     )
     if trace.loss_logits is not None and pricing_chunked():
         trace.peak = price_as_chunked(tracer, trace.loss_logits)
+        # What the allocator reserves for the chunked step: its requests without the logits, with
+        # what the chunked loss holds (the CPU: the chunked peak).
+        allocations = tracer.step_allocations() if request.device == "cuda" else None
+        trace.reserve = Reserve(trace.peak.bytes, allocations, request.expandable_segments)
     return trace
 
 

@@ -421,8 +421,15 @@ class StorageTracer(TorchDispatchMode):
         was made before the step (parameters, the batch, the previous step's gradients and the
         optimizer state) by role, the step's own requests and frees, and which of its storages the
         next step frees as previous gradients (this step's gradients). Excluded storages (state the
-        step never has) are left out; the cuBLAS workspaces are made before the first step."""
+        step never has) are left out, ``held`` bytes are requested over their events; the cuBLAS
+        workspaces are made before the first step."""
         records, excluded = self.records, self.excluded
+        held_from: dict[int, list[int]] = {}
+        held_until: dict[int, list[int]] = {}
+        for first, last, nbytes in self.held:
+            held_from.setdefault(first, []).append(nbytes)
+            held_until.setdefault(last, []).append(nbytes)
+        held_slots: dict[int, list[int]] = {}  # bytes -> slots of held requests not yet freed
         workspaces = () if self.workspaces is None else (self.workspaces.bytes_each,) * len(self.workspaces.threads)
         persistent, state, inputs = list(workspaces), [], []
         slots: dict[int, int] = {}
@@ -431,28 +438,36 @@ class StorageTracer(TorchDispatchMode):
         state_at = -1
         start, end = self.window.start, self.window.end
         for index, event in enumerate(self.events[:end]):
+            in_step = index >= start
+            for nbytes in held_from.get(index, ()) if in_step else ():
+                held_slots.setdefault(nbytes, []).append(len(sizes))
+                events.append((ALLOCATE, len(sizes)))
+                sizes.append(nbytes)
             rid = event - 1 if event > 0 else -event - 1
-            if rid in excluded:
-                continue
             record = records[rid]
-            if index < start and event > 0:
+            if rid in excluded:
+                pass
+            elif not in_step and event > 0:
                 if record.role in (PARAMETER, BUFFER):
                     persistent.append(record.requested)
                 elif record.role == STATE:
                     state.append(record.requested)
                 elif record.role == INPUT:
                     inputs.append(record.requested)
-                continue
-            if index >= start and state_at < 0 and self._context_list[self.event_context[index]][0] == "optimizer":
-                state_at = len(events)
-            if event > 0:
-                slots[rid] = len(sizes)
-                sizes.append(record.requested)
-                events.append((ALLOCATE, slots[rid]))
-            elif rid in slots:
-                events.append((FREE, slots.pop(rid)))
-            elif record.role == GRADIENT:  # the previous step's
-                events.append((FREE_PREVIOUS, record.requested))
+            else:
+                if in_step and state_at < 0 and self._context_list[self.event_context[index]][0] == "optimizer":
+                    state_at = len(events)
+                if event > 0:
+                    slots[rid] = len(sizes)
+                    sizes.append(record.requested)
+                    events.append((ALLOCATE, slots[rid]))
+                elif rid in slots:
+                    events.append((FREE, slots.pop(rid)))
+                elif record.role == GRADIENT:  # the previous step's
+                    events.append((FREE_PREVIOUS, record.requested))
+            for nbytes in held_until.get(index, ()) if in_step else ():
+                if held_slots.get(nbytes):
+                    events.append((FREE, held_slots[nbytes].pop()))
         # Gradients alive at the end are the next step's previous ones where it frees those (with
         # model-state offload they leave for the host instead: freed as the step ends).
         frees_previous = any(kind == FREE_PREVIOUS for kind, _ in events)
