@@ -258,15 +258,20 @@ def report(results: dict[str, Steps], offloader: Any, device: torch.device, mark
     return steady, text
 
 
-def selfcheck_section(limit_s: float, steps: int = 10) -> str:
-    """Markdown for ``python -m lightmem.selfcheck --quick`` (its first section)."""
-    device = torch.device("cuda", torch.cuda.current_device())
+def selfcheck_section(
+    limit_s: float, steps: int = 10, device: torch.device | None = None, config: dict[str, Any] = GPU_GPT,
+    batch: int = GPU_BATCH,
+) -> str:
+    """Markdown for ``python -m lightmem.selfcheck --quick`` (its first section), its verdict first."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
     start = time.monotonic()
-    results, offloader = run(GPU_GPT, GPU_BATCH, steps, device)
+    results, offloader = run(config, batch, steps, device)
     _, text = report(results, offloader, device, markdown=True)
+    *body, line = text.split("\n\n")
     return (
-        f"## Activation offload at steady state\n\nGPT {GPU_GPT}, batch {GPU_BATCH}, bf16 autocast, fused "
-        f"AdamW; {steps} interleaved rounds ({time.monotonic() - start:.0f} s of {limit_s:.0f}).\n\n{text}\n"
+        f"## Activation offload at steady state\n\n**Verdict:** {line}\n\nGPT {config}, batch {batch}, bf16 "
+        f"autocast, fused AdamW; {steps} interleaved rounds ({time.monotonic() - start:.0f} s of {limit_s:.0f}).\n\n"
+        + "\n\n".join(body) + "\n"
     )
 
 

@@ -68,12 +68,22 @@ def test_steady_steps_pass_and_the_line_states_the_peers_and_the_links_floor():
     )
 
 
+SMALL_GPT = {"vocab": 4096, "dim": 32, "depth": 2, "heads": 2, "seq": 64, "dropout": 0.0}  # 2 MiB logits
+
+
 def test_the_benchmark_runs_every_variant_on_the_cpu_and_reports_each_step():
-    config = {"vocab": 4096, "dim": 32, "depth": 2, "heads": 2, "seq": 64, "dropout": 0.0}  # 2 MiB logits
-    results, offloader = offload_steady.run(config, 2, 3, offload_steady.torch.device("cpu"))
+    results, offloader = offload_steady.run(SMALL_GPT, 2, 3, offload_steady.torch.device("cpu"))
     assert list(results) == [NO_HOOKS, LIGHTMEM, "lightmem, no windows", "save_on_cpu"]
     assert [len(steps.total_s) for steps in results.values()] == [3, 3, 3, 3]
     assert offloader.stats.offloaded_bytes > 0
     _, text = offload_steady.report(results, offloader, offload_steady.torch.device("cpu"), markdown=False)
     assert [line.split()[0] for line in text.splitlines()[4:7]] == ["0", "1", "2"]  # a row per step
     assert text.splitlines()[-1].startswith(("PASS: ", "FAIL: "))
+
+
+def test_the_selfcheck_section_opens_with_the_verdict_the_report_prints():
+    from lightmem.selfcheck import verdict_of
+
+    section = offload_steady.selfcheck_section(60, steps=3, device=offload_steady.torch.device("cpu"), config=SMALL_GPT, batch=2)
+    assert section.startswith("## Activation offload at steady state\n\n**Verdict:** ")
+    assert verdict_of(section, finished=True).startswith(("PASS: lightmem's slowest step", "FAIL: lightmem's slowest step"))
