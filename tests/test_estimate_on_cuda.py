@@ -8,7 +8,6 @@ Each case is run twice: on the simulated CUDA device and on the CPU, both priced
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -23,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightmem import LightMem, estimate_memory, frontier, max_batch_size, plan
 from lightmem.estimate.batch import inspect_batch
-from lightmem.testing.cuda_tensor import CUDA_DEVICE, SimulatedCudaFit, SimulatedCudaTensor, simulated_cuda
+from lightmem.testing.cuda_tensor import CUDA_DEVICE, SimulatedCudaFit, simulated_cuda
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning"

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightmem import estimate_memory, max_batch_size, plan
+from lightmem import estimate_memory, max_batch_size
 from lightmem.config import format_bytes
 from lightmem.estimate.planner import Candidate, PlanSpace, plan_space
 from lightmem.estimate.report import format_seconds

@@ -32,7 +32,7 @@ from lightmem.estimate.frontier import (
     labelled_batches,
 )
 from lightmem.estimate.planner import allocated_need
-from lightmem.estimate.report import format_seconds, static_part
+from lightmem.estimate.report import format_seconds
 from lightmem.estimate.step_time import CHECKPOINT, saves_bytes
 
 FACTORY_MODULE = "lightmem_frontier_test_factory"

@@ -12,6 +12,7 @@ step of about 100 KiB spans the same number of chunks as the GPU's 6.5 GB did.
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 
@@ -39,6 +40,7 @@ def gpu(request, monkeypatch):
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=request.param, page_locking=True)
     use_simulated_runtime(monkeypatch, transport)
     yield transport
+    gc.collect()  # pools the test dropped unregister in this runtime, not in torch's CPU-only one
     transport.runtime.release_registrations()
     for thread in threading.enumerate():
         if thread.name.startswith(page_lock.THREAD_NAME):

@@ -54,6 +54,7 @@ def gpu(monkeypatch):
     transport = SimulatedAsyncTransport(seed=0, max_delay_s=0.0, page_locking=True)
     use_simulated_runtime(monkeypatch, transport)
     yield transport
+    gc.collect()  # pools the test dropped unregister in this runtime, not in torch's CPU-only one
     transport.runtime.release_registrations()
     for thread in _page_lock_threads():  # none may register in the next test's runtime
         thread.join()

@@ -43,13 +43,9 @@ from torch.utils._pytree import tree_leaves
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import (
-    DEFAULT_MAX_INFLIGHT,
-    DEFAULT_MIN_BYTES,
-    DEFAULT_PREFETCH,
     OffloadSettings,
     OptimizerOffloadSettings,
     format_bytes,
-    parse_size,
 )
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
