@@ -52,6 +52,22 @@ def test_a_batch_no_plan_fits_for_its_logits_is_planned_again_with_the_loss_pric
     assert refused.to_dict()["chunked_loss"] == chunked.to_dict()
 
 
+def test_a_step_priced_as_chunked_is_never_served_from_the_steps_verified_as_written():
+    # The planner remembers verified steps across plans of one model: the what-if plan with the
+    # loss priced as chunked must trace its own (it found the steps as written and kept refusing).
+    from lightmem.estimate.logits import priced_as_chunked
+    from lightmem.estimate.planner import plan_space
+
+    model = _wide_gpt()
+    written = plan_space(model, _tokens(24), gpt_loss, **COMMON)
+    as_written = [written.verify(candidate).peak_bytes for candidate in written.extremes()]
+    with priced_as_chunked():
+        space = plan_space(model, _tokens(24), gpt_loss, **COMMON)
+        chunked = [space.verify(candidate).peak_bytes for candidate in space.extremes()]
+    assert space.traced == len(chunked) > 0
+    assert all(peak < peak_as_written for peak, peak_as_written in zip(chunked, as_written))
+
+
 def test_a_plan_that_fits_or_misses_for_other_reasons_is_not_planned_again():
     assert plan(_wide_gpt(), _tokens(2), BUDGET, gpt_loss, **COMMON).chunked_loss is None
     # Batch 3 of a model without a vocabulary-sized head: nothing fits a tiny budget, no logits.

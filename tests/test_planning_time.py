@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from lit_models import LitGPT, cpu_trainer
+from models import TinyGPT, gpt_loss
 from torch.utils.data import DataLoader
 
 from lightmem import LightMem, plan
@@ -48,3 +49,12 @@ def test_a_second_plan_for_the_same_batches_traces_nothing_again():
     narrower = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
     model.model.blocks[0].mlp = narrower  # changed in place: its steps are its own
     assert plan(model, _tokens(4, 33), BUDGET, device="cpu").evaluations > 0
+
+
+def test_a_plain_module_planned_again_with_an_optimizer_by_name_traces_nothing_again():
+    # The name's optimizer factory is one object at every parse: made anew each call, it matched no
+    # step planned before, and every plan of a plain module traced its whole search again.
+    model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
+    first = plan(model, _tokens(4, 33), BUDGET, loss, optimizer="adamw", device="cpu")
+    assert first.checkpoint and first.evaluations > 0
+    assert plan(model, _tokens(4, 33), BUDGET, loss, optimizer="adamw", device="cpu").evaluations == 0

@@ -51,6 +51,7 @@ from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.caching_allocator import Reserve
 from lightmem.estimate.chunked_loss import plan_with_chunked_loss
+from lightmem.estimate.logits import pricing_chunked
 from lightmem.estimate.configuration import EstimateSettings, build_report, costs_for, parse_settings, run_configuration
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.report import (
@@ -412,7 +413,7 @@ class PlanSpace:
             _model_signature(model), _batch_signature(batch), batch_size, settings.device, settings.precision.name,
             settings.optimizer.name, settings.optimizer.factory, settings.loss_fn, settings.zero_grad,
             settings.gpu, settings.expandable_segments,
-            repr(settings.optimizer_offload),
+            repr(settings.optimizer_offload), pricing_chunked(),  # a step priced as chunked is another step
         )  # fmt: skip
 
     def _step_key(self, candidate: Candidate, model_state: bool) -> tuple[Any, ...]:

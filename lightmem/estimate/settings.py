@@ -6,6 +6,7 @@ names the argument (``estimate_memory(precision=...)``) and lists what is accept
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,14 @@ class OptimizerChoice:
     """None: the LightningModule's ``configure_optimizers``."""
 
 
+@functools.cache
+def _named_factory(name: str) -> OptimizerFactory:
+    """One factory per torch.optim name, the same object at every parse: the planner's memory of
+    verified steps keys on it (a factory made at each call would match no step planned before)."""
+    cls = _optimizer_classes()[name]
+    return lambda params: cls(params, lr=1e-3)
+
+
 def parse_optimizer(value: str | OptimizerFactory | None, *, flag: str) -> OptimizerChoice:
     """A torch.optim name ("adamw", "sgd", ...), a callable ``params -> Optimizer``, or None."""
     if value is None:
@@ -96,8 +105,8 @@ def parse_optimizer(value: str | OptimizerFactory | None, *, flag: str) -> Optim
         return OptimizerChoice(name, value)
     classes = _optimizer_classes()
     if isinstance(value, str) and value.strip().lower() in classes:
-        cls = classes[value.strip().lower()]
-        return OptimizerChoice(value.strip().lower(), lambda params: cls(params, lr=1e-3))
+        name = value.strip().lower()
+        return OptimizerChoice(name, _named_factory(name))
     accepted = ", ".join(sorted(classes))
     raise ValueError(
         f"{flag}: unknown optimizer {value!r}; accepted: {accepted}, or a callable "
