@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,3 +60,70 @@ def test_a_plain_module_planned_again_with_an_optimizer_by_name_traces_nothing_a
     first = plan(model, _tokens(4, 33), BUDGET, loss, optimizer="adamw", device="cpu")
     assert first.checkpoint and first.evaluations > 0
     assert plan(model, _tokens(4, 33), BUDGET, loss, optimizer="adamw", device="cpu").evaluations == 0
+
+
+# -- what a first plan traces (issue 50, point 6) ----------------------------------------------------
+
+
+def _gpt_at_twice_its_batch() -> tuple[Any, tuple[torch.Tensor], Any, dict[str, Any]]:
+    """``benchmarks/plans_hold.py``'s 16-block GPT (meta device) at 22, twice the largest batch it
+    trains without lightmem under 16 GiB, with plan="auto"'s settings, priced at the H200's speeds."""
+    import plans_hold
+
+    common = {"optimizer": plans_hold.fused_adamw, "precision": "bf16-mixed", "device": "cuda", "gpu": "h200"}
+    return plans_hold._meta_model(), plans_hold._tokens(22), plans_hold.gpt_loss, common
+
+
+def _counting_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, Any, Any]]:
+    """Every fake step run from here on, as (checkpoint, offload, checkpoint policy)."""
+    from lightmem.estimate import configuration
+
+    steps: list[tuple[Any, Any, Any]] = []
+    run_step = configuration.run_step
+
+    def counted(model: Any, batch: Any, request: Any) -> Any:
+        steps.append((request.checkpoint, request.offload, request.checkpoint_policy))
+        return run_step(model, batch, request)
+
+    monkeypatch.setattr(configuration, "run_step", counted)
+    return steps
+
+
+def test_the_gpt_at_twice_its_batch_is_planned_with_one_baseline_and_two_configurations(monkeypatch):
+    # Before: 8 fake steps (7.5 s on the 2-core VM): the baseline once per checkpoint policy, the
+    # offload walk first (its cheapest candidate is offloading nothing), and two candidates of
+    # "save_matmuls" predicted to save 6.8 GiB of the 9.5 GiB needed. Now: 3 (2.9 s there).
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as plan="auto" sets it
+    model, batch, loss, common = _gpt_at_twice_its_batch()
+    steps = _counting_steps(monkeypatch)
+    found = plan(model, batch, "16GiB", loss, checkpoint_policy="auto", **common)
+    assert found.fits and found.checkpoint == [f"blocks.{i}" for i in range(12)]
+    assert found.offload is not None and found.offload.include == (*(f"blocks.{i}" for i in range(12)), "lm_head")
+    assert [(checkpoint, offload is None) for checkpoint, offload, _ in steps] == [
+        (None, True),  # the baseline, under "save_matmuls": one step for both policies
+        (tuple(f"blocks.{i}" for i in range(12)), False),
+        (tuple(f"blocks.{i}" for i in range(11)), False),
+    ]
+    assert found.evaluations == 2
+
+
+def test_one_baseline_serves_both_policies_as_if_traced_under_each():
+    from lightmem.estimate.configuration import parse_settings, run_configuration
+    from lightmem.estimate.step import as_traced_in_full
+
+    model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
+    traces = {}
+    for policy in ("full", "save_matmuls"):
+        settings = parse_settings(
+            "plan", model, loss, optimizer="adamw", precision="bf16-mixed", device="cuda", gpu="h100",
+            overhead_bytes=0, budget=None, zero_grad="after_forward", checkpoint_policy=policy,
+        )  # fmt: skip
+        traces[policy] = run_configuration(model, _tokens(4, 33), settings, priced=True)
+    full, matmuls = traces["full"], as_traced_in_full(traces["save_matmuls"])
+    assert any(usage.kept_bytes for usage in traces["save_matmuls"].blocks.values())  # what it takes away
+    assert matmuls.blocks == full.blocks
+    assert (matmuls.peak.bytes, matmuls.reserved_bytes, matmuls.priced_ops) == (full.peak.bytes, full.reserved_bytes, full.priced_ops)
+    assert matmuls.op_seconds == full.op_seconds
+    assert traces["save_matmuls"].blocks != full.blocks  # the policy's own trace is left as it was
+

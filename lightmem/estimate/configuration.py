@@ -228,9 +228,10 @@ def build_report(
     checkpoint: tuple[Any, ...] | None,
     *,
     batch_size: int | None = None,
+    baseline: StepTrace | None = None,
 ) -> tuple[MemoryEstimate, StepTrace]:
     """Run the baseline and every requested configuration; the report (without advice) and the
-    baseline's trace."""
+    baseline's trace. ``baseline``: the baseline, already traced under these settings (not run again)."""
     # With offload_optimizer every configuration but the baseline has it too (named "+offload_optimizer").
     model_state = settings.offload_optimizer
     suffix = "+offload_optimizer" if model_state else ""
@@ -245,8 +246,10 @@ def build_report(
         configurations.append(("offload" + suffix, offload, None, model_state))
     if checkpoint and offload is not None:
         configurations.append(("checkpoint+offload" + suffix, offload, checkpoint, model_state))
-    traces: dict[str, StepTrace] = {}
+    traces: dict[str, StepTrace] = {} if baseline is None else {"baseline": baseline}
     for name, offload_config, targets, offload_model_state in configurations:
+        if name in traces:
+            continue
         traces[name] = run_configuration(
             model,
             batch,

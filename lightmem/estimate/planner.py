@@ -64,7 +64,7 @@ from lightmem.estimate.report import (
     policy_name,
 )
 from lightmem.estimate.settings import parse_offload, parse_planned_offload
-from lightmem.estimate.step import ROOT_BLOCK, StepTrace, dominant_part
+from lightmem.estimate.step import ROOT_BLOCK, StepTrace, as_traced_in_full, dominant_part
 from lightmem.estimate.step_time import (
     BOTH,
     CHECKPOINT,
@@ -513,11 +513,14 @@ class PlanSpace:
             low, high = (low, probe) if fits(probe) else (probe, high)
         return high
 
-    def plan(self, budget_bytes: int, to_beat: Plan | None = None) -> Plan:
+    def plan(self, budget_bytes: int, other: Plan | None = None) -> Plan:
         """The fastest verified configuration within ``budget_bytes`` (overhead allowance included).
 
-        ``to_beat``: a plan that fits, found under the other checkpoint policy; only what this policy
-        changes is searched (walks that re-run something) and only where it could be faster."""
+        ``other``: the plan under the other checkpoint policy (``checkpoint_policy="auto"``). Only
+        what this policy changes is searched (walks that re-run something), only along walks
+        predicted to reach the need, and, when ``other`` fits, only where they could be faster.
+        (A per-op policy keeps more than "full" in every checkpointed block, so where "full"'s
+        walks do not fit, its own are not expected to.)"""
         settings, base, costs = self.settings, self.base, self.costs
         # What must fit is what the allocator reserves for a verified (allocated) peak.
         available = budget_bytes - settings.overhead_bytes
@@ -580,18 +583,24 @@ class PlanSpace:
         best: tuple[StepTime, Family, int] | None = None
         fitted: dict[Candidate, tuple[StepTime, str]] = {}
         families = self.families
-        if to_beat is not None and to_beat.fits:
-            added = to_beat.recompute_s + to_beat.exposed_transfer_s
+        if other is not None:
             families = [
                 family for family in families
-                if any(candidate.checkpoint for candidate in family.candidates) and min(t.total_s for t in family.times) < added
+                if any(candidate.checkpoint for candidate in family.candidates) and max(family.predicted_saved) >= need
             ]  # fmt: skip
-        for family in sorted(families, key=lambda f: min(t.total_s for t in f.times)):
-            # What it might offer: its candidates from the first predicted to fit (the start of
-            # offload everywhere always: the others may only fit with it).
+        if other is not None and other.fits:
+            added = other.recompute_s + other.exposed_transfer_s
+            families = [family for family in families if min(t.total_s for t in family.times) < added]
+
+        def offers(family: Family) -> tuple[float, int, int, bool]:
+            """What a walk might offer: its cheapest candidate from the first predicted to fit
+            (from the start for offload everywhere: the others may only fit with it)."""
             start = 0 if family.starts_with_offload_alone else family.guess(need)
-            cheapest = min(_rank(family.times[i], family.candidates[i]) for i in range(start, len(family.candidates)))
-            if best is not None and cheapest >= _rank(best[0], best[1].candidates[best[2]]):
+            return min(_rank(family.times[i], family.candidates[i]) for i in range(start, len(family.candidates)))
+
+        # The walk that might offer most first: a fit it finds spares the walks that cannot beat it.
+        for family in sorted(families, key=offers):
+            if best is not None and offers(family) >= _rank(best[0], best[1].candidates[best[2]]):
                 continue  # a configuration that fits is already at least as fast
             first = self._first_fit(family, available, need, model_state)
             if first is None:
@@ -819,13 +828,16 @@ def plan(
 
 
 def _plan_under(
-    model: nn.Module, batch: Any, budget: int | str, loss_fn: Any, started: float, to_beat: Plan | None = None,
-    **common: Any,
+    model: nn.Module, batch: Any, budget: int | str, loss_fn: Any, started: float, **common: Any
 ) -> Plan:
-    """``plan`` under one checkpoint policy (``common``'s), searching only where ``to_beat`` could be beaten."""
-    space = plan_space(model, batch, loss_fn, budget=budget, fn_name="plan", **common)
+    """``plan`` under one checkpoint policy (``common``'s)."""
+    return _plan_in(plan_space(model, batch, loss_fn, budget=budget, fn_name="plan", **common), started)
+
+
+def _plan_in(space: PlanSpace, started: float, other: Plan | None = None) -> Plan:
+    """``space``'s plan for its budget (``other``: as for ``PlanSpace.plan``)."""
     assert space.settings.budget_bytes is not None
-    result = space.plan(space.settings.budget_bytes, to_beat=to_beat)
+    result = space.plan(space.settings.budget_bytes, other=other)
     space.base.advice = advise(space.base, space.info, space.baseline, result)
     result.seconds = time.perf_counter() - started
     return result
@@ -839,15 +851,20 @@ def _plan_either_policy(model: nn.Module, batch: Any, budget: int | str, loss_fn
     """The faster of the plans under the "full" and "save_matmuls" policies (one that fits before
     one that does not). The second is searched only when the first checkpoints or does not fit:
     otherwise no block is re-run and the policy changes nothing; and then only along the walks that
-    re-run something, where they could beat the first."""
-    full = _plan_under(model, batch, budget, loss_fn, started, checkpoint_policy="full", **common)
+    re-run something, where they could beat the first.
+
+    One baseline step serves both: traced under "save_matmuls" (whose per-op decisions it counts),
+    it is the "full" baseline without them (``as_traced_in_full``)."""
+    matmuls_space = plan_space(model, batch, loss_fn, budget=budget, fn_name="plan", checkpoint_policy="save_matmuls", **common)
+    full_space = plan_space(
+        model, batch, loss_fn, budget=budget, fn_name="plan", checkpoint_policy="full",
+        baseline=as_traced_in_full(matmuls_space.baseline), **common,
+    )  # fmt: skip
+    full = _plan_in(full_space, started)
     if full.fits and not full.checkpoint:
         full.seconds = time.perf_counter() - started
         return full
-    matmuls = _plan_under(
-        model, batch, budget, loss_fn, started, to_beat=full if full.fits else None, checkpoint_policy="save_matmuls",
-        **common,
-    )  # fmt: skip
+    matmuls = _plan_in(matmuls_space, started, other=full)
     chosen, other = (matmuls, full) if _better(matmuls, full) else (full, matmuls)
     if other.fits:
         chosen.alternatives = [
@@ -889,10 +906,12 @@ def plan_space(
     batch_size: int | None = None,
     fn_name: str = "plan_space",
     offload_optimizer: bool | OptimizerOffloadSettings = False,
+    baseline: StepTrace | None = None,
 ) -> PlanSpace:
     """The planner's space for ``model`` and ``batch`` (at ``batch_size`` when given), with its
     baseline step run: ``space.plan(budget_bytes)`` answers for any budget, each configuration's
-    fake step run at most once across them. Arguments as for :func:`plan`."""
+    fake step run at most once across them. Arguments as for :func:`plan`; ``baseline``: the
+    baseline step, already traced under these settings."""
     settings = parse_settings(
         fn_name, model, loss_fn, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
@@ -900,7 +919,7 @@ def plan_space(
     )  # fmt: skip
     offload_settings = parse_planned_offload(True if offload is None else offload, flag=f"{fn_name}(offload=...)")
     info = inspect_batch(batch)
-    base, baseline = build_report(model, batch, settings, info, None, None, batch_size=batch_size)
+    base, baseline = build_report(model, batch, settings, info, None, None, batch_size=batch_size, baseline=baseline)
     costs = costs_for(settings, baseline, offload_settings)
     if offload_settings is not None and costs.allow_offload:
         # The windows the plan hands the engine are what its link moves while a block computes.

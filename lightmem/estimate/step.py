@@ -28,6 +28,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +146,19 @@ class StepTrace:
     @property
     def reserved_bytes(self) -> int:
         return self.reserve.bytes if self.reserve is not None else self.peak.bytes
+
+
+def as_traced_in_full(trace: StepTrace) -> StepTrace:
+    """``trace``, a step that re-ran nothing traced under a per-op checkpoint policy, as the same
+    step traced under "full": without the policy's per-block predictions (what a checkpointed
+    block would keep and re-run). Nothing else of such a step depends on the policy: the tracer
+    only counts those (``StorageTracer.op_policy``), so one baseline serves both policies of
+    ``plan(checkpoint_policy="auto")``."""
+    blocks = {
+        name: dataclasses.replace(usage, kept_bytes=0, recompute_flops=None, recompute_s=None, recompute_ops=None)
+        for name, usage in trace.blocks.items()
+    }
+    return dataclasses.replace(trace, blocks=blocks, checkpointed=list(trace.checkpointed))
 
 
 class EstimateError(RuntimeError):

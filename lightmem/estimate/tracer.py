@@ -28,6 +28,9 @@ from lightmem.estimate.call_site import CallSite, call_site
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "workspaces")
 
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+_DEVICE_QUERY = torch.ops.prim.device.default
+"""``tensor.device`` on a fake tensor: dispatched (fake tensors dispatch their device), most of a
+fake step's calls (~7 of 10), and neither allocates, frees nor costs anything."""
 
 # Roles a storage can start with; "other" is anything allocated by an op.
 PARAMETER, BUFFER, INPUT, GRADIENT, STATE, OTHER = range(6)
@@ -177,6 +180,8 @@ class StorageTracer(TorchDispatchMode):
     # -- allocation tracking ---------------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE_QUERY:
+            return func(*args)
         try:
             out = func(*args, **(kwargs or {}))
         except Exception as error:
