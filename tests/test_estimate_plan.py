@@ -45,6 +45,42 @@ def test_largest_fitting_handles_nothing_fitting_and_the_limit():
     assert largest_fitting(lambda size: 100, budget_bytes=500, start=4, limit=64)[0] == 64
 
 
+def test_largest_fitting_bisects_a_staircase_at_the_budget_instead_of_scanning_it():
+    # Reserved bytes move in whole segments: over a range of sizes a step reserves exactly the
+    # budget, and the line through two such sizes crosses the budget at the lower one. Nudging by
+    # one size each time scanned the whole range (1,700 fake steps for a plain MLP under 256 MiB).
+    calls = []
+
+    def total(size: int) -> int:
+        calls.append(size)
+        return 1000 if size <= 5000 else 1000 + (size - 5000)
+
+    assert largest_fitting(total, budget_bytes=1000, start=4, limit=10_000)[0] == 5000
+    assert len(calls) < 60  # a bisection, where the scan took 4,996
+
+
+def test_largest_fitting_is_never_below_a_size_known_to_fit():
+    def total(size: int) -> int:
+        return 10 * size + (400 if size > 59 else 0)
+
+    assert largest_fitting(total, budget_bytes=595, start=60, limit=64, fits_at=59)[0] == 59
+    assert largest_fitting(total, budget_bytes=595, start=60, limit=64, fits_at=70)[0] == 64  # the limit caps it
+
+
+def test_max_batch_size_with_a_plan_is_never_below_without_lightmem_for_a_model_without_blocks():
+    # A plain MLP under 256 MiB: without lightmem 59392; "with the best plan" said 57497, whose plan
+    # was "fits without lightmem".
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    batch = (torch.randn(4, 64), torch.randint(0, 10, (4,)))
+
+    def loss(module: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(module(batch[0]), batch[1])
+
+    search = max_batch_size(model, batch, "256MiB", loss, device="cuda", gpu="h100", plan=True, overhead_bytes=0)
+    assert search.baseline == 59392
+    assert search.planned == search.baseline and search.plan is not None and search.plan.fits
+
+
 def test_max_batch_size_answer_fits_and_the_next_size_does_not():
     budget = 12 * 2**20
     search = max_batch_size(TinyGPT(), _tokens(4), budget, gpt_loss, device="cpu", checkpoint=["Block"])

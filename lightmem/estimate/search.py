@@ -97,15 +97,15 @@ class BatchSearch:
 
 
 def largest_fitting(
-    total_bytes: Callable[[int], int], budget_bytes: int, start: int, limit: int
+    total_bytes: Callable[[int], int], budget_bytes: int, start: int, limit: int, fits_at: int = 0
 ) -> tuple[int, list[tuple[int, int]]]:
     """Largest ``b`` in [1, limit] with ``total_bytes(b) <= budget_bytes`` (0 if none).
 
-    Assumes ``total_bytes`` does not decrease with ``b``. Returns the answer and every
-    (size, total) evaluated, in size order.
+    Assumes ``total_bytes`` does not decrease with ``b``. ``fits_at``: a size known to fit (the
+    answer is never below it). Returns the answer and every (size, total) evaluated, in size order.
     """
     seen: dict[int, int] = {}
-    low, high = 0, limit + 1  # largest size known to fit, smallest known not to
+    low, high = min(fits_at, limit), limit + 1  # largest size known to fit, smallest known not to
 
     def evaluate(size: int) -> bool:
         nonlocal low, high
@@ -137,12 +137,16 @@ def largest_fitting(
                 off_line = abs(seen[guess] - (intercept + slope * guess))
                 points = sorted(seen.items())
                 slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in zip(points, points[1:])]
-                if guess == limit or seen[guess] + min(slopes) - off_line > budget_bytes:
+                if guess >= low and (guess == limit or seen[guess] + min(slopes) - off_line > budget_bytes):
                     return guess, sorted(seen.items())
+    nudged = False
     while high - low > 1:
         guess = _affine_guess(seen, budget_bytes, low, high)
         if guess is not None and guess <= low < high - 1:  # the line crosses just above the size that fits
-            guess = low + 1
+            # Once, then bisect: a staircase (reserved bytes at exactly the budget over a range of
+            # sizes) keeps the line there, and nudging by one each time scanned the whole range.
+            guess = None if nudged else low + 1
+            nudged = not nudged
         if guess is None or not low < guess < high:
             guess = min(limit, max(1, 2 * low)) if high == limit + 1 else (low + high) // 2
         if evaluate(guess):
@@ -313,7 +317,9 @@ def max_batch_size(
 
         # From the first size that does not fit without lightmem: where the plans start to matter.
         seed = max(1, min(baseline + 1, limit))
-        result.planned = largest_fitting(planned_total, budget_bytes, seed, limit)[0]
+        # Without lightmem is one of the plans: the answer is never below it (a step's memory that
+        # jumps, as a new segment does, bends the line the search starts from).
+        result.planned = largest_fitting(planned_total, budget_bytes, seed, limit, fits_at=baseline)[0]
         for name, evaluations in result.evaluations.items():
             if name.startswith("plan: "):
                 evaluations.sort()
