@@ -424,14 +424,16 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "| batch | outcome | plan | predicted peak allocated / reserved | measured peak allocated / reserved | "
         "alloc retries | first step | steady step (median, last plan) | predicted step (measured / predicted) | "
-        "planned again |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "per sample vs the measured 1x | planned again |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     bad = []
+    per_sample_1x = reference_per_sample(result["rows"])
     for row in result["rows"]:
         times = row.get("step_times_s") or []
         steady = row.get("steady_s")
         predicted = row.get("predicted_step_s")
+        per_sample = f"{steady / row['batch'] / per_sample_1x:.2f}x" if steady and per_sample_1x else "-"
         lines.append(
             f"| {row['batch']} ({row.get('label') or str(row['multiple']) + 'x'}) | {row['outcome']} | {row.get('plan', '-')} | "
             + (f"{format_bytes(row['predicted_allocated'])} / {format_bytes(row['predicted_reserved'])}"
@@ -440,7 +442,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{row.get('alloc_retries', '-')} | {format_seconds(times[0]) if times else '-'} | "
             f"{format_seconds(steady) if steady else '-'} | {format_seconds(predicted) if predicted else '-'}"
             + (f" ({steady / predicted:.2f}x) |" if steady and predicted else " |")
-            + f" {replans(row.get('predicted_steps_s') or [])} |"
+            + f" {per_sample} | {replans(row.get('predicted_steps_s') or [])} |"
         )  # fmt: skip
         if row["outcome"] in ("OUT OF MEMORY", "refused after a forward (wrong)"):
             bad.append(f"batch {row['batch']}: {row['outcome']}")
@@ -451,8 +453,35 @@ def markdown(result: dict[str, Any]) -> str:
     if replanned:
         lines += ["", "Planned again:", "", *replanned]
     verdict = "every accepted batch trained, every other refused before its forward" if not bad else "; ".join(bad)
-    lines += ["", f"**Verdict:** {verdict}", ""]
+    lines += ["", f"**Verdict:** {verdict}", "", steps_line(result["rows"]), ""]
+    if per_sample_1x is None:
+        lines[-1:-1] = ["Per sample: the 1x batch did not train here, so no row is told against a measured 1x.", ""]
     return "\n".join(lines)
+
+
+STEP_MARGIN = 0.15
+"""How far a steady step may be from its prediction for the plan's price to hold (issue 50)."""
+
+
+def reference_per_sample(rows: list[dict[str, Any]]) -> float | None:
+    """The measured steady step per sample of the row labelled "1x" (the largest batch without
+    lightmem), which every row's per-sample cost is told against; None when it did not train."""
+    reference = next((row for row in rows if row.get("label") == "1x" and row.get("steady_s")), None)
+    return reference["steady_s"] / reference["batch"] if reference is not None else None
+
+
+def steps_line(rows: list[dict[str, Any]]) -> str:
+    """How many measured steady steps came within ``STEP_MARGIN`` of their prediction, naming those
+    that did not."""
+    timed = [row for row in rows if row.get("steady_s") and row.get("predicted_step_s")]
+    if not timed:
+        return "**Steps:** none measured against a prediction."
+    off = [row for row in timed if abs(row["steady_s"] / row["predicted_step_s"] - 1) > STEP_MARGIN]
+    within = len(timed) - len(off)
+    text = f"**Steps:** {within} of {len(timed)} steady steps within {STEP_MARGIN:.0%} of their prediction"
+    if off:
+        text += " (off: " + ", ".join(f"batch {row['batch']} {row['steady_s'] / row['predicted_step_s']:.2f}x" for row in off) + ")"
+    return text
 
 
 def selfcheck_section(limit_s: float = 150.0) -> str:
