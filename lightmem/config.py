@@ -124,6 +124,10 @@ def parse_size(
 _DECIMAL_UNITS = {"k", "kb", "m", "mb", "g", "gb", "t", "tb"}
 
 
+DECIMAL_UNITS_NOTE = "in decimal units (kB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: of 1024)"
+"""What follows a ``decimal_reading`` said at fit start."""
+
+
 def decimal_reading(value: int | float | str) -> str | None:
     """How ``parse_size`` read a size string in decimal units (powers of 1000):
     ``"2 GB"`` -> ``"2 GB = 2,000,000,000 bytes (1.86 GiB)"``. None for any other value (binary

@@ -21,7 +21,7 @@ from lightmem.auto_plan import AutoPlan, PlanDoesNotFit, format_shapes, no_fit_m
 from lightmem.causal_lm import ChunkedCausalLMLoss, causal_lms, chunked_causal_lm_loss
 from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, largest_with_chunked_loss, no_fit_sentence
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
-from lightmem.config import LightMemSettings, OffloadSettings, format_bytes
+from lightmem.config import DECIMAL_UNITS_NOTE, LightMemSettings, OffloadSettings, decimal_reading, format_bytes
 from lightmem.device_memory import use_expandable_segments
 from lightmem.estimate import Plan, max_batch_size, plan
 from lightmem.estimate.report import format_seconds
@@ -166,8 +166,17 @@ class FitSession:
         if self.settings.offload_on and self.auto_plan is None:  # with a plan: what the plan chooses
             self._start_offload(pl_module, self.offload_settings)
         self._start_recording(trainer, pl_module)
+        self._say_decimal_host_budget()
         if self.auto_plan is not None:
             self._say_how_plans_are_made()
+
+    def _say_decimal_host_budget(self) -> None:
+        """A ``host_budget`` given in decimal units, as read (as ``plan="auto"`` reads back its
+        ``device_budget``): "64 GB" is 59.60 GiB, not 64."""
+        offload = self.settings.offload
+        reading = decimal_reading(offload.host_budget) if offload.host_budget is not None else None
+        if reading is not None:
+            rank_zero_info(f"lightmem: {offload.flag('host_budget')}: {reading}, {DECIMAL_UNITS_NOTE}")
 
     def _say_how_plans_are_made(self) -> None:
         """``plan="auto"``'s lines at fit start: its budget, the allocator, the prices."""
@@ -178,8 +187,7 @@ class FitSession:
         reading = self.settings.plan.device_budget_reading
         if reading is not None:
             rank_zero_info(
-                f"lightmem: plan='auto' device budget: {reading}, in decimal units (kB, MB, GB, TB: powers of "
-                "1000; KiB, MiB, GiB, TiB: of 1024)"
+                f"lightmem: plan='auto' device budget: {reading}, {DECIMAL_UNITS_NOTE}"
             )
         if self._allocator_note:
             rank_zero_info(self._allocator_note)

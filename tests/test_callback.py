@@ -263,6 +263,19 @@ def test_cpu_only_optimizer_offload_is_off_and_the_line_says_how_to_run_both_off
     ]
 
 
+def test_a_host_budget_in_decimal_units_is_read_back_at_fit_start_and_a_binary_one_is_not(caplog):
+    with caplog.at_level("INFO"):
+        _fit(LightMem(host_budget="64 GB"))
+    assert _fit_start_lines(caplog)[1:] == [
+        "lightmem: LightMem(host_budget=...): 64 GB = 64,000,000,000 bytes (59.60 GiB), in decimal units (kB, MB, "
+        "GB, TB: powers of 1000; KiB, MiB, GiB, TiB: of 1024)"
+    ]
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        _fit(LightMem(host_budget="64GiB"))
+    assert len(_fit_start_lines(caplog)) == 1  # what is on and off, nothing to read back
+
+
 def test_plan_auto_on_a_cpu_says_what_is_on_at_fit_start_then_plans_at_the_first_batch_at_cpu_prices(caplog):
     callback = LightMem(plan="auto", device_budget="4.5 MB")
     with caplog.at_level("INFO"):
