@@ -647,6 +647,20 @@ def test_measuring_the_gpu_at_fit_start_does_not_hide_the_training_batches_peaks
     assert "plan: worst measured / predicted reserved peak" in callback.summary()
 
 
+def test_the_summary_holds_the_last_plans_measured_step_against_its_prediction():
+    memory = MemoryLogger()
+    callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+
+    class DeviceRuns(pl.Callback):  # after LightMem's batch start: its plan is made
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            device.step_seconds = 1.1 * callback.chosen_plan.step_seconds
+
+    with simulated_device(CAPACITY, gpu="h100") as device:
+        cpu_trainer([callback, DeviceRuns()], max_steps=3, logger=[memory]).fit(LitGPT(), token_loader())
+    assert callback.summary()["plan: measured / predicted step (last plan)"] == "1.10"
+    assert memory.metrics[-1][1]["lightmem/summary/plan/step_ratio"] == pytest.approx(1.1, rel=1e-12)
+
+
 def test_a_speed_measure_below_the_earlier_high_leaves_the_peaks_alone():
     device = SimulatedDeviceMemory(CAPACITY, peak_bytes=5000, gpu="h100", measure_peak_bytes=4000)
     speeds, reset = measured_speeds(device)

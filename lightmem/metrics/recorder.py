@@ -148,6 +148,7 @@ class MetricsRecorder:
     ) -> None:
         self._offload = False
         self._plan_worst_ratio: float | None = None  # kept from plan_peaks when the recorder closes
+        self._plan_step_ratio: float | None = None  # the same
         self.traffic: LightmemProbe | None = None
         self.use_probes(probes, checkpointed_blocks)
         self._optimizer_totals: dict[str, float] = {}
@@ -289,6 +290,9 @@ class MetricsRecorder:
         ratio = self.plan_peaks.worst_ratio if self.plan_peaks is not None else self._plan_worst_ratio
         if ratio is not None:
             figures.append(SummaryFigure("plan: worst measured / predicted reserved peak", "plan/worst_peak_ratio", ratio, "ratio"))
+        step = _step_ratio(self.plan_peaks) if self.plan_peaks is not None else self._plan_step_ratio
+        if step is not None:
+            figures.append(SummaryFigure("plan: measured / predicted step (last plan)", "plan/step_ratio", step, "ratio"))
         if self.checkpointed_blocks:
             blocks = float(self.checkpointed_blocks)
             figures.append(SummaryFigure("blocks checkpointed", "checkpointed_blocks", blocks, "count"))
@@ -317,4 +321,13 @@ class MetricsRecorder:
         recorder pickles with its figures."""
         if self.plan_peaks is not None:
             self._plan_worst_ratio = self.plan_peaks.worst_ratio
+            self._plan_step_ratio = _step_ratio(self.plan_peaks)
         self.probes, self.traffic, self.plan_peaks = [], None, None
+
+
+def _step_ratio(peaks: PlanPeaks) -> float | None:
+    """The median step timed since ``plan="auto"``'s last plan was applied over that plan's predicted
+    step (None: no step timed, or no step priced)."""
+    measured = peaks.measured_step_s()
+    predicted = peaks.plan.step_seconds if peaks.plan is not None else 0.0
+    return measured / predicted if measured > 0 and predicted > 0 else None
