@@ -81,6 +81,29 @@ def test_max_batch_size_with_a_plan_is_never_below_without_lightmem_for_a_model_
     assert search.planned == search.baseline and search.plan is not None and search.plan.fits
 
 
+def test_an_answer_at_the_search_limit_is_said_to_be_one():
+    from lightmem import frontier
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    batch = (torch.randn(4, 64), torch.randint(0, 10, (4,)))
+
+    def loss(module: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(module(batch[0]), batch[1])
+
+    common = {"device": "cuda", "gpu": "h100", "overhead_bytes": 0, "limit": 4096}
+    search = max_batch_size(model, batch, "2GiB", loss, plan=True, **common)
+    assert (search.baseline, search.planned, search.limit) == (4096, 4096, 4096)
+    assert "without lightmem    4096 (the limit searched: larger may fit)" in search.to_text()
+    assert search.to_dict()["limit"] == 4096
+    title = frontier(model, batch, "2GiB", loss, **common).to_text().splitlines()[0]
+    assert title == (
+        "Frontier on 2.00 GiB: reference batch 4096 (the limit searched: larger batches may fit without lightmem "
+        "too), largest with a plan 4096"
+    )
+    below = max_batch_size(model, batch, "256MiB", loss, **{**common, "limit": 1 << 16})
+    assert below.baseline == 59392 and "(the limit searched" not in below.to_text()
+
+
 def test_max_batch_size_answer_fits_and_the_next_size_does_not():
     budget = 12 * 2**20
     search = max_batch_size(TinyGPT(), _tokens(4), budget, gpt_loss, device="cpu", checkpoint=["Block"])

@@ -200,7 +200,9 @@ def test_to_dict_carries_every_row_and_survives_json(found):
     data = found.to_dict()
     assert set(data) == {
         "budget_bytes", "reference_batch", "largest_batch", "speeds", "rows", "reason", "seconds", "chunked_loss",
+        "limit",
     }  # fmt: skip
+    assert data["limit"] == 1 << 16  # frontier's default: the largest batch searched
     assert data["reason"] == ""  # rows: some batch fits
     assert data["chunked_loss"] is None  # no logits here: nothing to chunk
     assert (data["budget_bytes"], data["reference_batch"], data["largest_batch"]) == (

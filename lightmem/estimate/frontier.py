@@ -141,6 +141,9 @@ class Frontier:
     """Where the loss's logits dominate the rows that do not fit: the same rows with the loss priced
     as chunked (``lightmem.linear_cross_entropy``), and the largest batch a plan then fits; per
     sample against the same reference."""
+    limit: int | None = None
+    """The largest batch size searched (``frontier(limit=...)``): a reference or largest batch equal to
+    it is where the search stopped, not the largest that fits."""
 
     def measured(self, steps: Mapping[int, float]) -> Frontier:
         """This frontier with the steps measured on a device (``measured_rows``)."""
@@ -156,6 +159,7 @@ class Frontier:
             "reason": self.reason,
             "seconds": round(self.seconds, 3),
             "chunked_loss": self.chunked_loss.to_dict() if self.chunked_loss is not None else None,
+            "limit": self.limit,
         }
 
     def to_text(self) -> str:
@@ -189,11 +193,16 @@ class Frontier:
                 ]
             rows.append(cells)
             rows.extend(["", "", line] + [""] * (len(headers) - 3) for line in rest)
+        capped = self.limit is not None and self.reference_batch >= self.limit
         reference = (
-            f"reference batch {self.reference_batch} (the largest without lightmem)" if self.reference_batch
+            f"reference batch {self.reference_batch} (the limit searched: larger batches may fit without lightmem too)"
+            if capped else f"reference batch {self.reference_batch} (the largest without lightmem)" if self.reference_batch
             else "nothing fits without lightmem (the reference is a batch of 1 with its plan)"
         )  # fmt: skip
-        title = f"Frontier on {format_bytes(self.budget_bytes)}: {reference}, largest with a plan {self.largest_batch}"
+        largest = f"{self.largest_batch}" + (
+            " (the limit searched)" if not capped and self.limit is not None and self.largest_batch >= self.limit else ""
+        )
+        title = f"Frontier on {format_bytes(self.budget_bytes)}: {reference}, largest with a plan {largest}"
         align = "rlllrrrrr" + "rrr" * measured
         text = format_table(rows, headers, title=title, align=align) + ("\n" + where if where else "") + "\n"
         if self.chunked_loss is not None:
@@ -366,7 +375,7 @@ def frontier(
     largest = search.planned or 0
     if largest and largest not in sizes:
         sizes[largest] = "largest"
-    result = Frontier(budget_bytes, search.baseline, largest)
+    result = Frontier(budget_bytes, search.baseline, largest, limit=limit)
     if not largest:  # not even a batch of 1 fits: no rows, what the plan there says instead
         at_one = plan(model, batch, budget_bytes, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=1, **common)
         result.plans[1], result.speeds, result.reason = at_one, at_one.speeds, at_one.reason

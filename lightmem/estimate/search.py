@@ -56,15 +56,26 @@ class BatchSearch:
     """With ``plan=True``: the largest batch at which a configuration of the planner's space fits."""
     plan: Plan | None = None
     """With ``plan=True``: the best plan at ``planned`` (None when not even a batch of 1 fits)."""
+    limit: int | None = None
+    """The largest batch size searched: an answer equal to it is a floor, not the largest that fits."""
+
+    def at_limit(self, answer: int | None) -> bool:
+        """Whether ``answer`` is where the search stopped rather than the largest batch that fits."""
+        return answer is not None and self.limit is not None and answer >= self.limit
 
     def to_text(self) -> str:
         """The answers as a short table: the largest batch without lightmem, with the configuration
-        given, and with the best plan (then that plan in words)."""
-        rows = [["without lightmem", str(self.baseline)]]
+        given, and with the best plan (then that plan in words); an answer at the search's limit
+        says so."""
+
+        def said(answer: int) -> str:
+            return f"{answer} (the limit searched: larger may fit)" if self.at_limit(answer) else str(answer)
+
+        rows = [["without lightmem", said(self.baseline)]]
         if self.configured is not None:
-            rows.append(["with the configuration given", str(self.configured)])
+            rows.append(["with the configuration given", said(self.configured)])
         if self.planned is not None:
-            rows.append(["with the best plan", str(self.planned)])
+            rows.append(["with the best plan", said(self.planned)])
         title = f"Largest batch that fits {format_bytes(self.budget_bytes)}" + (
             f" (the {format_bytes(self.overhead_bytes)} overhead allowance included)" if self.overhead_bytes else ""
         )
@@ -93,6 +104,7 @@ class BatchSearch:
             "overhead_bytes": self.overhead_bytes,
             "evaluations": {name: [list(item) for item in items] for name, items in self.evaluations.items()},
             "seconds": round(self.seconds, 3),
+            "limit": self.limit,
         }
 
 
@@ -272,7 +284,7 @@ def max_batch_size(
 
     baseline_total = totals(None, None)
     baseline, baseline_evals = largest_fitting(baseline_total, budget_bytes, info.batch_size or 1, limit)
-    result = BatchSearch(baseline, None, budget_bytes, settings.overhead_bytes, {"baseline": baseline_evals})
+    result = BatchSearch(baseline, None, budget_bytes, settings.overhead_bytes, {"baseline": baseline_evals}, limit=limit)
     if offload_config is not None or targets or settings.offload_optimizer:
         configured, evals = search(offload_config, targets, settings.offload_optimizer)
         result.configured = configured
