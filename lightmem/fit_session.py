@@ -54,6 +54,10 @@ def offload_scope(offload: OffloadSettings | None) -> str:
     return "everywhere" if offload.include is None else str(offload.include_arg())
 
 
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` and ``self.log_dict`` while the planner's dry run calls ``training_step``."""
+
 class FitSession:
     """The state of one fit: checkpoint handle, offloader, optimizer offloaders, plan, recorder,
     host guard.
@@ -447,7 +451,7 @@ class FitSession:
         assert self.auto_plan is not None
         # The dry run calls training_step on fake tensors; its self.log calls must not reach the
         # Trainer's results.
-        pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
+        pl_module.log = pl_module.log_dict = _no_log  # one function: plans of the fit see one model
         common = {
             "device": pl_module.device.type, "precision": str(trainer.precision),
             "offload": self.offload_settings if self.settings.offload_on else False,

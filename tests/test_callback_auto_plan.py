@@ -542,13 +542,27 @@ def test_blocks_are_timed_only_where_hooks_cannot_change_the_model():
     assert untimed._block_timer is None
 
 
-def test_a_fit_whose_block_is_slower_than_priced_plans_again_once(caplog):
+def test_a_fit_whose_block_is_slower_than_priced_plans_again_once(monkeypatch, caplog):
+    from lightmem.estimate import configuration
+
     module = LitGPT()
     chosen = plan(module, _tokens(4, 33), BUDGET, device="cpu")
     slow = {BLOCKS[2]: 2 * chosen.estimate.blocks[BLOCKS[2]].forward_s}
     callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=[])
+    traced_at: list[int] = []  # the step at which each fake step ran
+    run_step = configuration.run_step
+    monkeypatch.setattr(configuration, "run_step", lambda *args: traced_at.append(step[0]) or run_step(*args))
+    step = [0]
+
+    class Steps(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            step[0] = trainer.global_step
+
     with simulated_device(CAPACITY, gpu="h100", block_seconds=slow), caplog.at_level(logging.INFO):
-        cpu_trainer([callback], max_steps=3 + 2 * TIMED_STEPS).fit(module, token_loader())
+        cpu_trainer([callback, Steps()], max_steps=3 + 2 * TIMED_STEPS).fit(module, token_loader())
+    # Planned again for the same batches at new prices: no step traced again (verified steps and the
+    # baseline are remembered; the baseline is priced again from its log).
+    assert traced_at and set(traced_at) == {0}
     lines = [line for line in _lines(caplog) if line.startswith(("lightmem: re-planned", "lightmem: planned again"))]
     assert len(lines) == 1 and lines[0].startswith(
         f"lightmem: planned again for the same batches (block {BLOCKS[2]}'s forward measured "

@@ -127,3 +127,63 @@ def test_one_baseline_serves_both_policies_as_if_traced_under_each():
     assert matmuls.op_seconds == full.op_seconds
     assert traces["save_matmuls"].blocks != full.blocks  # the policy's own trace is left as it was
 
+
+
+def test_a_baseline_priced_again_from_its_log_is_the_one_a_trace_at_those_prices_gives():
+    from lightmem.estimate.configuration import parse_settings, run_configuration
+    from lightmem.estimate.step import reprice
+
+    model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
+    traces = {}
+    for flops in (1e10, 4e10):
+        settings = parse_settings(
+            "plan", model, loss, optimizer="adamw", precision="32-true", device="cuda", gpu="h100", overhead_bytes=0, budget=None,
+            zero_grad="after_forward", checkpoint_policy="save_matmuls", flops_per_s=flops,
+        )  # fmt: skip
+        traces[flops] = run_configuration(model, _tokens(4, 33), settings, priced=True)
+    slow, fast = traces[1e10], traces[4e10]
+    assert slow.blocks != fast.blocks and slow.op_seconds != fast.op_seconds  # the prices matter here
+    again = reprice(slow, fast.priced_with)
+    assert again.blocks == fast.blocks  # forward, backward and re-run seconds of every block, bitwise
+    assert (again.op_seconds, again.optimizer_s, again.priced_ops) == (fast.op_seconds, fast.optimizer_s, fast.priced_ops)
+    assert slow.blocks == traces[1e10].blocks and slow.priced_with != fast.priced_with  # the original is untouched
+
+
+def test_a_plan_made_again_at_new_prices_traces_no_step_and_prices_as_a_first_plan_would(monkeypatch):
+    from lightmem.estimate import configuration, planner
+
+    model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
+    common = {"optimizer": "adamw", "device": "cuda", "gpu": "h100", "overhead_bytes": 0, "checkpoint_policy": "auto"}
+    base = plan(model, _tokens(16, 33), "1GiB", loss, **common).estimate
+    budget = base.static_bytes + (base.reserved_bytes - base.static_bytes) * 6 // 10
+    first = plan(model, _tokens(16, 33), budget, loss, **common)
+    assert first.fits and first.checkpoint
+    steps = _counting_steps(monkeypatch)
+    again = plan(model, _tokens(16, 33), budget, loss, flops_per_s=1e10, **common)
+    assert steps == [] and again.evaluations == 0
+    configuration._BASELINES.clear()
+    planner._VERIFIED.clear()
+    fresh = plan(model, _tokens(16, 33), budget, loss, flops_per_s=1e10, **common)
+    assert len(steps) > 0
+    assert (again.checkpoint, again.step_seconds, again.predicted_total_bytes) == (
+        fresh.checkpoint, fresh.step_seconds, fresh.predicted_total_bytes,
+    )  # fmt: skip
+
+
+def test_a_model_changed_where_its_parameters_do_not_show_is_traced_again(monkeypatch):
+    # A block's forward wrapped by checkpointing, or a callable set on a module (the chunked loss sets
+    # a causal LM's loss_function), changes the step with the same parameters: no step is reused.
+    from lightmem import apply_checkpointing, estimate_memory
+
+    model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
+    common = {"optimizer": "adamw", "device": "cuda", "gpu": "h100", "overhead_bytes": 0}
+    plain = estimate_memory(model, _tokens(16, 33), loss, **common)
+    steps = _counting_steps(monkeypatch)
+    assert estimate_memory(model, _tokens(16, 33), loss, **common).peak_bytes == plain.peak_bytes and steps == []
+    handle = apply_checkpointing(model, ["Block"])
+    checkpointed = estimate_memory(model, _tokens(16, 33), loss, **common)
+    handle.remove()
+    assert len(steps) == 1 and checkpointed.peak_bytes < plain.peak_bytes
+    model.blocks[0].describe = lambda: "set on the instance"
+    estimate_memory(model, _tokens(16, 33), loss, **common)
+    assert len(steps) == 2

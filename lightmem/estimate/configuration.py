@@ -7,11 +7,15 @@ Shared by ``estimate_memory``, ``max_batch_size`` and ``plan``: the arguments ar
 
 from __future__ import annotations
 
+import collections
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import (
@@ -38,7 +42,8 @@ from lightmem.estimate.settings import (
     parse_precision,
     parse_zero_grad,
 )
-from lightmem.estimate.step import MASTER_DTYPE, StepRequest, StepTrace, run_step
+from lightmem.estimate.logits import pricing_chunked
+from lightmem.estimate.step import MASTER_DTYPE, StepRequest, StepTrace, reprice, run_step
 from lightmem.estimate.step_time import Costs, configuration_time
 from lightmem.lightning_packages import is_lightning_module
 
@@ -219,6 +224,71 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _model_signature(model: nn.Module) -> tuple[Any, ...]:
+    """What a step's memory depends on in the model: its modules' classes and train/eval modes, the
+    callables set on them (a ``forward`` wrapped by checkpointing, a ``loss_function`` replaced by the
+    chunked loss: ``plan="auto"`` plans with its own checkpoint wrappers taken off, so its plans
+    agree), and its parameters' and buffers' names, shapes, dtypes and whether they train (a model
+    changed otherwise misses). Not hooks: lightmem's offload scopes and block clocks come and go."""
+    return (
+        tuple(
+            (
+                type(module).__name__, module.training,
+                tuple(
+                    (name, id(value)) for name, value in vars(module).items()
+                    if callable(value) and not isinstance(value, (nn.Module, torch.Tensor))
+                ),
+            )
+            for module in model.modules()
+        ),  # fmt: skip
+        tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()),
+        tuple((name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()),
+    )
+
+
+def _batch_signature(batch: Any) -> tuple[Any, ...]:
+    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in tree_leaves(batch))
+
+
+_BASELINES: weakref.WeakKeyDictionary[nn.Module, collections.OrderedDict[tuple[Any, ...], StepTrace]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Priced baseline steps by model, the most recent ``BASELINES_KEPT`` of each: a plan made again for
+the same batches (``plan="auto"`` once blocks or steps are measured, ``max_batch_size(plan=True)``'s
+plan at the size it found, the frontier's rows) traces no baseline again; at new prices it is priced
+again from its log (``reprice``)."""
+BASELINES_KEPT = 8
+
+
+def _baseline_key(
+    model: nn.Module, batch: Any, settings: EstimateSettings, info: BatchInfo, batch_size: int | None
+) -> tuple[Any, ...]:
+    """What decides a baseline step but its prices: the model, the batch (at ``batch_size``) and every
+    setting a fake step without lightmem reads, the checkpoint policy (its per-op counts) included."""
+    return (
+        _model_signature(model), _batch_signature(batch), batch_size, info.batch_size, settings.device,
+        settings.precision.name, settings.optimizer.name, settings.optimizer.factory, settings.loss_fn,
+        settings.zero_grad, settings.gpu, settings.expandable_segments, repr(settings.optimizer_offload),
+        settings.checkpoint_policy, pricing_chunked(),
+    )  # fmt: skip
+
+
+def _remembered_baseline(model: nn.Module, key: tuple[Any, ...], speeds: DeviceSpeeds) -> StepTrace | None:
+    kept = _BASELINES.get(model)
+    found = kept.get(key) if kept is not None else None
+    if found is None:
+        return None
+    kept.move_to_end(key)  # type: ignore[union-attr]
+    return found if found.priced_with == speeds else reprice(found, speeds)
+
+
+def _remember_baseline(model: nn.Module, key: tuple[Any, ...], trace: StepTrace) -> None:
+    kept = _BASELINES.setdefault(model, collections.OrderedDict())
+    kept[key] = trace
+    while len(kept) > BASELINES_KEPT:
+        kept.popitem(last=False)
+
+
 def build_report(
     model: nn.Module,
     batch: Any,
@@ -246,6 +316,9 @@ def build_report(
         configurations.append(("offload" + suffix, offload, None, model_state))
     if checkpoint and offload is not None:
         configurations.append(("checkpoint+offload" + suffix, offload, checkpoint, model_state))
+    key = _baseline_key(model, batch, settings, info, batch_size) if settings.speeds is not None else None
+    if baseline is None and key is not None:
+        baseline = _remembered_baseline(model, key, settings.speeds)  # type: ignore[arg-type]
     traces: dict[str, StepTrace] = {} if baseline is None else {"baseline": baseline}
     for name, offload_config, targets, offload_model_state in configurations:
         if name in traces:
@@ -261,7 +334,9 @@ def build_report(
             offload_optimizer=offload_model_state,
             priced=name == "baseline",
         )
-    scenarios = {name: scenario_from(name, trace) for name, trace in traces.items()}
+    if key is not None and traces["baseline"] is not baseline:
+        _remember_baseline(model, key, traces["baseline"])
+    scenarios = {name: scenario_from(name, traces[name]) for name, *_ in configurations}
     chosen = scenarios[configurations[-1][0]]
     baseline = traces["baseline"]
     blocks = blocks_from(baseline)

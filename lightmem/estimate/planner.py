@@ -64,6 +64,7 @@ from lightmem.estimate.report import (
     policy_name,
 )
 from lightmem.estimate.settings import parse_offload, parse_planned_offload
+from lightmem.estimate.configuration import _batch_signature, _model_signature
 from lightmem.estimate.step import ROOT_BLOCK, StepTrace, as_traced_in_full, dominant_part
 from lightmem.estimate.step_time import (
     BOTH,
@@ -361,20 +362,6 @@ what a fake step allocates (``_step_key``), never the prices. A re-plan of ``Lig
 for the same batches at new prices, the second checkpoint policy of ``checkpoint_policy="auto"`` (for
 the configurations that re-run nothing) and ``max_batch_size(plan=True)``'s plan at the size it found
 verify nothing twice."""
-
-
-def _model_signature(model: nn.Module) -> tuple[Any, ...]:
-    """What a step's memory depends on in the model: its modules' classes and its parameters' and
-    buffers' names, shapes, dtypes and whether they train (a model changed in place misses)."""
-    return (
-        tuple(type(module).__name__ for module in model.modules()),
-        tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()),
-        tuple((name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()),
-    )
-
-
-def _batch_signature(batch: Any) -> tuple[Any, ...]:
-    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in tree_leaves(batch))
 
 
 class PlanSpace:

@@ -142,10 +142,47 @@ class StepTrace:
     reserve: Reserve | None = field(default=None, repr=False)
     """What the device's allocator must be able to reserve for the step (CUDA: its requests, in the
     allocator's order, replayed through it; the CPU: the peak), worked out as far as asked."""
+    priced_with: DeviceSpeeds | None = field(default=None, repr=False)
+    """The speeds its ops were priced at (None: not priced)."""
+    price_log: tuple[tuple[Any, ...], ...] = field(default=(), repr=False)
+    """Each priced op in order (``StorageTracer.price_log``): what ``reprice`` prices again."""
 
     @property
     def reserved_bytes(self) -> int:
         return self.reserve.bytes if self.reserve is not None else self.peak.bytes
+
+
+def reprice(trace: StepTrace, speeds: DeviceSpeeds) -> StepTrace:
+    """``trace``, a priced step that re-ran no block, as if traced at ``speeds``: each priced op of
+    its log priced again and summed in the tracer's order, so the seconds are those a new trace at
+    ``speeds`` gives, bit for bit (its memory does not depend on prices)."""
+    assert trace.priced_with is not None and not trace.checkpointed
+    seconds: dict[Any, float] = {}
+    op_seconds: dict[str, tuple[float, int]] = {}
+    recompute: dict[str, float] = {}
+    for key, cost, name, block in trace.price_log:
+        spent = speeds.op_seconds(*cost)
+        total, ops = op_seconds.get(name, (0.0, 0))
+        op_seconds[name] = (total + spent, ops + 1)
+        seconds[key] = seconds.get(key, 0.0) + spent
+        if block is not None:
+            recompute[block] = recompute.get(block, 0.0) + spent
+    blocks = {
+        name: dataclasses.replace(
+            usage, saved_sizes=list(usage.saved_sizes), forward_s=0.0, backward_s=0.0,
+            recompute_s=None if usage.recompute_s is None else recompute.get(name, 0.0),
+        )
+        for name, usage in trace.blocks.items()
+    }  # fmt: skip
+    for (phase, block), spent in seconds.items():  # as _forward_end_usage and _steady_step add them
+        if phase == "forward":
+            blocks[block or ROOT_BLOCK].forward_s += spent
+        elif phase == "backward":
+            blocks[block or ROOT_BLOCK].backward_s += spent
+    return dataclasses.replace(
+        trace, blocks=blocks, op_seconds=op_seconds, optimizer_s=seconds.get(("optimizer", None), 0.0),
+        priced_with=speeds, checkpointed=list(trace.checkpointed),
+    )  # fmt: skip
 
 
 def as_traced_in_full(trace: StepTrace) -> StepTrace:
@@ -495,6 +532,8 @@ def _steady_step(
         optimizer_s=tracer.seconds.get(("optimizer", None), 0.0),
         priced_ops=tracer.priced_ops,
         op_seconds=dict(tracer.op_seconds),
+        priced_with=request.speeds,
+        price_log=tuple(tuple(entry) for entry in tracer.price_log),
         blocks=usage,
         block_kinds={name: blocks.kind(name) for name in blocks.modules},
         repeated_blocks=set(blocks.repeated),

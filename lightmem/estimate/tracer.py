@@ -173,6 +173,10 @@ class StorageTracer(TorchDispatchMode):
         """Priced ops by (phase, block), as ``seconds``: what the host launches (``DeviceSpeeds.host_op_s``)."""
         self.priced_ops = 0
         """Ops that cost device time (views and allocations are free), for the host's launch time."""
+        self.price_log: list[list[Any]] = []
+        """Every priced op, in order: [(phase, block) key of ``seconds``, its ``op_cost``, its name, the
+        block whose ``block_recompute_s`` it adds to or None]: what prices the step again at other
+        speeds without tracing it (``lightmem.estimate.step.reprice``)."""
         self.op_seconds: dict[str, tuple[float, int]] = {}
         """Priced device seconds and calls of each op (its overload packet's name): where a
         predicted step's time goes (``MemoryEstimate.op_seconds``)."""
@@ -221,6 +225,7 @@ class StorageTracer(TorchDispatchMode):
         flops = 0.0 if counter is None else counter(*args, **kwargs, out_val=out)
         phase = self.context.phase
         seconds = 0.0
+        logged: list[Any] | None = None
         if self.price is not None and phase in _PRICED_PHASES:
             cost = op_cost(func, args, kwargs, out, flops)
             if cost is not None:
@@ -237,6 +242,8 @@ class StorageTracer(TorchDispatchMode):
                     key = (phase, None)
                 self.seconds[key] = self.seconds.get(key, 0.0) + seconds
                 self.ops[key] = self.ops.get(key, 0) + 1
+                logged = [key, cost, name, None]
+                self.price_log.append(logged)
         if not self.count_flops:
             return
         block = self.forward_block
@@ -253,6 +260,8 @@ class StorageTracer(TorchDispatchMode):
                 self.block_recompute_flops[block] = self.block_recompute_flops.get(block, 0.0) + flops
             if seconds:
                 self.block_recompute_s[block] = self.block_recompute_s.get(block, 0.0) + seconds
+                if logged is not None:
+                    logged[3] = block
                 self.block_recompute_ops[block] = self.block_recompute_ops.get(block, 0) + 1
 
     def track(self, tensor: torch.Tensor, role: int = OTHER) -> int:
