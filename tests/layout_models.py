@@ -14,30 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class Bottleneck(nn.Module):
-    """ResNet's bottleneck: 1x1 reduce, 3x3, 1x1 expand, each with BatchNorm; a projected shortcut
-    when the shape changes."""
-
-    def __init__(self, inputs: int, width: int, stride: int = 1) -> None:
-        super().__init__()
-        outputs = 4 * width
-        self.conv1 = nn.Conv2d(inputs, width, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.conv3 = nn.Conv2d(width, outputs, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(outputs)
-        self.shortcut = (
-            nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride=stride, bias=False), nn.BatchNorm2d(outputs))
-            if stride != 1 or inputs != outputs
-            else nn.Identity()
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)), inplace=True)
-        out = F.relu(self.bn2(self.conv2(out)), inplace=True)
-        return F.relu(self.bn3(self.conv3(out)) + self.shortcut(x), inplace=True)
+from examples.estimate_factories import Bottleneck  # ResNet's, the same block as the examples' ResNet-50
 
 
 class BasicBlock(nn.Module):

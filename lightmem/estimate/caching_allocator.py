@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightmem.estimate.cuda_model import (
@@ -335,23 +336,28 @@ def replay(allocations: StepAllocations, cap_bytes: int | None, expandable: bool
     for nbytes in allocations.persistent:
         allocator.malloc(nbytes)
     previous: dict[int, collections.deque[_Block]] = collections.defaultdict(collections.deque)
-    sizes = allocations.sizes
-    for step in range(steps):
-        batch = [allocator.malloc(nbytes) for nbytes in allocations.inputs]
-        live: dict[int, _Block] = {}
-        for index, (kind, value) in enumerate(allocations.events):
-            if step == 0 and index == allocations.state_at:
-                for nbytes in allocations.state:
-                    allocator.malloc(nbytes)
+    sizes, events = allocations.sizes, allocations.events
+    live: dict[int, _Block] = {}
+
+    def play(part: Sequence[tuple[int, int]]) -> None:
+        for kind, value in part:
             if kind == ALLOCATE:
                 live[value] = allocator.malloc(sizes[value])
             elif kind == FREE:
                 allocator.free(live.pop(value))
             elif previous[value]:
                 allocator.free(previous[value].popleft())
-        if step == 0 and allocations.state_at >= len(allocations.events):
+
+    for step in range(steps):
+        batch = [allocator.malloc(nbytes) for nbytes in allocations.inputs]
+        live.clear()
+        if step == 0:  # the optimizer's state is made in the first step's optimizer step
+            play(events[: allocations.state_at])
             for nbytes in allocations.state:
                 allocator.malloc(nbytes)
+            play(events[allocations.state_at :])
+        else:
+            play(events)
         for slot, block in live.items():
             if slot in allocations.carried:
                 previous[sizes[slot]].append(block)
@@ -408,8 +414,10 @@ class Reserve:
         return self._bytes
 
     def fits(self, available_bytes: int) -> bool:
-        if self._bytes is not None or self.peak_bytes > available_bytes:
-            return self.bytes <= available_bytes
+        if self.peak_bytes > available_bytes:  # the least cap is never under the allocated peak
+            return False
+        if self._bytes is not None:
+            return self._bytes <= available_bytes
         if available_bytes not in self._runs:
             assert self.allocations is not None
             self._runs[available_bytes] = runs_under(self.allocations, available_bytes, self.expandable)

@@ -260,17 +260,22 @@ again from its log (``reprice``)."""
 BASELINES_KEPT = 8
 
 
+def step_memory_key(model: nn.Module, batch: Any, settings: EstimateSettings, batch_size: int | None) -> tuple[Any, ...]:
+    """What decides a fake step's memory but the lightmem configuration and the prices: the model, the
+    batch (at ``batch_size``) and every setting a step reads (a step priced as chunked is another step)."""
+    return (
+        _model_signature(model), _batch_signature(batch), batch_size, settings.device, settings.precision.name,
+        settings.optimizer.name, settings.optimizer.factory, settings.loss_fn, settings.zero_grad, settings.gpu,
+        settings.expandable_segments, repr(settings.optimizer_offload), pricing_chunked(),
+    )  # fmt: skip
+
+
 def _baseline_key(
     model: nn.Module, batch: Any, settings: EstimateSettings, info: BatchInfo, batch_size: int | None
 ) -> tuple[Any, ...]:
-    """What decides a baseline step but its prices: the model, the batch (at ``batch_size``) and every
-    setting a fake step without lightmem reads, the checkpoint policy (its per-op counts) included."""
-    return (
-        _model_signature(model), _batch_signature(batch), batch_size, info.batch_size, settings.device,
-        settings.precision.name, settings.optimizer.name, settings.optimizer.factory, settings.loss_fn,
-        settings.zero_grad, settings.gpu, settings.expandable_segments, repr(settings.optimizer_offload),
-        settings.checkpoint_policy, pricing_chunked(),
-    )  # fmt: skip
+    """What decides a baseline step but its prices: ``step_memory_key``, the batch size it is scaled
+    from and the checkpoint policy (its per-op counts)."""
+    return (*step_memory_key(model, batch, settings, batch_size), info.batch_size, settings.checkpoint_policy)
 
 
 def _remembered_baseline(model: nn.Module, key: tuple[Any, ...], speeds: DeviceSpeeds) -> StepTrace | None:

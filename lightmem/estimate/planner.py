@@ -37,9 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import (
@@ -51,8 +49,9 @@ from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.caching_allocator import Reserve
 from lightmem.estimate.chunked_loss import plan_with_chunked_loss
-from lightmem.estimate.logits import pricing_chunked
-from lightmem.estimate.configuration import EstimateSettings, build_report, costs_for, parse_settings, run_configuration
+from lightmem.estimate.configuration import (
+    EstimateSettings, build_report, costs_for, parse_settings, run_configuration, step_memory_key,
+)  # fmt: skip
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.report import (
     BlockMemory,
@@ -64,7 +63,6 @@ from lightmem.estimate.report import (
     policy_name,
 )
 from lightmem.estimate.settings import parse_offload, parse_planned_offload
-from lightmem.estimate.configuration import _batch_signature, _model_signature
 from lightmem.estimate.step import ROOT_BLOCK, StepTrace, as_traced_in_full, dominant_part
 from lightmem.estimate.step_time import (
     BOTH,
@@ -396,12 +394,7 @@ class PlanSpace:
         """Verified steps by candidate and whether model state was offloaded."""
         self.traced = 0
         """Fake steps this space ran (verified steps found in ``_VERIFIED`` are not run again)."""
-        self._memory_key = (
-            _model_signature(model), _batch_signature(batch), batch_size, settings.device, settings.precision.name,
-            settings.optimizer.name, settings.optimizer.factory, settings.loss_fn, settings.zero_grad,
-            settings.gpu, settings.expandable_segments,
-            repr(settings.optimizer_offload), pricing_chunked(),  # a step priced as chunked is another step
-        )  # fmt: skip
+        self._memory_key = step_memory_key(model, batch, settings, batch_size)
 
     def _step_key(self, candidate: Candidate, model_state: bool) -> tuple[Any, ...]:
         """What decides the candidate's fake step: the space's memory key, the candidate, its offload
@@ -571,13 +564,12 @@ class PlanSpace:
         fitted: dict[Candidate, tuple[StepTime, str]] = {}
         families = self.families
         if other is not None:
+            added = other.recompute_s + other.exposed_transfer_s if other.fits else float("inf")
             families = [
                 family for family in families
                 if any(candidate.checkpoint for candidate in family.candidates) and max(family.predicted_saved) >= need
+                and min(t.total_s for t in family.times) < added
             ]  # fmt: skip
-        if other is not None and other.fits:
-            added = other.recompute_s + other.exposed_transfer_s
-            families = [family for family in families if min(t.total_s for t in family.times) < added]
 
         def offers(family: Family) -> tuple[float, int, int, bool]:
             """What a walk might offer: its cheapest candidate from the first predicted to fit
@@ -803,22 +795,16 @@ def plan(
             batch_size=batch_size,
         )  # fmt: skip
     else:
-        result = _plan_under(
-            model, batch, budget, loss_fn, started, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
-            overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
+        space = plan_space(
+            model, batch, loss_fn, budget=budget, fn_name="plan", optimizer=optimizer, precision=precision,
+            device=device, gpu=gpu, overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
             link_bytes_per_s=link_bytes_per_s, offload=offload, checkpoint_policy=checkpoint_policy,
             offload_optimizer=offload_optimizer, batch_size=batch_size,
         )  # fmt: skip
+        result = _plan_in(space, started)
     result.chunked_loss = plan_with_chunked_loss(result, lambda: plan(**arguments))
     result.seconds = time.perf_counter() - started
     return result
-
-
-def _plan_under(
-    model: nn.Module, batch: Any, budget: int | str, loss_fn: Any, started: float, **common: Any
-) -> Plan:
-    """``plan`` under one checkpoint policy (``common``'s)."""
-    return _plan_in(plan_space(model, batch, loss_fn, budget=budget, fn_name="plan", **common), started)
 
 
 def _plan_in(space: PlanSpace, started: float, other: Plan | None = None) -> Plan:

@@ -87,15 +87,6 @@ class BlockMemory:
         return sum(size for size in self.saved_sizes if size >= min_bytes)
 
 
-STATIC_PARTS = ("parameters", "gradients", "optimizer_state", "workspaces")
-"""The parts of a step's memory that come back at the same sizes every step (the rest, activations
-and temporaries, changes with the batch)."""
-
-
-def static_part(breakdown: Mapping[str, int]) -> int:
-    return sum(breakdown.get(part, 0) for part in STATIC_PARTS)
-
-
 @dataclass
 class StepMemory:
     """The peak of one configuration (baseline, checkpoint, offload, or both)."""
@@ -124,7 +115,7 @@ class StepMemory:
     @property
     def reserved(self) -> int:
         """The reserved peak a budget must hold (the allocated peak where nothing was replayed)."""
-        return max(self.reserve.bytes, self.peak_bytes) if self.reserve is not None else self.peak_bytes
+        return self.reserve.bytes if self.reserve is not None else self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -217,7 +208,7 @@ class MemoryEstimate:
 
     @property
     def reserved_bytes(self) -> int:
-        return max(self.reserve.bytes, self.peak_bytes) if self.reserve is not None else self.peak_bytes
+        return self.reserve.bytes if self.reserve is not None else self.peak_bytes
 
     @property
     def total_bytes(self) -> int:

@@ -271,7 +271,7 @@ def max_batch_size(
                     model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info,
                     offload_optimizer=model_state,
                 )  # fmt: skip
-                seen[size] = max(trace.reserved_bytes, trace.peak.bytes) + settings.overhead_bytes
+                seen[size] = trace.reserved_bytes + settings.overhead_bytes
             return seen[size]
 
         total.seen = seen  # type: ignore[attr-defined]

@@ -417,11 +417,11 @@ def _run(
         tracer, trace.peak, named, blocks.repeated, product_dtype=precision.autocast_dtype, model=model
     )
     if trace.loss_logits is not None and pricing_chunked():
+        # Priced as chunked, the step's requests lose the logits and gain what the chunked loss holds.
         trace.peak = price_as_chunked(tracer, trace.loss_logits)
-        # What the allocator reserves for the chunked step: its requests without the logits, with
-        # what the chunked loss holds (the CPU: the chunked peak).
-        allocations = tracer.step_allocations() if request.device == "cuda" else None
-        trace.reserve = Reserve(trace.peak.bytes, allocations, request.expandable_segments)
+    # What the allocator must reserve: the step's requests replayed (the CPU: the peak).
+    allocations = tracer.step_allocations() if request.device == "cuda" else None
+    trace.reserve = Reserve(trace.peak.bytes, allocations, request.expandable_segments)
     return trace
 
 
@@ -520,7 +520,6 @@ def _steady_step(
     _mark_state(tracer, optimizers, request.device)
 
     peak = tracer.peak()
-    allocations = tracer.step_allocations() if request.device == "cuda" else None
     for (phase, block), seconds in tracer.seconds.items():
         if phase == "backward":
             entry = usage.setdefault(block or ROOT_BLOCK, BlockUsage())
@@ -528,7 +527,6 @@ def _steady_step(
             entry.backward_ops += tracer.ops.get((phase, block), 0)
     return StepTrace(
         peak=peak,
-        reserve=Reserve(peak.bytes, allocations, request.expandable_segments),
         optimizer_s=tracer.seconds.get(("optimizer", None), 0.0),
         priced_ops=tracer.priced_ops,
         op_seconds=dict(tracer.op_seconds),
