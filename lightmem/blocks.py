@@ -20,25 +20,39 @@ def _has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _repeats(container: nn.Module) -> bool:
-    """A container holds repeated layers: two of its layers share a class."""
-    classes = [type(child) for child in container.children() if _is_layer(child)]
-    return len(classes) != len(set(classes))
+class _Layers:
+    """What ``find_blocks`` asks of each module of one model, each answer worked out once (asked from
+    every ancestor, a nested container's answers cost time exponential in the depth)."""
 
+    def __init__(self) -> None:
+        self._repeats: dict[int, bool] = {}
+        self._holds: dict[int, bool] = {}
 
-def _holds_repeats(module: nn.Module) -> bool:
-    return any(isinstance(inner, _CONTAINERS) and _repeats(inner) for inner in module.modules())
+    def repeats(self, container: nn.Module) -> bool:
+        """A container holds repeated layers: two of its layers share a class."""
+        key = id(container)
+        if key not in self._repeats:
+            classes = [type(child) for child in container.children() if self.is_layer(child)]
+            self._repeats[key] = len(classes) != len(set(classes))
+        return self._repeats[key]
 
+    def holds_repeats(self, module: nn.Module) -> bool:
+        """A container that repeats is ``module`` itself or somewhere inside it."""
+        key = id(module)
+        if key not in self._holds:
+            self._holds[key] = (isinstance(module, _CONTAINERS) and self.repeats(module)) or any(
+                self.holds_repeats(child) for child in module.children()
+            )
+        return self._holds[key]
 
-def _is_stage(module: nn.Module) -> bool:
-    """A plain container (``Sequential``, ``ModuleList``, ``ModuleDict``) holding repeated layers
-    somewhere inside: a group of layers (a ResNet stage), opened, never a layer itself."""
-    return isinstance(module, _CONTAINERS) and _holds_repeats(module)
+    def is_stage(self, module: nn.Module) -> bool:
+        """A plain container (``Sequential``, ``ModuleList``, ``ModuleDict``) holding repeated layers
+        somewhere inside: a group of layers (a ResNet stage), opened, never a layer itself."""
+        return isinstance(module, _CONTAINERS) and self.holds_repeats(module)
 
-
-def _is_layer(module: nn.Module) -> bool:
-    """A candidate repeated layer: a module with parameters that is not a group of layers."""
-    return _has_parameters(module) and not _is_stage(module)
+    def is_layer(self, module: nn.Module) -> bool:
+        """A candidate repeated layer: a module with parameters that is not a group of layers."""
+        return _has_parameters(module) and not self.is_stage(module)
 
 
 @dataclass
@@ -77,6 +91,7 @@ def find_blocks(model: nn.Module) -> Blocks:
         break
     found = Blocks({}, set())
     seen: set[int] = set()
+    layers = _Layers()
 
     def add(name: str, module: nn.Module, repeated: bool) -> None:
         if id(module) not in seen:
@@ -86,14 +101,14 @@ def find_blocks(model: nn.Module) -> Blocks:
                 found.repeated.add(name)
 
     def visit(name: str, module: nn.Module) -> None:
-        if isinstance(module, _CONTAINERS) and _repeats(module):
-            classes = collections.Counter(type(layer) for layer in module.children() if _is_layer(layer))
+        if isinstance(module, _CONTAINERS) and layers.repeats(module):
+            classes = collections.Counter(type(layer) for layer in module.children() if layers.is_layer(layer))
             for inner, layer in module.named_children():
-                if _is_stage(layer):  # a stage beside layers: opened in turn
+                if layers.is_stage(layer):  # a stage beside layers: opened in turn
                     visit(f"{name}.{inner}", layer)
                 else:
                     add(f"{name}.{inner}", layer, classes[type(layer)] > 1)
-        elif isinstance(module, _CONTAINERS) or _holds_repeats(module):
+        elif isinstance(module, _CONTAINERS) or layers.holds_repeats(module):
             for inner, child in module.named_children():
                 visit(f"{name}.{inner}", child)
         else:
