@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightmem.config import PlanSettings, format_bytes, parse_size
+from lightmem.config import PlanSettings, format_bytes
 from lightmem.device_memory import (
     OVERHEAD_GRAIN_BYTES,
     DeviceMemory,
@@ -55,6 +55,7 @@ from lightmem.device_memory import (
     memory_to_measure,
     overhead_for_given_budget,
     overhead_for_measured_budget,
+    outside_bytes,
     training_device_memory,
 )
 from lightmem.estimate import Plan
@@ -62,7 +63,7 @@ from lightmem.estimate.batch import batch_shapes
 from lightmem.devices import DeviceSpeeds
 from lightmem.compiled import holds_compiled_modules
 from lightmem.estimate.report import BlockMemory, format_seconds
-from lightmem.estimate.settings import DEFAULT_CUDA_OVERHEAD
+from lightmem.estimate.settings import parse_overhead
 from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.step_time import CHECKPOINT, KEEP, ForwardInterval, forward_intervals
 
@@ -230,16 +231,16 @@ class AutoPlan:
         self.tighter_by_bytes = 0
         """How far the budget the next plans are made for is below ``budget_bytes``: the overshoots
         of the reserved peak measured so far."""
-        self.outside_grown_bytes = 0
-        """What the device's memory outside the allocator grew by past what the plans set aside."""
         self.looser_by_bytes = 0
         """How far it is above: half of what a plan's reserved peak stayed under its prediction
         (``_loosen``), once per fit."""
-        outside = memory.outside_bytes() if memory is not None else 0
-        overhead = plan_overhead_bytes if plan_overhead_bytes is not None else parse_size(DEFAULT_CUDA_OVERHEAD, flag="overhead_bytes")
+        outside = outside_bytes(memory) if memory is not None else 0
+        overhead = plan_overhead_bytes if plan_overhead_bytes is not None else parse_overhead(None, "cuda", flag="overhead_bytes")
         self.outside_allowed_bytes = overhead + (outside if budget_source is not None else 0)
         """What the device may hold outside the caching allocator before plans are made tighter: the
-        overhead they set aside (and, for a measured budget, what was outside it when measured)."""
+        overhead they set aside (and, for a measured budget, what was outside it when measured), raised
+        to what it was measured to hold past that."""
+        self._outside_allowed_at_start = self.outside_allowed_bytes
         self._retries_at_plan = 0
         self.replan_reason: str | None = None
         """Why the current plan is to be replaced before the next batch (None: it stands)."""
@@ -270,7 +271,7 @@ class AutoPlan:
         memory = training_device_memory(device)
         speeds, peaks_reset = measured_speeds(memory) if memory is not None and measure_speeds else (None, False)
         if settings.device_budget_bytes is not None:
-            overhead = overhead_for_given_budget(memory, parse_size(DEFAULT_CUDA_OVERHEAD, flag="overhead_bytes"))
+            overhead = overhead_for_given_budget(memory, parse_overhead(None, "cuda", flag="overhead_bytes"))
             return cls(settings.device_budget_bytes, memory, plan_overhead_bytes=overhead, speeds=speeds, peaks_reset=peaks_reset)
         memory = memory_to_measure(
             device, flag=settings.flag("plan"), budget_flag="device_budget", subject="'auto'",
@@ -288,6 +289,11 @@ class AutoPlan:
         """The budget the next plan is made for: ``budget_bytes`` less the overshoots measured, plus
         what a plan was measured to leave unused (``looser_by_bytes``)."""
         return self.budget_bytes - self.tighter_by_bytes - self.outside_grown_bytes + self.looser_by_bytes
+
+    @property
+    def outside_grown_bytes(self) -> int:
+        """What the device's memory outside the allocator grew by past what the plans set aside."""
+        return self.outside_allowed_bytes - self._outside_allowed_at_start
 
     def needs_plan(self, batch: Any) -> bool:
         """True for the first batch, for any batch the current plan does not cover, and after a
@@ -422,11 +428,10 @@ class AutoPlan:
         kernels in the first steps) against what the plans set aside: past it, the next batch is
         planned for a budget smaller by the growth."""
         assert self.memory is not None
-        outside = self.memory.outside_bytes()
+        outside = outside_bytes(self.memory)
         if outside <= self.outside_allowed_bytes + OVERHEAD_GRAIN_BYTES:
             return
         grown = outside - self.outside_allowed_bytes
-        self.outside_grown_bytes += grown
         self.outside_allowed_bytes = outside
         self.replan_reason = (
             f"the device's memory outside the allocator measured at {where}, {format_bytes(outside)}, passed the "

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightmem.config import parse_count
 from lightmem.loss import linear_cross_entropy
 
 
@@ -155,8 +156,7 @@ def chunked_causal_lm_loss(model: nn.Module, *, chunk_rows: int | None = None) -
         torch.Size([2, 0, 1000])
         >>> handle.remove()
     """
-    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
-        raise ValueError(f"chunked_causal_lm_loss(chunk_rows=...): expected an integer >= 1 or None; got {chunk_rows!r}")
+    parse_count(chunk_rows, flag="chunked_causal_lm_loss(chunk_rows=...)", allow_none=True)
     reason = not_a_causal_lm(model)
     if reason is not None:
         raise ValueError(f"chunked_causal_lm_loss(model=...): {reason}")

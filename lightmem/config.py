@@ -128,7 +128,7 @@ DECIMAL_UNITS_NOTE = "in decimal units (kB, MB, GB, TB: powers of 1000; KiB, MiB
 """What follows a ``decimal_reading`` said at fit start."""
 
 
-def decimal_reading(value: int | float | str) -> str | None:
+def decimal_reading(value: int | float | str | None) -> str | None:
     """How ``parse_size`` read a size string in decimal units (powers of 1000):
     ``"2 GB"`` -> ``"2 GB = 2,000,000,000 bytes (1.86 GiB)"``. None for any other value (binary
     units, byte counts and fractions mean what they say), or one ``parse_size`` refuses."""
@@ -735,7 +735,7 @@ class PlanSettings:
             reject_without_partner(spelling, "device_budget", f"{spelling.entry}(plan='auto')", "set plan='auto'")
         return cls(
             auto=plan == "auto", device_budget_bytes=budget, spelling=spelling,
-            device_budget_reading=None if device_budget is None else decimal_reading(device_budget),
+            device_budget_reading=decimal_reading(device_budget),
         )  # fmt: skip
 
     def flag(self, field: str) -> str:

@@ -96,6 +96,13 @@ OVERHEAD_GRAIN_BYTES = 64 << 20
 MiB between reads: cuBLAS and cuDNN handles, the driver's own)."""
 
 
+def outside_bytes(memory: DeviceMemory) -> int:
+    """Device memory in use outside this process's caching allocator: its CUDA context and the
+    libraries' handles (and any other process's memory)."""
+    free, total = memory.free_and_total_bytes()
+    return max(0, total - free - memory.held_bytes())
+
+
 def overhead_for_given_budget(memory: DeviceMemory | None, default_bytes: int) -> int | None:
     """The ``overhead_bytes`` of a plan for a given ``device_budget``: what the device holds outside
     this process's caching allocator now (its CUDA context, libraries' handles), rounded up to
@@ -104,7 +111,7 @@ def overhead_for_given_budget(memory: DeviceMemory | None, default_bytes: int) -
     At fit start the H100 held 0.51 GiB outside the allocator, the H200 0.74 GiB (torch 2.11, CUDA 13)."""
     if memory is None:
         return None
-    outside = -(-memory.outside_bytes() // OVERHEAD_GRAIN_BYTES) * OVERHEAD_GRAIN_BYTES
+    outside = -(-outside_bytes(memory) // OVERHEAD_GRAIN_BYTES) * OVERHEAD_GRAIN_BYTES
     return min(outside, default_bytes)
 
 
@@ -144,10 +151,6 @@ class DeviceMemory(Protocol):
     def alloc_retries(self) -> int:
         """How often the allocator released its cache to serve a request (``num_alloc_retries``):
         a reserved peak with retries was held under the device's limit, not reached freely."""
-
-    def outside_bytes(self) -> int:
-        """Device memory in use outside this process's caching allocator: its CUDA context and the
-        libraries' handles (and any other process's memory)."""
 
     def speeds(self) -> DeviceSpeeds | None:
         """The device's speeds (measured, or from the table), or None."""
@@ -245,10 +248,6 @@ class CudaMemory:
 
     def alloc_retries(self) -> int:
         return int(torch.cuda.memory_stats(self.index).get("num_alloc_retries", 0))
-
-    def outside_bytes(self) -> int:
-        free, total = self.free_and_total_bytes()
-        return max(0, total - free - self.held_bytes())
 
     def speeds(self) -> DeviceSpeeds:
         return measure_device_speeds(torch.device("cuda", self.index))

@@ -54,9 +54,9 @@ def offload_scope(offload: OffloadSettings | None) -> str:
     return "everywhere" if offload.include is None else str(offload.include_arg())
 
 
-
 def _no_log(*args: Any, **kwargs: Any) -> None:
     """``self.log`` and ``self.log_dict`` while the planner's dry run calls ``training_step``."""
+
 
 class FitSession:
     """The state of one fit: checkpoint handle, offloader, optimizer offloaders, plan, recorder,
@@ -178,7 +178,7 @@ class FitSession:
         """A ``host_budget`` given in decimal units, as read (as ``plan="auto"`` reads back its
         ``device_budget``): "64 GB" is 59.60 GiB, not 64."""
         offload = self.settings.offload
-        reading = decimal_reading(offload.host_budget) if offload.host_budget is not None else None
+        reading = decimal_reading(offload.host_budget)
         if reading is not None:
             rank_zero_info(f"lightmem: {offload.flag('host_budget')}: {reading}, {DECIMAL_UNITS_NOTE}")
 
@@ -291,8 +291,8 @@ class FitSession:
             on.append(f"plan='auto' (at the first training batch it chooses {what})")
         if self.offloader is not None:
             on.append(f"activation offload (tensors from {format_bytes(self.offloader.min_bytes)})")
-        elif self.settings.offload_on and offload_off_reason(self.offload_settings) is not None:
-            off.append(f"activation offload ({offload_off_reason(self.offload_settings)})")
+        elif self.settings.offload_on and (reason := offload_off_reason(self.offload_settings)) is not None:
+            off.append(f"activation offload ({reason})")
             if self.auto_plan is None and device.type == "cpu":
                 on_the_cpu.append("activation offload")
         if self._optimizer_offloaders:

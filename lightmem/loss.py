@@ -40,6 +40,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from lightmem.config import parse_count
+
 REDUCTIONS = ("mean", "sum", "none")
 CHUNK_FLOOR_BYTES = 256 * 2**20
 """The default chunk is never smaller than this many bytes of float32 logits (2048 rows at a 32k
@@ -176,8 +178,7 @@ def _check(
         raise ValueError(f"{name}(label_smoothing=...): expected a number in [0, 1]; got {label_smoothing!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"{name}(ignore_index=...): expected an int; got {ignore_index!r}")
-    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
-        raise ValueError(f"{name}(chunk_rows=...): expected an integer >= 1 or None; got {chunk_rows!r}")
+    parse_count(chunk_rows, flag=f"{name}(chunk_rows=...)", allow_none=True)
     if weight.dim() != 2:
         raise ValueError(f"{name}(weight=...): expected shape (classes, in_features); got {list(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:

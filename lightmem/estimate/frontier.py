@@ -170,6 +170,26 @@ class Frontier:
         if not self.rows:
             title = f"Frontier on {format_bytes(self.budget_bytes)}: no batch fits, not even 1 with a plan: {self.reason}"
             return title + ("\n" + where if where else "") + "\n"
+        capped = self.limit is not None and self.reference_batch >= self.limit
+        reference = (
+            f"reference batch {self.reference_batch} (the limit searched: larger batches may fit without lightmem too)"
+            if capped else f"reference batch {self.reference_batch} (the largest without lightmem)" if self.reference_batch
+            else "nothing fits without lightmem (the reference is a batch of 1 with its plan)"
+        )  # fmt: skip
+        largest = f"{self.largest_batch}" + (
+            " (the limit searched)" if not capped and self.limit is not None and self.largest_batch >= self.limit else ""
+        )
+        title = f"Frontier on {format_bytes(self.budget_bytes)}: {reference}, largest with a plan {largest}"
+        text = self._table(title) + ("\n" + where if where else "") + "\n"
+        if self.chunked_loss is not None:
+            text += (
+                f"With a chunked loss (lightmem.linear_cross_entropy; the loss's logits dominate the rows that do not "
+                f"fit): largest with a plan {self.chunked_loss.largest_batch}\n{self.chunked_loss._table()}\n"
+            )
+        return text
+
+    def _table(self, title: str | None = None) -> str:
+        """The rows as ``to_text`` shows them, under ``title``."""
         headers = ["batch", "", "plan", "total", "step", "per sample", "vs reference", "floor / sample", "floor vs ref"]
         measured = any(row.measured_step_s is not None for row in self.rows)
         if measured:
@@ -193,25 +213,7 @@ class Frontier:
                 ]
             rows.append(cells)
             rows.extend(["", "", line] + [""] * (len(headers) - 3) for line in rest)
-        capped = self.limit is not None and self.reference_batch >= self.limit
-        reference = (
-            f"reference batch {self.reference_batch} (the limit searched: larger batches may fit without lightmem too)"
-            if capped else f"reference batch {self.reference_batch} (the largest without lightmem)" if self.reference_batch
-            else "nothing fits without lightmem (the reference is a batch of 1 with its plan)"
-        )  # fmt: skip
-        largest = f"{self.largest_batch}" + (
-            " (the limit searched)" if not capped and self.limit is not None and self.largest_batch >= self.limit else ""
-        )
-        title = f"Frontier on {format_bytes(self.budget_bytes)}: {reference}, largest with a plan {largest}"
-        align = "rlllrrrrr" + "rrr" * measured
-        text = format_table(rows, headers, title=title, align=align) + ("\n" + where if where else "") + "\n"
-        if self.chunked_loss is not None:
-            chunked = self.chunked_loss.to_text().split("\n", 1)[1].rsplit("Priced at", 1)[0]
-            text += (
-                f"With a chunked loss (lightmem.linear_cross_entropy; the loss's logits dominate the rows that do not "
-                f"fit): largest with a plan {self.chunked_loss.largest_batch}\n{chunked}"
-            )
-        return text
+        return format_table(rows, headers, title=title, align="rlllrrrrr" + "rrr" * measured)
 
     def print(self) -> None:
         print(self.to_text(), end="")
@@ -418,15 +420,15 @@ def frontier(
 def _row(found: Plan, size: int, label: str, reference_per_sample: float) -> FrontierRow:
     """The frontier's row for ``found``, the plan at batch ``size`` (its closest configuration
     when it does not fit)."""
-    parts = "; ".join(found.parts()) or "nothing"
+    parts, total = "; ".join(found.parts()) or "nothing", found.predicted_total_bytes
     if not found.fits:
         closest = min(found.alternatives, key=lambda option: option.predicted_total_bytes, default=None)
-        parts = closest.description if closest is not None else found.reason
+        if closest is not None:
+            parts, total = closest.description, closest.predicted_total_bytes
+        else:
+            parts = found.reason
     return FrontierRow(
-        size, label, found.fits, parts,
-        found.predicted_total_bytes if found.fits else min(
-            (o.predicted_total_bytes for o in found.alternatives), default=found.predicted_total_bytes
-        ),
+        size, label, found.fits, parts, total,
         found.step_seconds if found.fits else found.baseline_step_seconds, floor_seconds(found),
         reference_per_sample,
     )  # fmt: skip

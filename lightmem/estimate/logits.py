@@ -120,7 +120,7 @@ def loss_logits(
         return None
     weight_name, in_features, element_bytes = weight
     if product_dtype is not None:
-        element_bytes = torch.empty((), dtype=product_dtype, device="meta").element_size()
+        element_bytes = product_dtype.itemsize
     # Logits-sized: at least one byte per logit (a half-precision copy of the rows the loss
     # reads takes two), so the class-sized bias and its gradient never count.
     logits_sized = frozenset(
@@ -142,9 +142,7 @@ def loss_logits(
     )
     held = ((forward, backward, kept), (forward, forward, chunk))
     chunked = tracer.peak_bytes_without(set(logits_sized), list(held))
-    sites = tracer.log_softmax_sites
-    site = sites[index] if index < len(sites) else None
-    change = loss_change(site, weight_name, model)
+    change = loss_change(tracer.log_softmax_sites[index], weight_name, model)  # appended with each input
     return LossLogits(rows, classes, in_features, weight_name, bytes_at_peak, kept + chunk, chunked, change, logits_sized, held)
 
 

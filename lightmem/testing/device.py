@@ -59,9 +59,6 @@ class SimulatedDeviceMemory:
     def alloc_retries(self) -> int:
         return self.retries
 
-    def outside_bytes(self) -> int:
-        return self.used_by_others_bytes + self.context_bytes
-
     def held_bytes(self) -> int:
         return self.held
 

@@ -247,7 +247,7 @@ class Chunk:
 
     __slots__ = ("device", "error", "generation", "nbytes", "sequence", "tensor")
 
-    def __init__(self, nbytes: int, device: torch.device | None, sequence: int = 0) -> None:
+    def __init__(self, nbytes: int, device: torch.device | None, sequence: int) -> None:
         self.nbytes = nbytes
         self.sequence = sequence  # its place in the order chunks were submitted
         self.device = device

@@ -30,8 +30,9 @@ rules, applied at each step boundary in this order, and nowhere else:
   ``prepare`` asked for, during its ``TRIM_WINDOW_STEPS`` boundaries), plus the window's largest
   block: a block never spans two chunks, so room at chunk ends may be lost, at most about one
   block. Past the cap (the window's peak fell), empty chunks go back, those too small for the
-  window's largest block first, newest first. Nothing else gives a chunk back: not a request, not
-  a step that used less.
+  window's largest block first, newest first. Nothing else gives a chunk back (not a request, not
+  a step that used less) but the RAM floor: a request that would take available RAM under
+  ``min_available_bytes`` first gives back every empty slab it needs, page-locked or not.
 - **Growth.** Chunks are queued only for demand: what the last step put in pageable memory (at
   least that, up to the bound), or what recent steps used beyond the chunks, each chunk at least
   the largest block that spilled; never past the cap. Where the cap leaves no room for a block
