@@ -243,17 +243,17 @@ class MemoryEstimate:
         """Parameters + gradients + optimizer state + cuBLAS workspaces: what no activation
         technique reduces (with ``offload_optimizer``: the parameters and workspaces alone, the
         parameters as that step holds them: in bf16 with its ``device_dtype``)."""
-        baseline = self.scenarios["baseline"].breakdown
-        if self.offload_optimizer:
-            model_state = self.scenarios.get("offload_optimizer", self.scenarios["baseline"]).breakdown
-            return model_state["parameters"] + baseline["workspaces"]
-        return (
-            baseline["parameters"] + baseline["gradients"] + baseline["optimizer_state"] + baseline["workspaces"]
-        )
+        return sum(size for _, size in self._static_items())
 
     def static_parts(self) -> str:
         """What ``static_bytes`` holds, each part as the breakdown gives it: "parameters (677.00 KiB),
         gradients (0 B), optimizer state (1.32 MiB) and cuBLAS workspaces (64.00 MiB)"."""
+        parts = [(name, size) for name, size in self._static_items() if size or name != "cuBLAS workspaces"]
+        named = [f"{name} ({format_bytes(size)})" for name, size in parts]
+        return " and ".join(filter(None, [", ".join(named[:-1]), named[-1]]))
+
+    def _static_items(self) -> list[tuple[str, int]]:
+        """``static_bytes``'s parts, named."""
         baseline = self.scenarios["baseline"].breakdown
         if self.offload_optimizer:
             model_state = self.scenarios.get("offload_optimizer", self.scenarios["baseline"]).breakdown
@@ -261,10 +261,7 @@ class MemoryEstimate:
             parts = [(f"the {dtype} parameters" if dtype else "the parameters", model_state["parameters"])]
         else:
             parts = [(name.replace("_", " "), baseline[name]) for name in ("parameters", "gradients", "optimizer_state")]
-        if baseline["workspaces"]:
-            parts.append(("cuBLAS workspaces", baseline["workspaces"]))
-        named = [f"{name} ({format_bytes(size)})" for name, size in parts]
-        return " and ".join(filter(None, [", ".join(named[:-1]), named[-1]]))
+        return [*parts, ("cuBLAS workspaces", baseline["workspaces"])]
 
     @property
     def budget_below_overhead(self) -> bool:
