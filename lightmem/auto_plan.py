@@ -308,6 +308,13 @@ class AutoPlan:
         """What the next plan is made for: ``batch`` and every batch planned for so far."""
         return shapes_covering(self.planned_shapes, batch_shapes(batch))
 
+    def unplanned(self, shapes: Shapes | None) -> None:
+        """Batches of ``shapes`` train without a new plan (the dry run could not trace their step):
+        they are not planned for again; None (no batch was seen) plans at the next batch."""
+        if shapes is not None:
+            self.planned_shapes = shapes if self.planned_shapes is None else shapes_covering(self.planned_shapes, shapes)
+            self.replan_reason = None
+
     def take(self, chosen: Plan, shapes: Shapes, module: nn.Module | None = None) -> None:
         """``chosen``, made for batches of ``shapes``, is applied from the current batch on; with
         ``module`` (the model it was made for) and a device that times blocks, the blocks it priced

@@ -150,10 +150,23 @@ def op_policy(policy: CheckpointPolicyArg, flag: str = "apply_checkpointing(poli
     return _OpPolicy(save_matmuls if policy == "save_matmuls" else policy, flag)
 
 
-@contextlib.contextmanager
-def _nested(outer: contextlib.AbstractContextManager, inner: contextlib.AbstractContextManager) -> Iterator[None]:
-    with outer, inner:
-        yield
+class _Nested:
+    """Two contexts entered as one. A class, not a generator: a retained graph recomputes the block
+    once per backward, and checkpoint enters the same recompute context each time."""
+
+    def __init__(self, outer: contextlib.AbstractContextManager, inner: contextlib.AbstractContextManager) -> None:
+        self.outer = outer
+        self.inner = inner
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.outer)
+        stack.enter_context(self.inner)
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool:
+        return self._stacks.pop().__exit__(*exc)
 
 
 class BufferSnapshots:
@@ -308,7 +321,7 @@ class CheckpointedForward:
             return forward, recompute
         kept = _KeptOutputs(self.op_policy)
         caching, cached = create_selective_checkpoint_contexts(kept)
-        return kept.checked(forward, caching), _nested(recompute, cached)
+        return kept.checked(forward, caching), _Nested(recompute, cached)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():

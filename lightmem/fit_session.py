@@ -20,11 +20,12 @@ from lightmem import oom
 from lightmem.auto_plan import AutoPlan, PlanDoesNotFit, format_shapes, no_fit_message
 from lightmem.causal_lm import ChunkedCausalLMLoss, causal_lms, chunked_causal_lm_loss
 from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, largest_with_chunked_loss, no_fit_sentence
+from lightmem.blocks import find_blocks
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
 from lightmem.config import DECIMAL_UNITS_NOTE, LightMemSettings, OffloadSettings, decimal_reading, format_bytes
 from lightmem.device_memory import use_expandable_segments
 from lightmem.estimate import Plan, max_batch_size, plan
-from lightmem.estimate.report import format_seconds
+from lightmem.estimate.report import STAND_IN_NOTE, format_seconds
 from lightmem.estimate.batch import batch_shapes, with_shapes
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.lightning_packages import is_barebones, logged_step
@@ -54,8 +55,10 @@ def offload_scope(offload: OffloadSettings | None) -> str:
     return "everywhere" if offload.include is None else str(offload.include_arg())
 
 
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    """``self.log`` and ``self.log_dict`` while the planner's dry run calls ``training_step``."""
+def _reason(error: BaseException) -> str:
+    """An error of the dry run in a few words: its type and first line."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first[:300]}" if first else type(error).__name__
 
 
 class FitSession:
@@ -73,6 +76,8 @@ class FitSession:
         self.offload_settings = settings.offload.for_ranks_per_node(trainer.num_devices)
         self.settings = settings
         self.auto_plan: AutoPlan | None = None
+        self._said_unplanned = False
+        self._said_stood_in = False
         self.host_guard: HostGuard | None = None
         self.recorder: MetricsRecorder | None = None
         self._offload: TrainingOffload | None = None
@@ -372,8 +377,17 @@ class FitSession:
 
     def _plan_from(self, trainer: Trainer, pl_module: Module, batch: Any) -> None:
         """Plan for ``batch`` and every batch planned for before (the first, or one the current
-        plan does not cover) and apply the choice before its forward; one line when it is new."""
+        plan does not cover) and apply the choice before its forward; one line when it is new.
+
+        Planning never ends a fit that trains without it: where the dry run cannot trace the step
+        (or sees no batch: a ``dataloader_iter`` step fetches its own), the batch trains without a
+        plan (``_without_plan``); an error of the user's code is then raised by the real step, as
+        without lightmem. Only a plan that does not fit ends the fit (``PlanDoesNotFit``)."""
         assert self.auto_plan is not None
+        if not batch_shapes(batch):
+            self._without_plan(trainer, pl_module, None, "it sees no batch before the step (a training_step(dataloader_iter) "
+                               "fetches its own): it plans from the batch this step fetches, before the next")  # fmt: skip
+            return
         shapes = self.auto_plan.shapes_to_plan_for(batch)
         replanned_because = self.auto_plan.replan_reason
         if self.chosen_plan is None:  # the fit waits for it: say so
@@ -382,11 +396,19 @@ class FitSession:
                 f"{format_bytes(self.auto_plan.planning_budget_bytes)} device budget (each configuration's step "
                 "traced on fake tensors)"
             )
-        chosen = self._run_planner(trainer, pl_module, batch, shapes)
+        try:
+            chosen = self._run_planner(trainer, pl_module, batch, shapes)
+        except Exception as error:  # noqa: BLE001 - the dry run failing is never why a fit ends
+            self._without_plan(trainer, pl_module, shapes, f"its dry run could not trace the training step ({_reason(error)})")
+            return
         rank_zero_info(
             f"lightmem: planned batches of {format_shapes(shapes)} in {chosen.seconds:.1f} s "
             f"({chosen.evaluations} configuration(s) traced on fake tensors)"
         )
+        stood_in = chosen.estimate.stand_ins if chosen.estimate is not None else []
+        if stood_in and not self._said_stood_in:
+            self._said_stood_in = True
+            rank_zero_info(f"lightmem: {STAND_IN_NOTE} {'; '.join(stood_in)}.")
         if not chosen.fits:
             raise PlanDoesNotFit(self._no_fit(trainer, pl_module, batch, shapes, chosen))
         if chosen.offload_optimizer and not self._optimizer_offloaders:
@@ -435,6 +457,24 @@ class FitSession:
         if self.recorder is not None:  # recording started at fit start: the plan's figures from now on
             self.recorder.use_probes(self._probes(trainer, pl_module)[0], self.checkpointed_blocks)
 
+    def _without_plan(self, trainer: Trainer, pl_module: Module, shapes: Any, why: str) -> None:
+        """This batch (and any ``shapes`` cover) trains without a plan: as written on a CPU, every
+        block checkpointed on a CUDA device (the configuration that keeps least). Said once."""
+        assert self.auto_plan is not None
+        blocks: tuple[str, ...] = ()
+        if pl_module.device.type == "cuda" and self.chosen_plan is None and self._checkpoint is None:
+            blocks = tuple(find_blocks(pl_module).modules)
+        what = (
+            f"checkpointing every block ({len(blocks)}) until it can plan" if blocks
+            else "the current plan" if self.chosen_plan is not None else "nothing changed (as written)"
+        )  # fmt: skip
+        if not self._said_unplanned:
+            self._said_unplanned = True
+            rank_zero_warn(f"lightmem: plan='auto' does not plan this batch: {why}. It trains with {what}.")
+        if blocks:
+            self.apply_checkpointing(trainer, pl_module, blocks, every_n=1)
+        self.auto_plan.unplanned(shapes)
+
     def _priced_at(self, chosen: Plan) -> str:
         """Where the plan's step time comes from, when no measure of this machine's device priced it
         (the training device is not CUDA): the table figures it was priced at."""
@@ -449,9 +489,6 @@ class FitSession:
         """``plan`` (or, with ``search_up_to``, ``max_batch_size(plan=True)`` up to that batch size)
         for batches of ``shapes``, with this fit's flags, budget and device speeds."""
         assert self.auto_plan is not None
-        # The dry run calls training_step on fake tensors; its self.log calls must not reach the
-        # Trainer's results.
-        pl_module.log = pl_module.log_dict = _no_log  # one function: plans of the fit see one model
         common = {
             "device": pl_module.device.type, "precision": str(trainer.precision),
             "offload": self.offload_settings if self.settings.offload_on else False,
@@ -460,17 +497,14 @@ class FitSession:
             "overhead_bytes": self.auto_plan.plan_overhead_bytes,
             "gpu": self.auto_plan.speeds if self.auto_plan.speeds is not None else "auto",
         }  # fmt: skip
-        try:
-            with self._without_checkpointing(pl_module):  # the planner sees the model as the user wrote it
-                shaped = with_shapes(batch, shapes)
-                if search_up_to is not None:  # under the policy "auto" starts from
-                    common["checkpoint_policy"] = self.settings.checkpoint.policy
-                    return max_batch_size(
-                        pl_module, shaped, self.auto_plan.planning_budget_bytes, plan=True, limit=search_up_to, **common
-                    )
-                return plan(pl_module, shaped, self.auto_plan.planning_budget_bytes, **common)
-        finally:
-            del pl_module.log, pl_module.log_dict
+        with self._without_checkpointing(pl_module):  # the planner sees the model as the user wrote it
+            shaped = with_shapes(batch, shapes)
+            if search_up_to is not None:  # under the policy "auto" starts from
+                common["checkpoint_policy"] = self.settings.checkpoint.policy
+                return max_batch_size(
+                    pl_module, shaped, self.auto_plan.planning_budget_bytes, plan=True, limit=search_up_to, **common
+                )
+            return plan(pl_module, shaped, self.auto_plan.planning_budget_bytes, **common)
 
     def _no_fit(self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, chosen: Plan) -> str:
         """The message of ``PlanDoesNotFit``, with the largest batch a plan fits (searched now) and,

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightmem import estimate_memory
 from lightmem.estimate import EstimateError
+from lightmem.estimate.report import STAND_IN_NOTE
 from lightmem.estimate.tracer import CATEGORIES
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -203,15 +204,18 @@ def test_a_loss_that_is_not_a_scalar_is_rejected():
         estimate_memory(TinyGPT(), _tokens(seq=32), device="cpu")
 
 
-def test_a_step_that_reads_tensor_values_says_so():
+def test_a_step_that_reads_tensor_values_is_estimated_saying_where_and_what_stood_in():
     def loss_with_item(model, tokens):
         loss = gpt_loss(model, tokens)
         if loss.item() > 0:
             return loss
         return loss * 2
 
-    with pytest.raises(EstimateError, match=r"reads tensor values"):
-        estimate_memory(TinyGPT(), _tokens(), loss_with_item, device="cpu")
+    est = estimate_memory(TinyGPT(), _tokens(), loss_with_item, device="cpu")
+    stood_in = f"a float read (.item(), float(t)) at test_estimate.py:{loss_with_item.__code__.co_firstlineno + 2} read as 1.0"
+    assert est.stand_ins == [stood_in]
+    assert est.peak_bytes == estimate_memory(TinyGPT(), _tokens(), gpt_loss, device="cpu").peak_bytes
+    assert f"{STAND_IN_NOTE} {stood_in}." in " ".join(str(est).split())
 
 
 def test_a_loss_fn_that_fails_on_a_lightning_module_says_it_receives_the_module_passed_as_model():

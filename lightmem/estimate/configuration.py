@@ -373,6 +373,7 @@ def build_report(
         speeds=settings.speeds,
         expandable_segments=settings.expandable_segments and settings.device == "cuda",
         not_modelled=list(NOT_MODELLED) + (list(CUDA_NOTES) if settings.device == "cuda" else []),
+        stand_ins=list(baseline.stand_ins),
         inputs_bytes=baseline.peak.inputs_bytes,
         offload_optimizer=model_state,
         offload_optimizer_device_dtype=settings.optimizer_offload.device_dtype_name if model_state else None,

@@ -63,7 +63,7 @@ from lightmem.estimate.report import (
     policy_name,
 )
 from lightmem.estimate.settings import parse_offload, parse_planned_offload
-from lightmem.estimate.step import ROOT_BLOCK, StepTrace, as_traced_in_full, dominant_part
+from lightmem.estimate.step import ROOT_BLOCK, EstimateError, StepTrace, as_traced_in_full, dominant_part
 from lightmem.estimate.step_time import (
     BOTH,
     CHECKPOINT,
@@ -837,7 +837,13 @@ def _plan_either_policy(model: nn.Module, batch: Any, budget: int | str, loss_fn
     if full.fits and not full.checkpoint:
         full.seconds = time.perf_counter() - started
         return full
-    matmuls = _plan_in(matmuls_space, started, other=full)
+    try:
+        matmuls = _plan_in(matmuls_space, started, other=full)
+    except EstimateError:
+        # A step torch's selective checkpointing refuses (a backward through a block twice, with
+        # retain_graph) runs under "full" only: a configuration the dry run cannot run is no candidate.
+        full.seconds = time.perf_counter() - started
+        return full
     chosen, other = (matmuls, full) if _better(matmuls, full) else (full, matmuls)
     if other.fits:
         chosen.alternatives = [

@@ -144,6 +144,12 @@ class Advice:
         return {"rule": self.rule, "message": self.message}
 
 
+STAND_IN_NOTE = (
+    "The step reads values fake tensors do not have; the dry run stood in for them (a branch it took on a "
+    "stood-in value, or a size read from one, may differ in a real step):"
+)
+
+
 @dataclass
 class MemoryEstimate:
     """Predicted memory of one steady-state training step.
@@ -177,6 +183,9 @@ class MemoryEstimate:
     scenarios: dict[str, StepMemory]
     advice: list[Advice] = field(default_factory=list)
     not_modelled: list[str] = field(default_factory=list)
+    stand_ins: list[str] = field(default_factory=list)
+    """Values the step read that fake tensors do not have, each with what stood in for it and where
+    (``lightmem.estimate.values``): a figure that depends on one holds as far as the stand-in does."""
     inputs_bytes: int = 0
     seconds: float = 0.0
     offload_optimizer: bool = False
@@ -328,6 +337,7 @@ class MemoryEstimate:
             "scenarios": {name: scenario.to_dict() for name, scenario in self.scenarios.items()},
             "advice": [item.to_dict() for item in self.advice],
             "not_modelled": list(self.not_modelled),
+            "stand_ins": list(self.stand_ins),
             "compiled": self.compiled,
             "seconds": round(self.seconds, 3),
             "chunked_loss": self.chunked_loss.to_dict() if self.chunked_loss is not None else None,
@@ -414,6 +424,8 @@ class MemoryEstimate:
 
     def _notes(self, verbose: bool) -> list[str]:
         lines = [COMPILED_NOTE] if self.compiled else []
+        if self.stand_ins:
+            lines.append(f"{STAND_IN_NOTE} " + "; ".join(self.stand_ins) + ".")
         if self.speeds is not None and self.step_seconds:
             lines.append(f"Step times priced at {self.speeds.describe()}.")
             waits = self.host_wait()

@@ -37,10 +37,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
-    FakeTensor,
     FakeTensorMode,
 )
-from torch.nn.utils.stateless import _reparametrize_module
 
 from lightmem.checkpoint import apply_checkpointing, op_policy
 from lightmem.blocks import Blocks, find_blocks
@@ -54,8 +52,21 @@ from lightmem.estimate.logits import CHUNKED_LOSS, LossLogits, loss_logits, pric
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
 from lightmem.estimate.caching_allocator import Reserve
+from lightmem.estimate.values import BALANCED, StandIns
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
-from lightmem.lightning_packages import is_lightning_module
+from lightmem.estimate.stand_in import stand_in
+from lightmem.estimate.user_code import (
+    DryRunTrainer,
+    StepBoundaries,
+    attach,
+    configure,
+    lightning_package,
+    lightning_step,
+    no_trace_of_user_code,
+    phase_optimizers,
+    use_optimizers,
+)
+from lightmem.lightning_packages import is_lightning_module, is_mock_optimizer
 
 ROOT_BLOCK = "(outside blocks)"
 MASTER_DTYPE = torch.float32
@@ -94,6 +105,8 @@ class StepRequest:
     """Price every op of the step at these speeds (``StepTrace.compute``); None: not priced."""
     expandable_segments: bool = False
     """The CUDA allocator maps pages into growing segments (what ``StepTrace.reserved_bytes`` replays)."""
+    routing: str = BALANCED
+    """What sizes a top-k routing gives (``lightmem.estimate.values``): ``"balanced"`` or ``"worst"``."""
 
 
 @dataclass
@@ -146,6 +159,10 @@ class StepTrace:
     """The speeds its ops were priced at (None: not priced)."""
     price_log: tuple[tuple[Any, ...], ...] = field(default=(), repr=False)
     """Each priced op in order (``StorageTracer.price_log``): what ``reprice`` prices again."""
+    stand_ins: list[str] = field(default_factory=list)
+    """Values the step read that fake tensors do not have, each with what stood in for it and where."""
+    routed: bool = False
+    """Sizes of a top-k routing were stood in for: the step's memory depends on ``StepRequest.routing``."""
 
     @property
     def reserved_bytes(self) -> int:
@@ -205,6 +222,10 @@ class EstimateError(RuntimeError):
 def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
     """Run one steady-state step of ``model`` on fake tensors and trace its memory.
 
+    The step runs on a stand-in of ``model`` (``lightmem.estimate.stand_in``): whatever the
+    user's code does to the module, its optimizers, schedulers, loggers and random generators,
+    the real ones are left as they were.
+
     Raises:
         EstimateError: the step reads tensor values (``.item()``, data-dependent shapes), a
             LightningModule hook needs a Trainer, or the model fails on fake tensors.
@@ -213,17 +234,10 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
     started = time.perf_counter()
     is_lightning = is_lightning_module(model)
     blocks = find_blocks(model)
-    handle = None
-    checkpointed: list[str] = []
-    if request.checkpoint:
-        handle = apply_checkpointing(model, list(request.checkpoint), policy=request.checkpoint_policy)
-        checkpointed = _checkpointed_names(model, handle)
-    failure = FailureSite({id(module): name for name, module in model.named_modules()})
+    failure = FailureSite({})
     try:
-        with _preserved_module_state(model), warnings.catch_warnings(), _quiet_fake_tensor_log():
-            warnings.filterwarnings("ignore", message=".*self.log.*")
-            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-            warnings.filterwarnings("ignore", message=".*trainer.*reference is not registered.*")
+        with warnings.catch_warnings(), _quiet_fake_tensor_log(), no_trace_of_user_code():
+            warnings.simplefilter("ignore")  # the user's code warns in the real step, not here
             trace = _run(model, batch, request, blocks, is_lightning, failure)
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         raise EstimateError(
@@ -236,10 +250,6 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
         raise
     except RuntimeError as error:
         raise failure.explain(error) from error
-    finally:
-        if handle is not None:
-            handle.remove()
-    trace.checkpointed = checkpointed
     trace.seconds = time.perf_counter() - started
     return trace
 
@@ -325,27 +335,6 @@ def _checkpointed_names(model: nn.Module, handle: Any) -> list[str]:
     return list(handle.modules)
 
 
-@contextlib.contextmanager
-def _preserved_module_state(model: nn.Module) -> Iterator[None]:
-    """Train mode for the step, then every module's mode as it was, and every plain attribute the
-    step left a fake in as it was before (a cache that held None holds None again)."""
-    modes = [(module, module.training) for module in model.modules()]
-    attributes = [(module, dict(vars(module))) for module in model.modules()]
-    model.train()
-    try:
-        yield
-    finally:
-        for module, mode in modes:
-            module.training = mode
-        for module, before in attributes:
-            for key, value in list(vars(module).items()):
-                if isinstance(value, FakeTensor):  # a cache the forward left behind
-                    if key in before:
-                        setattr(module, key, before[key])
-                    else:
-                        delattr(module, key)
-
-
 def _fake_like(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
     return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=target, device=DRY_RUN_DEVICE)
@@ -354,12 +343,11 @@ def _fake_like(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def _fake_state(
     model: nn.Module, param_dtype: torch.dtype | None, fake_mode: FakeTensorMode,
     trainable_dtype: torch.dtype | None = None,
-) -> tuple[dict[str, torch.Tensor], list[nn.Parameter], list[torch.Tensor]]:
-    """Fake parameters and buffers by every name they have (tied weights stay tied).
+) -> tuple[dict[int, torch.Tensor], list[nn.Parameter], list[torch.Tensor]]:
+    """Fake parameters and buffers, by the id of the real tensor each stands for (tied weights stay tied).
     ``trainable_dtype``: the dtype of the trainable parameters on the device (model-state offload's
     ``device_dtype``: what the engine casts the parameters it steps to)."""
     by_id: dict[int, torch.Tensor] = {}
-    named: dict[str, torch.Tensor] = {}
     params: list[nn.Parameter] = []
     buffers: list[torch.Tensor] = []
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -369,7 +357,6 @@ def _fake_state(
             fake = nn.Parameter(_fake_like(param, dtype), requires_grad=param.requires_grad)
             by_id[id(param)] = fake
             params.append(fake)
-        named[name] = fake
     for name, buffer in model.named_buffers(remove_duplicate=False):
         fake = by_id.get(id(buffer))
         if fake is None:
@@ -378,8 +365,7 @@ def _fake_state(
                 fake = _fake_like(buffer, param_dtype)
             by_id[id(buffer)] = fake
             buffers.append(fake)
-        named[name] = fake
-    return named, params, buffers
+    return by_id, params, buffers
 
 
 def _run(
@@ -393,28 +379,54 @@ def _run(
     tracer.when_fake_refuses = real_output
     tracer.op_policy = op_policy(request.checkpoint_policy)
     tracer.price = request.speeds
+    tracer.stand_ins = StandIns(mode=request.routing)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
-        named, params, buffers = _fake_state(model, precision.param_dtype, fake_mode, request.trainable_dtype)
-        inputs = fake_batch(
-            batch, device=DRY_RUN_DEVICE, batch_size=request.batch_size,
-            original_batch_size=request.original_batch_size, float_dtype=precision.param_dtype,
+        fakes, params, buffers = _fake_state(model, precision.param_dtype, fake_mode, request.trainable_dtype)
+        package = lightning_package(model) if is_lightning else None
+        trainer = DryRunTrainer(getattr(model, "_trainer", None), package) if package is not None else None
+        twin = stand_in(
+            model, fakes, fake_mode, replacements={id(trainer._real): trainer} if trainer is not None and trainer._real is not None else None,
+            attributes=(lambda module, state: attach(module, trainer)) if trainer is not None else None,
         )  # fmt: skip
+        step_model = twin.module
+        step_model.train()
+        if trainer is not None:
+            trainer.lightning_module = step_model
+        failure.module_names = {id(module): name for name, module in step_model.named_modules()}
+        step_blocks = Blocks({name: twin.twin(module) for name, module in blocks.modules.items()}, set(blocks.repeated))
+        checkpointed: list[str] = []
+        if request.checkpoint:
+            checkpointed = list(apply_checkpointing(step_model, list(request.checkpoint), policy=request.checkpoint_policy).modules)
+
+        def make_batch() -> Any:
+            made = fake_batch(
+                batch, device=DRY_RUN_DEVICE, batch_size=request.batch_size,
+                original_batch_size=request.original_batch_size, float_dtype=precision.param_dtype,
+            )  # fmt: skip
+            for tensor in batch_tensors(made):
+                tracer.track(tensor, INPUT)
+            return made
+
         protected = {id(t.untyped_storage()) for t in params + buffers}
         for param in params:
             tracer.track(param, PARAMETER)
         for buffer in buffers:
             tracer.track(buffer, BUFFER)
-        for tensor in batch_tensors(inputs):
-            tracer.track(tensor, INPUT)
+        for fake in twin.fakes:  # held before the step, outside the parameters and buffers: not the step's
+            tracer.excluded.add(tracer.track(fake))
+        inputs = make_batch()
         # A real tensor from another device enters as a real CPU tensor does: not counted.
         on_dry_run_device = OnDryRunDevice(fake_mode, entered=lambda fake: tracer.excluded.add(tracer.track(fake)))
-        with _reparametrize_module(model, named), tracer, torch.enable_grad(), on_dry_run_device:
+        with tracer, torch.enable_grad(), on_dry_run_device:
             trace = _steady_step(
-                model, inputs, request, blocks, is_lightning, tracer, params, buffers, protected, failure
+                step_model, inputs, request, step_blocks, trainer, tracer, params, buffers, protected, failure, make_batch
             )
-    trace.loss_logits = loss_logits(
-        tracer, trace.peak, named, blocks.repeated, product_dtype=precision.autocast_dtype, model=model
+    trace.checkpointed = checkpointed
+    trace.stand_ins, trace.routed = tracer.stand_ins.summary(), tracer.stand_ins.routed
+    named = {name: fakes[id(tensor)] for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))}
+    trace.loss_logits = loss_logits(  # the step's statements named the stand-in's modules
+        tracer, trace.peak, named, blocks.repeated, product_dtype=precision.autocast_dtype, model=step_model
     )
     if trace.loss_logits is not None and pricing_chunked():
         # Priced as chunked, the step's requests lose the logits and gain what the chunked loss holds.
@@ -425,12 +437,83 @@ def _run(
     return trace
 
 
+class _StepDriver:
+    """The phases of one traced step, told by the step's code as it runs in whatever order
+    (``lightmem.estimate.user_code``): the forward's context around each ``training_step``, the
+    end of the first forward (what it saved, per block), each backward, the optimizer's update."""
+
+    def __init__(
+        self, request: StepRequest, tracer: StorageTracer, tracker: _BlockTracker, hooks: SavedTensorHooks
+    ) -> None:
+        self.request = request
+        self.tracer = tracer
+        self.tracker = tracker
+        self.hooks = hooks
+        self.forward_usage: tuple[dict[str, BlockUsage], list[SavedTensor], int] | None = None
+
+    def training_step(self, call: Callable[[], Any]) -> Any:
+        """``call`` (a forward: ``training_step``, ``loss_fn``, the model) in the forward's context:
+        autocast, the precision's default dtype, the saved-tensor hooks, FLOP counts."""
+        tracer, precision, hooks = self.tracer, self.request.precision, self.hooks
+        tracer.set_phase("forward")
+        tracer.count_flops = True
+        try:
+            with contextlib.ExitStack() as stack:
+                if precision.autocast_dtype is not None:
+                    stack.enter_context(torch.autocast("cpu", dtype=precision.autocast_dtype))
+                if precision.param_dtype is not None:
+                    stack.enter_context(_default_dtype(precision.param_dtype))
+                hooks.attach()
+                stack.callback(hooks.detach)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack))
+                return call()
+        finally:
+            tracer.count_flops = False
+
+    def forward_ended(self) -> None:
+        """The first forward is over (an automatic step's ``training_step`` returned, or a backward
+        starts): what it saved is counted per block, copies in flight have run, and what follows
+        until the update is the backward's (``zero_grad`` included)."""
+        if self.forward_usage is not None:
+            return
+        tracer = self.tracer
+        tracer.window.forward_end = tracer.now()
+        self.forward_usage = _forward_end_usage(tracer, self.tracker)
+        self.hooks.forward_done()
+        # As in a fit: lightmem's offload leaves at the first backward; a later forward keeps its saves.
+        self.hooks.policy = None
+        tracer.set_phase("backward")
+
+    def backward(self, run: Callable[[], Any]) -> Any:
+        """A backward (``StepBoundaries``), run in the backward's phase; the phase it interrupted
+        (a manual step's forward) resumes after it."""
+        tracer = self.tracer
+        self.forward_ended()
+        resume, flops = tracer.context.phase, tracer.count_flops
+        tracer.set_phase("backward")
+        tracer.count_flops = False
+        try:
+            # Checkpoint re-runs forwards in here and they must allocate as the forward did, so the
+            # engine is called directly: Tensor.backward would pass through (and switch off) the modes.
+            return run()
+        finally:
+            tracer.set_phase(resume)
+            tracer.count_flops = flops
+
+    def update(self) -> None:
+        self.tracer.set_phase("optimizer")
+
+    def forward(self) -> None:
+        if self.tracer.context.phase == "optimizer":
+            self.tracer.set_phase("forward")
+
+
 def _steady_step(
-    model: nn.Module, batch: Any, request: StepRequest, blocks: Blocks, is_lightning: bool,
+    model: nn.Module, batch: Any, request: StepRequest, blocks: Blocks, trainer: DryRunTrainer | None,
     tracer: StorageTracer, params: list[nn.Parameter], buffers: list[torch.Tensor], protected: set[int],
-    failure: FailureSite,
+    failure: FailureSite, make_batch: Callable[[], Any],
 ) -> StepTrace:  # fmt: skip
-    optimizers = _build_optimizers(model, request.optimizer, is_lightning)
+    optimizers = _build_optimizers(model, request.optimizer, trainer)
     if request.device == "cuda":
         for optimizer in optimizers:
             for group in optimizer.param_groups:
@@ -465,50 +548,43 @@ def _steady_step(
     hooks = SavedTensorHooks(
         tracer, tracker.current, request.offload, model, protected, asynchronous=request.device == "cuda"
     )
-    precision = request.precision
+    driver = _StepDriver(request, tracer, tracker, hooks)
+    as_lightning = trainer is not None and request.loss_fn is None and request.zero_grad == "after_forward"
+    phase_optimizers(optimizers, driver.forward, driver.update, updates=not model_state_offload)
 
     if request.zero_grad == "before_forward":  # a plain loop frees the old gradients first
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
     tracer.window.start = tracer.now()
-    tracer.set_phase("forward")
-    tracer.count_flops = True
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(tracker)
-            if precision.autocast_dtype is not None:
-                stack.enter_context(torch.autocast("cpu", dtype=precision.autocast_dtype))
-            if precision.param_dtype is not None:
-                stack.enter_context(_default_dtype(precision.param_dtype))
-            if request.device == "cuda":
-                stack.enter_context(CudaBehaviour())
-            hooks.attach()
-            stack.callback(hooks.detach)
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(tracker)
+        if request.device == "cuda":
+            stack.enter_context(CudaBehaviour())
+        stack.enter_context(StepBoundaries(driver.backward))  # last: above every other mode
+        if as_lightning:
+            lightning_step(
+                model, trainer, batch, _batch_index(trainer), trainer.package,
+                training_step=driver.training_step, forward_ended=driver.forward_ended,
+                before_update=driver.update, batches=make_batch,
+            )  # fmt: skip
+        else:
             loss = _as_loss(
-                _forward(model, batch, request.loss_fn, is_lightning), request.loss_fn, is_lightning
-            )
-    finally:
-        tracer.count_flops = False
-    tracer.window.forward_end = tracer.now()
-    usage, saved_list, activations = _forward_end_usage(tracer, tracker)
-
-    hooks.forward_done()
-    tracer.set_phase("backward")
-    if request.zero_grad == "after_forward":
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
-    with tracker, CudaBehaviour() if request.device == "cuda" else contextlib.nullcontext():
-        # Checkpoint re-runs forwards in here and they must allocate as the forward did, so the
-        # engine is called directly: Tensor.backward would pass through (and switch off) the mode.
-        _run_backward(loss)
-    tracer.set_phase("optimizer")
-    if not model_state_offload:  # with it the step runs on the host; parameters return in place
-        for optimizer in optimizers:
-            optimizer.step()
+                driver.training_step(lambda: _forward(model, batch, request.loss_fn, trainer is not None)),
+                request.loss_fn, trainer is not None,
+            )  # fmt: skip
+            driver.forward_ended()
+            if request.zero_grad == "after_forward":
+                for optimizer in optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+            driver.backward(lambda: _run_backward(loss))
+            del loss
+            for optimizer in optimizers:
+                optimizer.step()
     tracer.window.end = tracer.now()
     for hook in grad_hooks:
         hook.remove()
+    assert driver.forward_usage is not None
+    usage, saved_list, activations = driver.forward_usage
 
     # Parameters without a gradient in this step would have had neither gradient nor state.
     unused = {id(p) for p in trainable if p.grad is None and id(p) not in graded}
@@ -558,6 +634,15 @@ def _steady_step(
         # Each stepped parameter's gradient (autograd gives it the parameter's dtype) out, the parameter back.
         optimizer_link_bytes=2 * sum(p.nbytes for p in params if id(p) in graded),
     )
+
+
+def _batch_index(trainer: DryRunTrainer) -> int:
+    """The index Lightning gives the batch being planned for (0 outside a fit)."""
+    real = trainer._real
+    try:
+        return int(real.fit_loop.epoch_loop.batch_idx) if real is not None else 0
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 def _gradients_leave(
@@ -651,6 +736,12 @@ _PER_PARAMETER_STATE = (
 )  # fmt: skip
 
 
+def _no_loss() -> torch.Tensor:
+    """The closure of the previous step's update, for an optimizer whose ``step`` needs one: what
+    a closure returns, without a forward (its state is what is wanted)."""
+    return torch.zeros((), device=DRY_RUN_DEVICE)
+
+
 def _create_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the state the previous step left, without paying for a full fake update.
 
@@ -660,7 +751,7 @@ def _create_state(optimizer: torch.optim.Optimizer) -> None:
     Adam's ``step``). Any other optimizer (a subclass included) runs its full step.
     """
     if type(optimizer) not in _PER_PARAMETER_STATE:
-        optimizer.step()
+        optimizer.step(_no_loss)
         return
     kept = [group["params"] for group in optimizer.param_groups]
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -723,8 +814,11 @@ def _mark_state(
 
 
 def _build_optimizers(
-    model: nn.Module, choice: OptimizerChoice, is_lightning: bool
+    model: nn.Module, choice: OptimizerChoice, trainer: DryRunTrainer | None
 ) -> list[torch.optim.Optimizer]:
+    """The step's optimizers: ``choice``'s over the trainable parameters, or a LightningModule's
+    own (its ``configure_optimizers``, run on the stand-in); in a LightningModule's step, what
+    ``self.optimizers()`` gives (``trainer``)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if choice.factory is not None:
         optimizer = choice.factory(trainable)
@@ -733,41 +827,26 @@ def _build_optimizers(
                 f"estimate_memory(optimizer=...): the callable returned {type(optimizer).__name__}, "
                 "not a torch.optim.Optimizer"
             )
+        if trainer is not None:
+            use_optimizers(trainer, [optimizer])
         return [optimizer]
-    if not is_lightning:
+    if trainer is None:
         raise ValueError(
             "estimate_memory(optimizer=None): a plain nn.Module needs an optimizer name or callable"
         )
     try:
-        config = model.configure_optimizers()
+        optimizers = configure(model, trainer)
     except Exception as error:
         raise EstimateError(
-            f"configure_optimizers() failed outside a Trainer ({type(error).__name__}: {error}); "
+            f"configure_optimizers() failed in the dry run ({type(error).__name__}: {error}); "
             "pass optimizer='adamw' (or another name, or a callable params -> Optimizer)"
         ) from None
-    optimizers = _optimizers_from(config)
-    if not optimizers:
+    if trainer._real is None and all(not group["params"] or is_mock_optimizer(o) for o in optimizers for group in o.param_groups):
         raise EstimateError(
             "configure_optimizers() returned no optimizer; pass optimizer='adamw' (or another name, "
             "or a callable params -> Optimizer)"
         )
     return optimizers
-
-
-def _optimizers_from(config: Any) -> list[torch.optim.Optimizer]:
-    """Lightning's configure_optimizers return forms: optimizer, list, (list, list), dict(s)."""
-    if isinstance(config, torch.optim.Optimizer):
-        return [config]
-    if isinstance(config, Mapping):
-        return _optimizers_from(config.get("optimizer"))
-    if isinstance(config, (list, tuple)):
-        if len(config) == 2 and isinstance(config[0], (list, tuple)):
-            return _optimizers_from(list(config[0]))
-        found = []
-        for item in config:
-            found.extend(_optimizers_from(item))
-        return found
-    return []
 
 
 def _forward(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None, is_lightning: bool) -> Any:

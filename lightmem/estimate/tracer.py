@@ -24,6 +24,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from lightmem.devices import DeviceSpeeds, op_cost
 from lightmem.estimate.caching_allocator import ALLOCATE, FREE, FREE_PREVIOUS, StepAllocations
 from lightmem.estimate.call_site import CallSite, call_site
+from lightmem.estimate.values import FOLLOWED, StandIns
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "workspaces")
 
@@ -57,6 +58,8 @@ class StorageRecord:
     """Size of the last dimension of the tensor the storage was first seen as (0: a scalar)."""
     requested: int = 0
     """Bytes the storage asked for (``nbytes`` is what the allocator hands out for it)."""
+    known: Any = None
+    """What the dry run assumes of the storage's values (``lightmem.estimate.values.Known``), if anything."""
 
 
 @dataclass(slots=True)
@@ -150,6 +153,8 @@ class StorageTracer(TorchDispatchMode):
         """(first event, last event, bytes): memory no traced storage stands for, counted from the
         first event to the last (a what-if: what a chunked loss keeps in place of the logits)."""
         self.saved: list[int] = []  # record ids in the order autograd first saved them
+        self.stand_ins: StandIns | None = None
+        """Answers ops that need values fake tensors do not have (``lightmem.estimate.values``)."""
         self.when_fake_refuses: Any = None
         """Called with (op, args, kwargs) when an op's fake kernel raises: returns (verdict, output,
         why) (``lightmem.estimate.kernels.real_output``); an output stands in for the fake one."""
@@ -190,14 +195,21 @@ class StorageTracer(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
         except Exception as error:
             real = None
+            data_dependent = isinstance(error, _DATA_DEPENDENT)
             # A data-dependent output is no refusal: zeros would give it a wrong shape, silently.
-            if self.when_fake_refuses is not None and not isinstance(error, _DATA_DEPENDENT):
+            if self.when_fake_refuses is not None and not data_dependent:
                 real = self.when_fake_refuses(func, args, kwargs or {})
+            elif data_dependent and self.stand_ins is not None:
+                answer = self.stand_ins.answer(func, args, kwargs or {}, self.known_of, self.mark_known)
+                if answer is not NotImplemented:
+                    real = (None, answer, "stood in")
             if real is None or real[1] is None:
                 if self.on_failure is not None:
                     self.on_failure(func, (args, kwargs), error, real)
                 raise
             out = real[1]
+            if not isinstance(out, (torch.Tensor, tuple, list)):
+                return out  # a Python value read (``.item()``, ``bool(t)``): nothing allocated
         if func is _LOG_SOFTMAX and self.context.phase == "forward":
             self.log_softmax_inputs.append((tuple(args[0].shape), args[1] % max(args[0].dim(), 1)))
             self.log_softmax_sites.append(call_site())
@@ -213,6 +225,8 @@ class StorageTracer(TorchDispatchMode):
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     self._see(leaf)
+        if self.stand_ins is not None and func._overloadpacket in FOLLOWED:
+            self.stand_ins.follow(func, args, kwargs or {}, out, self.known_of, self.mark_known)
         if self.count_flops or self.price is not None:
             self._count_flops(func, out, args, kwargs or {})
         if self.workspaces is not None:
@@ -337,6 +351,17 @@ class StorageTracer(TorchDispatchMode):
             record.saved_block = block
             record.saved_shape = tuple(tensor.shape)
         return record
+
+    def known_of(self, tensor: Any) -> Any:
+        """What is assumed of ``tensor``'s values (``Known``), or None."""
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        rid = self._live.get(id(tensor.untyped_storage()))
+        return self.records[rid].known if rid is not None else None
+
+    def mark_known(self, tensor: torch.Tensor, known: Any) -> None:
+        if known is not None:
+            self.records[self._see(tensor)].known = known
 
     def mark_state(self, tensor: torch.Tensor) -> int:
         rid = self._see(tensor)

@@ -118,3 +118,67 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
                 storage = value.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+def measure_lightning_step(module: Any, loader: Any, package: Any, measured_batch: int = 1) -> MeasuredStep:
+    """Peak and breakdown of a LightningModule's training batch ``measured_batch`` (the second by
+    default: the gradients and optimizer state of the first are alive, as in the estimator's steady
+    step), as a CPU ``Trainer`` of ``package`` runs it, by MemTracker (module docstring): what
+    Lightning itself runs around ``training_step`` (automatic or manual optimization, hooks) included."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepTracker(MemTracker):
+        """MemTracker refuses a module called again from outside every module within its context (it
+        takes that for a next iteration): a step calling its network twice (two optimizers in turn)
+        is one iteration here, so that module's own figures start again; the tracker's peak is kept."""
+
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            name = self._mod_tracker.get_known_fqn(module)
+            outside = set(self._mod_tracker.parents) - {name} == {"Global"}
+            if module in self.memory_tracking and outside and not self._mod_tracker.is_bw:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    snapshots: list[Any] = []
+    optimizers: list[Any] = []
+
+    class Measure(package.Callback):
+        tracker: Any = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == measured_batch:
+                self.tracker = StepTracker()
+                self.tracker.track_external(pl_module, *trainer.optimizers, *batch_tensors(batch))
+                optimizers.extend(trainer.optimizers)
+                self.tracker.__enter__()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.tracker is not None:
+                self.tracker.__exit__(None, None, None)
+                snapshots.append(self.tracker.get_tracker_snapshot("peak"))
+                self.tracker = None
+
+    trainer = package.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=measured_batch + 1, logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Measure()],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    (snapshot,) = snapshots
+    breakdown = dict.fromkeys(CATEGORIES, 0)
+    total = 0
+    for device_snapshot in snapshot.values():
+        for key, value in device_snapshot.items():
+            name = getattr(key, "value", key)
+            if name == "Total":
+                total += value
+            else:
+                breakdown[_MAPPING[name]] += value
+    state_bytes = sum(_state_bytes(optimizer) for optimizer in optimizers)
+    if breakdown["optimizer_state"] > state_bytes:
+        breakdown["temporaries"] += breakdown["optimizer_state"] - state_bytes
+        breakdown["optimizer_state"] = state_bytes
+    batch = next(iter(loader))
+    return MeasuredStep(total, breakdown, sum(t.untyped_storage().nbytes() for t in batch_tensors(batch)))
