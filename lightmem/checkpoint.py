@@ -293,6 +293,9 @@ class CheckpointedForward:
     held by its arguments raises (see ``lightmem.recompute_state``).
     """
 
+    dry_run_copies = True
+    """Copied into the estimator's stand-in of the model, bound to its block (``lightmem.estimate.stand_in``)."""
+
     def __init__(
         self, inner: Any, had_instance_forward: bool, block: nn.Module,
         policy: CheckpointPolicyArg = "full",

@@ -57,8 +57,8 @@ def offload_scope(offload: OffloadSettings | None) -> str:
 
 def _reason(error: BaseException) -> str:
     """An error of the dry run in a few words: its type and first line."""
-    first = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first[:300]}" if first else type(error).__name__
+    first = (str(error).strip().splitlines() or [""])[0][:300].rstrip(".")
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 class FitSession:

@@ -120,3 +120,82 @@ def test_a_fit_whose_plan_checkpoints_equals_the_fit_checkpointed_by_hand(lightn
     assert chosen and all(name.startswith("model.blocks.") for name in chosen), chosen
     by_hand = fit(lightning_package, idiom, checkpoint=chosen)
     assert_fits_equal(by_hand, planned)
+
+
+class _ReadsNumPy:
+    """A step the dry run cannot trace (NumPy reads values fake tensors do not have)."""
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        self.draws.append(float(tokens.cpu().numpy().mean()))
+        return self.loss(tokens)
+
+
+class _RaisesAtFirstBatch:
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            raise RuntimeError("labels out of range in batch 0")
+        return super().training_step(batch, batch_idx)
+
+
+def _variant(package, mixin, idiom="automatic"):
+    return type(mixin.__name__.lstrip("_"), (mixin, idiom_class(idiom, package)), {})
+
+
+def test_a_step_the_dry_run_cannot_trace_trains_as_written_on_a_cpu_saying_why(lightning_package, recwarn):
+    module_class = _variant(lightning_package, _ReadsNumPy)
+
+    def run(callbacks):
+        lightning_package.seed_everything(0, verbose=False)
+        module = module_class()
+        trainer = cpu_trainer(callbacks, lightning_package, max_steps=3)
+        trainer.fit(module, loader())
+        return Fit(module, trainer, (torch.get_rng_state(), torch.from_numpy(np.random.get_state()[1].copy()), random.getstate()))
+
+    plain = run([])
+    callback = LightMem(plan="auto", device_budget=TIGHT["automatic"])
+    planned = run([callback])
+    assert callback.chosen_plan is None
+    assert_fits_equal(plain, planned)
+    said = [str(w.message) for w in recwarn if str(w.message).startswith("lightmem: plan='auto' does not plan")]
+    assert said == [
+        "lightmem: plan='auto' does not plan this batch: its dry run could not trace the training step (EstimateError: "
+        "the training step calls .numpy() (or another conversion to NumPy); fake tensors have no values to convert. "
+        "Keep NumPy out of the training step's forward for the estimate (compute with torch ops, or pass loss_fn=... "
+        "that skips it)). It trains with nothing changed (as written)."
+    ]
+
+
+def test_on_a_cuda_device_a_step_the_dry_run_cannot_trace_trains_with_every_block_checkpointed():
+    import pytorch_lightning as pl
+
+    from lightmem.checkpoint import is_checkpointed
+    from lightmem.testing.cuda_tensor import SimulatedCudaFit, simulated_cuda
+
+    checkpointed: list[list[bool]] = []
+
+    class Blocks(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            checkpointed.append([is_checkpointed(block) for block in pl_module.model.blocks])
+
+    module_class = _variant(pl, _ReadsNumPy)
+    with simulated_cuda():
+        pl.seed_everything(0, verbose=False)
+        plain = module_class()
+        cpu_trainer([SimulatedCudaFit()], max_steps=2).fit(plain, loader())
+        pl.seed_everything(0, verbose=False)
+        planned = module_class()
+        callback = LightMem(plan="auto", device_budget=TIGHT["automatic"], offload=False)
+        cpu_trainer([SimulatedCudaFit(), callback, Blocks()], max_steps=2).fit(planned, loader())
+    assert checkpointed == [[True, True, True], [True, True, True]]
+    assert_same(plain.state_dict(), planned.state_dict(), "state_dict")
+
+
+def test_an_error_of_the_users_step_is_raised_as_without_lightmem_at_its_step(lightning_package):
+    module_class = _variant(lightning_package, _RaisesAtFirstBatch)
+    raised = []
+    for callbacks in ([], [LightMem(plan="auto", device_budget=ROOMY)]):
+        with pytest.raises(Exception) as error:
+            cpu_trainer(callbacks, lightning_package, max_steps=3).fit(module_class(), loader())
+        raised.append((type(error.value), str(error.value)))
+    assert raised == [(RuntimeError, "labels out of range in batch 0")] * 2

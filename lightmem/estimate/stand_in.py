@@ -14,8 +14,10 @@ instead, and the dry run runs on the twin:
 - a tensor met in that copy (a cache, a metric's state, a parameter held outside the tree) becomes
   a fake on the dry run's device, never a copy of its data (``known_value`` keeps a one-element
   tensor's value, which steps read as a number);
-- hooks registered on the modules are copied as attributes are (a hook bound to a module of the
-  tree is bound to its twin; one bound to an object an attribute also holds, to the same copy);
+- hooks registered on the modules follow the attributes: a hook bound to a module of the tree is
+  bound to its twin, one bound to an object an attribute holds to its copy, any other is shared;
+- lightmem's own machinery set on a module (offload hooks, a chunked loss's handle, a block clock) is
+  shared: it holds host memory and streams by handle, and the dry run runs its own;
 - the module's Trainer is replaced by the dry run's (``lightmem.estimate.user_code.DryRunTrainer``);
 - what cannot be copied (a lock, an open file, a C object without a copy) and heavy objects that
   a step reads but does not write (data loaders, datasets, data modules, loggers, callbacks) are
@@ -29,6 +31,7 @@ globals, class attributes, and objects reached only through closures.
 from __future__ import annotations
 
 import copy
+import functools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -140,8 +143,8 @@ def stand_in(
                 if key in _STRUCTURE:
                     state[key] = {inner: memo.get(id(item), item) if item is not None else None for inner, item in value.items()}
                 elif key in _HOOKS:
-                    state[key] = type(value)((handle, _copied_hook(hook, memo)) for handle, hook in value.items())
-                elif isinstance(value, shared_types) or isinstance(value, types.ModuleType):
+                    state[key] = value  # copied below, once every attribute is
+                elif isinstance(value, shared_types) or isinstance(value, types.ModuleType) or _lightmems(value):
                     state[key] = value
                 else:
                     _seed_tensors(value, memo, copier)
@@ -153,6 +156,11 @@ def stand_in(
             twin.__dict__.update(state)
             if attributes is not None:
                 attributes(twin, twin.__dict__)
+        for twin in twins.values():  # a hook's owner copied with the attributes is that copy
+            for key in _HOOKS:
+                hooks = twin.__dict__.get(key)
+                if hooks:
+                    twin.__dict__[key] = type(hooks)((handle, _copied_hook(hook, memo)) for handle, hook in hooks.items())
     for module in modules:
         _run_eagerly(twins[id(module)])
     return found
@@ -186,14 +194,34 @@ def _copy_function(function: types.FunctionType, memo: dict[int, Any]) -> types.
     return copied
 
 
+def _lightmems(value: Any) -> bool:
+    """lightmem's own machinery set on a module (an offloader's hooks, a block clock): shared, never
+    copied. It holds host memory, streams and threads by handle, and the dry run makes its own (a copy
+    would free what the original still owns). A class of plain state that the step reads through
+    the module (a checkpoint wrapper, a chunked loss's handle) says ``dry_run_copies = True``."""
+    if isinstance(value, functools.partial):
+        return _lightmems(value.func)
+    if isinstance(value, types.FunctionType):  # a closure over lightmem's objects
+        return (value.__module__ or "").startswith("lightmem.")
+    owner = value.__self__ if isinstance(value, types.MethodType) else value
+    kind = type(owner)
+    return kind.__module__.startswith("lightmem.") and not getattr(kind, "dry_run_copies", False) and not isinstance(owner, nn.Module)
+
+
 def _copied_hook(hook: Any, memo: dict[int, Any]) -> Any:
-    """A hook copied as the attributes are, so a hook and an attribute that shared an object (a
-    handle whose forward hook captures what its method set as ``loss_function`` reads) still share
-    one; bound to a module of the tree, bound to its twin. A hook that cannot be copied is shared."""
-    try:
-        return _copy_function(hook, memo) if isinstance(hook, types.FunctionType) else copy.deepcopy(hook, memo)
-    except Exception:  # noqa: BLE001 - shared, as any attribute that cannot be copied
+    """A hook as the attributes were copied: bound to a module of the tree, bound to its twin; bound
+    to an object an attribute holds, bound to the same copy; otherwise the hook itself (a function,
+    lightmem's own machinery, an object the attributes do not hold)."""
+    if _lightmems(hook):
         return hook
+    if isinstance(hook, types.MethodType) and id(hook.__self__) in memo:
+        return types.MethodType(hook.__func__, memo[id(hook.__self__)])
+    if isinstance(hook, types.FunctionType):
+        try:
+            return _copy_function(hook, memo)
+        except Exception:  # noqa: BLE001 - shared, as any attribute that cannot be copied
+            return hook
+    return hook
 
 
 def _run_eagerly(twin: nn.Module) -> None:
