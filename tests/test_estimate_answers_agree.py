@@ -67,6 +67,12 @@ def test_max_batch_size_with_plan_is_the_same_from_any_starting_batch():
     for name, evaluations in search.evaluations.items():  # no extreme of the next size's space fits it
         if name.startswith("plan: "):
             assert all(total > 140 * 2**20 for size, total in evaluations if size > search.planned)
+    # Where the plans start to matter: each search asks the planner from the first size that does
+    # not fit without lightmem, never at or below it, whatever batch it was given (2 and 64 lie below).
+    for search in searches:
+        asked = [found for name, found in search.evaluations.items() if name.startswith("plan: ")]
+        planned = [size for found in asked for size, _ in found]
+        assert min(planned) == search.baseline + 1, sorted(planned)[:4]
 
 
 def _tokens(batch: int = 4) -> torch.Tensor:

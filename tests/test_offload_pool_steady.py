@@ -101,6 +101,23 @@ def _assert_steady(rows, off, sizes) -> None:
     assert peak <= off.host_bytes_held <= bound, (off.host_bytes_held, peak, bound)
 
 
+def _assert_phase_rows(rows, grew: bool, held_before: int) -> None:
+    """Every row of a phase of fixed shapes, its first boundary and the boundary where the phase
+    before leaves the window included. A phase that grew (more bytes or a larger block than the
+    window held) may register during its first ``WARM_UP_STEPS`` steps and is steady after them.
+    One that shrank needs no warm-up: it registers nothing and copies nothing to pageable memory at
+    any step, and gives back only at the boundary where the larger steps leave the window
+    (``TRIM_WINDOW_STEPS`` boundaries in), once."""
+    if grew:
+        settled = rows[WARM_UP_STEPS:]
+        assert settled == [(0, 0, 0, settled[0][3])] * len(settled), rows
+        return
+    trim = pool.TRIM_WINDOW_STEPS
+    given_back, held_after = rows[trim][1], rows[-1][3]
+    expected = [(0, 0, 0, held_before)] * trim + [(0, given_back, 0, held_after)]
+    assert rows == expected + [(0, 0, 0, held_after)] * (len(rows) - trim - 1), rows
+
+
 @pytest.mark.parametrize(
     ("share", "gpu"), [(0.23, 0.0), (0.26, 0.0), (0.38, 0.0), (0.26, 0.001)], indirect=["gpu"],
     ids=["23%", "26%", "38%", "26%-lagging-gpu"],
@@ -175,26 +192,67 @@ def test_a_gpt_whose_fp32_log_softmax_is_a_quarter_of_the_step_stays_steady(gpu,
 def test_shapes_that_change_between_phases_settle_in_each_and_stay_within_the_bound(gpu):
     # Phases of fixed shapes, larger and smaller in turn: a phase that grows settles after its
     # first steps; one that shrinks gives memory back once the larger steps leave the window
-    # (TRIM_WINDOW_STEPS boundaries) and is steady after that. At every step the pool holds at
-    # most HEADROOM x the peak of the window and the step, plus their largest block.
+    # (TRIM_WINDOW_STEPS boundaries) and is steady before and after that. Every row after
+    # warm-up is checked, the boundaries where a phase changes included. At every step the pool
+    # holds at most HEADROOM x the peak of the window and the step, plus their largest block.
     rng = random.Random(0)
     model = _Saves([64 * KiB])
     off = offload_activations(model, min_bytes=0, devices=("cpu",), transport=gpu)
     window: list[tuple[int, int]] = []  # (step's bytes, its largest block)
+    held = 0
     for phase in range(5):
         model.sizes = [rng.randrange(1, 8) * 1024 for _ in range(rng.randrange(8, 24))]
         model.sizes.append(rng.randrange(2, 16) * 1024)  # the last one large, as a loss's often is
         sizes = [numel * 4 for numel in model.sizes]
+        step = (sum(sizes), pool.size_class(max(sizes)))
+        # Grew: more bytes, or a larger block, than any step in the window (the first phase grows).
+        grew = step[0] > max((nbytes for nbytes, _ in window), default=0) or step[1] > max(
+            (largest for _, largest in window), default=0
+        )
         rows = []
         for _ in range(pool.TRIM_WINDOW_STEPS + 4):
             step_rows, _ = _train(gpu, model, off, 1)
             rows += step_rows
             # The window of the boundary before this step, and this step (counted live).
-            window = [*window, (sum(sizes), pool.size_class(max(sizes)))][-pool.TRIM_WINDOW_STEPS - 1 :]
+            window = [*window, step][-pool.TRIM_WINDOW_STEPS - 1 :]
             bound = int(max(nbytes for nbytes, _ in window) * pool.HEADROOM)
             assert off.host_bytes_held <= bound + max(largest for _, largest in window), phase
-        settled = rows[pool.TRIM_WINDOW_STEPS + 1 :]
-        assert settled == [(0, 0, 0, settled[0][3])] * len(settled), (phase, rows)
+        _assert_phase_rows(rows, grew, held)
+        held = rows[-1][3]
+    off.release_host_memory()
+
+
+def test_a_phase_of_smaller_steps_registers_nothing_and_gives_back_once_when_the_larger_leave_the_window(gpu):
+    # 80 saves of 4 KiB, then 60. The first phase settles on chunks of 4, 8, 16, 11 x 32 and
+    # 20 KiB: 400 KiB, HEADROOM x its 320 KiB. The second fits them from its first step; when the
+    # last step of 80 leaves the window, the cap falls to 1.25 x 240 + 4 = 304 KiB and the newest
+    # chunks go back until under it (20 + 3 x 32 KiB), and nothing is queued in their place.
+    model = _Saves([4 * KiB] * 80)
+    off = offload_activations(model, min_bytes=0, devices=("cpu",), transport=gpu)
+    larger, _ = _train(gpu, model, off, pool.TRIM_WINDOW_STEPS + 4)
+    assert larger[WARM_UP_STEPS:] == [(0, 0, 0, 400 * KiB)] * (pool.TRIM_WINDOW_STEPS + 4 - WARM_UP_STEPS)
+    model.sizes = model.sizes[:60]
+    smaller, _ = _train(gpu, model, off, pool.TRIM_WINDOW_STEPS + 4)
+    trim = pool.TRIM_WINDOW_STEPS
+    assert smaller == [(0, 0, 0, 400 * KiB)] * trim + [(0, 4, 0, 284 * KiB)] + [(0, 0, 0, 284 * KiB)] * 3
+    off.release_host_memory()
+
+
+def test_a_prepared_pool_whose_first_step_spills_gives_no_chunk_back_during_that_step(gpu):
+    # Chunks for 1.15 x the step's bytes (prepare_host queues HEADROOM x what it is told): room at
+    # chunk ends is lost, so the step's last, large save does not fit and goes to pageable memory.
+    # A request that finds no room takes a pageable slab and gives no empty chunk back (only a
+    # step boundary does): the prepared bytes stay, and the next boundary adds one chunk of
+    # exactly that save's size, after which every step fits.
+    sizes = _with_last_share(0.23)
+    model = _Saves(sizes)
+    off = offload_activations(model, min_bytes=0, devices=("cpu",), transport=gpu)
+    prepared = off.prepare_host(int(1.15 * sum(sizes) / pool.HEADROOM), wait=True)
+    align = pool.ALIGN_BYTES
+    assert gpu.runtime.page_locked_bytes == prepared == int(1.15 * sum(sizes)) // align * align
+    rows, _ = _train(gpu, model, off, pool.TRIM_WINDOW_STEPS + 4)
+    grown = prepared + pool.size_class(sizes[-1])
+    assert rows == [(0, 0, 2, prepared), (1, 0, 0, grown)] + [(0, 0, 0, grown)] * (pool.TRIM_WINDOW_STEPS + 2)
     off.release_host_memory()
 
 

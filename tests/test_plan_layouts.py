@@ -8,13 +8,17 @@ batch no configuration fits is refused with the closest configuration of each ki
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
+
 import pytest
 import torch
 
 from layout_models import StagedNet, TrunkNet, TwoKindsNet, UserResNet, classification_loss, image_batch, user_resnet50
 from lightmem import estimate_memory, plan
 from lightmem.config import format_bytes
-from lightmem.estimate.planner import KINDS, plan_space
+from lightmem.estimate.planner import KINDS, Candidate, PlanSpace, plan_space
 
 LAYOUTS = {"stem, blocks, head": UserResNet, "trunk": TrunkNet, "nested stages": StagedNet, "two kinds": TwoKindsNet}
 REPEATED = {
@@ -34,6 +38,15 @@ def _batch(size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
 def _model(layout: str) -> torch.nn.Module:
     torch.manual_seed(0)
     return LAYOUTS[layout]()
+
+
+@functools.cache
+def _resnet_space() -> PlanSpace:
+    """The planner's space for the stem, blocks, head ResNet (built once: its verified steps are reused)."""
+    return plan_space(
+        _model("stem, blocks, head"), _batch(), classification_loss, device="cuda", overhead_bytes=0,
+        optimizer="sgd", offload={"min_bytes": "64KiB"},
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -85,3 +98,58 @@ def test_resnet50_written_the_usual_way_plans_batch_570_on_12_gib_by_offloading(
     assert chosen.fits and chosen.predicted_total_bytes <= 12 << 30
     assert not chosen.checkpoint and chosen.offload is not None and chosen.recompute_s == 0
     assert chosen.describe().startswith(f"Fits 12.00 GiB at {format_bytes(chosen.predicted_total_bytes)}: offload ")
+
+
+def test_the_space_holds_four_walks_and_offload_alone_ends_at_offload_everywhere():
+    # The walks the module docstring of the planner names, each to its extreme: what completeness
+    # is promised for (and what max_batch_size(plan=True) asks of each size's space). Offload
+    # alone goes block by block, then to every saved tensor of at least min_bytes anywhere.
+    space = _resnet_space()
+    walks = [walk.name for walk in space.families]
+    assert walks == ["checkpoint", "offload", "per block", "offload everywhere"]
+    assert [space.describe(candidate) for candidate in space.extremes()] == [
+        "checkpoint blocks.0-3 (Bottleneck)",
+        "offload every saved tensor of at least 64.00 KiB",
+        "checkpoint blocks.0-3 (Bottleneck) + offload blocks.0-3 (Bottleneck), stem.0-3",
+        "checkpoint blocks.0-3 (Bottleneck) + offload every saved tensor of at least 64.00 KiB",
+    ]
+
+
+def test_at_the_budget_of_offloading_every_block_the_plan_offloads_them_and_checkpoints_nothing():
+    # Offload everywhere fits this budget too, but moves the stem's and the head's tensors as well:
+    # offload alone, block by block, is the faster plan, and only its walk holds it.
+    space = _resnet_space()
+    blocks = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    budget = space.reserved(space.verify(Candidate(offload=frozenset(blocks))))
+    chosen = space.plan(budget)
+    assert chosen.fits and chosen.predicted_total_bytes <= budget
+    assert (chosen.family, chosen.checkpoint, chosen.offload.include, chosen.offload_everywhere) == (
+        "offload", [], blocks, False
+    )
+    assert chosen.recompute_s == 0 and chosen.lightmem_kwargs()["offload_include"] == list(blocks)
+
+
+def test_each_walk_searched_on_its_own_fits_the_budget_of_its_extreme_whatever_its_predictions():
+    # Predictions only say where a walk starts looking; verified steps decide. Each walk alone fits
+    # the budget of its extreme, and offload everywhere's walk the budget of its start (offload
+    # alone), starting from its predictions or from its extreme (none predicted to save enough).
+    # On this ResNet checkpointing on top of offload raises the peak (a re-run materialises a block
+    # in backward), so from the extreme only the walk's fallback to its start finds the fit.
+    space = _resnet_space()
+    everywhere = space.families[-1]
+    reserved = [space.reserved(space.verify(candidate)) for candidate in everywhere.candidates]
+    assert min(reserved[1:]) > reserved[0]
+    for walk in space.families:
+        promised = [walk.candidates[-1]] + [walk.candidates[0]] * walk.starts_with_offload_alone
+        for candidate in promised:
+            budget = space.reserved(space.verify(candidate))
+            for predicted in (walk.predicted_saved, [0] * len(walk.candidates)):
+                alone = copy.copy(space)
+                alone.families = [dataclasses.replace(walk, predicted_saved=predicted)]
+                # Nothing verified before: a configuration verified for another budget is the
+                # plan's last resort, and would answer for the walk.
+                alone.verified = {}
+                chosen = alone.plan(budget)
+                searched = (walk.name, space.describe(candidate), predicted)
+                assert chosen.fits and chosen.family == walk.name, searched
+                assert chosen.predicted_total_bytes <= budget

@@ -4,9 +4,11 @@ The space: checkpointing any set of the repeated layers, offloading the saved te
 of blocks, and offloading every saved tensor of at least ``min_bytes`` anywhere in the model
 (the stem of a CNN, an LM's embedding output and head input included), alone or with any set
 of checkpointed layers. The space is too large to verify point by point, so it is walked as
-three nested sequences ("families"), each from one cheap step to its extreme:
+four nested sequences ("families"), each from one cheap step to its extreme:
 
 - ``checkpoint``: repeated layers checkpointed one by one, cheapest re-run per byte first;
+- ``offload``: offload alone, block by block (a block's largest saved tensors or all of them),
+  cheapest per byte first, ending with every saved tensor of at least ``min_bytes`` anywhere;
 - ``per block``: per-block actions (offload any block, checkpoint or checkpoint + offload a
   repeated layer), cheapest per byte first, ending with every layer both and every block offloaded;
 - ``offload everywhere``: every saved tensor offloaded, then repeated layers checkpointed too.
