@@ -218,9 +218,23 @@ def chunked_causal_lm_loss(model: nn.Module, *, chunk_rows: int | None = None) -
     return ChunkedCausalLMLoss(model, model.get_output_embeddings(), chunk_rows)
 
 
+LITGPT_OPTION = (
+    "LitGPT's own option is its forward's lm_head_chunk_size=... with litgpt.utils.chunked_cross_entropy; "
+    "lightmem.linear_cross_entropy computes the loss from what its lm_head reads, the logits never whole"
+)
+
+
+def litgpt_models(module: nn.Module) -> list[nn.Module]:
+    """The LitGPT models in ``module`` (itself included): they return logits and leave the loss to the
+    user's code, so no hook can chunk it."""
+    return [sub for sub in module.modules() if type(sub).__module__.split(".")[0] == "litgpt" and hasattr(sub, "lm_head")]
+
+
 def not_a_causal_lm(model: nn.Module) -> str | None:
     """Why ``chunked_causal_lm_loss`` cannot take ``model`` (None: it can)."""
     name = type(model).__name__
+    if litgpt_models(model)[:1] == [model]:
+        return f"{name} is a LitGPT model, which returns logits and leaves the loss to your code: {LITGPT_OPTION}"
     get_head = getattr(model, "get_output_embeddings", None)
     if get_head is None or not hasattr(type(model), "loss_function"):
         return f"{name} is not a Hugging Face model with an output head and a loss_function"

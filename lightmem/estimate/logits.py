@@ -190,8 +190,11 @@ def loss_logits(
     if not heads:
         return None
     head = max(heads, key=lambda item: item.rows * item.classes)
+    # Several log-softmaxes over one weight's products: one product's logits split into row chunks
+    # (LitGPT's chunked_cross_entropy), or the model's own chunked head (several products).
     siblings = [item for item in heads if item.weight == head.weight and item.classes == head.classes]
     rows, classes = sum(item.rows for item in siblings), head.classes
+    products = len({item.product.output for item in siblings})
     names = _parameter_names(tracer, named)
     weight_block = tracer.block_at(tracer.records[head.product.output].alloc_event)
     weight_name, weight_tensor = _name(names.get(head.weight, []), weight_block)
@@ -232,7 +235,7 @@ def loss_logits(
         rows, classes, in_features, weight_name + (".t()" if transposed else ""), bytes_at_peak, kept + chunk, chunked,
         "", logits_sized, held, bias_name, hidden_module, hidden.role == INPUT,
         weight_block if weight_block is not None and weight_name.startswith(weight_block + ".") else None,
-        head.transform, len(siblings),
+        head.transform, products,
     )  # fmt: skip
     return replace(found, change=loss_change(tracer.log_softmax_sites[head.index], found, model))
 
@@ -265,8 +268,9 @@ def loss_change(site: CallSite | None, logits: LossLogits, model: nn.Module | No
     loss's place (``LossLogits.replaceable``), why, and no change."""
     if logits.chunks > 1:
         return (
-            f"the model makes its logits in {logits.chunks} products of {logits.weight_name} with one loss each "
-            "(a chunked head, as LitGPT's lm_head_chunk_size with chunked_cross_entropy): the loss is chunked already"
+            f"the model makes its logits in {logits.chunks} products of {logits.weight_name}, each with its own loss "
+            "(a chunked head: LitGPT's lm_head_chunk_size with chunked_cross_entropy): the loss is chunked already, "
+            "so no change is proposed"
         )
     transform = logits.transform
     if not transform.carried:
