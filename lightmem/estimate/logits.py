@@ -119,6 +119,9 @@ def chunked_kept_bytes(
     return sum(map(size, kept)), sum(map(size, held))
 
 
+_ADDS = frozenset({aten.add.Tensor, aten.add_.Tensor})
+
+
 @dataclass(frozen=True)
 class _Head:
     """A log-softmax input of the forward and the product it was made from, as the trace shows them."""
@@ -128,9 +131,11 @@ class _Head:
     rows: int
     classes: int
     weight: int
-    """Record ids: the parameter the product read, what it added (-1: nothing), the hidden states."""
+    """Record id of the parameter the product read."""
     bias: int
+    """Record id of the parameter it added (-1: none)."""
     hidden: int
+    """Record id of the other matrix it read: the hidden states."""
     product: Product
     transform: LogitTransform
 
@@ -162,8 +167,6 @@ def _heads(tracer: StorageTracer) -> list[_Head]:
         found.append(_Head(index, math.prod(shape) // max(classes, 1), classes, weight, bias, hidden, product, transform))
     return found
 
-
-_ADDS = frozenset({aten.add.Tensor, aten.add_.Tensor})
 
 
 def loss_logits(
