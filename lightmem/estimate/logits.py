@@ -22,7 +22,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -76,7 +76,7 @@ class LossLogits:
     head_module: str | None = None
     """The block whose forward ran the product, where it owns the weight (``lm_head``); None: the
     product ran elsewhere (a weight read by the model's own code, ``x @ self.wte.weight.t()``)."""
-    transform: LogitTransform = LogitTransform()
+    transform: LogitTransform = field(default_factory=LogitTransform)
     """What the model does to the product's output before the loss reads it."""
     chunks: int = 1
     """Products of the weight whose outputs the loss reads, one log-softmax each: more than one where
