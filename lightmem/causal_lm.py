@@ -10,24 +10,32 @@ of the labels, ``ignore_index``, ``shift_labels`` and ``num_items_in_batch`` as
 ``ForCausalLMLoss``. Only a training forward with labels (module in train mode, gradients on) is
 changed; evaluation and generation run untouched.
 
+What the forward does to the head's output before its loss reads it is read where it runs: the
+ops applied to the (zero-position) head output until the loss function is called
+(``lightmem.logit_transform``). Gemma-2's soft-capping (``tanh(logits / c) * c``) is carried:
+``linear_cross_entropy(..., softcap=c)`` caps each chunk as the model caps the logits.
+
 Not covered, and refused with a message when met: a model whose loss is not transformers'
 ``ForCausalLMLoss`` called from its forward (encoder-decoders such as T5, whose forward computes
-its loss itself; masked LMs; a custom ``loss_function``); a model that
-changes the logits between its head and its loss (Gemma's soft-capping, a logit scale): the loss
-function is then handed other logits than the head's, which the first forward detects; a head
-that is not a plain ``nn.Linear``. The output's ``logits`` are of zero positions in such a forward.
+its loss itself; masked LMs; a custom ``loss_function``); a model that changes the logits between
+its head and its loss otherwise (Cohere's logit scale): the first training forward names the ops; a
+head that is not a plain ``nn.Linear``. The output's ``logits`` are of zero positions in such a forward.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lightmem.config import parse_count
+from lightmem.logit_transform import COPIES, LogitTransform, is_view, read_transform
 from lightmem.loss import linear_cross_entropy
 
 
@@ -43,11 +51,12 @@ class ChunkedCausalLMLoss:
         self._own_loss = model.__dict__.get("_loss_function")
         self._hidden: torch.Tensor | None = None
         self._head_output: torch.Tensor | None = None
+        self._between: _AfterHead | None = None
         self._armed = False
         self._labels_at = _positional_index(model.forward, "labels")
         self._handles = [
             model.register_forward_pre_hook(self._arm, with_kwargs=True),
-            model.register_forward_hook(self._disarm),
+            model.register_forward_hook(self._disarm, always_call=True),
             head.register_forward_pre_hook(self._take_hidden),
             head.register_forward_hook(self._note_output),
         ]
@@ -71,9 +80,11 @@ class ChunkedCausalLMLoss:
         self._hidden = self._head_output = None
 
     def _disarm(self, module: nn.Module, args: Any, output: Any) -> None:
-        # (A forward that raised leaves its state behind for the next forward's ``_arm`` to clear.)
+        self._stop_reading()
         hidden, self._hidden, self._head_output, armed = self._hidden, None, None, self._armed
         self._armed = False
+        if sys.exc_info()[1] is not None:  # called as the forward raised: only the state is cleared
+            return
         if armed and hidden is not None:
             raise RuntimeError(
                 f"lightmem: chunked loss: {type(module).__name__}'s forward did not call its loss_function with the "
@@ -90,7 +101,26 @@ class ChunkedCausalLMLoss:
 
     def _note_output(self, head: nn.Module, args: Any, output: torch.Tensor) -> None:
         if self._armed:
+            self._stop_reading()
             self._head_output = output
+            self._between = _AfterHead(output)
+            self._between.__enter__()
+
+    def _stop_reading(self) -> _AfterHead | None:
+        """The ops read since the head's output, the reading stopped (None: none was being read)."""
+        between, self._between = self._between, None
+        if between is not None:
+            between.__exit__(None, None, None)
+        return between
+
+    def _transform(self, logits: torch.Tensor) -> LogitTransform | None:
+        """What the forward did to the head's output to make ``logits`` (None: they are not made from it)."""
+        between = self._stop_reading()
+        if logits is self._head_output:
+            return LogitTransform()
+        if between is None or id(logits) not in between.made:
+            return None
+        return read_transform(between.steps)
 
     def _loss(
         self,
@@ -110,10 +140,12 @@ class ChunkedCausalLMLoss:
                 ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
             )  # fmt: skip
         self._hidden = None
-        if logits is not self._head_output:
+        transform = self._transform(logits)
+        if transform is None or not transform.carried:
+            ops = "" if transform is None else f" ({', '.join(transform.others)})"
             raise RuntimeError(
                 f"lightmem: chunked loss: {type(self.model).__name__} changes its output head's logits before its "
-                "loss (soft-capping, a logit scale, a slice), which a chunked loss would leave out; compute the loss "
+                f"loss{ops}, which a chunked loss would leave out (it carries a soft-cap only); compute the loss "
                 "yourself with lightmem.linear_cross_entropy, or leave chunked_loss off"
             )
         if shift_labels is None:  # as ForCausalLMLoss: position t predicts the token at t + 1
@@ -122,13 +154,36 @@ class ChunkedCausalLMLoss:
         reduction = "sum" if num_items_in_batch is not None else "mean"
         loss = linear_cross_entropy(
             hidden, self.head.weight, shift_labels, bias=self.head.bias, ignore_index=ignore_index,
-            reduction=reduction, chunk_rows=self.chunk_rows,
+            reduction=reduction, chunk_rows=self.chunk_rows, softcap=transform.softcap,
         )  # fmt: skip
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
             loss = loss / num_items_in_batch
         return loss
+
+
+class _AfterHead(TorchDispatchMode):
+    """Reads the ops a forward applies to its head's output (zero positions of it: nothing costly)
+    and to what it makes from it, until the loss function is called: the steps
+    ``read_transform`` reads (views and copies left out)."""
+
+    def __init__(self, head_output: torch.Tensor) -> None:
+        super().__init__()
+        self.made: dict[int, torch.Tensor] = {id(head_output): head_output}
+        """Tensors made from the head's output, by id (held, so that no id is reused meanwhile)."""
+        self.steps: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(leaf, torch.Tensor) and id(leaf) in self.made for leaf in tree_leaves((args, kwargs))):
+            made = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+            for leaf in made:
+                self.made[id(leaf)] = leaf
+            if made and func not in COPIES and not is_view(func):  # (a fake tensor's device query makes none)
+                numbers = tuple(arg for arg in args if type(arg) is float or type(arg) is int)
+                self.steps.append((func._overloadpacket.__name__, numbers))
+        return out
 
 
 def chunked_causal_lm_loss(model: nn.Module, *, chunk_rows: int | None = None) -> ChunkedCausalLMLoss:
@@ -167,9 +222,23 @@ def chunked_causal_lm_loss(model: nn.Module, *, chunk_rows: int | None = None) -
     return ChunkedCausalLMLoss(model, model.get_output_embeddings(), chunk_rows)
 
 
+LITGPT_OPTION = (
+    "LitGPT's own option is its forward's lm_head_chunk_size=... with litgpt.utils.chunked_cross_entropy; "
+    "lightmem.linear_cross_entropy computes the loss from what its lm_head reads, the logits never whole"
+)
+
+
+def litgpt_models(module: nn.Module) -> list[nn.Module]:
+    """The LitGPT models in ``module`` (itself included): they return logits and leave the loss to the
+    user's code, so no hook can chunk it."""
+    return [sub for sub in module.modules() if type(sub).__module__.split(".")[0] == "litgpt" and hasattr(sub, "lm_head")]
+
+
 def not_a_causal_lm(model: nn.Module) -> str | None:
     """Why ``chunked_causal_lm_loss`` cannot take ``model`` (None: it can)."""
     name = type(model).__name__
+    if litgpt_models(model)[:1] == [model]:
+        return f"{name} is a LitGPT model, which returns logits and leaves the loss to your code: {LITGPT_OPTION}"
     get_head = getattr(model, "get_output_embeddings", None)
     if get_head is None or not hasattr(type(model), "loss_function"):
         return f"{name} is not a Hugging Face model with an output head and a loss_function"

@@ -179,11 +179,14 @@ class DeviceSpeeds:
         return max(compute_s, memory_s, self.kernel_s)
 
     def describe(self) -> str:
-        """``H100 (table: ...): bf16 791 TFLOP/s, fp32 54 TFLOP/s, memory 2.68 TB/s, link 51.1/51.1 GiB/s``."""
-        rates = ", ".join(f"{name} {rate / 1e12:,.0f} TFLOP/s" for name, rate in self.matmul_flops_per_s.items())
+        """``H100 SXM (table: datasheet peaks): fp32 46.9 TFLOP/s, ..., bf16 692 TFLOP/s, ..., memory 2.88
+        TB/s, host link 51.1 GiB/s to host, 51.1 GiB/s back``; a CPU's ``fp32 200 GFLOP/s, ..., memory
+        6.6 GB/s`` (``format_rate``: three significant figures at every scale)."""
+        rates = ", ".join(f"{name} {format_rate(rate, 'FLOP/s')}" for name, rate in self.matmul_flops_per_s.items())
         return (
-            f"{self.name} ({self.source}): {rates}, memory {self.memory_bytes_per_s / 1e12:.2f} TB/s, host link "
-            f"{self.to_host_bytes_per_s / GIB:.1f} GiB/s to host, {self.to_device_bytes_per_s / GIB:.1f} GiB/s back"
+            f"{self.name} ({self.source}): {rates}, memory {format_rate(self.memory_bytes_per_s, 'B/s')}, host link "
+            f"{format_rate(self.to_host_bytes_per_s, 'B/s', binary=True)} to host, "
+            f"{format_rate(self.to_device_bytes_per_s, 'B/s', binary=True)} back"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -210,6 +213,23 @@ class DeviceSpeeds:
             float(data["to_device_bytes_per_s"]), source=str(data.get("source", "")),
             **{key: data[key] for key in known if key in data},
         )  # fmt: skip
+
+
+def format_rate(per_s: float, unit: str, *, binary: bool = False) -> str:
+    """A rate with three significant figures at every scale, in the largest unit up to tera that
+    keeps a figure of at least 1: ``format_rate(791e12, "FLOP/s")`` is ``"791 TFLOP/s"``, a CPU's
+    0.2e12 ``"200 GFLOP/s"``, 6.6e9 B/s ``"6.6 GB/s"``; ``binary``: powers of 1024 (``"51.1 GiB/s"``).
+    Figures of 1000 and more in tera are written whole (``"2,250 TFLOP/s"``)."""
+    base = 1024.0 if binary else 1000.0
+    value, prefix = float(f"{per_s:.3g}"), ""  # rounded first: 999.6e9 is "1 TFLOP/s", not "1,000 GFLOP/s"
+    for step in ("k", "M", "G", "T"):
+        if abs(value) < base:
+            break
+        value, prefix = value / base, step
+    if prefix and binary:
+        prefix = ("K" if prefix == "k" else prefix) + "i"
+    number = f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return f"{number} {prefix}{unit}"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightmem import oom
 from lightmem.auto_plan import AutoPlan, PlanDoesNotFit, format_shapes, no_fit_message
-from lightmem.causal_lm import ChunkedCausalLMLoss, causal_lms, chunked_causal_lm_loss
+from lightmem.causal_lm import LITGPT_OPTION, ChunkedCausalLMLoss, causal_lms, chunked_causal_lm_loss, litgpt_models
 from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, largest_with_chunked_loss, no_fit_sentence
 from lightmem.blocks import find_blocks
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
@@ -152,10 +152,12 @@ class FitSession:
         if self.settings.chunked_loss:  # before any plan: the planner's dry run sees the chunked loss
             models = causal_lms(pl_module)
             if not models:
+                litgpt = litgpt_models(pl_module)
                 raise ValueError(
                     "LightMem(chunked_loss=...): the LightningModule holds no Hugging Face causal LM whose loss_function "
                     "is transformers' ForCausalLMLoss; for a loss you compute yourself, call "
                     "lightmem.linear_cross_entropy in training_step and leave chunked_loss off"
+                    + (f" ({type(litgpt[0]).__name__} is a LitGPT model: {LITGPT_OPTION})" if litgpt else "")
                 )
             self._chunked_losses = [chunked_causal_lm_loss(model) for model in models]
         if self.settings.plan.auto:  # first: a budget it cannot measure fails before anything is set up

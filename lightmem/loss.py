@@ -60,6 +60,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     class_weight: torch.Tensor | None = None,
     chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The loss of ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)`` without
     materialising the logits.
@@ -78,6 +79,9 @@ def linear_cross_entropy(
         chunk_rows: rows of logits made at a time; None: enough rows that a chunk's float32
             logits take about half the hidden states' float32 size, and at least 256 MiB
             (``default_chunk_rows``).
+        softcap: a positive ``c``: the loss reads ``torch.tanh(logits / c) * c`` (Gemma-2's
+            ``final_logit_softcapping``), applied to each chunk's logits in the products' dtype,
+            as the model applies it to the head's output; None: the logits as they are.
 
     Returns:
         The loss in float32 (float64 for float64 inputs): a scalar, or ``target``'s shape with
@@ -103,7 +107,7 @@ def linear_cross_entropy(
         True
     """
     return _linear_cross_entropy(
-        hidden, weight, target, bias, ignore_index, reduction, label_smoothing, class_weight, chunk_rows
+        hidden, weight, target, bias, ignore_index, reduction, label_smoothing, class_weight, chunk_rows, softcap
     )
 
 
@@ -118,8 +122,9 @@ def _linear_cross_entropy(
     label_smoothing: float,
     class_weight: torch.Tensor | None,
     chunk_rows: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    _check(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, class_weight, chunk_rows)
+    _check(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, class_weight, chunk_rows, softcap)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         # What autocast does to F.linear: every floating input in autocast's dtype (float64 stays).
@@ -143,7 +148,7 @@ def _linear_cross_entropy(
     )
     loss = _LinearCrossEntropy.apply(
         hidden.reshape(rows, in_features), weight, bias, target.reshape(rows), class_weight,
-        ignore_index, reduction, float(label_smoothing), chunk, wants,
+        ignore_index, reduction, float(label_smoothing), chunk, wants, None if softcap is None else float(softcap),
     )  # fmt: skip
     return loss.reshape(target.shape) if reduction == "none" else loss
 
@@ -170,6 +175,7 @@ def _check(
     label_smoothing: float,
     class_weight: torch.Tensor | None,
     chunk_rows: int | None,
+    softcap: float | None,
 ) -> None:
     name = "linear_cross_entropy"
     if reduction not in REDUCTIONS:
@@ -179,6 +185,10 @@ def _check(
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"{name}(ignore_index=...): expected an int; got {ignore_index!r}")
     parse_count(chunk_rows, flag=f"{name}(chunk_rows=...)", allow_none=True)
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf
+    ):
+        raise ValueError(f"{name}(softcap=...): expected a positive number or None; got {softcap!r}")
     if weight.dim() != 2:
         raise ValueError(f"{name}(weight=...): expected shape (classes, in_features); got {list(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
@@ -215,13 +225,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         smoothing: float,
         chunk: int,
         wants: tuple[bool, bool, bool],
+        softcap: float | None,
     ) -> torch.Tensor:
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
-            rows = _Rows(hidden, weight, bias, target, class_weight, ignore_index, smoothing)
+            rows = _Rows(hidden, weight, bias, target, class_weight, ignore_index, smoothing, softcap)
             if reduction == "none":
                 ctx.save_for_backward(hidden, weight, bias, target, class_weight)
-                ctx.recompute = (ignore_index, smoothing, chunk, wants)
+                ctx.recompute = (ignore_index, smoothing, chunk, wants, softcap)
                 return rows.run(chunk, loss=True, scale=None, wants=(False, False, False))[0]
             losses, grads = rows.run(chunk, loss=True, scale=None, wants=wants)
             ctx.recompute = None
@@ -235,9 +246,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.recompute is not None:  # reduction="none": the chunks again, each row scaled by its gradient
             hidden, weight, bias, target, class_weight = ctx.saved_tensors
-            ignore_index, smoothing, chunk, wants = ctx.recompute
+            ignore_index, smoothing, chunk, wants, softcap = ctx.recompute
             with torch.autocast(hidden.device.type, enabled=False):
-                rows = _Rows(hidden, weight, bias, target, class_weight, ignore_index, smoothing)
+                rows = _Rows(hidden, weight, bias, target, class_weight, ignore_index, smoothing, softcap)
                 grads = rows.run(chunk, loss=False, scale=grad_loss.reshape(-1), wants=wants)[1]
             scale = None
         else:
@@ -260,7 +271,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight_dtype),
             None if grad_bias is None else grad_bias.to(bias_dtype),
-            *(None,) * 7,
+            *(None,) * 8,
         )
 
 
@@ -276,8 +287,10 @@ class _Rows:
         class_weight: torch.Tensor | None,
         ignore_index: int,
         smoothing: float,
+        softcap: float | None = None,
     ) -> None:
         self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.softcap = softcap
         self.accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         self.classes = weight.shape[0]
         self.smoothing = smoothing
@@ -343,6 +356,10 @@ class _Rows:
             end = min(start + chunk, rows)
             part = hidden[start:end]
             logits = part @ weight.t() if bias is None else torch.addmm(bias, part, weight.t())
+            capped = None
+            if self.softcap is not None:  # the model's ops, in the products' dtype: tanh(z / c) * c
+                capped = logits.div_(self.softcap).tanh_()  # kept for the gradient through the cap
+                logits = capped * self.softcap
             maximum = logits.amax(dim=1, keepdim=True)
             if logits.dtype == accumulate:
                 shifted = logits.sub_(maximum)
@@ -363,10 +380,14 @@ class _Rows:
             exps.scatter_add_(1, target, taken[:, None])
             if spread_over is not None:
                 exps.addr_(spread_over[start:end] * chunk_sums, uniform, alpha=-1)  # type: ignore[arg-type]
-            if grad_bias is not None:
+            if grad_bias is not None and capped is None:
                 grad_bias.addmv_(exps.t(), row_factor)
             gradient = torch.mul(exps, row_factor[:, None], out=logits)  # in the products' dtype
-            del exps, shifted
+            if capped is not None:  # through the cap: d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2
+                gradient.mul_(capped.mul_(capped).neg_().add_(1))
+                if grad_bias is not None:
+                    grad_bias += gradient.sum(0, dtype=accumulate)
+            del exps, shifted, capped
             if grad_hidden is not None:
                 torch.mm(gradient, weight, out=grad_hidden[start:end])
             if grad_weight is not None:

@@ -99,19 +99,43 @@ def test_remove_gives_the_model_its_own_loss_back():
     assert not model.lm_head._forward_pre_hooks and not model.lm_head._forward_hooks
 
 
-def test_a_model_that_changes_its_logits_before_the_loss_is_refused_at_its_first_forward():
+def _gemma2(vocab: int = VOCAB):
     torch.manual_seed(0)
     config = transformers.Gemma2Config(
         num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, vocab_size=VOCAB,
+        head_dim=16, vocab_size=vocab,
     )  # fmt: skip
-    model = transformers.Gemma2ForCausalLM(config).train()  # final_logit_softcapping: 30.0 by default
+    return transformers.Gemma2ForCausalLM(config).train()  # final_logit_softcapping: 30.0 by default
+
+
+def test_gemma2s_soft_capped_logits_are_capped_chunk_by_chunk_as_the_model_caps_them():
+    model, batch = _gemma2(), default_batch("gemma2")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # logits past the cap of 30: the cap changes the loss
+    expected = _loss_and_grads(model, batch)
+    handle = lightmem.chunked_causal_lm_loss(model, chunk_rows=CHUNK)
+    actual = _loss_and_grads(model, batch)
+    handle.remove()
+    _assert_same_training_loss(expected, actual)
+    assert actual[0].logits.shape == (2, 0, VOCAB)
+    with torch.no_grad():  # the same model without its cap has another loss
+        model.config.final_logit_softcapping = None
+        assert (model(**batch).loss - expected[0].loss).abs() > 1.0
+
+
+def test_a_model_that_changes_its_logits_otherwise_is_refused_at_its_first_forward_naming_the_ops():
+    torch.manual_seed(0)
+    config = transformers.CohereConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=VOCAB, eos_token_id=None,
+    )  # fmt: skip
+    model = transformers.CohereForCausalLM(config).train()  # logit_scale: 0.0625 by default
     lightmem.chunked_causal_lm_loss(model)
     with pytest.raises(RuntimeError) as raised:
-        model(**default_batch("gemma2"))
+        model(**default_batch("cohere"))
     assert str(raised.value) == (
-        "lightmem: chunked loss: Gemma2ForCausalLM changes its output head's logits before its loss (soft-capping, a "
-        "logit scale, a slice), which a chunked loss would leave out; compute the loss yourself with "
+        "lightmem: chunked loss: CohereForCausalLM changes its output head's logits before its loss (mul), which a "
+        "chunked loss would leave out (it carries a soft-cap only); compute the loss yourself with "
         "lightmem.linear_cross_entropy, or leave chunked_loss off"
     )
 

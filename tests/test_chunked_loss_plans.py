@@ -118,8 +118,8 @@ def test_plan_auto_refusal_names_the_change_in_the_users_line_and_the_batch_it_w
     assert message[start:end] == (
         " To chunk the loss: in models.py:64, `return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), "
         "tokens[:, 1:].reshape(-1))`, compute the loss as `lightmem.linear_cross_entropy(hidden, "
-        "model.lm_head.weight, tokens[:, 1:].reshape(-1))`, where hidden is what model.lm_head reads (have the model "
-        "return it in place of the logits). With it this batch fits (without lightmem, predicted step "
+        "model.lm_head.weight, tokens[:, 1:].reshape(-1))`, where hidden is the output of model.ln_f, which "
+        "model.lm_head reads (have the model return it in place of the logits). With it this batch fits (without lightmem, predicted step "
         f"{message.split('predicted step ')[1].split(')')[0]}) and plans fit batches up to 14."
     )
     assert "The largest batch a plan fits is 5 (this one: 8)." in message

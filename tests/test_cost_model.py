@@ -22,7 +22,7 @@ from models import TinyGPT, gpt_loss
 
 from lightmem import DeviceSpeeds, estimate_memory, max_batch_size, plan
 from lightmem.cli import main
-from lightmem.devices import GPU_TABLE, MATMUL, MEMORY, REDUCTION, gpu_key, op_cost
+from lightmem.devices import CPU_SPEEDS, GPU_TABLE, MATMUL, MEMORY, REDUCTION, gpu_key, op_cost
 from lightmem.estimate.configuration import parse_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,6 +102,22 @@ def test_the_table_names_the_gpus_torch_reports():
     h100 = GPU_TABLE["h100"]
     assert h100.hopper and h100.link_bytes_per_s == 54.9e9  # the 51.1 GiB/s measured each way
     assert GPU_TABLE["h200"].memory_bytes_per_s > h100.memory_bytes_per_s
+
+
+def test_the_price_line_keeps_three_significant_figures_at_every_scale():
+    assert CPU_SPEEDS.describe() == (
+        "CPU (a generic server CPU): fp32 200 GFLOP/s, tf32 200 GFLOP/s, bf16 200 GFLOP/s, fp16 200 GFLOP/s, "
+        "memory 6.6 GB/s, host link 9.31 GiB/s to host, 9.31 GiB/s back"
+    )
+    assert GPU_TABLE["h100"].describe() == (
+        "H100 SXM (table: datasheet peaks): fp32 46.9 TFLOP/s, tf32 346 TFLOP/s, bf16 692 TFLOP/s, fp16 692 TFLOP/s, "
+        "memory 2.88 TB/s, host link 51.1 GiB/s to host, 51.1 GiB/s back"
+    )
+    from lightmem.devices import format_rate
+
+    assert [format_rate(rate, "FLOP/s") for rate in (2.25e15, 999.6e9, 12.34e6, 5.0)] == [
+        "2,250 TFLOP/s", "1 TFLOP/s", "12.3 MFLOP/s", "5 FLOP/s",
+    ]  # fmt: skip
 
 
 def test_measured_speeds_stand_for_the_gpu_and_its_cublas_workspaces():

@@ -254,10 +254,47 @@ def test_logits_advice_names_the_users_loss_line_and_the_chunked_call_that_repla
     assert match["change"] == (
         "in models.py:64, `return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))`, "
         "compute the loss as `lightmem.linear_cross_entropy(hidden, model.lm_head.weight, tokens[:, 1:].reshape(-1))`, "
-        "where hidden is what model.lm_head reads (have the model return it in place of the logits)"
+        "where hidden is the output of model.ln_f, which model.lm_head reads (have the model return it in place of "
+        "the logits)"
     )
     # That change (tests/models.py's chunked_gpt_loss) gives the predicted peak, within 1% above it.
     chunked = estimate_memory(_wide_gpt(), _wide_tokens(), lambda m, t: chunked_gpt_loss(m, t, None), device="cpu")
+    assert chunked.peak_bytes <= est.loss_logits.peak_bytes_chunked <= 1.01 * chunked.peak_bytes
+
+
+def _scaled_gpt_loss(model, tokens):
+    logits = model(tokens[:, :-1]) * 0.5  # a logit scale between the head and the loss
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def test_logits_advice_proposes_no_replacement_that_would_drop_what_the_model_does_to_its_logits():
+    est = estimate_memory(_wide_gpt(), _wide_tokens(), _scaled_gpt_loss, device="cpu", budget="512MiB")
+    advice = next(item.message for item in est.advice if item.rule == "loss-logits")
+    assert advice.endswith(
+        "checkpointing and offload cannot reach them. The model changes the logits of lm_head.weight before its "
+        "loss reads them (mul), which lightmem.linear_cross_entropy would leave out: no change is proposed."
+    )
+    assert est.chunked_loss is None and not est.loss_logits.replaceable  # nor a batch it would reach
+
+
+def test_a_hugging_face_models_soft_capped_logits_are_carried_by_its_chunked_loss():
+    import lightmem
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, vocab_size=32_000,
+    )  # fmt: skip
+    model, batch = transformers.Gemma2ForCausalLM(config), _lm_batch(32_000)
+    est = estimate_memory(model, batch, _hf_loss, device="cpu")
+    assert est.loss_logits.transform.softcap == 30.0  # read from the trace: tanh(logits / 30) * 30
+    match = LOGITS_ADVICE.match(next(item.message for item in est.advice if item.rule == "loss-logits"))
+    assert match is not None and match["change"] == HF_CHANGE
+    handle = lightmem.chunked_causal_lm_loss(model)
+    chunked = estimate_memory(model, batch, _hf_loss, device="cpu")
+    handle.remove()
+    assert "loss-logits" not in _rules(chunked)
     assert chunked.peak_bytes <= est.loss_logits.peak_bytes_chunked <= 1.01 * chunked.peak_bytes
 
 

@@ -39,8 +39,11 @@ def _inputs(dtype: torch.dtype = torch.float32, bias: bool = True, ignored: int 
     return hidden, weight, head_bias, target
 
 
-def _reference(hidden, weight, target, bias=None, class_weight=None, chunk_rows=None, **options):
-    return F.cross_entropy(F.linear(hidden, weight, bias).float(), target, weight=class_weight, **options)
+def _reference(hidden, weight, target, bias=None, class_weight=None, chunk_rows=None, softcap=None, **options):
+    logits = F.linear(hidden, weight, bias)
+    if softcap is not None:  # Gemma-2's final_logit_softcapping, as the model writes it
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float(), target, weight=class_weight, **options)
 
 
 def _chunked(hidden, weight, target, bias=None, **options):
@@ -98,6 +101,20 @@ def test_autocast_loss_and_gradients_match_the_unchunked_loss(dtype, reduction, 
     inputs = _inputs(ignored=kwargs.get("ignore_index", -100))
     expected = _run(_reference, inputs, autocast=dtype, **kwargs)
     _assert_close(expected, _run(_chunked, inputs, autocast=dtype, chunk_rows=CHUNK, **kwargs), dtype)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_soft_cap_is_applied_to_each_chunk_as_the_model_applies_it_to_the_logits(dtype, reduction):
+    # A weight scaled so that the cap bites (logits up to about 60, capped at 5): the loss with the
+    # cap is far from the loss without it, and the chunked loss is the capped one.
+    hidden, weight, bias, target = _inputs()
+    inputs = (hidden, (weight * 20).detach().requires_grad_(), bias, target)
+    autocast = None if dtype == torch.float32 else dtype
+    expected = _run(_reference, inputs, autocast=autocast, reduction=reduction, softcap=5.0)
+    uncapped = _run(_reference, inputs, autocast=autocast, reduction=reduction)
+    assert (uncapped[0] - expected[0]).abs().max() > 0.5 * expected[0].abs().max()
+    _assert_close(expected, _run(_chunked, inputs, autocast=autocast, chunk_rows=CHUNK, reduction=reduction, softcap=5.0), dtype)
 
 
 class _ProductDtypes(TorchDispatchMode):
@@ -255,6 +272,7 @@ def test_default_chunk_rows():
         ({"reduction": "avg"}, "linear_cross_entropy(reduction=...): expected one of 'mean', 'sum', 'none'; got 'avg'"),
         ({"label_smoothing": 1.5}, "linear_cross_entropy(label_smoothing=...): expected a number in [0, 1]; got 1.5"),
         ({"chunk_rows": 0}, "linear_cross_entropy(chunk_rows=...): expected an integer >= 1 or None; got 0"),
+        ({"softcap": 0.0}, "linear_cross_entropy(softcap=...): expected a positive number or None; got 0.0"),
         ({"ignore_index": None}, "linear_cross_entropy(ignore_index=...): expected an int; got None"),
         ({"target": torch.zeros(ROWS)}, "linear_cross_entropy(target=...): expected class indices (an integer tensor); got torch.float32"),
         ({"target": torch.zeros(ROWS, 2, dtype=torch.long)}, "linear_cross_entropy(target=...): expected one class index per row of hidden, [37] (hidden's shape without its last dimension, or flattened); got [37, 2]"),

@@ -10,8 +10,9 @@ Rules (identifiers as they appear in ``Advice.rule``):
   the parameters alone exceed it, and without its ``device_dtype`` bf16 parameters come first).
 - ``dense-zero-input``: a floating-point batch tensor is mostly zeros (read from the real values):
   one-hot features belong in an embedding, other sparse inputs in a sparse layout.
-- ``quadratic-attention``: tensors saved for backward have two trailing dims equal to the sequence
-  length (attention scores kept per layer): use scaled_dot_product_attention.
+- ``quadratic-attention``: tensors saved for backward are attention scores, as the trace shows them
+  (made from a product of two activations, query and key, that feeds a softmax, or from that
+  softmax's output: ``op_chain.attention_scores``): use scaled_dot_product_attention.
 - ``loss-logits``: the cross-entropy's logits, their float32 copies and gradients are a large
   share of the peak (large vocabularies): ``lightmem.linear_cross_entropy`` never holds them
   whole; the advice gives the predicted peak with it, the change in the user's own code (the
@@ -34,7 +35,6 @@ from lightmem.estimate.step import StepTrace
 
 QUADRATIC_MIN_SHARE = 0.05
 """Quadratic saved tensors must be at least this share of saved activations to be worth a word."""
-QUADRATIC_MIN_LENGTH = 16
 LOGITS_MIN_SAVING = 0.10
 """...and the chunked loss must take at least this share off the peak."""
 
@@ -50,7 +50,7 @@ def advise(
     found: list[Advice] = []
     found.extend(static_exceeds_budget(estimate))
     found.extend(dense_zero_input(estimate, info, baseline))
-    found.extend(quadratic_attention(estimate, info, baseline))
+    found.extend(quadratic_attention(estimate, baseline))
     found.extend(loss_logits(estimate, baseline))
     found.extend(reach_budget(estimate, plan))
     return found
@@ -135,24 +135,18 @@ def dense_zero_input(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTr
     return found
 
 
-def quadratic_attention(estimate: MemoryEstimate, info: BatchInfo, baseline: StepTrace) -> list[Advice]:
-    lengths = {
-        n + delta for n in info.sequence_lengths for delta in (-1, 0, 1) if n + delta >= QUADRATIC_MIN_LENGTH
-    }
-    if not lengths:
-        return []
+def quadratic_attention(estimate: MemoryEstimate, baseline: StepTrace) -> list[Advice]:
     total = sum(saved.nbytes for saved in baseline.saved_at_forward_end) or 1
     quadratic = 0
     count = 0
     by_block: dict[str, int] = defaultdict(int)
     shape = None
     for saved in baseline.saved_at_forward_end:
-        dims = saved.shape
-        if len(dims) >= 3 and dims[-1] == dims[-2] and dims[-1] in lengths:
+        if saved.attention_scores:
             quadratic += saved.nbytes
             count += 1
             by_block[saved.block] += saved.nbytes
-            shape = dims
+            shape = saved.shape
     if quadratic < QUADRATIC_MIN_SHARE * total:
         return []
     blocks = compact_names(sorted(by_block, key=natural_order), estimate.block_kinds)
@@ -176,13 +170,18 @@ def loss_logits(estimate: MemoryEstimate, baseline: StepTrace) -> list[Advice]:
     saving = peak.bytes - logits.peak_bytes_chunked
     if saving < LOGITS_MIN_SAVING * peak.bytes:
         return []
+    share = (
+        f"the loss's logits ({logits.rows:,} x {logits.classes:,}, from {logits.weight_name}), their "
+        f"float32 copies and gradients take {format_bytes(logits.bytes_at_peak)} of the "
+        f"{format_bytes(peak.bytes)} peak ({100 * logits.bytes_at_peak / peak.bytes:.0f}%, at {peak.phase}: "
+        f"{peak.op}); checkpointing and offload cannot reach them."
+    )
+    if not logits.replaceable:
+        return [Advice("loss-logits", f"{share} {logits.change[0].upper()}{logits.change[1:]}.")]
     return [
         Advice(
             "loss-logits",
-            f"the loss's logits ({logits.rows:,} x {logits.classes:,}, from {logits.weight_name}), their "
-            f"float32 copies and gradients take {format_bytes(logits.bytes_at_peak)} of the "
-            f"{format_bytes(peak.bytes)} peak ({100 * logits.bytes_at_peak / peak.bytes:.0f}%, at {peak.phase}: "
-            f"{peak.op}); checkpointing and offload cannot reach them. {CHUNKED_LOSS} computes the loss from the "
+            f"{share} {CHUNKED_LOSS} computes the loss from the "
             f"hidden states in chunks and never holds them whole: predicted peak about "
             f"{format_bytes(logits.peak_bytes_chunked)} ({format_bytes(saving)} less), counting the "
             f"{format_bytes(logits.chunked_kept_bytes)} of gradients and one chunk of logits it keeps instead. "

@@ -37,8 +37,6 @@ class BatchInfo:
     """Dim 0 shared by the batch's tensors (the most common one), None without tensors."""
     nbytes: int
     sparse_inputs: tuple[SparseInput, ...]
-    sequence_lengths: tuple[int, ...]
-    """Dim 1 of batch tensors of rank 2 or 3 (tokens, sequences of features): candidate lengths."""
 
 
 def _leaves(batch: Any) -> tuple[list[Any], Any]:
@@ -87,20 +85,17 @@ def inspect_batch(batch: Any) -> BatchInfo:
     sizes: dict[int, int] = {}
     nbytes = 0
     sparse: list[SparseInput] = []
-    lengths: list[int] = []
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
             continue
         nbytes += leaf.numel() * leaf.element_size()
         if leaf.dim() >= 1:
             sizes[leaf.shape[0]] = sizes.get(leaf.shape[0], 0) + 1
-        if leaf.dim() in (2, 3) and leaf.shape[1] > 1:
-            lengths.append(int(leaf.shape[1]))
         found = _sparse_input(path, leaf)
         if found is not None:
             sparse.append(found)
     batch_size = max(sizes, key=lambda size: sizes[size]) if sizes else None
-    return BatchInfo(batch_size, nbytes, tuple(sparse), tuple(sorted(set(lengths))))
+    return BatchInfo(batch_size, nbytes, tuple(sparse))
 
 
 def scalable_batch(batch: Any, *, flag: str) -> BatchInfo:

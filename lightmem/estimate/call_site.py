@@ -1,8 +1,8 @@
 """Where in the user's own code a traced op was called from: the file, the statement, and the
 modules its local names hold, so that advice can name the line to change in the user's words.
 
-The innermost frame outside the libraries (torch, lightmem, Lightning, Hugging Face, the standard
-library) is the user's; when a Hugging Face frame lies between it and the op, the op ran inside
+The innermost frame outside the libraries (torch, lightmem, Lightning, Hugging Face, LitGPT, the
+standard library) is the user's; when a Hugging Face frame lies between it and the op, the op ran inside
 the model's own code (a causal LM's ``loss_function``).
 """
 
@@ -50,7 +50,7 @@ class CallSite:
 
 def _library_roots() -> tuple[str, ...]:
     roots = [os.path.dirname(torch.__file__), _LIGHTMEM, sysconfig.get_paths()["stdlib"]]
-    for name in ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", _HUGGING_FACE):
+    for name in ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", _HUGGING_FACE, "litgpt"):
         module = sys.modules.get(name)
         if module is not None and getattr(module, "__file__", None):
             roots.append(os.path.dirname(module.__file__))
@@ -108,11 +108,12 @@ def _statement_of(source: str, line: int) -> tuple[ast.stmt, int] | None:
 
 
 def _cross_entropy_call(statement: ast.stmt) -> ast.Call | None:
-    """The statement's call of ``cross_entropy`` (``F.cross_entropy``, ``torch.nn.functional.cross_entropy``)."""
+    """The statement's call of a cross-entropy (``F.cross_entropy``, ``torch.nn.functional.cross_entropy``,
+    LitGPT's ``chunked_cross_entropy``): logits and targets its first two arguments."""
     for node in ast.walk(statement):
         if isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-            if name == "cross_entropy" and len(node.args) >= 2:
+            if name in ("cross_entropy", "chunked_cross_entropy") and len(node.args) >= 2:
                 return node
     return None

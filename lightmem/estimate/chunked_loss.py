@@ -24,13 +24,14 @@ of the batch refused."""
 
 
 def dominant_logits(estimate: MemoryEstimate | None) -> LossLogits | None:
-    """The loss's logits of ``estimate``'s baseline step when they dominate its peak (and the step
-    is not already priced as chunked), else None."""
+    """The loss's logits of ``estimate``'s baseline step when they dominate its peak and the chunked
+    loss can take the loss's place (``LossLogits.replaceable``; the step not already priced as
+    chunked), else None."""
     if estimate is None or pricing_chunked():
         return None
     logits = estimate.loss_logits
     baseline = estimate.scenarios.get("baseline")
-    if logits is None or baseline is None or not logits.dominates(baseline.peak_bytes):
+    if logits is None or baseline is None or not logits.replaceable or not logits.dominates(baseline.peak_bytes):
         return None
     return logits
 

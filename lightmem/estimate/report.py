@@ -16,6 +16,7 @@ from typing import Any
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, format_bytes
+from lightmem.devices import format_rate
 from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.tracer import CATEGORIES
 from lightmem.tables import format_table
@@ -719,7 +720,7 @@ class Plan:
         if not self.checkpoint and self.offload is None and not self.offload_optimizer:
             return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
         prices = self.speeds.describe() if self.speeds is not None else (
-            f"host link {self.link_bytes_per_s / 1e9:g} GB/s, {self.flops_per_s / 1e12:g} TFLOP/s"
+            f"host link {format_rate(self.link_bytes_per_s, 'B/s')}, {format_rate(self.flops_per_s, 'FLOP/s')}"
         )
         fitted = [option for option in self.alternatives if option.fits]
         refused = [option for option in self.alternatives if not option.fits]

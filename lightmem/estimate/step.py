@@ -50,6 +50,7 @@ from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
 from lightmem.estimate.logits import CHUNKED_LOSS, LossLogits, loss_logits, price_as_chunked, pricing_chunked
 from lightmem.estimate.offload_sim import SavedTensorHooks
+from lightmem.estimate.op_chain import attention_scores
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
 from lightmem.estimate.caching_allocator import Reserve
 from lightmem.estimate.values import BALANCED, StandIns
@@ -114,6 +115,9 @@ class SavedTensor:
     shape: tuple[int, ...]
     nbytes: int
     block: str
+    attention_scores: bool = False
+    """Made between a product of two activations (query and key) and its softmax, or from that
+    softmax's output (``lightmem.estimate.op_chain.attention_scores``)."""
 
 
 @dataclass
@@ -428,7 +432,7 @@ def _run(
     trace.loss_logits = loss_logits(  # the step's statements named the stand-in's modules
         tracer, trace.peak, named, blocks.repeated, product_dtype=precision.autocast_dtype, model=step_model
     )
-    if trace.loss_logits is not None and pricing_chunked():
+    if trace.loss_logits is not None and trace.loss_logits.replaceable and pricing_chunked():
         # Priced as chunked, the step's requests lose the logits and gain what the chunked loss holds.
         trace.peak = price_as_chunked(tracer, trace.loss_logits)
     # What the allocator must reserve: the step's requests replayed (the CPU: the peak).
@@ -1008,6 +1012,7 @@ def _forward_end_usage(
     usage = {name: BlockUsage() for name in tracker.block_names.values()}
     saved: list[SavedTensor] = []
     total = 0
+    scores = attention_scores(tracer) if tracer.softmaxes else set()
     for rid in tracer.saved:
         record = tracer.records[rid]
         if record.freed or record.saved_at < tracer.window.start or record.role in (PARAMETER, BUFFER):
@@ -1017,7 +1022,7 @@ def _forward_end_usage(
         entry.saved_bytes += record.nbytes
         entry.saved_sizes.append(record.nbytes)
         total += record.nbytes
-        saved.append(SavedTensor(record.saved_shape or (), record.nbytes, block))
+        saved.append(SavedTensor(record.saved_shape or (), record.nbytes, block, rid in scores))
     for name, flops in tracer.block_flops.items():
         usage.setdefault(name or ROOT_BLOCK, BlockUsage()).forward_flops += flops
     for (phase, block), seconds in tracer.seconds.items():
@@ -1047,8 +1052,14 @@ def dominant_part(trace: StepTrace) -> str:
     logits = trace.loss_logits
     if logits is not None and logits.dominates(peak.bytes):
         text += (
-            f"; the loss's logits ({logits.rows:,} x {logits.classes:,}), their float32 copies and gradients take "
-            f"{format_bytes(logits.bytes_at_peak)}: a chunked loss ({CHUNKED_LOSS}) would bring the peak to about "
-            f"{format_bytes(logits.peak_bytes_chunked)}"
+            f"; the loss's logits ({logits.rows:,} x {logits.classes:,}, from {logits.weight_name}), their float32 "
+            f"copies and gradients take {format_bytes(logits.bytes_at_peak)}"
         )
+        if logits.replaceable:
+            text += (
+                f": a chunked loss ({CHUNKED_LOSS}) would bring the peak to about "
+                f"{format_bytes(logits.peak_bytes_chunked)}"
+            )
+        else:
+            text += f" ({logits.change})"
     return text

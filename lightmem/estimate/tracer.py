@@ -36,6 +36,13 @@ fake step's calls (~7 of 10), and neither allocates, frees nor costs anything.""
 # Roles a storage can start with; "other" is anything allocated by an op.
 PARAMETER, BUFFER, INPUT, GRADIENT, STATE, OTHER = range(6)
 
+OpStep = tuple[Any, tuple[int, ...], tuple[Any, ...]]
+"""One op of the forward as the trace keeps it: (the op, the record id of each tensor it read (-1: a
+tensor the trace never saw made), its plain number arguments): what made a tensor, read back by
+``lightmem.estimate.op_chain``."""
+_WRITES: dict[Any, tuple[int, ...]] = {}
+"""For each op met: the positions of the arguments it writes (in-place and ``out=`` ops)."""
+
 
 @dataclass(slots=True)
 class StorageRecord:
@@ -60,6 +67,10 @@ class StorageRecord:
     """Bytes the storage asked for (``nbytes`` is what the allocator hands out for it)."""
     known: Any = None
     """What the dry run assumes of the storage's values (``lightmem.estimate.values.Known``), if anything."""
+    made_by: OpStep | None = None
+    """In forward: the op whose output the storage is (None: not made by an op of the forward)."""
+    changed_by: list[OpStep] | None = None
+    """In forward: the in-place ops that wrote the storage after it was made, in order."""
 
 
 @dataclass(slots=True)
@@ -107,6 +118,7 @@ _PRICED_PHASES = ("forward", "backward", "optimizer")
 RECOMPUTE = "recompute"
 """The phase key under which a checkpointed block's re-run in backward is priced."""
 _LOG_SOFTMAX = torch.ops.aten._log_softmax.default
+_SOFTMAX = torch.ops.aten._softmax.default
 
 
 class StorageTracer(TorchDispatchMode):
@@ -160,8 +172,10 @@ class StorageTracer(TorchDispatchMode):
         why) (``lightmem.estimate.kernels.real_output``); an output stands in for the fake one."""
         self.on_failure: Any = None
         """Called with (op, (args, kwargs), exception, what when_fake_refuses said) when an op raises."""
-        self.log_softmax_inputs: list[tuple[tuple[int, ...], int]] = []
-        """(shape, dim) of each log_softmax input of the forward: the loss's logits, usually."""
+        self.log_softmax_inputs: list[tuple[tuple[int, ...], int, int]] = []
+        """(shape, dim, record id) of each log_softmax input of the forward: the loss's logits, usually."""
+        self.softmaxes: list[tuple[int, int]] = []
+        """(input, output) record ids of each softmax of the forward (attention's, usually)."""
         self.log_softmax_sites: list[CallSite | None] = []
         """The user's statement behind each of ``log_softmax_inputs`` (``call_site``)."""
         self.price: DeviceSpeeds | None = None
@@ -210,14 +224,17 @@ class StorageTracer(TorchDispatchMode):
             out = real[1]
             if not isinstance(out, (torch.Tensor, tuple, list)):
                 return out  # a Python value read (``.item()``, ``bool(t)``): nothing allocated
-        if func is _LOG_SOFTMAX and self.context.phase == "forward":
-            self.log_softmax_inputs.append((tuple(args[0].shape), args[1] % max(args[0].dim(), 1)))
+        forward = self.context.phase == "forward"
+        if forward and func is _LOG_SOFTMAX:
+            made = self._live.get(id(args[0].untyped_storage()), -1)
+            self.log_softmax_inputs.append((tuple(args[0].shape), args[1] % max(args[0].dim(), 1), made))
             self.log_softmax_sites.append(call_site())
         correction = self.corrections.get(func)
         if correction is not None:
             out = correction(args, kwargs or {}, out)
         name = func.__name__
         self.context.op = name.removesuffix(".default")
+        first = len(self.records)
         if type(out) is not tuple and type(out) is not list:
             if isinstance(out, torch.Tensor):
                 self._see(out)
@@ -227,11 +244,53 @@ class StorageTracer(TorchDispatchMode):
                     self._see(leaf)
         if self.stand_ins is not None and func._overloadpacket in FOLLOWED:
             self.stand_ins.follow(func, args, kwargs or {}, out, self.known_of, self.mark_known)
+        if forward:
+            self._note_op(func, args, kwargs, first)
+            if func is _SOFTMAX and len(self.records) > first:
+                self.softmaxes.append((self._live.get(id(args[0].untyped_storage()), -1), first))
         if self.count_flops or self.price is not None:
             self._count_flops(func, out, args, kwargs or {})
         if self.workspaces is not None:
             self.workspaces.see(func, self.context.phase)
         return out
+
+    def _note_op(self, func: Any, args: Any, kwargs: Any, first: int) -> None:
+        """Keep what a forward op read on the storages it made (records from ``first``) and wrote in
+        place: a few lookups, and nothing for the views that are most of a forward's ops."""
+        writes = _WRITES.get(func)
+        if writes is None:
+            writes = _WRITES[func] = tuple(
+                index for index, argument in enumerate(func._schema.arguments)
+                if argument.alias_info is not None and argument.alias_info.is_write
+            )  # fmt: skip
+        records = self.records
+        if len(records) == first and not writes:
+            return
+        live = self._live
+        inputs: list[int] = []
+        numbers: list[Any] = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                inputs.append(live.get(id(arg.untyped_storage()), -1))
+            elif type(arg) is float or type(arg) is int:
+                numbers.append(arg)
+            elif type(arg) is list or type(arg) is tuple:
+                inputs.extend(live.get(id(a.untyped_storage()), -1) for a in arg if isinstance(a, torch.Tensor))
+        step = (func, tuple(inputs), tuple(numbers))
+        for rid in range(first, len(records)):
+            records[rid].made_by = step
+        for index in writes:
+            if index < len(args):
+                written = args[index]
+            else:
+                written = (kwargs or {}).get(func._schema.arguments[index].name)
+            if isinstance(written, torch.Tensor):
+                rid = live.get(id(written.untyped_storage()))
+                if rid is not None and rid < first:
+                    record = records[rid]
+                    if record.changed_by is None:
+                        record.changed_by = []
+                    record.changed_by.append(step)
 
     def _count_flops(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
         packet = func._overloadpacket
