@@ -308,7 +308,7 @@ LIGHTMEM = Spelling("LightMem", (
     ("groups", "metrics"), ("limit", "host_limit"), ("warn_at", "host_warn_at"), ("stop_at", "host_stop_at"),
     ("stop_checkpoint", "host_stop_checkpoint"), ("enabled", "offload_optimizer"),
     ("max_grad_inflight_bytes", "offload_max_inflight_bytes"), ("overlap_step", "offload_overlap_step"),
-    ("device_dtype", "offload_optimizer_device_dtype"),
+    ("device_dtype", "offload_optimizer_device_dtype"), ("modules", "tile"),
 ))  # fmt: skip
 """``LightMem``'s keyword arguments."""
 OFFLOAD_ACTIVATIONS = Spelling("offload_activations")
@@ -838,6 +838,8 @@ class LightMemSettings:
     """None: ``offload_optimizer=False``."""
     chunked_loss: bool = False
     """``chunked_loss``: the Hugging Face causal LMs' own loss through ``lightmem.linear_cross_entropy``."""
+    tile: TileSettings | None = None
+    """``tile`` and ``tile_tokens``; None: nothing tiled."""
 
     @classmethod
     def parse(cls, *, metric_groups: tuple[str, ...], **flags: Any) -> LightMemSettings:
@@ -887,6 +889,7 @@ class LightMemSettings:
             plan=plan,
             optimizer_offload=optimizer_offload,
             chunked_loss=parse_bool(flags["chunked_loss"], flag=flag("chunked_loss")),
+            tile=TileSettings.parse(flags["tile"], tile_tokens=flags["tile_tokens"], spelling=LIGHTMEM),
         )  # fmt: skip
 
 
