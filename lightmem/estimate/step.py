@@ -44,7 +44,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from lightmem.checkpoint import apply_checkpointing, op_policy
 from lightmem.blocks import Blocks, find_blocks
-from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings, TileSettings, format_bytes
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
 from lightmem.estimate.dry_run_device import DRY_RUN_DEVICE, OnDryRunDevice, known_value
@@ -56,6 +56,7 @@ from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_ro
 from lightmem.estimate.caching_allocator import Reserve
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
 from lightmem.lightning_packages import is_lightning_module
+from lightmem.tiling import tile_modules
 
 ROOT_BLOCK = "(outside blocks)"
 MASTER_DTYPE = torch.float32
@@ -75,6 +76,8 @@ class StepRequest:
     checkpoint_policy: Any = "full"
     """What a checkpointed block keeps (``apply_checkpointing(policy=...)``); also what the trace
     prices op-level checkpointing of each block with."""
+    tile: TileSettings | None = None
+    """Position-wise modules run in sequence shards (``lightmem.tiling``); None: none."""
     batch_size: int | None = None
     """Replace dim 0 of the batch's tensors (whose dim 0 is ``original_batch_size``)."""
     original_batch_size: int | None = None
@@ -115,6 +118,7 @@ class StepTrace:
     gradient_bytes: int
     optimizer_state_bytes: int
     checkpointed: list[str] = field(default_factory=list)
+    tiled: list[str] = field(default_factory=list)
     offloaded_bytes: int = 0
     offloaded_by_block: dict[str, int] = field(default_factory=dict)
     """Bytes moved to host per block that saved them (``ROOT_BLOCK``: outside every block)."""
@@ -218,6 +222,12 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
     if request.checkpoint:
         handle = apply_checkpointing(model, list(request.checkpoint), policy=request.checkpoint_policy)
         checkpointed = _checkpointed_names(model, handle)
+    try:  # after checkpointing, as a fit applies them: a module checkpointed itself is refused
+        tiling = tile_modules(model, request.tile) if request.tile is not None else None
+    except ValueError:
+        if handle is not None:
+            handle.remove()
+        raise
     failure = FailureSite({id(module): name for name, module in model.named_modules()})
     try:
         with _preserved_module_state(model), warnings.catch_warnings(), _quiet_fake_tensor_log():
@@ -237,9 +247,12 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
     except RuntimeError as error:
         raise failure.explain(error) from error
     finally:
+        if tiling is not None:
+            tiling.remove()
         if handle is not None:
             handle.remove()
     trace.checkpointed = checkpointed
+    trace.tiled = list(tiling.modules) if tiling is not None else []
     trace.seconds = time.perf_counter() - started
     return trace
 
