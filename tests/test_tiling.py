@@ -20,6 +20,7 @@ from tile_models import (
     IndexedPositions,
     SelfAttention,
     SequenceConv,
+    ScalarNoise,
     SharedScale,
     SignRoutedMoE,
     balanced_tokens,
@@ -79,6 +80,17 @@ def test_one_shard_is_bitwise_the_untiled_model_dropout_and_rng_included():
     expected_rng = torch.get_rng_state()
     actual = _step(_tiled(model, shards=1), _x())
     assert_same(expected, actual, "loss, gradients, input gradient")
+    assert_same(expected_rng, torch.get_rng_state(), "RNG state after the step")
+
+
+def test_the_first_calls_check_leaves_the_rng_as_it_was():
+    torch.manual_seed(0)
+    net = ScalarNoise(DIM)
+    expected = _step(net, _x())
+    expected_rng = torch.get_rng_state()
+    tiled = copy.deepcopy(net)
+    apply_tiling(tiled, "ScalarNoise", shards=1)
+    assert_same(expected, _step(tiled, _x()), "loss, gradients, input gradient")
     assert_same(expected_rng, torch.get_rng_state(), "RNG state after the step")
 
 

@@ -175,3 +175,15 @@ class SharedScale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x) * self.owner[0].weight.sum()
+
+
+class ScalarNoise(nn.Module):
+    """Position-wise, with one random scale per call (the same for every position): each position
+    run alone draws the same number as the positions together, from the same RNG state."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * (1 + 0.01 * torch.rand((), device=x.device))
