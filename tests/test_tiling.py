@@ -320,6 +320,17 @@ def test_a_module_reading_a_tensor_that_requires_grad_besides_its_own_parameters
         net(_x())
 
 
+def test_a_first_call_in_inference_mode_leaves_the_check_to_the_next_call():
+    torch.manual_seed(0)
+    owner = nn.Linear(DIM, DIM)
+    net = nn.Sequential(owner, SharedScale(owner, DIM))
+    apply_tiling(net, "SharedScale")
+    with torch.inference_mode():
+        net(_x())  # validation: no graph, so the foreign parameter cannot be seen here
+    with pytest.raises(ValueError, match=r"module '1' \(SharedScale\) cannot be tiled: its output depends on 1 tensor"):
+        net(_x())
+
+
 def test_a_checkpointed_module_is_not_tiled_too():
     model = blocks()
     apply_checkpointing(model, "SwiGLU")

@@ -118,8 +118,9 @@ def check_position_wise(
 ) -> bool:  # fmt: skip
     """Raise ``ValueError`` when ``function`` (``module``'s forward with the call's other arguments)
     is not position-wise on ``x``; ``describe`` opens the message (the flag and the module). False
-    when ``x`` has fewer than two positions: nothing could be seen."""
-    if x.shape[-2] < 2:
+    when nothing could be seen: ``x`` has fewer than two positions, or inference mode forbids the
+    graph the first question needs (Lightning's validation sanity check); a later call asks again."""
+    if x.shape[-2] < 2 or torch.is_inference_mode_enabled():
         return False
     probe = _probe(x)
     positions = list(range(probe.shape[-2]))
