@@ -170,9 +170,7 @@ class TiledCall:
         aliases = [param.detach().requires_grad_(True) for param in self.params]
         named = {name: alias for names, alias in zip(self.names, aliases) for name in names}
         asked = [alias for alias, want in zip(aliases, wanted) if want]
-        x_grad: torch.Tensor | None = None
-        sums: list[torch.Tensor | None] = [None] * len(asked)
-        owned = [False] * len(asked)  # a sum this backward made may be added to in place
+        gradients = _ShardGradients(x, len(self.lengths) == 1, len(asked))
         devices = self.rng_states[0][1] if self.rng_states else []
         start = 0
         with (
@@ -194,31 +192,49 @@ class TiledCall:
                     grads = (None,) * len(inputs)
                 del piece
                 if x_wanted:
-                    shard_grad, grads = grads[0], grads[1:]
-                    if len(self.lengths) == 1:
-                        x_grad = shard_grad
-                    else:
-                        if x_grad is None:
-                            x_grad = torch.empty_like(x)
-                        target = x_grad.narrow(SEQUENCE_DIM, start, length)
-                        if shard_grad is None:  # the output does not depend on this shard's input
-                            target.zero_()
-                        else:
-                            target.copy_(shard_grad)
-                for slot, grad in enumerate(grads):
-                    if grad is None:
-                        continue
-                    if sums[slot] is None:
-                        sums[slot] = grad
-                    elif owned[slot]:
-                        sums[slot].add_(grad)  # type: ignore[union-attr]
-                    else:  # the first shard's gradient may alias what autograd holds: add out of place once
-                        sums[slot] = sums[slot] + grad  # type: ignore[operator]
-                        owned[slot] = True
+                    gradients.write_input(start, length, grads[0])
+                gradients.add_parameters(grads[1:] if x_wanted else grads)
                 del grads
                 start += length
-        by_param = iter(sums)
-        return x_grad, [next(by_param) if want else None for want in wanted]
+        by_param = iter(gradients.sums)
+        return gradients.input, [next(by_param) if want else None for want in wanted]
+
+
+class _ShardGradients:
+    """The gradients of one tiled backward: the input's written shard by shard into one tensor (the
+    shard's own gradient when one shard is the whole), the parameters' summed over the shards."""
+
+    def __init__(self, x: torch.Tensor, one_shard: bool, parameters: int) -> None:
+        self.x = x
+        self.one_shard = one_shard
+        self.input: torch.Tensor | None = None
+        self.sums: list[torch.Tensor | None] = [None] * parameters
+        self.owned = [False] * parameters  # a sum this backward made may be added to in place
+
+    def write_input(self, start: int, length: int, grad: torch.Tensor | None) -> None:
+        if self.one_shard:
+            self.input = grad
+            return
+        if self.input is None:
+            self.input = torch.empty_like(self.x)
+        target = self.input.narrow(SEQUENCE_DIM, start, length)
+        if grad is None:  # the output does not depend on this shard's input
+            target.zero_()
+        else:
+            target.copy_(grad)
+
+    def add_parameters(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        for slot, grad in enumerate(grads):
+            current = self.sums[slot]
+            if grad is None:
+                continue
+            if current is None:
+                self.sums[slot] = grad
+            elif self.owned[slot]:
+                current.add_(grad)
+            else:  # the first shard's gradient may alias what autograd holds: add out of place once
+                self.sums[slot] = current + grad
+                self.owned[slot] = True
 
 
 class TiledFunction(torch.autograd.Function):
