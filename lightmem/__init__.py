@@ -10,12 +10,14 @@ from lightmem.loss import linear_cross_entropy
 from lightmem.model_state.host_grads import named_grads
 from lightmem.model_state.offloader import offload_optimizer
 from lightmem.offload import offload_activations
+from lightmem.tiling import apply_tiling
 
 __all__ = [
     "DeviceSpeeds",
     "LightMem",
     "PlanDoesNotFit",
     "apply_checkpointing",
+    "apply_tiling",
     "chunked_causal_lm_loss",
     "estimate_memory",
     "frontier",

@@ -114,6 +114,13 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
             the output's ``logits`` then hold no position). For a loss you write yourself, call
             ``lightmem.linear_cross_entropy`` in ``training_step`` instead. Fails at fit start when
             the module holds no such model.
+        tile: position-wise modules (an MLP taking ``[..., T, d]``) to run in sequence shards,
+            keeping only their input and running each shard again in backward: class names or
+            module-name globs, as ``checkpoint`` (see :func:`~lightmem.apply_tiling`). A module
+            that mixes positions (attention, a convolution along the sequence) fails at its first
+            call, the message saying what was seen.
+        tile_tokens: positions per shard (needs ``tile``); default: as many as the tiled module's
+            input is wide (its hidden size).
 
     Works with either Lightning package: ``pytorch_lightning`` or ``lightning.pytorch``
     (``import lightning as L``; LightMem is a ``Callback`` of both).
@@ -162,6 +169,8 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         offload_overlap_step: bool | str = "auto",
         offload_optimizer_device_dtype: str | torch.dtype | None = None,
         chunked_loss: bool = False,
+        tile: list[str] | str | None = None,
+        tile_tokens: int | None = None,
     ) -> None:
         flags = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         super().__init__()

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import (
 
 from lightmem.compiled import user_named_modules
 from lightmem.config import parse_checkpoint_policy, parse_checkpoint_targets, parse_count, warn_once
-from lightmem.matching import Target, select_modules
+from lightmem.matching import Target, select_outermost
 from lightmem.recompute_state import ArgumentStates, cache_off_in_training, model_cache_argument
 
 
@@ -233,6 +233,11 @@ class BufferSnapshots:
     def _recompute(self, before: dict[str, torch.Tensor]) -> _SwappedBuffers:
         return _SwappedBuffers(self, before)
 
+    def scratch(self) -> _SwappedBuffers:
+        """Run the block on copies of its buffers' current values: what it writes to them is
+        dropped (entered, it gives ``{qualified name: copy}``, to read what the block wrote)."""
+        return _SwappedBuffers(self, {}, tell=True)
+
 
 def _values_changed(tensor: torch.Tensor, before: torch.Tensor) -> bool:
     # Fake tensors (the estimator's dry run) have no values: there the version counter decides.
@@ -244,24 +249,31 @@ def _values_changed(tensor: torch.Tensor, before: torch.Tensor) -> bool:
 class _SwappedBuffers:
     """The recompute context: re-entered once per recomputation (a retained graph recomputes again)."""
 
-    def __init__(self, snapshots: BufferSnapshots, before: dict[str, torch.Tensor]) -> None:
+    def __init__(self, snapshots: BufferSnapshots, before: dict[str, torch.Tensor], *, tell: bool = False) -> None:
         self.snapshots = snapshots
         self.before = before
-        self.swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self.tell = tell  # keep what the block wrote (a recomputation keeps nothing: its copies die with it)
+        self.swapped: list[tuple[str, nn.Module, str, torch.Tensor]] = []
+        self.written: dict[str, torch.Tensor] = {}
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> dict[str, torch.Tensor]:
+        """With ``tell``, the buffers as the block left them, by qualified name: filled at exit."""
         copies: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for qualified, module, name, tensor in self.snapshots._slots():
                 # Fresh copies each time, so a second recomputation starts from the same values.
                 if id(tensor) not in copies:  # a buffer shared by two submodules is copied once
                     copies[id(tensor)] = self.before.get(qualified, tensor).detach().clone()
-                self.swapped.append((module, name, tensor))
+                self.swapped.append((qualified, module, name, tensor))
                 module._buffers[name] = copies[id(tensor)]
+        self.written = {}
+        return self.written
 
     def __exit__(self, *exc: object) -> None:
         swapped, self.swapped = self.swapped, []
-        for module, name, tensor in swapped:
+        for qualified, module, name, tensor in swapped:
+            if self.tell:
+                self.written[qualified] = module._buffers[name]
             module._buffers[name] = tensor
 
 
@@ -410,11 +422,7 @@ def select_blocks(
     """The blocks ``apply_checkpointing`` would wrap: outermost matches, every n-th in module order."""
     parse_count(every_n, flag=every_n_flag)
     targets = parse_checkpoint_targets(targets, flag=targets_flag)
-    matched = select_modules(model, targets, flag=targets_flag)
-    outermost: dict[str, nn.Module] = {}
-    for name, module in matched.items():  # pre-order: an ancestor is seen before its children
-        if not any(kept == "" or name.startswith(f"{kept}.") for kept in outermost):
-            outermost[name] = module
+    outermost = select_outermost(model, targets, flag=targets_flag)
     return {name: outermost[name] for name in list(outermost)[::every_n]}
 
 

@@ -3,9 +3,9 @@
 Every size in lightmem ("512KiB", "2GB", 1_048_576, 0.25 of RAM) is parsed here and nowhere else,
 and every bad value fails with a message that names the flag and what it accepts. Each flag is
 parsed once into one frozen settings object per concern (``OffloadSettings``,
-``CheckpointSettings``, ``OptimizerOffloadSettings``, ``MetricsSettings``, ``HostGuardSettings``,
-``PlanSettings``; the callback's six in ``LightMemSettings``), which the callback, the functions,
-the estimator/planner and the CLI all read. A settings object carries its entry point's
+``CheckpointSettings``, ``TileSettings``, ``OptimizerOffloadSettings``, ``MetricsSettings``,
+``HostGuardSettings``, ``PlanSettings``; the callback's in ``LightMemSettings``), which the
+callback, the functions, the estimator/planner and the CLI all read. A settings object carries its entry point's
 ``Spelling``, so an error names the flag as the user typed it.
 """
 
@@ -308,11 +308,12 @@ LIGHTMEM = Spelling("LightMem", (
     ("groups", "metrics"), ("limit", "host_limit"), ("warn_at", "host_warn_at"), ("stop_at", "host_stop_at"),
     ("stop_checkpoint", "host_stop_checkpoint"), ("enabled", "offload_optimizer"),
     ("max_grad_inflight_bytes", "offload_max_inflight_bytes"), ("overlap_step", "offload_overlap_step"),
-    ("device_dtype", "offload_optimizer_device_dtype"),
+    ("device_dtype", "offload_optimizer_device_dtype"), ("modules", "tile"),
 ))  # fmt: skip
 """``LightMem``'s keyword arguments."""
 OFFLOAD_ACTIVATIONS = Spelling("offload_activations")
 APPLY_CHECKPOINTING = Spelling("apply_checkpointing")
+APPLY_TILING = Spelling("apply_tiling", (("modules", "targets"),))
 OFFLOAD_OPTIMIZER = Spelling("offload_optimizer", (("enabled", ""),))
 """``offload_optimizer(model, optimizer, ...)``: the function is the switch."""
 CLI = Spelling("lightmem estimate", (
@@ -595,6 +596,13 @@ def parse_checkpoint_policy(policy: Any, *, flag: str) -> Any:
 def parse_checkpoint_targets(targets: Any, *, flag: str) -> tuple[Any, ...]:
     """Blocks to checkpoint: class names, ``nn.Module`` classes or module-name globs; a bare name or
     class is one target. An empty list is an error: it would checkpoint nothing."""
+    return parse_module_targets(targets, flag=flag, empty="checkpoints nothing")
+
+
+def parse_module_targets(targets: Any, *, flag: str, empty: str) -> tuple[Any, ...]:
+    """Modules an action applies to (``checkpoint=``, ``tile=``): class names, ``nn.Module`` classes
+    or module-name globs; a bare name or class is one target. An empty list is an error that says
+    what it would do (``empty``: "checkpoints nothing")."""
     if isinstance(targets, (str, type)):
         targets = [targets]
     try:
@@ -603,7 +611,7 @@ def parse_checkpoint_targets(targets: Any, *, flag: str) -> tuple[Any, ...]:
         raise ValueError(f"{flag}: expected a list of module names, classes or glob patterns; got {targets!r}") from None
     if not result:
         raise ValueError(
-            f"{flag}: expected at least one class name, class or module-name pattern; an empty list checkpoints nothing"
+            f"{flag}: expected at least one class name, class or module-name pattern; an empty list {empty}"
         )
     for target in result:
         if target == "":
@@ -648,6 +656,50 @@ class CheckpointSettings:
                 partner = f"{', '.join(first)} or {last}"
                 reject_without_partner(spelling, "policy", partner, "name the blocks to checkpoint")
         return settings
+
+    def flag(self, field: str) -> str:
+        return self.spelling.flag(field)
+
+
+# -- sequence tiling ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileSettings:
+    """Which position-wise modules run in sequence shards, and how long a shard is, parsed once
+    (``apply_tiling``, ``LightMem(tile=...)``, ``estimate_memory(tile=...)``); ``lightmem.tiling``
+    turns a sequence length into shards (``shard_lengths``)."""
+
+    modules: tuple[Any, ...]
+    tile_tokens: int | None = None
+    """Positions per shard (the last shard may be shorter); None with ``shards`` None: as many as
+    the module's input is wide (``lightmem.tiling.shard_lengths``)."""
+    shards: int | None = None
+    """Split the sequence into this many shards of nearly equal length instead."""
+    spelling: Spelling = APPLY_TILING
+
+    @classmethod
+    def parse(
+        cls, modules: Any = None, *, tile_tokens: int | None = None, shards: int | None = None,
+        spelling: Spelling = APPLY_TILING,
+    ) -> TileSettings | None:  # fmt: skip
+        """None when ``modules`` is None (nothing tiled); ``tile_tokens`` and ``shards`` need it, and
+        exclude each other."""
+        flag = spelling.flag
+        tokens = parse_count(tile_tokens, flag=flag("tile_tokens"), allow_none=True)
+        count = parse_count(shards, flag=flag("shards"), allow_none=True)
+        if modules is None:
+            for field, value in (("tile_tokens", tokens), ("shards", count)):
+                if value is not None:
+                    reject_without_partner(spelling, field, flag("modules"), "name the modules to tile")
+            return None
+        if tokens is not None and count is not None:
+            raise ValueError(
+                f"{flag('shards')}: give either {spelling.name('tile_tokens')} (positions per shard) or "
+                f"{spelling.name('shards')} (shards per sequence), not both"
+            )
+        targets = parse_module_targets(modules, flag=flag("modules"), empty="tiles nothing")
+        return cls(modules=targets, tile_tokens=tokens, shards=count, spelling=spelling)
 
     def flag(self, field: str) -> str:
         return self.spelling.flag(field)
@@ -786,6 +838,8 @@ class LightMemSettings:
     """None: ``offload_optimizer=False``."""
     chunked_loss: bool = False
     """``chunked_loss``: the Hugging Face causal LMs' own loss through ``lightmem.linear_cross_entropy``."""
+    tile: TileSettings | None = None
+    """``tile`` and ``tile_tokens``; None: nothing tiled."""
 
     @classmethod
     def parse(cls, *, metric_groups: tuple[str, ...], **flags: Any) -> LightMemSettings:
@@ -835,6 +889,7 @@ class LightMemSettings:
             plan=plan,
             optimizer_offload=optimizer_offload,
             chunked_loss=parse_bool(flags["chunked_loss"], flag=flag("chunked_loss")),
+            tile=TileSettings.parse(flags["tile"], tile_tokens=flags["tile_tokens"], spelling=LIGHTMEM),
         )  # fmt: skip
 
 

@@ -35,6 +35,7 @@ from lightmem.model_state.offloader import OptimizerOffloader, OptimizerOffloadS
 from lightmem.model_state.trainer_optimizers import gradient_readers, offload_trainer_optimizers
 from lightmem.offload.context import ActivationOffloader
 from lightmem.offload.training import TrainingOffload
+from lightmem.tiling import TilingHandle, tile_modules
 
 # A Trainer and a LightningModule of either Lightning package: only their attributes are read.
 Trainer = Any
@@ -82,6 +83,7 @@ class FitSession:
         self.recorder: MetricsRecorder | None = None
         self._offload: TrainingOffload | None = None
         self._checkpoint: CheckpointHandle | None = None
+        self._tiling: TilingHandle | None = None
         self._patched_module: Module | None = None
         self._chunked_losses: list[ChunkedCausalLMLoss] = []
         self._optimizer_offloaders: list[OptimizerOffloader] = []
@@ -111,16 +113,20 @@ class FitSession:
     # -- checkpointing, before the strategy wraps the model --------------------------------------
 
     def checkpoint_after_configure_model(self, trainer: Trainer, pl_module: Module) -> None:
-        """Checkpoint the chosen blocks right after ``configure_model``: Lightning calls it after
-        ``setup`` and before the strategy wraps the model, and it may create the blocks."""
-        targets = self.settings.checkpoint.targets
-        if targets is None:
+        """Checkpoint the chosen blocks, then tile the chosen modules, right after ``configure_model``:
+        Lightning calls it after ``setup`` and before the strategy wraps the model, and it may create
+        the modules."""
+        targets, tile = self.settings.checkpoint.targets, self.settings.tile
+        if targets is None and tile is None:
             return
         original = pl_module.configure_model
 
         def configure_model_then_checkpoint() -> None:
             original()
-            self.apply_checkpointing(trainer, pl_module, targets, self.settings.checkpoint.every_n)
+            if targets is not None:
+                self.apply_checkpointing(trainer, pl_module, targets, self.settings.checkpoint.every_n)
+            if tile is not None and self._tiling is None:
+                self._tiling = tile_modules(pl_module, tile)  # a bad target fails under the user's flag name
 
         pl_module.configure_model = configure_model_then_checkpoint
         self._patched_module = pl_module
@@ -320,6 +326,8 @@ class FitSession:
             on.append(f"checkpointing {blocks} blocks ({', '.join(names[:3])}{', ...' if blocks > 3 else ''})")
         elif self.settings.checkpoint.targets is not None:
             off.append("checkpointing (see the warning above)")
+        if self._tiling is not None:
+            on.append(self._tiling.describe())
         if metrics_on:
             on.append(f"{', '.join(dict.fromkeys(metrics_on))} metrics")
         for reason in dict.fromkeys(metrics_off.values()):
@@ -594,6 +602,9 @@ class FitSession:
         finally:
             if self.auto_plan is not None:
                 self.auto_plan.remove_block_timer()
+            if self._tiling is not None:  # applied after checkpointing: undone first
+                self._tiling.remove()
+                self._tiling = None
             if self._checkpoint is not None:
                 self._checkpoint.remove()
                 self._checkpoint = None

@@ -1,7 +1,7 @@
 """Select modules of a model by class name, class, or glob over qualified module names.
 
-Used by offload scoping (``include`` / ``exclude``) and checkpoint targets, so both read the same
-way and fail the same way: a pattern that selects nothing is an error naming the closest names.
+Used by offload scoping (``include`` / ``exclude``), checkpoint targets and tile targets, so all
+read the same way and fail the same way: a pattern that selects nothing is an error naming the closest names.
 Names are the ones the user wrote, also on a compiled model (no ``_orig_mod``).
 """
 
@@ -94,3 +94,13 @@ def select_modules(
             hint = f"; closest names: {', '.join(close)}" if close else ""
             raise ValueError(f"{flag}: {_describe(target)} matches no module of the model{hint}")
     return selected
+
+
+def select_outermost(model: nn.Module, targets: Iterable[Target], *, flag: str) -> dict[str, nn.Module]:
+    """``select_modules``, without a module whose ancestor is selected too: what an action that wraps
+    a module's forward (checkpointing, tiling) applies to, in module order."""
+    outermost: dict[str, nn.Module] = {}
+    for name, module in select_modules(model, targets, flag=flag).items():  # pre-order: ancestors first
+        if not any(kept == "" or name.startswith(f"{kept}.") for kept in outermost):
+            outermost[name] = module
+    return outermost

@@ -13,13 +13,14 @@ import lightmem.loss
 import lightmem.offload.context
 import lightmem.model_state.host_grads
 import lightmem.model_state.offloader
+import lightmem.tiling.apply
 
 
 @pytest.mark.parametrize(
     "module",
     [
         lightmem.offload.context, lightmem.model_state.offloader, lightmem.model_state.host_grads, lightmem.checkpoint,
-        lightmem.estimate.estimator, lightmem.loss, lightmem.causal_lm,
+        lightmem.estimate.estimator, lightmem.loss, lightmem.causal_lm, lightmem.tiling.apply,
     ],
 )
 def test_docstring_examples(module):

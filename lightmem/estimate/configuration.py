@@ -22,6 +22,7 @@ from lightmem.config import (
     OffloadSettings,
     OptimizerOffloadSettings,
     Spelling,
+    TileSettings,
     parse_checkpoint_policy,
     PlanPrices,
     parse_optimizer_offload,
@@ -154,10 +155,12 @@ def run_configuration(
     info: BatchInfo | None = None,
     offload_optimizer: bool | None = None,
     priced: bool = False,
+    tile: TileSettings | None = None,
 ) -> StepTrace:
     """One fake step of ``model`` with one lightmem configuration (the building block of the API).
     ``offload_optimizer`` defaults to the settings' choice; ``priced``: every op priced at the
-    settings' speeds (the baseline's, which every configuration's time is built from)."""
+    settings' speeds (the baseline's, which every configuration's time is built from); ``tile``:
+    position-wise modules run in sequence shards."""
     info = info or inspect_batch(batch)
     if offload_optimizer is None:
         offload_optimizer = settings.offload_optimizer
@@ -176,6 +179,7 @@ def run_configuration(
         offload=offload,
         checkpoint=checkpoint,
         checkpoint_policy=settings.checkpoint_policy,
+        tile=tile,
         batch_size=batch_size,
         original_batch_size=info.batch_size,
         zero_grad=settings.zero_grad,
@@ -200,6 +204,7 @@ def scenario_from(name: str, trace: StepTrace) -> StepMemory:
         peak_block=peak.block,
         activations_at_forward_end=trace.activations_at_forward_end,
         checkpointed=list(trace.checkpointed),
+        tiled=list(trace.tiled),
         offloaded_bytes=trace.offloaded_bytes,
         host_bytes=trace.host_bytes + trace.optimizer_host_bytes,
         model_state_link_bytes=trace.optimizer_link_bytes,
@@ -304,28 +309,32 @@ def build_report(
     *,
     batch_size: int | None = None,
     baseline: StepTrace | None = None,
+    tile: TileSettings | None = None,
 ) -> tuple[MemoryEstimate, StepTrace]:
     """Run the baseline and every requested configuration; the report (without advice) and the
     baseline's trace. ``baseline``: the baseline, already traced under these settings (not run again)."""
-    # With offload_optimizer every configuration but the baseline has it too (named "+offload_optimizer").
+    # With offload_optimizer every configuration but the baseline has it too (named "+offload_optimizer");
+    # with tile, every one but the baseline and "offload_optimizer" tiles ("+tile").
     model_state = settings.offload_optimizer
     suffix = "+offload_optimizer" if model_state else ""
-    configurations: list[tuple[str, OffloadSettings | None, tuple[Any, ...] | None, bool]] = [
-        ("baseline", None, None, False)
-    ]
+    tiled = "+tile" if tile is not None else ""
+    Configuration = tuple[str, OffloadSettings | None, tuple[Any, ...] | None, bool, TileSettings | None]
+    configurations: list[Configuration] = [("baseline", None, None, False, None)]
     if model_state:
-        configurations.append(("offload_optimizer", None, None, True))
+        configurations.append(("offload_optimizer", None, None, True, None))
+    if tile is not None:
+        configurations.append(("tile" + suffix, None, None, model_state, tile))
     if checkpoint:
-        configurations.append(("checkpoint" + suffix, None, checkpoint, model_state))
+        configurations.append(("checkpoint" + tiled + suffix, None, checkpoint, model_state, tile))
     if offload is not None:
-        configurations.append(("offload" + suffix, offload, None, model_state))
+        configurations.append(("offload" + tiled + suffix, offload, None, model_state, tile))
     if checkpoint and offload is not None:
-        configurations.append(("checkpoint+offload" + suffix, offload, checkpoint, model_state))
+        configurations.append(("checkpoint+offload" + tiled + suffix, offload, checkpoint, model_state, tile))
     key = _baseline_key(model, batch, settings, info, batch_size) if settings.speeds is not None else None
     if baseline is None and key is not None:
         baseline = _remembered_baseline(model, key, settings.speeds)  # type: ignore[arg-type]
     traces: dict[str, StepTrace] = {} if baseline is None else {"baseline": baseline}
-    for name, offload_config, targets, offload_model_state in configurations:
+    for name, offload_config, targets, offload_model_state, tiles in configurations:
         if name in traces:
             continue
         traces[name] = run_configuration(
@@ -338,6 +347,7 @@ def build_report(
             info=info,
             offload_optimizer=offload_model_state,
             priced=name == "baseline",
+            tile=tiles,
         )
     if key is not None and traces["baseline"] is not baseline:
         _remember_baseline(model, key, traces["baseline"])
@@ -345,7 +355,7 @@ def build_report(
     chosen = scenarios[configurations[-1][0]]
     baseline = traces["baseline"]
     blocks = blocks_from(baseline)
-    for (name, offload_config, _, _), scenario in zip(configurations, scenarios.values()):
+    for (name, offload_config, *_), scenario in zip(configurations, scenarios.values()):
         trace = traces[name]
         costs = costs_for(settings, baseline, offload_config)
         scenario.step_seconds = configuration_time(

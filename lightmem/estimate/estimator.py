@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import OffloadSettings, OptimizerOffloadSettings
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings, Spelling, TileSettings
 from lightmem.estimate.advice import advise
 from lightmem.estimate.batch import BatchInfo, inspect_batch
 from lightmem.estimate.chunked_loss import ChunkedLossReach, dominant_logits, largest_with_chunked_loss
@@ -19,6 +19,8 @@ from lightmem.estimate.planner import costs_for, search_plan
 from lightmem.estimate.report import MemoryEstimate
 from lightmem.estimate.search import max_batch_size
 from lightmem.estimate.settings import parse_checkpoint, parse_offload
+
+ESTIMATE_MEMORY = Spelling("estimate_memory", (("modules", "tile"),))
 
 
 def estimate_memory(
@@ -37,6 +39,8 @@ def estimate_memory(
     checkpoint_policy: CheckpointPolicyArg = "full",
     gpu: str = "default",
     offload_optimizer: bool | OptimizerOffloadSettings = False,
+    tile: Iterable[str | type] | str | None = None,
+    tile_tokens: int | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating it.
 
@@ -91,6 +95,11 @@ def estimate_memory(
             that scenario: its parameters, gradients in flight and ``model_state_link_bytes`` (the
             bytes over the link per step) are bf16 bytes, fp32 masters and state on the host
             (``precision="bf16-mixed"`` only, as under Lightning).
+        tile: position-wise modules to run in sequence shards, as ``apply_tiling`` takes them
+            (``lightmem.tiling``), applied for the estimate and removed afterwards. Adds a "tile"
+            scenario; the other requested scenarios (all but the baseline) tile too. Their
+            ``step_seconds`` does not count the tiled modules' second forward in backward yet.
+        tile_tokens: positions per shard (default: as many as the tiled module's input is wide).
 
     Returns:
         A :class:`MemoryEstimate` for the requested configuration, with "baseline" (no lightmem)
@@ -130,6 +139,7 @@ def estimate_memory(
             include_min_bytes=offload_config.include_min_bytes,
         )  # fmt: skip
     targets = parse_checkpoint(checkpoint, flag="estimate_memory(checkpoint=...)")
+    tiles = TileSettings.parse(tile, tile_tokens=tile_tokens, spelling=ESTIMATE_MEMORY)
     info = inspect_batch(batch)
 
     def largest_batch() -> int:
@@ -139,7 +149,9 @@ def estimate_memory(
             gpu=gpu, overhead_bytes=overhead_bytes, zero_grad=zero_grad,
         ).baseline  # fmt: skip
 
-    return build_estimate(model, batch, settings, info, offload_config, targets, started=started, largest_batch=largest_batch)
+    return build_estimate(
+        model, batch, settings, info, offload_config, targets, started=started, largest_batch=largest_batch, tile=tiles
+    )
 
 
 def build_estimate(
@@ -152,6 +164,7 @@ def build_estimate(
     *,
     started: float | None = None,
     largest_batch: Callable[[], int] | None = None,
+    tile: TileSettings | None = None,
 ) -> MemoryEstimate:
     """The report with its advice. Over a budget that activations can be brought under, the
     advice is the verified plan (the same search as ``plan``), so the two never disagree. With a
@@ -159,7 +172,7 @@ def build_estimate(
     batch without lightmem) is asked as the loss is written and with it priced as chunked
     (``MemoryEstimate.chunked_loss``)."""
     started = time.perf_counter() if started is None else started
-    estimate, baseline = build_report(model, batch, settings, info, offload, checkpoint)
+    estimate, baseline = build_report(model, batch, settings, info, offload, checkpoint, tile=tile)
     verified = None
     over_budget = estimate.budget_bytes is not None and not estimate.baseline_fits
     if over_budget and not estimate.static_exceeds_budget:

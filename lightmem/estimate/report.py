@@ -112,6 +112,8 @@ class StepMemory:
     reserve: Any = field(default=None, repr=False, compare=False)
     """What the allocator must be able to reserve for the step (``StepTrace.reserve``, worked out
     when first asked); None: the peak."""
+    tiled: list[str] = field(default_factory=list)
+    """Modules run in sequence shards (``estimate_memory(tile=...)``)."""
 
     @property
     def reserved(self) -> int:
@@ -127,6 +129,7 @@ class StepMemory:
             "peak": {"phase": self.peak_phase, "op": self.peak_op, "block": self.peak_block},
             "activations_at_forward_end_bytes": self.activations_at_forward_end,
             "checkpointed": list(self.checkpointed),
+            "tiled": list(self.tiled),
             "offloaded_bytes": self.offloaded_bytes,
             "host_bytes": self.host_bytes,
             "model_state_link_bytes": self.model_state_link_bytes,

@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import (
 
 from lightmem.checkpoint import apply_checkpointing, op_policy
 from lightmem.blocks import Blocks, find_blocks
-from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings, TileSettings, format_bytes
 from lightmem.estimate.batch import batch_tensors, fake_batch
 from lightmem.estimate.cuda_model import CublasWorkspaces, CudaBehaviour
 from lightmem.estimate.dry_run_device import DRY_RUN_DEVICE, OnDryRunDevice, known_value
@@ -68,6 +68,7 @@ from lightmem.estimate.user_code import (
     use_optimizers,
 )
 from lightmem.lightning_packages import is_lightning_module, is_mock_optimizer
+from lightmem.tiling import tile_modules
 
 ROOT_BLOCK = "(outside blocks)"
 MASTER_DTYPE = torch.float32
@@ -87,6 +88,8 @@ class StepRequest:
     checkpoint_policy: Any = "full"
     """What a checkpointed block keeps (``apply_checkpointing(policy=...)``); also what the trace
     prices op-level checkpointing of each block with."""
+    tile: TileSettings | None = None
+    """Position-wise modules run in sequence shards (``lightmem.tiling``); None: none."""
     batch_size: int | None = None
     """Replace dim 0 of the batch's tensors (whose dim 0 is ``original_batch_size``)."""
     original_batch_size: int | None = None
@@ -132,6 +135,7 @@ class StepTrace:
     gradient_bytes: int
     optimizer_state_bytes: int
     checkpointed: list[str] = field(default_factory=list)
+    tiled: list[str] = field(default_factory=list)
     offloaded_bytes: int = 0
     offloaded_by_block: dict[str, int] = field(default_factory=dict)
     """Bytes moved to host per block that saved them (``ROOT_BLOCK``: outside every block)."""
@@ -402,6 +406,8 @@ def _run(
         checkpointed: list[str] = []
         if request.checkpoint:
             checkpointed = list(apply_checkpointing(step_model, list(request.checkpoint), policy=request.checkpoint_policy).modules)
+        # After checkpointing, as a fit applies them: a module checkpointed itself is refused.
+        tiled = list(tile_modules(step_model, request.tile).modules) if request.tile is not None else []
 
         def make_batch() -> Any:
             made = fake_batch(
@@ -426,7 +432,7 @@ def _run(
             trace = _steady_step(
                 step_model, inputs, request, step_blocks, trainer, tracer, params, buffers, protected, failure, make_batch
             )
-    trace.checkpointed = checkpointed
+    trace.checkpointed, trace.tiled = checkpointed, tiled
     trace.stand_ins, trace.routed = tracer.stand_ins.summary(), tracer.stand_ins.routed
     named = {name: fakes[id(tensor)] for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))}
     trace.loss_logits = loss_logits(  # the step's statements named the stand-in's modules
