@@ -604,7 +604,9 @@ class Plan:
     ``fits`` says whether what the allocator reserves for the verified peak, plus the overhead
     allowance, is within the budget; ``reason`` says why not when it is not.
     ``predicted_peak_bytes`` is the verified allocated peak (``max_memory_allocated``),
-    ``predicted_reserved_bytes`` what the caching allocator reserves for it. ``step_seconds`` is
+    ``predicted_reserved_bytes`` what the caching allocator reserves for it; for a mixture of
+    experts both assume balanced routing, and ``routing_bound_bytes`` (what the worst-case routing
+    reserves) is what ``fits`` holds to the budget. ``step_seconds`` is
     the predicted step with the plan, ``baseline_step_seconds`` without lightmem (the same batch,
     whether it fits or not), both priced at ``speeds``; ``recompute_s`` and
     ``exposed_transfer_s`` are what the plan adds; ``alternatives`` the other configurations the
