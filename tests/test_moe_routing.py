@@ -16,8 +16,9 @@ import torch
 from models import TinyGPT, gpt_loss
 
 import moe_models
-from lightmem import estimate_memory, max_batch_size, plan
+from lightmem import estimate_memory, frontier, max_batch_size, plan
 from lightmem.estimate import step as step_module
+from lightmem.estimate.frontier import ROUTED_TOTALS
 from lightmem.estimate.report import ROUTING_NOTE
 from lightmem.estimate.values import BALANCED, WORST, Routing
 
@@ -228,3 +229,15 @@ def _mib(nbytes: int) -> str:
     from lightmem.config import format_bytes
 
     return format_bytes(nbytes)
+
+
+def test_the_frontier_holds_every_row_to_the_worst_case_bound(by_hand_estimate):
+    budget = by_hand_estimate.peak_bytes  # a batch of 2 fits balanced, not under its bound
+    model, batch = moe_models.build("by_hand"), moe_models.batch_of("by_hand", moe_models.balanced_ids())
+    found = frontier(model, batch, budget, moe_models.loss_fn("by_hand"), device="cpu", multiples=(2,), limit=4)
+    assert found.reference_batch == moe_models.BATCH - 1
+    rows = {row.batch_size: row for row in found.rows}
+    assert rows[2].fits and rows[2].plan == "checkpoint blocks.0 (MoEBlock)"
+    for size, row in rows.items():
+        assert row.predicted_total_bytes == found.plans[size].routing_bound_bytes <= budget
+    assert ROUTED_TOTALS in " ".join(found.to_text().split())
