@@ -93,10 +93,10 @@ def build(family: str, seed: int = 0) -> nn.Module:
         import transformers
 
         transformers.logging.set_verbosity_error()
-        common = dict(
-            num_hidden_layers=LAYERS, hidden_size=WIDTH, intermediate_size=HIDDEN, num_attention_heads=2,
-            num_key_value_heads=1, vocab_size=VOCAB, num_experts_per_tok=TOP_K, experts_implementation="eager",
-        )  # fmt: skip
+        common = {
+            "num_hidden_layers": LAYERS, "hidden_size": WIDTH, "intermediate_size": HIDDEN, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "vocab_size": VOCAB, "num_experts_per_tok": TOP_K, "experts_implementation": "eager",
+        }  # fmt: skip
         if family == "mixtral":
             model = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=EXPERTS, **common))
         else:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 
+import moe_models
 import pytest
 import pytorch_lightning as pl
 from lit_models import cpu_trainer
 
-import moe_models
 from lightmem import LightMem, estimate_memory, plan
 from lightmem.auto_plan import TIMED_STEPS, AutoPlan
 from lightmem.estimate.batch import batch_shapes

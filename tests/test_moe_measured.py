@@ -15,9 +15,8 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 import moe_models
+import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("litgpt")

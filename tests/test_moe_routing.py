@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 
+import moe_models
 import pytest
 import torch
 from models import TinyGPT, gpt_loss
 
-import moe_models
 from lightmem import estimate_memory, frontier, max_batch_size, plan
 from lightmem.estimate import step as step_module
 from lightmem.estimate.frontier import ROUTED_TOTALS
@@ -60,10 +60,11 @@ def test_each_family_routes_by_its_experts_masks_and_says_so(family):
     }.get(family, f"moe_models.py:{moe_models._hf_loss.__code__.co_firstlineno + 1}")  # inside transformers
     # Nothing else stood in for: Hugging Face's one_hot over experts + 1 classes, the experts hit, each
     # one read back and compared with the padding class are all followed (not read as 0 or False).
-    assert est.stand_ins == [
+    stood_in = (
         f"the rows a top-2 routing of {ROWS} rows sends to one of 4 experts (nonzero) at {where} read as "
         f"{ROWS * 2 // 4} (balanced routing) (x{moe_models.LAYERS * moe_models.EXPERTS})"
-    ]
+    )
+    assert est.stand_ins == [stood_in]
 
 
 SPLITS: list[list[int]] = []

@@ -112,9 +112,10 @@ class StepRequest:
 
 @dataclass(frozen=True)
 class RoutingBound:
-    """The step again under the worst-case routing (``StepRequest.routing="worst"``: every routed row
-    to the same top-k categories, the rest none): a bound on its transient peak, where the step itself
-    assumes balanced routing. Saved activations summed over the categories are the same in both."""
+    """The step again under the worst-case routing (``StepRequest.routing="worst"``: each expert's rows
+    as many as a routing can give it, every row for the first top-k asked for and one for each other,
+    ``lightmem.estimate.values.Routing``): a bound on its transient peak, where the step itself assumes
+    balanced routing (each expert rows x top-k / experts)."""
 
     peak: PeakInfo
     reserve: Reserve
@@ -269,6 +270,7 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
         worst = _run_once(model, batch, dataclasses.replace(request, routing=WORST, speeds=None))
         assert worst.reserve is not None
         trace.routing_bound = RoutingBound(worst.peak, worst.reserve)
+        trace.seconds += worst.seconds
     return trace
 
 

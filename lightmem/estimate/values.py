@@ -373,13 +373,13 @@ def _sum(self: StandIns, args: tuple, kwargs: dict, out: Any, known_of: Any, mar
     if known is None or known.categorical or not isinstance(out, torch.Tensor):
         return
     routing = known.routing
-    if routing is not None and known.category_stride is not None and out.numel() == known.classes:
+    summed_to_categories = known.category_stride is not None and out.numel() == known.classes
+    if routing is not None and summed_to_categories and _category_dim(source, known) is not None:
         # Summed over all but the category axis: rows per category (none for a class past them).
-        if _category_dim(source, known) is not None:
-            self.routed = True
-            counts = routing.category_counts()
-            mark(out, Known(values=counts + [0] * (known.classes - len(counts))))
-            return
+        self.routed = True
+        counts = routing.category_counts()
+        mark(out, Known(values=counts + [0] * (known.classes - len(counts))))
+        return
     each = source.numel() / max(out.numel(), 1) * known.density
     value = round(each) if not source.is_floating_point() else each
     mark(out, Known(density=1.0 if each else 0.0, values=[value] * out.numel()))
