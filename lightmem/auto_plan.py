@@ -221,7 +221,8 @@ class AutoPlan:
         self.predicted_peak_bytes = 0
         """The highest allocated peak the plans applied in this fit predict (``Plan.predicted_peak_bytes``)."""
         self.predicted_reserved_bytes = 0
-        """The highest reserved peak they predict (``Plan.predicted_reserved_bytes``)."""
+        """The highest reserved peak they predict (``Plan.predicted_reserved_bytes``; for a mixture of
+        experts its worst-case routing's, ``Plan.routing_bound_bytes``)."""
         self.worst_ratio: float | None = None
         """The highest measured / predicted reserved peak over the training batches so far."""
         self.training_peak_bytes = 0
@@ -324,7 +325,8 @@ class AutoPlan:
         self._follow_up = self.plan is not None and self.plan.lightmem_kwargs() == chosen.lightmem_kwargs()
         self.plan, self.planned_shapes = chosen, shapes
         self.predicted_peak_bytes = max(self.predicted_peak_bytes, chosen.predicted_peak_bytes)
-        self.predicted_reserved_bytes = max(self.predicted_reserved_bytes, chosen.predicted_reserved_bytes)
+        # A mixture of experts is held to its worst-case routing: a batch routed unevenly reaches past the balanced peak.
+        self.predicted_reserved_bytes = max(self.predicted_reserved_bytes, chosen.predicted_reserved_bytes, chosen.routing_bound_bytes)
         self.replan_reason = None
         self.step_times_s = []
         self._first_step_of_plan = not self._follow_up
@@ -455,6 +457,8 @@ class AutoPlan:
             return
         if not (self.plan.checkpoint or self.plan.offload is not None) or self.memory.alloc_retries() > self._retries_at_plan:
             return  # nothing to take back, or a peak held under a limit
+        if self.plan.routing_bound_bytes:
+            return  # under its worst-case routing's bound: a later batch may route as unevenly as the bound assumes
         self.looser_by_bytes = (predicted - measured) // 2
         self.replan_reason = (
             f"the reserved peak measured over the plan's first steps, {format_bytes(measured)}, is under the predicted "

@@ -441,7 +441,8 @@ class FitSession:
             return  # nothing to re-apply: checkpointed blocks and offloader stay as they are
         choice = (
             f"checkpoint {chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}; predicted peak "
-            f"{format_bytes(chosen.predicted_total_bytes)} (reserved, overhead allowance included), step "
+            f"{format_bytes(chosen.predicted_total_bytes)} (reserved, overhead allowance included"
+            f"{', under the worst-case routing of its experts' if chosen.routing_bound_bytes else ''}), step "
             f"{format_seconds(chosen.step_seconds)}{self._priced_at(chosen)}: {chosen.slowdown:.2f}x the step without "
             "lightmem"
         )

@@ -209,6 +209,7 @@ def scenario_from(name: str, trace: StepTrace) -> StepMemory:
         host_bytes=trace.host_bytes + trace.optimizer_host_bytes,
         model_state_link_bytes=trace.optimizer_link_bytes,
         seconds=trace.seconds,
+        routing_bound=trace.routing_bound,
     )
 
 
@@ -390,6 +391,7 @@ def build_report(
         compiled=holds_compiled_modules(model),
         op_seconds=dict(baseline.op_seconds),
         loss_logits=baseline.loss_logits,
+        routing_bound=chosen.routing_bound,
     )
     return estimate, baseline
 

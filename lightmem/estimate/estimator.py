@@ -103,7 +103,10 @@ def estimate_memory(
 
     Returns:
         A :class:`MemoryEstimate` for the requested configuration, with "baseline" (no lightmem)
-        and each requested flag alone in ``scenarios``.
+        and each requested flag alone in ``scenarios``. Values the step reads are stood in for
+        (``stand_ins`` says where); a mixture of experts is predicted under balanced routing and
+        bounded under the worst case (``routing_bound_bytes``, ``routing_assumptions``), and with a
+        budget ``fits`` holds the bound to it.
 
     Raises:
         ValueError: an argument is invalid (the message names it and lists what is accepted),

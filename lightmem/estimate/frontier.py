@@ -120,6 +120,12 @@ class FrontierRow:
         }  # fmt: skip
 
 
+ROUTED_TOTALS = (
+    "Totals hold each step under the worst-case routing of its experts; step times assume balanced routing "
+    "(docs/moe.md)."
+)
+
+
 @dataclass
 class Frontier:
     """The frontier of one model on one device budget (see the module docstring)."""
@@ -180,6 +186,8 @@ class Frontier:
             " (the limit searched)" if not capped and self.limit is not None and self.largest_batch >= self.limit else ""
         )
         title = f"Frontier on {format_bytes(self.budget_bytes)}: {reference}, largest with a plan {largest}"
+        if any(found.routing_bound_bytes for found in self.plans.values()):
+            where = (ROUTED_TOTALS + " " + where).strip()
         text = self._table(title) + ("\n" + where if where else "") + "\n"
         if self.chunked_loss is not None:
             text += (

@@ -23,6 +23,10 @@ chosen, verified before it is taken. So whenever a family's extreme fits (every 
 checkpointed, with or without offload) or offload alone fits, the plan fits, at a verified peak
 within the budget.
 
+A mixture of experts whose sizes follow its routing is verified twice per configuration (the
+estimator's balanced step and its worst-case routing, ``StepTrace.routing_bound``): what must fit
+the budget is the worst case, while the plan's predicted step time stays the balanced step's.
+
 Model-state offload (``offload_optimizer``: gradients and optimizer state on the host) is decided
 once, before the walks: on when asked for, or when parameters + gradients + optimizer state leave
 no room but the parameters alone do. Then every verified step runs with it, the baseline that
@@ -65,7 +69,7 @@ from lightmem.estimate.report import (
     policy_name,
 )
 from lightmem.estimate.settings import parse_offload, parse_planned_offload
-from lightmem.estimate.step import ROOT_BLOCK, EstimateError, StepTrace, as_traced_in_full, dominant_part
+from lightmem.estimate.step import ROOT_BLOCK, EstimateError, RoutingBound, StepTrace, as_traced_in_full, dominant_part
 from lightmem.estimate.step_time import (
     BOTH,
     CHECKPOINT,
@@ -291,6 +295,9 @@ class Verified:
     dominant: str = ""
     reserve: Reserve | None = field(default=None, compare=False, repr=False)
     """What the allocator must be able to reserve for the step (``StepTrace.reserve``; None: the peak)."""
+    routing_bound: RoutingBound | None = field(default=None, compare=False, repr=False)
+    """For a mixture-of-experts step: the step under the worst-case routing (``StepTrace.routing_bound``),
+    which must fit too; None: the step routes nothing."""
 
 
 def _family(name: str, candidates: list[Candidate], blocks: Mapping[str, BlockMemory], costs: Costs) -> Family:
@@ -422,7 +429,7 @@ class PlanSpace:
             )  # fmt: skip
             found = Verified(
                 trace.peak.bytes, trace.host_bytes, trace.optimizer_link_bytes,
-                tuple(trace.offloaded_by_block.items()), dominant_part(trace), trace.reserve,
+                tuple(trace.offloaded_by_block.items()), dominant_part(trace), trace.reserve, trace.routing_bound,
             )  # fmt: skip
             self.verified[(candidate, model_state)] = remembered[key] = found
         return found
@@ -434,18 +441,23 @@ class PlanSpace:
         if named is not None:  # run with the report, at the space's batch size
             return Verified(
                 named.peak_bytes, named.host_bytes, named.model_state_link_bytes,
-                reserve=named.reserve,
+                reserve=named.reserve, routing_bound=named.routing_bound,
             )
         return self.verify(Candidate(), model_state=True)
 
     def reserved(self, verified: Verified) -> int:
-        """What the allocator must be able to reserve for a verified step: what must fit the budget."""
-        return verified.reserve.bytes if verified.reserve is not None else verified.peak_bytes
+        """What the allocator must be able to reserve for a verified step: what must fit the budget
+        (for a mixture-of-experts step, its worst-case routing's where that is higher)."""
+        reserved = verified.reserve.bytes if verified.reserve is not None else verified.peak_bytes
+        bound = verified.routing_bound
+        return reserved if bound is None else max(reserved, bound.reserved_bytes)
 
     def fits(self, verified: Verified, available: int) -> bool:
         """Whether a verified step runs with ``available`` bytes reservable (one replay, not the bisection
-        ``reserved`` runs)."""
-        return verified.reserve.fits(available) if verified.reserve is not None else verified.peak_bytes <= available
+        ``reserved`` runs), under the worst-case routing too for a mixture-of-experts step."""
+        fits = verified.reserve.fits(available) if verified.reserve is not None else verified.peak_bytes <= available
+        bound = verified.routing_bound
+        return fits and (bound is None or bound.reserve.fits(available))
 
     def describe(self, candidate: Candidate) -> str:
         """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
@@ -507,7 +519,8 @@ class PlanSpace:
         # What must fit is what the allocator reserves for a verified (allocated) peak.
         available = budget_bytes - settings.overhead_bytes
         baseline_peak = base.scenarios["baseline"].peak_bytes
-        baseline_reserved = base.scenarios["baseline"].reserved
+        baseline_reserved = base.scenarios["baseline"].predicted_reserved
+        baseline_bound = base.scenarios["baseline"].routing_bound
         baseline_s = compute_s(base.blocks, costs)
         result = Plan(
             [], None, baseline_peak, settings.overhead_bytes, budget_bytes, False, "", estimate=base,
@@ -515,6 +528,7 @@ class PlanSpace:
             link_bytes_per_s=costs.link_bytes_per_s, settings=_searched_under(settings, costs, self.searched_offload),
             step_seconds=baseline_s, baseline_step_seconds=baseline_s, speeds=settings.speeds,
             predicted_reserved_bytes=baseline_reserved, costs=costs,
+            routing_bound_bytes=baseline_bound.reserved_bytes if baseline_bound is not None else 0,
         )  # fmt: skip
         result.estimate_kinds = base.block_kinds
         before = self.traced
@@ -544,12 +558,17 @@ class PlanSpace:
                 result.offload_optimizer_device_dtype = settings.optimizer_offload.device_dtype_name
             found = self.model_state_step()
             baseline_peak, link_bytes = found.peak_bytes, found.link_bytes
-            baseline_reserved = self.reserved(found)
+            baseline_reserved = found.reserve.bytes if found.reserve is not None else found.peak_bytes
+            baseline_bound = found.routing_bound
             model_state_s = model_state_transfer_s(link_bytes, costs)
             result.predicted_peak_bytes = baseline_peak
             result.predicted_reserved_bytes = baseline_reserved
+            result.routing_bound_bytes = baseline_bound.reserved_bytes if baseline_bound is not None else 0
             result.exposed_transfer_s = model_state_s
             result.step_seconds = configuration_time(base.blocks, costs, model_state_link_bytes=link_bytes).step_s
+        if baseline_bound is not None:  # a mixture of experts: what must fit is its worst-case routing's
+            baseline_peak = max(baseline_peak, baseline_bound.peak_bytes)
+            baseline_reserved = max(baseline_reserved, baseline_bound.reserved_bytes)
         if baseline_reserved <= available:
             result.fits = True
             result.reason = (
@@ -557,7 +576,7 @@ class PlanSpace:
                 f"{format_bytes(settings.overhead_bytes)}"
                 if model_state
                 else "the baseline step already fits"
-            )
+            ) + (" under the worst-case routing of its experts" if baseline_bound is not None else "")
             result.evaluations = self.traced - before
             return result
 
@@ -639,7 +658,9 @@ class PlanSpace:
         }
         result.offload_everywhere = candidate.everywhere
         result.predicted_peak_bytes = verified.peak_bytes
-        result.predicted_reserved_bytes = self.reserved(verified)
+        result.predicted_reserved_bytes = verified.reserve.bytes if verified.reserve is not None else verified.peak_bytes
+        bound = verified.routing_bound
+        result.routing_bound_bytes = bound.reserved_bytes if bound is not None else 0
         result.host_bytes = verified.host_bytes
         price = self.step_of(candidate, verified)
         result.recompute_s, result.exposed_transfer_s = price.recompute_s, price.exposed_transfer_s
@@ -654,7 +675,10 @@ class PlanSpace:
         result.reason = (
             f"verified peak {format_bytes(verified.peak_bytes)} allocated, "
             f"{format_bytes(result.predicted_reserved_bytes)} reserved + overhead {format_bytes(settings.overhead_bytes)}"
-        )
+        ) + (
+            f"; under the worst-case routing of its experts {format_bytes(bound.peak_bytes)} allocated, "
+            f"{format_bytes(bound.reserved_bytes)} reserved" if bound is not None else ""
+        )  # fmt: skip
         return result
 
     def _fastest_verified_fit(self, available: int, model_state: bool) -> tuple[StepTime, Family, int] | None:

@@ -114,16 +114,35 @@ class StepMemory:
     when first asked); None: the peak."""
     tiled: list[str] = field(default_factory=list)
     """Modules run in sequence shards (``estimate_memory(tile=...)``)."""
+    routing_bound: Any = field(default=None, repr=False, compare=False)
+    """For a step whose sizes follow a mixture-of-experts routing: the step under the worst-case
+    routing (``lightmem.estimate.step.RoutingBound``), the bound a budget must hold; None otherwise."""
+
+    @property
+    def predicted_reserved(self) -> int:
+        """The reserved peak under the estimate's assumptions (balanced routing); the allocated peak
+        where nothing was replayed."""
+        return self.reserve.bytes if self.reserve is not None else self.peak_bytes
 
     @property
     def reserved(self) -> int:
-        """The reserved peak a budget must hold (the allocated peak where nothing was replayed)."""
-        return self.reserve.bytes if self.reserve is not None else self.peak_bytes
+        """The reserved peak a budget must hold: ``predicted_reserved``, or the worst-case routing's
+        where the step routes (``routing_bound``) and it is higher."""
+        bound = self.routing_bound
+        return self.predicted_reserved if bound is None else max(self.predicted_reserved, bound.reserved_bytes)
+
+    @property
+    def routing_bound_bytes(self) -> int | None:
+        """The allocated peak under the worst-case routing (None: the step routes nothing)."""
+        return None if self.routing_bound is None else self.routing_bound.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
+        bound = self.routing_bound
         return {
             "peak_bytes": self.peak_bytes,
-            "reserved_bytes": self.reserved,
+            "reserved_bytes": self.predicted_reserved,
+            "routing_bound_bytes": self.routing_bound_bytes,
+            "routing_bound_reserved_bytes": None if bound is None else bound.reserved_bytes,
             "step_seconds": self.step_seconds,
             "breakdown": dict(self.breakdown),
             "peak": {"phase": self.peak_phase, "op": self.peak_op, "block": self.peak_block},
@@ -148,6 +167,13 @@ class Advice:
         return {"rule": self.rule, "message": self.message}
 
 
+ROUTING_NOTE = (
+    "Mixture-of-experts routing: the figures assume balanced routing (each expert gets tokens x top-k / "
+    "experts); the worst-case row assumes the first top-k experts get every token and each other expert one "
+    "(a bound on the transient peak, which a plan keeps within the budget). The activations saved across "
+    "all experts are the same under both."
+)
+"""What ``MemoryEstimate.routing_bound_bytes`` and the balanced figures each assume, in one place."""
 STAND_IN_NOTE = (
     "The step reads values fake tensors do not have; the dry run stood in for them (a branch it took on a "
     "stood-in value, or a size read from one, may differ in a real step):"
@@ -168,7 +194,9 @@ class MemoryEstimate:
     ``reserved_bytes`` is what the caching allocator must be able to reserve for the step (its
     requests replayed through it: ``lightmem.estimate.caching_allocator``; the peak itself on the
     CPU), and
-    ``total_bytes`` = reserved + overhead: what must fit the budget.
+    ``total_bytes`` = reserved + overhead: what must fit the budget. A step whose sizes follow a
+    mixture-of-experts routing is predicted under balanced routing and bounded under the worst case
+    (``routing_bound_bytes``, ``routing_assumptions``): then the bound + overhead must fit (``fits``).
     """
 
     peak_bytes: int
@@ -218,6 +246,9 @@ class MemoryEstimate:
     chunked_loss: Any = None
     """With a budget, where the logits dominate the peak: the largest batch without lightmem, as
     written and with the loss chunked (``lightmem.estimate.chunked_loss.ChunkedLossReach``)."""
+    routing_bound: Any = field(default=None, repr=False, compare=False)
+    """The configuration asked for under the worst-case routing (``StepMemory.routing_bound``); None:
+    the step routes nothing."""
 
     @property
     def reserved_bytes(self) -> int:
@@ -228,9 +259,33 @@ class MemoryEstimate:
         return self.reserved_bytes + self.overhead_bytes
 
     @property
+    def routing_bound_bytes(self) -> int | None:
+        """For a mixture-of-experts step: the allocated peak under the worst-case routing (the first
+        top-k experts get every token, each other expert one), where ``peak_bytes`` assumes balanced
+        routing; None when the step routes nothing."""
+        bound = self.routing_bound
+        return None if bound is None else bound.peak_bytes
+
+    @property
+    def routing_bound_reserved_bytes(self) -> int | None:
+        """What the allocator must reserve under the worst-case routing (the CPU: its peak), or None."""
+        bound = self.routing_bound
+        return None if bound is None else bound.reserved_bytes
+
+    @property
+    def routing_assumptions(self) -> str | None:
+        """What the balanced figures and the worst-case bound each assume (None: the step routes nothing)."""
+        routed = any(scenario.routing_bound is not None for scenario in self.scenarios.values())
+        return ROUTING_NOTE if routed else None
+
+    @property
     def fits(self) -> bool | None:
-        """Whether the reserved peak + overhead fit the budget (None without a budget)."""
-        return None if self.budget_bytes is None else self.total_bytes <= self.budget_bytes
+        """Whether the reserved peak + overhead fit the budget, the worst-case routing's too for a
+        mixture-of-experts step (None without a budget)."""
+        if self.budget_bytes is None:
+            return None
+        bound = self.routing_bound_reserved_bytes or 0
+        return max(self.reserved_bytes, bound) + self.overhead_bytes <= self.budget_bytes
 
     @property
     def available_bytes(self) -> int | None:
@@ -316,6 +371,9 @@ class MemoryEstimate:
             "overhead_bytes": self.overhead_bytes,
             "reserved_bytes": self.reserved_bytes,
             "total_bytes": self.total_bytes,
+            "routing_bound_bytes": self.routing_bound_bytes,
+            "routing_bound_reserved_bytes": self.routing_bound_reserved_bytes,
+            "routing_assumptions": self.routing_assumptions,
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
             "device": self.device,
@@ -364,15 +422,20 @@ class MemoryEstimate:
             for category in CATEGORIES
             if category != "workspaces" or any(s.breakdown[category] for s in scenarios)
         ]
-        reserved = [s.reserved for s in scenarios]
+        reserved = [s.predicted_reserved for s in scenarios]
         totals = [r + self.overhead_bytes for r in reserved]
         rows.append(["peak", *(format_bytes(s.peak_bytes) for s in scenarios)])
         if any(r != s.peak_bytes for r, s in zip(reserved, scenarios)):
             rows.append(["reserved (allocator)", *(format_bytes(r) for r in reserved)])
         rows.append(["overhead", *(format_bytes(self.overhead_bytes) for _ in scenarios)])
         rows.append(["total", *(format_bytes(t) for t in totals)])
+        if any(s.routing_bound is not None for s in scenarios):
+            rows.append([
+                "total, worst-case routing",
+                *(format_bytes(s.reserved + self.overhead_bytes) if s.routing_bound is not None else "-" for s in scenarios),
+            ])  # fmt: skip
         if self.budget_bytes is not None:
-            fits = ("yes" if total <= self.budget_bytes else "no" for total in totals)
+            fits = ("yes" if s.reserved + self.overhead_bytes <= self.budget_bytes else "no" for s in scenarios)
             rows.append([f"fits {format_bytes(self.budget_bytes)}?", *fits])
         where = (
             f"{s.peak_phase}: {s.peak_op}" + (f" ({s.peak_block})" if s.peak_block else "") for s in scenarios
@@ -428,6 +491,8 @@ class MemoryEstimate:
 
     def _notes(self, verbose: bool) -> list[str]:
         lines = [COMPILED_NOTE] if self.compiled else []
+        if self.routing_assumptions is not None:
+            lines.append(self.routing_assumptions)
         if self.stand_ins:
             lines.append(f"{STAND_IN_NOTE} " + "; ".join(self.stand_ins) + ".")
         if self.speeds is not None and self.step_seconds:
@@ -543,7 +608,9 @@ class Plan:
     ``fits`` says whether what the allocator reserves for the verified peak, plus the overhead
     allowance, is within the budget; ``reason`` says why not when it is not.
     ``predicted_peak_bytes`` is the verified allocated peak (``max_memory_allocated``),
-    ``predicted_reserved_bytes`` what the caching allocator reserves for it. ``step_seconds`` is
+    ``predicted_reserved_bytes`` what the caching allocator reserves for it; for a mixture of
+    experts both assume balanced routing, and ``routing_bound_bytes`` (what the worst-case routing
+    reserves) is what ``fits`` holds to the budget. ``step_seconds`` is
     the predicted step with the plan, ``baseline_step_seconds`` without lightmem (the same batch,
     whether it fits or not), both priced at ``speeds``; ``recompute_s`` and
     ``exposed_transfer_s`` are what the plan adds; ``alternatives`` the other configurations the
@@ -588,6 +655,10 @@ class Plan:
     """Peak host memory the plan's offload holds (pinned), as the estimator's step predicts."""
     predicted_reserved_bytes: int = 0
     """What the caching allocator must be able to reserve for the plan's step (its requests replayed)."""
+    routing_bound_bytes: int = 0
+    """For a mixture-of-experts step: what the allocator must reserve for it under the worst-case routing
+    (the first top-k experts get every token, each other expert one), which the plan keeps within the
+    budget where ``predicted_reserved_bytes`` assumes balanced routing; 0: the step routes nothing."""
     step_seconds: float = 0.0
     baseline_step_seconds: float = 0.0
     speeds: Any = None
@@ -602,8 +673,9 @@ class Plan:
 
     @property
     def predicted_total_bytes(self) -> int:
-        """What must fit the budget: the reserved peak and the overhead allowance."""
-        return max(self.predicted_reserved_bytes, self.predicted_peak_bytes) + self.overhead_bytes
+        """What must fit the budget: the reserved peak (for a mixture of experts, under the worst-case
+        routing: ``routing_bound_bytes``) and the overhead allowance."""
+        return max(self.predicted_reserved_bytes, self.predicted_peak_bytes, self.routing_bound_bytes) + self.overhead_bytes
 
     @property
     def slowdown(self) -> float:
@@ -659,6 +731,7 @@ class Plan:
             "fits": self.fits,
             "reason": self.reason,
             "predicted_reserved_bytes": self.predicted_reserved_bytes,
+            "routing_bound_bytes": self.routing_bound_bytes or None,
             "step_seconds": self.step_seconds,
             "baseline_step_seconds": self.baseline_step_seconds,
             "slowdown": self.slowdown,
@@ -732,8 +805,15 @@ class Plan:
             if fitted
             else "the only configuration verified to fit"
         )
+        at = format_bytes(self.predicted_total_bytes)
+        if self.routing_bound_bytes:
+            balanced = max(self.predicted_reserved_bytes, self.predicted_peak_bytes) + self.overhead_bytes
+            at += (
+                f" under the worst-case routing of its experts ({format_bytes(balanced)} under balanced routing, "
+                "which the step time assumes)"
+            )
         lines = [
-            f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
+            f"Fits {format_bytes(self.budget_bytes)} at {at}: "
             + "; ".join(self.parts())
             + (f", holding {format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
             + f"; predicted step {format_seconds(self.step_seconds)}, {self.slowdown:.2f}x the "

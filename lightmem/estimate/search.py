@@ -271,7 +271,7 @@ def max_batch_size(
                     model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info,
                     offload_optimizer=model_state,
                 )  # fmt: skip
-                seen[size] = trace.reserved_bytes + settings.overhead_bytes
+                seen[size] = trace.bound_bytes + settings.overhead_bytes
             return seen[size]
 
         total.seen = seen  # type: ignore[attr-defined]
@@ -324,7 +324,7 @@ def max_batch_size(
             if least > budget_bytes:
                 found = space.plan(budget_bytes)
                 if found.fits:
-                    least = found.predicted_reserved_bytes + found.overhead_bytes
+                    least = found.predicted_total_bytes
             return least
 
         # From the first size that does not fit without lightmem: where the plans start to matter.

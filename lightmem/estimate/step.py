@@ -53,7 +53,7 @@ from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.op_chain import attention_scores
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
 from lightmem.estimate.caching_allocator import Reserve
-from lightmem.estimate.values import BALANCED, StandIns
+from lightmem.estimate.values import BALANCED, WORST, StandIns
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer
 from lightmem.estimate.stand_in import stand_in
 from lightmem.estimate.user_code import (
@@ -110,7 +110,28 @@ class StepRequest:
     expandable_segments: bool = False
     """The CUDA allocator maps pages into growing segments (what ``StepTrace.reserved_bytes`` replays)."""
     routing: str = BALANCED
-    """What sizes a top-k routing gives (``lightmem.estimate.values``): ``"balanced"`` or ``"worst"``."""
+    """What sizes a top-k routing gives (``lightmem.estimate.values``): ``"balanced"`` or ``"worst"``.
+    A balanced step that was routed is traced again under ``"worst"`` (``StepTrace.routing_bound``)."""
+
+
+@dataclass(frozen=True)
+class RoutingBound:
+    """The step again under the worst-case routing (``StepRequest.routing="worst"``: each expert's rows
+    as many as a routing can give it, every row for the first top-k asked for and one for each other,
+    ``lightmem.estimate.values.Routing``): a bound on its transient peak, where the step itself assumes
+    balanced routing (each expert rows x top-k / experts)."""
+
+    peak: PeakInfo
+    reserve: Reserve
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the allocator must be able to reserve for the worst-case step (CPU: its peak)."""
+        return self.reserve.bytes
 
 
 @dataclass
@@ -171,10 +192,19 @@ class StepTrace:
     """Values the step read that fake tensors do not have, each with what stood in for it and where."""
     routed: bool = False
     """Sizes of a top-k routing were stood in for: the step's memory depends on ``StepRequest.routing``."""
+    routing_bound: RoutingBound | None = None
+    """For a routed step (balanced routing): the same step under the worst-case routing; None otherwise."""
 
     @property
     def reserved_bytes(self) -> int:
         return self.reserve.bytes if self.reserve is not None else self.peak.bytes
+
+    @property
+    def bound_bytes(self) -> int:
+        """What a budget must hold for the step: the reserved peak, or for a routed step its worst-case
+        routing's (``routing_bound``), whichever is higher."""
+        bound = self.routing_bound
+        return self.reserved_bytes if bound is None else max(self.reserved_bytes, bound.reserved_bytes)
 
 
 def reprice(trace: StepTrace, speeds: DeviceSpeeds) -> StepTrace:
@@ -234,11 +264,26 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
     user's code does to the module, its optimizers, schedulers, loggers and random generators,
     the real ones are left as they were.
 
+    A step whose sizes follow a top-k routing (``StepTrace.routed``) under ``request.routing``
+    "balanced" is traced a second time under "worst" (``StepTrace.routing_bound``); a step that
+    routes nothing is traced once.
+
     Raises:
         EstimateError: the step reads tensor values (``.item()``, data-dependent shapes), a
             LightningModule hook needs a Trainer, or the model fails on fake tensors.
         ValueError: the loss is not a scalar, or a module pattern matches nothing.
     """
+    trace = _run_once(model, batch, request)
+    if trace.routed and request.routing == BALANCED:
+        worst = _run_once(model, batch, dataclasses.replace(request, routing=WORST, speeds=None))
+        assert worst.reserve is not None
+        trace.routing_bound = RoutingBound(worst.peak, worst.reserve)
+        trace.seconds += worst.seconds
+    return trace
+
+
+def _run_once(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
+    """``run_step`` under ``request.routing`` alone."""
     started = time.perf_counter()
     is_lightning = is_lightning_module(model)
     blocks = find_blocks(model)

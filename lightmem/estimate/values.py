@@ -10,11 +10,17 @@ What is assumed:
 
 - **Routing.** A tensor of indices chosen by ``topk`` (or ``argmax``, ``max``) over a dimension of
   E categories is a routing: each row picks k distinct categories out of E. Masks and counts made of
-  it (``indices == e``, ``one_hot``, their sums, ``bincount``) are followed, and the sizes they give
-  follow the routing assumption of the step: **balanced** (each category gets rows x k / E) for the
-  prediction, or **worst** (every row to the same categories: the first k categories asked for get
-  every row, the rest none) for the bound on the transient peak. The sum over the categories is
-  exact either way, so the activations saved across all experts do not depend on the assumption.
+  it (``indices == e``, ``one_hot`` with E or more classes, their copies and sums, ``bincount``, the
+  categories with rows, ``nonzero`` of them and each one read back) are followed, and the sizes they
+  give follow the routing assumption of the step: **balanced** (each category gets rows x k / E) for
+  the prediction, or **worst** for the bound on the transient peak: a category's mask read on its own
+  (``torch.where(indices == e)``) is as large as a routing can make it, every row for the first k
+  categories asked for and one row for each other (an expert that runs at all pays what it costs
+  whatever its rows: a step that runs fewer experts can peak lower), while counts read together
+  (``bincount``, a mask summed over its rows) add up to rows x k exactly, the first categories taking
+  all they can. Under balanced routing the sum over the categories is exact, so the activations saved
+  across all experts do not depend on the assumption; the worst case counts one row more for each
+  category past the first k.
 - **Checks.** ``all`` holds, ``any`` does not, ``isnan`` / ``isinf`` find nothing, ``isfinite``
   everything, ``torch.equal`` / ``allclose`` hold: the step takes its usual path, not its error
   or special-case branch. A comparison of unknown values reads as False.
@@ -26,6 +32,7 @@ What is assumed:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,9 +64,14 @@ class Routing:
         return self.rows * self.picks
 
     def slice_count(self) -> int:
-        """How many rows the next category asked for gets."""
+        """How many rows the next category asked for gets (its mask's true elements).
+
+        Worst case: all rows for each of the first ``picks`` categories asked for, one row for every
+        other (a category that runs costs what it costs, however few its rows): each mask as large
+        as a routing can make it, the total past the exact one by a row per category after the first
+        ``picks``."""
         if self.mode == WORST:
-            count = max(0, min(self.rows, self.assignments - self.given))
+            count = self.rows if self.slices < self.picks else min(1, self.rows)
         else:
             base, extra = divmod(self.assignments, self.categories)
             count = base + (1 if self.slices % self.categories < extra else 0)
@@ -68,11 +80,18 @@ class Routing:
         return count
 
     def category_counts(self) -> list[int]:
-        """Rows per category: even (balanced), or all rows on the first ``picks`` categories (worst)."""
-        if self.mode == WORST:
-            return [self.rows if c < self.picks else 0 for c in range(self.categories)]
-        base, extra = divmod(self.assignments, self.categories)
-        return [base + (1 if c < extra else 0) for c in range(self.categories)]
+        """Rows per category, read all at once (``bincount``, a mask summed over its rows): the
+        counts add up to ``assignments`` exactly (a split by them must cover every row). Worst case:
+        as many rows as each category can take, in order, keeping one for every category after it."""
+        if self.mode != WORST:
+            base, extra = divmod(self.assignments, self.categories)
+            return [base + (1 if c < extra else 0) for c in range(self.categories)]
+        counts: list[int] = []
+        for category in range(self.categories):
+            remaining = self.assignments - sum(counts)
+            later = self.categories - category - 1
+            counts.append(0 if remaining <= 0 else min(self.rows, remaining - min(later, remaining - 1)))
+        return counts
 
 
 @dataclass(eq=False)
@@ -86,6 +105,9 @@ class Known:
     """Holds category indices of ``routing`` (not a mask of it)."""
     category_stride: int | None = None
     """A routing mask's element stride along its category dimension (None: one category's mask)."""
+    classes: int = 0
+    """A routing mask's size along its category dimension: the routing's categories, or more
+    (``one_hot(indices, num_classes=E + 1)``: a class no row picks)."""
     values: list[Any] | None = None
 
 
@@ -164,14 +186,13 @@ class StandIns:
 
     def _scalar(self, tensor: torch.Tensor, known_of: Any) -> Any:
         known = known_of(tensor)
+        found = _elements(tensor, known)
+        if found is not None and len(found) == 1:  # followed: a count, an expert index, a comparison of them
+            return bool(found[0]) if tensor.dtype == torch.bool else found[0]
         if tensor.dtype == torch.bool:
             value = known is not None and known.density >= 0.5
             self.note("a tensor read as a bool (`if t:`, bool(t))", value)
             return value
-        if known is not None and known.values is not None:
-            offset = tensor.storage_offset()
-            if offset < len(known.values):
-                return known.values[offset]
         if tensor.is_floating_point() or tensor.is_complex():
             self.note("a float read (.item(), float(t))", 1.0)
             return 1.0
@@ -191,18 +212,21 @@ class StandIns:
             expected = numel * known.density
             if math.isclose(expected, routing.assignments):  # every category: exact either way
                 return routing.assignments
-            count = routing.slice_count()
-            return min(count, numel)
-        if known.values is not None and numel == len(known.values):
-            return sum(1 for value in known.values if value)
+            count = min(routing.slice_count(), numel)
+            self.note(f"the rows a top-{routing.picks} routing of {routing.rows} rows sends to one of "
+                      f"{routing.categories} experts ({what})", f"{count} ({routing.mode} routing)")  # fmt: skip
+            return count
+        found = _elements(mask, known)
+        if found is not None:
+            return sum(1 for value in found if value)
         return min(numel, round(numel * known.density))
 
     def _positions(self, mask: torch.Tensor, known_of: Any) -> Known | None:
         """What ``nonzero(mask)`` holds, where each true element's index is known (a 1-D mask of counts)."""
-        known = known_of(mask)
-        if known is None or known.values is None or mask.dim() != 1 or len(known.values) != mask.numel():
+        found = _elements(mask, known_of(mask)) if mask.dim() == 1 else None
+        if found is None:
             return None
-        return Known(values=[i for i, value in enumerate(known.values) if value])
+        return Known(values=[i for i, value in enumerate(found) if value])
 
     def _unique(self, func: Any, args: tuple, kwargs: dict, known_of: Any) -> Any:
         source = args[0]
@@ -266,8 +290,38 @@ def _arg_max(self: StandIns, args: tuple, kwargs: dict, out: Any, known_of: Any,
     mark(indices, Known(routing=Routing(source.shape[dim], 1, indices.numel(), self.mode), categorical=True))
 
 
+def _elements(tensor: torch.Tensor, known: Known | None) -> list[Any] | None:
+    """The values of ``tensor``'s elements, where its storage's are known (a view of them included)."""
+    values = known.values if known is not None else None
+    if values is None:
+        return None
+    if tensor.numel() == len(values) and tensor.storage_offset() == 0 and tensor.is_contiguous():
+        return values
+    if tensor.numel() > _ELEMENTS_READ:
+        return None
+    offsets = [tensor.storage_offset()]
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        offsets = [offset + index * stride for offset in offsets for index in range(size)]
+    if any(offset >= len(values) for offset in offsets):
+        return None
+    return [values[offset] for offset in offsets]
+
+
+_ELEMENTS_READ = 4096
+"""The most elements of a view of known values read one by one (counts and indices are few)."""
+
+
+def _category_dim(tensor: torch.Tensor, known: Known) -> int | None:
+    """The dimension of ``tensor`` (a view of a routing mask) that runs over the categories."""
+    for dim in range(tensor.dim()):
+        if tensor.stride(dim) == known.category_stride and tensor.shape[dim] == known.classes:
+            return dim
+    return None
+
+
 def _equal(self: StandIns, args: tuple, kwargs: dict, out: Any, known_of: Any, mark: Any) -> None:
-    """``indices == e`` (one category's mask) or ``indices[..., None] == arange(E)`` (every category's)."""
+    """``indices == e`` (one category's mask), ``indices[..., None] == arange(C)`` (every category's,
+    as ``one_hot`` runs on fake tensors), or a comparison of known values (``expert_index == E``)."""
     left, right = args[0], args[1]
     known = known_of(left) if isinstance(left, torch.Tensor) else None
     other = right
@@ -275,22 +329,42 @@ def _equal(self: StandIns, args: tuple, kwargs: dict, out: Any, known_of: Any, m
         known = known_of(right) if isinstance(right, torch.Tensor) else None
         other = left
     if known is None or not known.categorical or known.routing is None:
+        _compare_counts(self, args, kwargs, out, known_of, mark, test=lambda v, t: v == t)
         return
     routing = known.routing
-    stride = None
-    if isinstance(other, torch.Tensor) and other.numel() == routing.categories and out.numel() > 0:
-        # The dimension along which the other side runs over the categories: the mask's category axis.
-        dims = [d for d in range(out.dim()) if out.shape[d] == routing.categories and (other.dim() + d - out.dim()) >= 0
-                and other.shape[other.dim() + d - out.dim()] == routing.categories]  # fmt: skip
-        stride = out.stride(dims[-1]) if dims else None
-    mark(out, Known(density=1 / routing.categories, routing=routing, category_stride=stride))
+    if isinstance(other, torch.Tensor) and other.numel() >= routing.categories and out.numel() > 0:
+        # The other side runs over the categories (and maybe more classes): the mask's category axis.
+        dims = [d for d in range(out.dim()) if out.shape[d] == other.numel() and (other.dim() + d - out.dim()) >= 0
+                and other.shape[other.dim() + d - out.dim()] == other.numel()]  # fmt: skip
+        if dims:
+            classes = out.shape[dims[-1]]
+            mark(out, Known(density=1 / classes, routing=routing, category_stride=out.stride(dims[-1]), classes=classes))
+            return
+    mark(out, Known(density=1 / routing.categories, routing=routing))
 
 
 def _one_hot(self: StandIns, args: tuple, kwargs: dict, out: Any, known_of: Any, mark: Any) -> None:
     known = known_of(args[0])
     if known is None or not known.categorical or known.routing is None:
         return
-    mark(out, Known(density=1 / known.routing.categories, routing=known.routing, category_stride=out.stride(-1)))
+    classes = out.shape[-1]
+    mark(out, Known(density=1 / classes, routing=known.routing, category_stride=out.stride(-1), classes=classes))
+
+
+def _copy(self: StandIns, args: tuple, kwargs: dict, out: Any, known_of: Any, mark: Any) -> None:
+    """A copy (``.to(dtype)``, ``.clone()``; ``one_hot``'s cast on fake tensors) holds what its source held."""
+    source = args[0]
+    if source.is_floating_point() or not isinstance(out, torch.Tensor):
+        return
+    known = known_of(source)
+    if known is None:
+        return
+    stride = known.category_stride
+    if stride is not None:
+        dim = _category_dim(source, known)
+        stride = out.stride(dim) if dim is not None else None
+    values = _elements(source, known) if known.values is not None else None
+    mark(out, dataclasses.replace(known, category_stride=stride, values=values, classes=known.classes if stride is not None else 0))
 
 
 def _sum(self: StandIns, args: tuple, kwargs: dict, out: Any, known_of: Any, mark: Any) -> None:
@@ -299,24 +373,26 @@ def _sum(self: StandIns, args: tuple, kwargs: dict, out: Any, known_of: Any, mar
     if known is None or known.categorical or not isinstance(out, torch.Tensor):
         return
     routing = known.routing
-    if routing is not None and known.category_stride is not None and out.numel() == routing.categories:
-        # Summed over all but the category axis: rows per category.
-        kept = [d for d in range(source.dim()) if source.stride(d) == known.category_stride and source.shape[d] == routing.categories]
-        if kept:
-            self.routed = True
-            mark(out, Known(values=routing.category_counts()))
-            return
+    summed_to_categories = known.category_stride is not None and out.numel() == known.classes
+    if routing is not None and summed_to_categories and _category_dim(source, known) is not None:
+        # Summed over all but the category axis: rows per category (none for a class past them).
+        self.routed = True
+        counts = routing.category_counts()
+        mark(out, Known(values=counts + [0] * (known.classes - len(counts))))
+        return
     each = source.numel() / max(out.numel(), 1) * known.density
     value = round(each) if not source.is_floating_point() else each
     mark(out, Known(density=1.0 if each else 0.0, values=[value] * out.numel()))
 
 
 def _compare_counts(self: StandIns, args: tuple, kwargs: dict, out: Any, known_of: Any, mark: Any, test: Any) -> None:
-    known = known_of(args[0])
     threshold = args[1] if len(args) > 1 else None
-    if known is None or known.values is None or not isinstance(threshold, (int, float)) or out.numel() != len(known.values):
+    if not isinstance(threshold, (int, float)) or not isinstance(out, torch.Tensor):
         return
-    values = [bool(test(value, threshold)) for value in known.values]
+    found = _elements(args[0], known_of(args[0]))
+    if found is None or out.numel() != len(found):
+        return
+    values = [bool(test(value, threshold)) for value in found]
     mark(out, Known(density=sum(values) / max(len(values), 1), values=values))
 
 
@@ -354,7 +430,11 @@ _RULES = {
     aten.sum: _sum,
     aten.gt: lambda *a: _compare_counts(*a, test=lambda v, t: v > t),
     aten.ge: lambda *a: _compare_counts(*a, test=lambda v, t: v >= t),
+    aten.lt: lambda *a: _compare_counts(*a, test=lambda v, t: v < t),
+    aten.le: lambda *a: _compare_counts(*a, test=lambda v, t: v <= t),
     aten.ne: lambda *a: _compare_counts(*a, test=lambda v, t: v != t),
+    aten._to_copy: _copy,
+    aten.clone: _copy,
     aten.isnan: _density(0.0),
     aten.isinf: _density(0.0),
     aten.isposinf: _density(0.0),

@@ -58,8 +58,11 @@ def measure_cpu_step(
     *,
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
     precision: str = "32-true",
+    first_batch: Any = None,
 ) -> MeasuredStep:
-    """Peak and breakdown of a real steady-state CPU step, by MemTracker (see the module docstring)."""
+    """Peak and breakdown of a real steady-state CPU step, by MemTracker (see the module docstring).
+    ``first_batch``: the batch of the first (unmeasured) step, where it is not ``batch`` (a step
+    whose routing differs from the steps before it: every expert has gradients and state)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     choice = parse_optimizer(optimizer, flag="measure_cpu_step(optimizer=...)")
@@ -69,7 +72,7 @@ def measure_cpu_step(
     model.train()
     opt = choice.factory([p for p in model.parameters() if p.requires_grad])
 
-    def forward() -> torch.Tensor:
+    def forward(batch: Any = batch) -> torch.Tensor:
         context = (
             torch.autocast("cpu", dtype=mode.autocast_dtype)
             if mode.autocast_dtype is not None
@@ -78,7 +81,7 @@ def measure_cpu_step(
         with context:
             return loss_fn(model, batch)
 
-    loss = forward()
+    loss = forward(batch if first_batch is None else first_batch)
     loss.backward()
     opt.step()
     del loss
