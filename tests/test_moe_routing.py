@@ -55,7 +55,8 @@ def test_worst_routing_sizes_each_mask_as_large_as_a_routing_can_and_counts_read
 def test_each_family_routes_by_its_experts_masks_and_says_so(family):
     est = _estimate(family)
     where = {
-        "litgpt": "model.py:879",  # LitGPT's own statement: torch.where(mask) in LLaMAMoE.forward
+        # The user's statement that ran LitGPT (whose frames are library code, as Hugging Face's are).
+        "litgpt": f"moe_models.py:{moe_models._next_token_loss.__code__.co_firstlineno + 1}",
         "by_hand": f"moe_models.py:{moe_models.TopKMoE.forward.__code__.co_firstlineno + 5}",
     }.get(family, f"moe_models.py:{moe_models._hf_loss.__code__.co_firstlineno + 1}")  # inside transformers
     # Nothing else stood in for: Hugging Face's one_hot over experts + 1 classes, the experts hit, each
