@@ -438,14 +438,21 @@ def _run(
         fakes, params, buffers = _fake_state(model, precision.param_dtype, fake_mode, request.trainable_dtype)
         package = lightning_package(model) if is_lightning else None
         trainer = DryRunTrainer(getattr(model, "_trainer", None), package) if package is not None else None
+        fit_optimizers = _fit_optimizers(trainer, fakes) if request.optimizer.factory is None else None
         twin = stand_in(
             model, fakes, fake_mode, replacements={id(trainer._real): trainer} if trainer is not None and trainer._real is not None else None,
             attributes=(lambda module, state: attach(module, trainer)) if trainer is not None else None,
+            with_it=(fit_optimizers,) if fit_optimizers is not None else (),
         )  # fmt: skip
         step_model = twin.module
         step_model.train()
         if trainer is not None:
             trainer.lightning_module = step_model
+            if fit_optimizers is not None:
+                optimizers, trainer.lr_scheduler_configs = twin.copies[0]
+                for optimizer in optimizers:  # its state is made as the previous step's (_create_state)
+                    optimizer.state = collections.defaultdict(dict)
+                use_optimizers(trainer, optimizers)
         failure.module_names = {id(module): name for name, module in step_model.named_modules()}
         step_blocks = Blocks({name: twin.twin(module) for name, module in blocks.modules.items()}, set(blocks.repeated))
         checkpointed: list[str] = []
@@ -604,6 +611,8 @@ def _steady_step(
         tracer, tracker.current, request.offload, model, protected, asynchronous=request.device == "cuda"
     )
     driver = _StepDriver(request, tracer, tracker, hooks)
+    if trainer is not None:
+        trainer.around_backward = driver.backward
     as_lightning = trainer is not None and request.loss_fn is None and request.zero_grad == "after_forward"
     phase_optimizers(optimizers, driver.forward, driver.update, updates=not model_state_offload)
 
@@ -689,6 +698,20 @@ def _steady_step(
         # Each stepped parameter's gradient (autograd gives it the parameter's dtype) out, the parameter back.
         optimizer_link_bytes=2 * sum(p.nbytes for p in params if id(p) in graded),
     )
+
+
+def _fit_optimizers(trainer: DryRunTrainer | None, fakes: dict[int, torch.Tensor]) -> tuple[list[Any], list[Any]] | None:
+    """The fit's own optimizers and scheduler configs, to be copied into the dry run (so planning
+    runs no ``configure_optimizers`` and constructs no scheduler: a scheduler steps in its
+    constructor), when they step exactly the module's parameters; None outside a fit, or where they
+    hold other tensors (model-state offload's host copies): then the stand-in's ``configure_optimizers``."""
+    real = trainer._real if trainer is not None else None
+    optimizers = list(getattr(real, "optimizers", None) or [])
+    if not optimizers or any(is_mock_optimizer(optimizer) for optimizer in optimizers):
+        return None
+    if not all(id(p) in fakes for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]):
+        return None
+    return optimizers, list(getattr(real, "lr_scheduler_configs", None) or [])
 
 
 def _batch_index(trainer: DryRunTrainer) -> int:
@@ -889,6 +912,8 @@ def _build_optimizers(
         raise ValueError(
             "estimate_memory(optimizer=None): a plain nn.Module needs an optimizer name or callable"
         )
+    if trainer.optimizers:  # copies of the fit's own (_fit_optimizers)
+        return trainer.optimizers
     try:
         optimizers = configure(model, trainer)
     except Exception as error:
