@@ -624,8 +624,11 @@ def _steady_step(
         stack.enter_context(tracker)
         if request.device == "cuda":
             stack.enter_context(CudaBehaviour())
-        stack.enter_context(StepBoundaries(driver.backward))  # last: above every other mode
         if as_lightning:
+            # Last, above every other mode: a Lightning step may run a backward itself, anywhere in
+            # its code (manual optimization, a backward hook of its own, torch.autograd.grad). A
+            # plain step's one backward is run below, and pays no mode layer for every op.
+            stack.enter_context(StepBoundaries(driver.backward))
             lightning_step(
                 model, trainer, batch, _batch_index(trainer), trainer.package,
                 training_step=driver.training_step, forward_ended=driver.forward_ended,
