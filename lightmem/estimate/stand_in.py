@@ -16,8 +16,12 @@ instead, and the dry run runs on the twin:
   tensor's value, which steps read as a number);
 - hooks registered on the modules follow the attributes: a hook bound to a module of the tree is
   bound to its twin, one bound to an object an attribute holds to its copy, any other is shared;
-- lightmem's own machinery set on a module (offload hooks, a chunked loss's handle, a block clock) is
-  shared: it holds host memory and streams by handle, and the dry run runs its own;
+- lightmem's own machinery set on a module (offload hooks, a block clock) is shared: it holds host
+  memory and streams by handle, and the dry run runs its own; plain-state wrappers the step reads
+  through the module (a checkpoint or tiling wrapper, a chunked loss's handle) are copied;
+- an optimizer is copied whole but for the callables set on it (``_copy_optimizer``), and in a fit
+  the fit's own optimizers and schedulers are copied with the tree (``with_it``), so the twin's
+  ``self.my_opt`` is the dry run's ``self.optimizers()``;
 - the module's Trainer is replaced by the dry run's (``lightmem.estimate.user_code.DryRunTrainer``);
 - what cannot be copied (a lock, an open file, a C object without a copy) and heavy objects that
   a step reads but does not write (data loaders, datasets, data modules, loggers, callbacks) are
