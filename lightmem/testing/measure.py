@@ -95,7 +95,12 @@ def measure_cpu_step(
             loss.backward()
             opt.step()
             del loss
-    snapshot = tracker.get_tracker_snapshot("peak")
+    return _measured(tracker.get_tracker_snapshot("peak"), [opt], batch)
+
+
+def _measured(snapshot: Any, optimizers: list[torch.optim.Optimizer], batch: Any) -> MeasuredStep:
+    """MemTracker's peak snapshot in the estimator's categories (the module docstring's mapping and
+    its optimizer-state adjustment)."""
     breakdown = dict.fromkeys(CATEGORIES, 0)
     total = 0
     for device_snapshot in snapshot.values():
@@ -105,7 +110,7 @@ def measure_cpu_step(
                 total += value
             else:
                 breakdown[_MAPPING[name]] += value
-    state_bytes = _state_bytes(opt)
+    state_bytes = sum(_state_bytes(optimizer) for optimizer in optimizers)
     if breakdown["optimizer_state"] > state_bytes:
         breakdown["temporaries"] += breakdown["optimizer_state"] - state_bytes
         breakdown["optimizer_state"] = state_bytes
@@ -170,18 +175,4 @@ def measure_lightning_step(module: Any, loader: Any, package: Any, measured_batc
         warnings.simplefilter("ignore")
         trainer.fit(module, loader)
     (snapshot,) = snapshots
-    breakdown = dict.fromkeys(CATEGORIES, 0)
-    total = 0
-    for device_snapshot in snapshot.values():
-        for key, value in device_snapshot.items():
-            name = getattr(key, "value", key)
-            if name == "Total":
-                total += value
-            else:
-                breakdown[_MAPPING[name]] += value
-    state_bytes = sum(_state_bytes(optimizer) for optimizer in optimizers)
-    if breakdown["optimizer_state"] > state_bytes:
-        breakdown["temporaries"] += breakdown["optimizer_state"] - state_bytes
-        breakdown["optimizer_state"] = state_bytes
-    batch = next(iter(loader))
-    return MeasuredStep(total, breakdown, sum(t.untyped_storage().nbytes() for t in batch_tensors(batch)))
+    return _measured(snapshot, optimizers, next(iter(loader)))
