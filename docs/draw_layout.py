@@ -25,7 +25,7 @@ BANDS: list[list[tuple[str, list[str]]]] = [
     [("uses them", ["callback.py", "fit_session.py", "estimate/", "metrics/"])],
     [("offload/", []), ("model_state/", [])],
     [("transfer/", [])],
-    [("below", ["config.py"])],
+    [("below", ["config/"])],
 ]
 CAPTIONS = {
     "uses them": "who drives them: the callback's fit session, the estimator, the metrics",

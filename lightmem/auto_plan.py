@@ -63,7 +63,7 @@ from lightmem.estimate.batch import batch_shapes
 from lightmem.devices import DeviceSpeeds
 from lightmem.compiled import holds_compiled_modules
 from lightmem.estimate.report import BlockMemory, format_seconds
-from lightmem.estimate.settings import parse_overhead
+from lightmem.config.estimator import parse_overhead
 from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.step_time import CHECKPOINT, KEEP, ForwardInterval, forward_intervals
 

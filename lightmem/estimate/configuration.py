@@ -33,7 +33,7 @@ from lightmem.devices import DeviceSpeeds, gpu_key, parse_gpu, resolve_gpu, spee
 from lightmem.compiled import holds_compiled_modules
 from lightmem.device_memory import expandable_segments_on
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, BlockMemory, MemoryEstimate, StepMemory
-from lightmem.estimate.settings import (
+from lightmem.config.estimator import (
     OptimizerChoice,
     Precision,
     parse_device,

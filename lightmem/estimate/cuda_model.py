@@ -30,6 +30,7 @@ step driver and the tracer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -291,3 +292,8 @@ class CublasWorkspaces:
     @property
     def total_bytes(self) -> int:
         return self.bytes_each * len(self.threads)
+
+
+def allocation_rounding(device: str) -> Callable[[int], int] | None:
+    """The bytes the device's allocator hands out for a request (None: exactly the request)."""
+    return cuda_block_bytes if device == "cuda" else None

@@ -18,7 +18,7 @@ from lightmem.estimate.configuration import EstimateSettings, LossFn, build_repo
 from lightmem.estimate.planner import costs_for, search_plan
 from lightmem.estimate.report import MemoryEstimate
 from lightmem.estimate.search import max_batch_size
-from lightmem.estimate.settings import parse_checkpoint, parse_offload
+from lightmem.config.estimator import parse_checkpoint, parse_offload
 
 ESTIMATE_MEMORY = Spelling("estimate_memory", (("modules", "tile"),))
 

@@ -38,7 +38,7 @@ from lightmem.estimate.configuration import parse_settings
 from lightmem.estimate.planner import AUTO_POLICY, allocated_need, plan
 from lightmem.estimate.report import Plan, format_seconds
 from lightmem.estimate.search import max_batch_size
-from lightmem.estimate.settings import parse_planned_offload
+from lightmem.config.estimator import parse_planned_offload
 from lightmem.estimate.step_time import CHECKPOINT, saves_bytes, step_time
 from lightmem.tables import format_table
 

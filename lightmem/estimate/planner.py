@@ -68,7 +68,7 @@ from lightmem.estimate.report import (
     natural_order,
     policy_name,
 )
-from lightmem.estimate.settings import parse_offload, parse_planned_offload
+from lightmem.config.estimator import parse_offload, parse_planned_offload
 from lightmem.estimate.step import ROOT_BLOCK, EstimateError, RoutingBound, StepTrace, as_traced_in_full, dominant_part
 from lightmem.estimate.step_time import (
     BOTH,

@@ -29,7 +29,7 @@ from lightmem.estimate.configuration import parse_settings, run_configuration
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.planner import plan_space
 from lightmem.estimate.report import Plan
-from lightmem.estimate.settings import parse_checkpoint, parse_offload
+from lightmem.config.estimator import parse_checkpoint, parse_offload
 from lightmem.tables import format_table
 
 DEFAULT_LIMIT = 1 << 20

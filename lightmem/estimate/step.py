@@ -51,7 +51,8 @@ from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
 from lightmem.estimate.logits import CHUNKED_LOSS, LossLogits, loss_logits, price_as_chunked, pricing_chunked
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.op_chain import attention_scores
-from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
+from lightmem.config.estimator import OptimizerChoice, Precision
+from lightmem.estimate.cuda_model import allocation_rounding
 from lightmem.estimate.caching_allocator import Reserve
 from lightmem.estimate.values import BALANCED, WORST, StandIns
 from lightmem.estimate.tracer import BUFFER, GRADIENT, INPUT, PARAMETER, BlockUsage, PeakInfo, StorageTracer

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightmem.estimate.batch import batch_tensors
-from lightmem.estimate.settings import parse_optimizer, parse_precision
+from lightmem.config.estimator import parse_optimizer, parse_precision
 from lightmem.estimate.tracer import CATEGORIES
 
 _MAPPING = {

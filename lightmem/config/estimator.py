@@ -1,7 +1,11 @@
-"""The estimator's arguments, validated once: precision, optimizer, device, offload and checkpoint.
+"""The estimator's and planner's flags (``estimate_memory``, ``plan``, ``max_batch_size``, ``frontier``,
+``lightmem estimate``): precision, device, optimizer, overhead allowance, zero_grad order, offload
+as a dict, checkpoint targets and the prices a plan is made at.
 
 Each ``parse_*`` turns what the user wrote into a plain value and fails with a ``ValueError`` that
-names the argument (``estimate_memory(precision=...)``) and lists what is accepted.
+names the argument (``estimate_memory(precision=...)``) and lists what is accepted. The settings
+object an entry point passes down is built from them once
+(``lightmem.estimate.settings.EstimateSettings.parse``).
 """
 
 from __future__ import annotations
@@ -13,8 +17,36 @@ from typing import Any
 
 import torch
 
-from lightmem.config import OffloadSettings, Spelling, parse_checkpoint_targets, parse_size
-from lightmem.estimate.cuda_model import cuda_block_bytes
+from lightmem.config.checkpointing import parse_checkpoint_targets
+from lightmem.config.offload import OffloadSettings
+from lightmem.config.spelling import Spelling
+from lightmem.config.units import parse_size
+
+
+@dataclass(frozen=True)
+class PlanPrices:
+    """Prices given instead of the device's own: a matrix throughput for every dtype and the host
+    link speed per second, each way (``plan(flops_per_s=..., link_bytes_per_s=...)``,
+    ``--link-bytes-per-s``); None: the device's (``lightmem.devices``)."""
+
+    flops_per_s: float | None
+    link_bytes_per_s: int | None
+
+    @classmethod
+    def parse(
+        cls, *, flops_per_s: float | None, link_bytes_per_s: int | str | None, spelling: Spelling
+    ) -> PlanPrices:
+        """Validate both; ``ValueError`` names the flag as ``spelling`` spells it."""
+        flag = spelling.flag
+        link = None
+        if link_bytes_per_s is not None:
+            link = parse_size(link_bytes_per_s, flag=flag("link_bytes_per_s"))
+            if link <= 0:
+                raise ValueError(f"{flag('link_bytes_per_s')}: must be positive; got {link_bytes_per_s!r}")
+        if flops_per_s is not None and (isinstance(flops_per_s, bool) or not float(flops_per_s) > 0):
+            raise ValueError(f"{flag('flops_per_s')}: must be positive; got {flops_per_s!r}")
+        return cls(flops_per_s=None if flops_per_s is None else float(flops_per_s), link_bytes_per_s=link)
+
 
 DEFAULT_CUDA_OVERHEAD = "1GiB"
 
@@ -38,6 +70,8 @@ _PRECISIONS = {
     "16-true": Precision("16-true", None, torch.float16),
     "bf16-true": Precision("bf16-true", None, torch.bfloat16),
 }
+
+
 # Lightning's short spellings.
 _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 
@@ -168,11 +202,6 @@ def parse_overhead(value: int | str | None, device: str, *, flag: str) -> int:
     if value is None:
         value = DEFAULT_CUDA_OVERHEAD if device == "cuda" else 0
     return parse_size(value, flag=flag)
-
-
-def allocation_rounding(device: str) -> Callable[[int], int] | None:
-    """The bytes the device's allocator hands out for a request (None: exactly the request)."""
-    return cuda_block_bytes if device == "cuda" else None
 
 
 ZERO_GRAD_ORDERS = ("after_forward", "before_forward")
