@@ -29,7 +29,7 @@ from _common import hardware, print_table  # noqa: E402
 from examples.estimate_factories import gpt2_large, tiny_gpt  # noqa: E402
 from lightmem import estimate_memory, plan  # noqa: E402
 from lightmem.config import format_bytes  # noqa: E402
-from lightmem.estimate.planner import _VERIFIED  # noqa: E402
+from lightmem.estimate.planning.space import _VERIFIED  # noqa: E402
 
 
 def _choice(chosen) -> str:

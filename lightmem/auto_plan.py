@@ -59,13 +59,15 @@ from lightmem.device_memory import (
     training_device_memory,
 )
 from lightmem.estimate import Plan
-from lightmem.estimate.batch import batch_shapes
+from lightmem.estimate.trace.batch import batch_shapes
 from lightmem.devices import DeviceSpeeds
 from lightmem.compiled import holds_compiled_modules
-from lightmem.estimate.report import BlockMemory, format_seconds
+from lightmem.estimate.trace.blocks import BlockMemory
+from lightmem.estimate.words import format_seconds
 from lightmem.config.estimator import parse_overhead
-from lightmem.estimate.step import ROOT_BLOCK
-from lightmem.estimate.step_time import CHECKPOINT, KEEP, ForwardInterval, forward_intervals
+from lightmem.estimate.trace.blocks import ROOT_BLOCK
+from lightmem.estimate.pricing.costs import CHECKPOINT, KEEP
+from lightmem.estimate.pricing.timeline import ForwardInterval, forward_intervals
 
 Shapes = tuple[tuple[int, ...], ...]
 

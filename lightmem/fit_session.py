@@ -25,8 +25,9 @@ from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_
 from lightmem.config import DECIMAL_UNITS_NOTE, LightMemSettings, OffloadSettings, decimal_reading, format_bytes
 from lightmem.device_memory import use_expandable_segments
 from lightmem.estimate import Plan, max_batch_size, plan
-from lightmem.estimate.report import STAND_IN_NOTE, format_seconds
-from lightmem.estimate.batch import batch_shapes, with_shapes
+from lightmem.estimate.report import STAND_IN_NOTE
+from lightmem.estimate.words import format_seconds
+from lightmem.estimate.trace.batch import batch_shapes, with_shapes
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.lightning_packages import is_barebones, logged_step
 from lightmem.metrics.names import key

@@ -55,8 +55,8 @@ def test_a_batch_no_plan_fits_for_its_logits_is_planned_again_with_the_loss_pric
 def test_a_step_priced_as_chunked_is_never_served_from_the_steps_verified_as_written():
     # The planner remembers verified steps across plans of one model: the what-if plan with the
     # loss priced as chunked must trace its own (it found the steps as written and kept refusing).
-    from lightmem.estimate.logits import priced_as_chunked
-    from lightmem.estimate.planner import plan_space
+    from lightmem.estimate.trace.logits import priced_as_chunked
+    from lightmem.estimate.planning.space import plan_space
 
     model = _wide_gpt()
     written = plan_space(model, _tokens(24), gpt_loss, **COMMON)
@@ -152,7 +152,7 @@ def _size(nbytes: int) -> str:
 
 
 def _seconds(seconds: float) -> str:
-    from lightmem.estimate.report import format_seconds
+    from lightmem.estimate.words import format_seconds
 
     return format_seconds(seconds)
 

@@ -16,7 +16,7 @@ from lightmem import LightMem, apply_checkpointing, estimate_memory, offload_act
 from lightmem.cli import main
 from lightmem.config import LIGHTMEM, OFFLOAD_ACTIVATIONS, OffloadSettings, OptimizerOffloadSettings
 from lightmem.config.estimator import parse_offload
-from lightmem.estimate.step_time import WINDOW_GRAIN_BYTES
+from lightmem.estimate.pricing.costs import WINDOW_GRAIN_BYTES
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from lightmem.config import format_bytes
-from lightmem.estimate.batch import BatchInfo
-from lightmem.estimate.report import Advice, MemoryEstimate, Plan, compact_names, natural_order
 from lightmem.estimate.chunked_loss import reach_sentence
-from lightmem.estimate.logits import CHUNKED_LOSS
-from lightmem.estimate.step import StepTrace
+from lightmem.estimate.planning.result import Plan
+from lightmem.estimate.report import Advice, MemoryEstimate
+from lightmem.estimate.trace.batch import BatchInfo
+from lightmem.estimate.trace.logits import CHUNKED_LOSS
+from lightmem.estimate.trace.step import StepTrace
+from lightmem.estimate.words import compact_names, natural_order
 
 QUADRATIC_MIN_SHARE = 0.05
 """Quadratic saved tensors must be at least this share of saved activations to be worth a word."""

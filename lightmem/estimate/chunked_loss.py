@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightmem.config import format_bytes
-from lightmem.estimate.logits import CHUNKED_LOSS, LossLogits, priced_as_chunked, pricing_chunked
-from lightmem.estimate.report import MemoryEstimate, Plan, format_seconds
+from lightmem.estimate.planning.result import Plan
+from lightmem.estimate.report import MemoryEstimate
+from lightmem.estimate.trace.logits import LossLogits, priced_as_chunked, pricing_chunked
+from lightmem.estimate.words import format_seconds
 
 SEARCH_MULTIPLE = 16
 """``plan="auto"``'s refusal searches the largest batch a chunked loss reaches up to this multiple
@@ -99,6 +101,6 @@ def reach_sentence(reach: ChunkedLossReach | None) -> str:
 
 
 __all__ = [
-    "CHUNKED_LOSS", "SEARCH_MULTIPLE", "ChunkedLossReach", "dominant_logits", "largest_with_chunked_loss", "no_fit_sentence",
+    "SEARCH_MULTIPLE", "ChunkedLossReach", "dominant_logits", "largest_with_chunked_loss", "no_fit_sentence",
     "plan_with_chunked_loss", "reach_sentence",
 ]  # fmt: skip

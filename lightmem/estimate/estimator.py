@@ -11,14 +11,16 @@ from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings, Spelling, TileSettings
+from lightmem.config.estimator import parse_checkpoint, parse_offload
 from lightmem.estimate.advice import advise
-from lightmem.estimate.batch import BatchInfo, inspect_batch
+from lightmem.estimate.assemble import build_report
 from lightmem.estimate.chunked_loss import ChunkedLossReach, dominant_logits, largest_with_chunked_loss
-from lightmem.estimate.configuration import EstimateSettings, LossFn, build_report, parse_settings
-from lightmem.estimate.planner import costs_for, search_plan
+from lightmem.estimate.planning.space import search_plan
+from lightmem.estimate.pricing.costs import costs_for
 from lightmem.estimate.report import MemoryEstimate
 from lightmem.estimate.search import max_batch_size
-from lightmem.config.estimator import parse_checkpoint, parse_offload
+from lightmem.estimate.settings import EstimateSettings, LossFn, parse_settings
+from lightmem.estimate.trace.batch import BatchInfo, inspect_batch
 
 ESTIMATE_MEMORY = Spelling("estimate_memory", (("modules", "tile"),))
 

@@ -31,15 +31,19 @@ from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes, parse_count
-from lightmem.devices import DeviceSpeeds
-from lightmem.estimate.batch import scalable_batch
-from lightmem.estimate.chunked_loss import largest_with_chunked_loss
-from lightmem.estimate.configuration import parse_settings
-from lightmem.estimate.planner import AUTO_POLICY, allocated_need, plan
-from lightmem.estimate.report import Plan, format_seconds
-from lightmem.estimate.search import max_batch_size
 from lightmem.config.estimator import parse_planned_offload
-from lightmem.estimate.step_time import CHECKPOINT, saves_bytes, step_time
+from lightmem.devices import DeviceSpeeds
+from lightmem.estimate.chunked_loss import largest_with_chunked_loss
+from lightmem.estimate.planner import plan
+from lightmem.estimate.planning.policy import AUTO_POLICY
+from lightmem.estimate.planning.result import Plan
+from lightmem.estimate.planning.space import allocated_need
+from lightmem.estimate.pricing.costs import CHECKPOINT, saves_bytes
+from lightmem.estimate.pricing.timeline import step_time
+from lightmem.estimate.search import max_batch_size
+from lightmem.estimate.settings import parse_settings
+from lightmem.estimate.trace.batch import scalable_batch
+from lightmem.estimate.words import format_seconds
 from lightmem.tables import format_table
 
 DEFAULT_MULTIPLES = (1.0, 1.5, 2.0, 3.0, 5.0, 8.0)

@@ -24,12 +24,13 @@ from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes
-from lightmem.estimate.batch import scalable_batch
-from lightmem.estimate.configuration import parse_settings, run_configuration
-from lightmem.devices import DeviceSpeeds
-from lightmem.estimate.planner import plan_space
-from lightmem.estimate.report import Plan
 from lightmem.config.estimator import parse_checkpoint, parse_offload
+from lightmem.devices import DeviceSpeeds
+from lightmem.estimate.planning.result import Plan
+from lightmem.estimate.planning.space import plan_space
+from lightmem.estimate.settings import parse_settings
+from lightmem.estimate.steps import run_configuration
+from lightmem.estimate.trace.batch import scalable_batch
 from lightmem.tables import format_table
 
 DEFAULT_LIMIT = 1 << 20

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,69 +22,33 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightmem.devices import DeviceSpeeds, op_cost
-from lightmem.estimate.caching_allocator import ALLOCATE, FREE, FREE_PREVIOUS, StepAllocations
-from lightmem.estimate.call_site import CallSite, call_site
-from lightmem.estimate.values import FOLLOWED, StandIns
-
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "workspaces")
+from lightmem.estimate.trace.call_site import CallSite, call_site
+from lightmem.estimate.trace.records import (
+    ALLOCATE,
+    BUFFER,
+    CATEGORIES,
+    FREE,
+    FREE_PREVIOUS,
+    GRADIENT,
+    INPUT,
+    OTHER,
+    PARAMETER,
+    STATE,
+    PeakInfo,
+    StepAllocations,
+    StorageRecord,
+    TraceWindow,
+)
+from lightmem.estimate.trace.values import FOLLOWED, StandIns
 
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 _DEVICE_QUERY = torch.ops.prim.device.default
 """``tensor.device`` on a fake tensor: dispatched (fake tensors dispatch their device), most of a
 fake step's calls (~7 of 10), and neither allocates, frees nor costs anything."""
 
-# Roles a storage can start with; "other" is anything allocated by an op.
-PARAMETER, BUFFER, INPUT, GRADIENT, STATE, OTHER = range(6)
 
-OpStep = tuple[Any, tuple[int, ...], tuple[Any, ...]]
-"""One op of the forward as the trace keeps it: (the op, the record id of each tensor it read (-1: a
-tensor the trace never saw made), its plain number arguments): what made a tensor, read back by
-``lightmem.estimate.op_chain``."""
 _WRITES: dict[Any, tuple[int, ...]] = {}
 """For each op met: the positions of the arguments it writes (in-place and ``out=`` ops)."""
-
-
-@dataclass(slots=True)
-class StorageRecord:
-    """One device allocation (a storage) of the traced step."""
-
-    nbytes: int
-    """Bytes as the allocator hands them out (its block size on CUDA)."""
-    role: int
-    alloc_event: int
-    grad_at: int = -1
-    """Event index from which the storage is a parameter's ``.grad`` (-1: never)."""
-    saved_at: int = -1
-    """Event index at which autograd first saved it for backward (-1: never)."""
-    saved_block: str | None = None
-    saved_shape: tuple[int, ...] | None = None
-    freed: bool = False
-    recomputed: bool = False
-    """Allocated by a forward re-run during backward (activation checkpointing)."""
-    last_dim: int = 0
-    """Size of the last dimension of the tensor the storage was first seen as (0: a scalar)."""
-    requested: int = 0
-    """Bytes the storage asked for (``nbytes`` is what the allocator hands out for it)."""
-    known: Any = None
-    """What the dry run assumes of the storage's values (``lightmem.estimate.values.Known``), if anything."""
-    made_by: OpStep | None = None
-    """In forward: the op whose output the storage is (None: not made by an op of the forward)."""
-    changed_by: list[OpStep] | None = None
-    """In forward: the in-place ops that wrote the storage after it was made, in order."""
-
-
-@dataclass(slots=True)
-class PeakInfo:
-    """Where and what the highest point of the measured step is."""
-
-    bytes: int
-    breakdown: dict[str, int]
-    phase: str
-    op: str
-    block: str | None
-    event: int
-    inputs_bytes: int = 0
-    buffers_bytes: int = 0
 
 
 @dataclass
@@ -92,13 +56,6 @@ class _Context:
     phase: str = "setup"
     op: str = ""
     block: str | None = None
-
-
-@dataclass
-class TraceWindow:
-    start: int = 0
-    end: int = 0
-    forward_end: int = 0
 
 
 def _cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -598,27 +555,3 @@ def _held_at(held: Sequence[tuple[int, int, int]], index: int) -> int:
     return sum(nbytes for first, last, nbytes in held if first <= index <= last)
 
 
-@dataclass
-class BlockUsage:
-    """Saved-for-backward storages of one top-level block, at the end of forward."""
-
-    saved_bytes: int = 0
-    saved_sizes: list[int] = field(default_factory=list)
-    forward_flops: float = 0.0
-    input_bytes: int = 0
-    kept_bytes: int = 0
-    """Bytes of the op outputs op-level checkpointing keeps (0 under the "full" policy)."""
-    recompute_flops: float | None = None
-    """Forward FLOPs a checkpointed re-run repeats; None: all of them (the "full" policy)."""
-    forward_s: float = 0.0
-    """Device seconds of the block's forward, priced op by op (0: the step was not priced)."""
-    backward_s: float = 0.0
-    """Device seconds of the block's backward."""
-    recompute_s: float | None = None
-    """Seconds a checkpointed re-run repeats; None: all of ``forward_s`` (the "full" policy)."""
-    forward_ops: int = 0
-    """Priced ops of the block's forward (what the host launches for it)."""
-    backward_ops: int = 0
-    """Priced ops of the block's backward."""
-    recompute_ops: int | None = None
-    """Priced ops a checkpointed re-run repeats; None: all of ``forward_ops`` (the "full" policy)."""

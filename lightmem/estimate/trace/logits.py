@@ -27,10 +27,11 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from lightmem.estimate.call_site import CallSite
-from lightmem.estimate.op_chain import Product, aten, is_parameter, product_before, through_copies
-from lightmem.estimate.tracer import INPUT, OTHER, PeakInfo, StorageTracer
-from lightmem.logit_transform import LogitTransform, read_transform
+from lightmem.estimate.trace.call_site import CallSite
+from lightmem.estimate.trace.op_chain import Product, is_parameter, product_before, through_copies
+from lightmem.estimate.trace.records import INPUT, OTHER, PeakInfo
+from lightmem.estimate.trace.tracer import StorageTracer
+from lightmem.logit_transform import LogitTransform, aten, read_transform
 from lightmem.loss import default_chunk_rows
 
 LOGITS_MIN_SHARE = 0.25

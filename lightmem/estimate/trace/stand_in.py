@@ -42,7 +42,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
-from lightmem.estimate.dry_run_device import DRY_RUN_DEVICE, known_value
+from lightmem.estimate.trace.dry_run_device import DRY_RUN_DEVICE, known_value
 from lightmem.lightning_packages import imported_classes
 
 _STRUCTURE = ("_parameters", "_buffers", "_modules")
