@@ -18,16 +18,29 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightmem import oom
 from lightmem.auto_plan import AutoPlan, PlanDoesNotFit, format_shapes, no_fit_message
-from lightmem.causal_lm import LITGPT_OPTION, ChunkedCausalLMLoss, causal_lms, chunked_causal_lm_loss, litgpt_models
-from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, largest_with_chunked_loss, no_fit_sentence
 from lightmem.blocks import find_blocks
+from lightmem.causal_lm import (
+    LITGPT_OPTION,
+    ChunkedCausalLMLoss,
+    causal_lms,
+    chunked_causal_lm_loss,
+    litgpt_models,
+)
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
-from lightmem.config import DECIMAL_UNITS_NOTE, LightMemSettings, OffloadSettings, decimal_reading, format_bytes
+from lightmem.config import (
+    DECIMAL_UNITS_NOTE,
+    LightMemSettings,
+    OffloadSettings,
+    decimal_reading,
+    format_bytes,
+)
 from lightmem.device_memory import use_expandable_segments
 from lightmem.estimate import Plan, max_batch_size, plan
+from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, no_fit_sentence
 from lightmem.estimate.report import STAND_IN_NOTE
-from lightmem.estimate.words import format_seconds
+from lightmem.estimate.search import largest_batches, search_arguments
 from lightmem.estimate.trace.batch import batch_shapes, with_shapes
+from lightmem.estimate.words import format_seconds
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.lightning_packages import is_barebones, logged_step
 from lightmem.metrics.names import key
@@ -496,10 +509,12 @@ class FitSession:
         return f" (priced at {speeds.name} figures: {speeds.source}; not measured on this machine)"
 
     def _run_planner(
-        self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, *, search_up_to: int | None = None
-    ) -> Any:
-        """``plan`` (or, with ``search_up_to``, ``max_batch_size(plan=True)`` up to that batch size)
-        for batches of ``shapes``, with this fit's flags, budget and device speeds."""
+        self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, *, search_up_to: int | None = None,
+        loss_as_chunked: bool = False,
+    ) -> Any:  # fmt: skip
+        """``plan`` (or, with ``search_up_to``, ``max_batch_size(plan=True)`` up to that batch size,
+        with ``loss_as_chunked`` the loss priced as chunked) for batches of ``shapes``, with this fit's
+        flags, budget and device speeds."""
         assert self.auto_plan is not None
         common = {
             "device": pl_module.device.type, "precision": str(trainer.precision),
@@ -509,14 +524,20 @@ class FitSession:
             "overhead_bytes": self.auto_plan.plan_overhead_bytes,
             "gpu": self.auto_plan.speeds if self.auto_plan.speeds is not None else "auto",
         }  # fmt: skip
+        budget = self.auto_plan.planning_budget_bytes
         with self._without_checkpointing(pl_module):  # the planner sees the model as the user wrote it
             shaped = with_shapes(batch, shapes)
-            if search_up_to is not None:  # under the policy "auto" starts from
-                common["checkpoint_policy"] = self.settings.checkpoint.policy
-                return max_batch_size(
-                    pl_module, shaped, self.auto_plan.planning_budget_bytes, plan=True, limit=search_up_to, **common
-                )
-            return plan(pl_module, shaped, self.auto_plan.planning_budget_bytes, **common)
+            if search_up_to is None:
+                return plan(pl_module, shaped, budget, **common)
+            common["checkpoint_policy"] = self.settings.checkpoint.policy  # under the policy "auto" starts from
+            if not loss_as_chunked:
+                return max_batch_size(pl_module, shaped, budget, plan=True, limit=search_up_to, **common)
+            settings, info, offload, _ = search_arguments(
+                pl_module, shaped, budget, None, limit=search_up_to, checkpoint=None, optimizer=None, **common
+            )
+            return largest_batches(
+                pl_module, shaped, settings.priced_as_chunked(), info, offload=offload, limit=search_up_to, plan=True
+            )
 
     def _no_fit(self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, chosen: Plan) -> str:
         """The message of ``PlanDoesNotFit``, with the largest batch a plan fits (searched now) and,
@@ -532,8 +553,8 @@ class FitSession:
         limit = SEARCH_MULTIPLE * size if size is not None else None
         if limit is not None and dominant_logits(chosen.estimate) is not None:
             with contextlib.suppress(ValueError):
-                chunked_largest = largest_with_chunked_loss(
-                    lambda: self._run_planner(trainer, pl_module, batch, shapes, search_up_to=limit)
+                chunked_largest = self._run_planner(
+                    trainer, pl_module, batch, shapes, search_up_to=limit, loss_as_chunked=True
                 ).planned
         sentence = no_fit_sentence(chosen, chunked_largest, limit)
         return no_fit_message(chosen, shapes, largest, size, chunked_loss=sentence)

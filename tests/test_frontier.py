@@ -287,8 +287,8 @@ def no_search(monkeypatch):
         raise AssertionError("searched before the arguments were checked")
 
     module = sys.modules["lightmem.estimate.frontier"]  # lightmem.estimate.frontier is also the function
-    monkeypatch.setattr(module, "max_batch_size", searched)
-    monkeypatch.setattr(module, "plan", searched)
+    monkeypatch.setattr(module, "largest_batches", searched)
+    monkeypatch.setattr(module, "plan_for", searched)
 
 
 @pytest.mark.parametrize(

@@ -133,7 +133,7 @@ def test_one_baseline_serves_both_policies_as_if_traced_under_each():
 def test_a_baseline_priced_again_from_its_log_is_the_one_a_trace_at_those_prices_gives():
     from lightmem.estimate.settings import parse_settings
     from lightmem.estimate.steps import run_configuration
-    from lightmem.estimate.pricing.fold import reprice
+    from lightmem.estimate.pricing.fold import priced_at as reprice
 
     model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
     traces = {}
@@ -152,8 +152,7 @@ def test_a_baseline_priced_again_from_its_log_is_the_one_a_trace_at_those_prices
 
 
 def test_a_plan_made_again_at_new_prices_traces_no_step_and_prices_as_a_first_plan_would(monkeypatch):
-    from lightmem.estimate import steps as configuration
-    from lightmem.estimate.planning import space as planner
+    from lightmem.estimate.steps import STEPS
 
     model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
     common = {"optimizer": "adamw", "device": "cuda", "gpu": "h100", "overhead_bytes": 0, "checkpoint_policy": "auto"}
@@ -164,8 +163,7 @@ def test_a_plan_made_again_at_new_prices_traces_no_step_and_prices_as_a_first_pl
     steps = _counting_steps(monkeypatch)
     again = plan(model, _tokens(16, 33), budget, loss, flops_per_s=1e10, **common)
     assert steps == [] and again.evaluations == 0
-    configuration._BASELINES.clear()
-    planner._VERIFIED.clear()
+    STEPS.clear()
     fresh = plan(model, _tokens(16, 33), budget, loss, flops_per_s=1e10, **common)
     assert len(steps) > 0
     assert (again.checkpoint, again.step_seconds, again.predicted_total_bytes) == (

@@ -10,28 +10,63 @@ so an error names the flag as the user typed it. One module per group: ``units``
 """
 
 from lightmem.config.checkpointing import (
-    CHECKPOINT_POLICIES, POLICY_HELP, CheckpointSettings, parse_checkpoint_policy, parse_checkpoint_targets,
+    CHECKPOINT_POLICIES,
+    POLICY_HELP,
+    CheckpointSettings,
+    parse_checkpoint_policy,
+    parse_checkpoint_targets,
     parse_module_targets,
 )  # fmt: skip
 from lightmem.config.estimator import PlanPrices
 from lightmem.config.fit import HostGuardSettings, LightMemSettings, MetricsSettings, PlanSettings
 from lightmem.config.offload import (
-    DEFAULT_HOST_BUDGET, DEFAULT_HOST_MIN_AVAILABLE, DEFAULT_MAX_INFLIGHT, DEFAULT_MIN_BYTES, DEFAULT_PREFETCH,
+    DEFAULT_HOST_BUDGET,
+    DEFAULT_HOST_MIN_AVAILABLE,
+    DEFAULT_MAX_INFLIGHT,
+    DEFAULT_MIN_BYTES,
+    DEFAULT_PREFETCH,
     OffloadSettings,
 )  # fmt: skip
-from lightmem.config.optimizer_offload import DEFAULT_GRAD_INFLIGHT, OptimizerOffloadSettings, parse_optimizer_offload
+from lightmem.config.optimizer_offload import (
+    DEFAULT_GRAD_INFLIGHT,
+    OptimizerOffloadSettings,
+    parse_optimizer_offload,
+)
 from lightmem.config.spelling import (
-    APPLY_CHECKPOINTING, APPLY_TILING, CLI, LIGHTMEM, OFFLOAD_ACTIVATIONS, OFFLOAD_OPTIMIZER, Spelling,
+    APPLY_CHECKPOINTING,
+    APPLY_TILING,
+    CLI,
+    LIGHTMEM,
+    OFFLOAD_ACTIVATIONS,
+    OFFLOAD_OPTIMIZER,
+    Spelling,
     reject_without_partner,
 )  # fmt: skip
 from lightmem.config.tiling import TileSettings
 from lightmem.config.units import (
-    DECIMAL_UNITS_NOTE, SIZE_HELP, available_ram_bytes, decimal_reading, format_bytes, host_ram_share_bytes,
-    parse_fraction, parse_host_limit, parse_size, ranks_per_node_from_env, total_ram_bytes,
+    DECIMAL_UNITS_NOTE,
+    SIZE_HELP,
+    available_ram_bytes,
+    decimal_reading,
+    format_bytes,
+    host_ram_share_bytes,
+    parse_fraction,
+    parse_host_limit,
+    parse_size,
+    ranks_per_node_from_env,
+    total_ram_bytes,
 )  # fmt: skip
 from lightmem.config.values import (
-    DEVICE_DTYPES, device_dtype_name, parse_bool, parse_choices, parse_count, parse_device_dtype, parse_devices,
-    parse_path, parse_patterns, warn_once,
+    DEVICE_DTYPES,
+    device_dtype_name,
+    parse_bool,
+    parse_choices,
+    parse_count,
+    parse_device_dtype,
+    parse_devices,
+    parse_path,
+    parse_patterns,
+    warn_once,
 )  # fmt: skip
 
 __all__ = [

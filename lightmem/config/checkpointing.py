@@ -13,7 +13,6 @@ from torch.nn import Module
 from lightmem.config.spelling import APPLY_CHECKPOINTING, Spelling, reject_without_partner
 from lightmem.config.values import parse_count
 
-
 CHECKPOINT_POLICIES = ("full", "save_matmuls")
 
 

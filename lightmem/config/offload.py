@@ -12,7 +12,6 @@ from lightmem.config.spelling import OFFLOAD_ACTIVATIONS, Spelling
 from lightmem.config.units import host_ram_share_bytes, parse_size
 from lightmem.config.values import parse_devices, parse_patterns
 
-
 DEFAULT_MIN_BYTES = "1MiB"
 
 

@@ -13,7 +13,6 @@ from lightmem.config.spelling import OFFLOAD_OPTIMIZER, Spelling
 from lightmem.config.units import parse_size
 from lightmem.config.values import device_dtype_name, parse_bool, parse_device_dtype, parse_devices
 
-
 DEFAULT_GRAD_INFLIGHT = "64MiB"
 
 

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import psutil
 
-
 _UNITS = {
     "": 1,
     "b": 1,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
@@ -13,7 +14,7 @@ from lightmem.estimate.pricing.costs import costs_for
 from lightmem.estimate.pricing.timeline import configuration_time
 from lightmem.estimate.report import CUDA_NOTES, NOT_MODELLED, MemoryEstimate, StepMemory
 from lightmem.estimate.settings import EstimateSettings
-from lightmem.estimate.steps import baseline_key, remember_baseline, remembered_baseline, run_configuration
+from lightmem.estimate.steps import STEPS, baseline_key, run_configuration
 from lightmem.estimate.trace.batch import BatchInfo
 from lightmem.estimate.trace.blocks import BlockMemory
 from lightmem.estimate.trace.step import StepTrace
@@ -41,16 +42,8 @@ def scenario_from(name: str, trace: StepTrace) -> StepMemory:
 
 
 def blocks_from(trace: StepTrace) -> dict[str, BlockMemory]:
-    return {
-        name: BlockMemory(
-            name, usage.saved_bytes, usage.forward_flops, usage.input_bytes, list(usage.saved_sizes),
-            kind=trace.block_kinds.get(name, ""), repeated=name in trace.repeated_blocks,
-            kept_bytes=usage.kept_bytes, recompute_flops=usage.recompute_flops, forward_s=usage.forward_s,
-            backward_s=usage.backward_s, recompute_s=usage.recompute_s, forward_ops=usage.forward_ops,
-            backward_ops=usage.backward_ops, recompute_ops=usage.recompute_ops,
-        )  # fmt: skip
-        for name, usage in trace.blocks.items()
-    }
+    """The report's blocks: the trace's own, copied (a remembered trace is never written through)."""
+    return {name: dataclasses.replace(block, saved_sizes=list(block.saved_sizes)) for name, block in trace.blocks.items()}
 
 
 def parameter_count(model: nn.Module) -> int:
@@ -90,7 +83,7 @@ def build_report(
         configurations.append(("checkpoint+offload" + tiled + suffix, offload, checkpoint, model_state, tile))
     key = baseline_key(model, batch, settings, info, batch_size) if settings.speeds is not None else None
     if baseline is None and key is not None:
-        baseline = remembered_baseline(model, key, settings.speeds)  # type: ignore[arg-type]
+        baseline = STEPS.baseline(model, key, settings.speeds)  # type: ignore[arg-type]
     traces: dict[str, StepTrace] = {} if baseline is None else {"baseline": baseline}
     for name, offload_config, targets, offload_model_state, tiles in configurations:
         if name in traces:
@@ -108,7 +101,7 @@ def build_report(
             tile=tiles,
         )
     if key is not None and traces["baseline"] is not baseline:
-        remember_baseline(model, key, traces["baseline"])
+        STEPS.remember_baseline(model, key, traces["baseline"])
     scenarios = {name: scenario_from(name, traces[name]) for name, *_ in configurations}
     chosen = scenarios[configurations[-1][0]]
     baseline = traces["baseline"]

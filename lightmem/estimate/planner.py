@@ -11,12 +11,13 @@ from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings
+from lightmem.config.estimator import parse_planned_offload
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.advice import advise
-from lightmem.estimate.chunked_loss import plan_with_chunked_loss
-from lightmem.estimate.planning.policy import AUTO_POLICY, plan_either_policy, plan_in
+from lightmem.estimate.chunked_loss import dominant_logits
+from lightmem.estimate.planning.policy import planned
 from lightmem.estimate.planning.result import Plan
-from lightmem.estimate.planning.space import plan_space
+from lightmem.estimate.settings import EstimateSettings, parse_settings
 
 
 def plan(
@@ -85,24 +86,28 @@ def plan(
     Raises:
         ValueError: a bad argument (named in the message).
     """
-    arguments = dict(locals())  # the call as made: asked again with the loss priced as chunked
     started = time.perf_counter()
-    if isinstance(checkpoint_policy, str) and checkpoint_policy == AUTO_POLICY:
-        result, space = plan_either_policy(
-            model, batch, budget, loss_fn, started, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
-            overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
-            link_bytes_per_s=link_bytes_per_s, offload=offload, offload_optimizer=offload_optimizer,
-            batch_size=batch_size,
-        )  # fmt: skip
-    else:
-        space = plan_space(
-            model, batch, loss_fn, budget=budget, fn_name="plan", optimizer=optimizer, precision=precision,
-            device=device, gpu=gpu, overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
-            link_bytes_per_s=link_bytes_per_s, offload=offload, checkpoint_policy=checkpoint_policy,
-            offload_optimizer=offload_optimizer, batch_size=batch_size,
-        )  # fmt: skip
-        result = plan_in(space, started)
+    settings = parse_settings(
+        "plan", model, loss_fn, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
+        offload_optimizer=offload_optimizer, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
+        auto_policy=True,
+    )  # fmt: skip
+    settings = settings.searching(parse_planned_offload(True if offload is None else offload, flag="plan(offload=...)"))
+    return plan_for(model, batch, settings, batch_size=batch_size, started=started)
+
+
+def plan_for(
+    model: nn.Module, batch: Any, settings: EstimateSettings, *, batch_size: int | None = None,
+    started: float | None = None,
+) -> Plan:  # fmt: skip
+    """``plan`` with its arguments parsed (``settings``): the plan, its advice written into its
+    estimate, and, where no configuration fits and the loss's logits dominate the step, the same
+    plan with the loss priced as chunked (``Plan.chunked_loss``)."""
+    started = time.perf_counter() if started is None else started
+    result, space = planned(model, batch, settings, batch_size=batch_size, started=started)
     space.base.advice = advise(space.base, space.info, space.baseline, result)
-    result.chunked_loss = plan_with_chunked_loss(result, lambda: plan(**arguments))
+    if not result.fits and dominant_logits(result.estimate, priced_as_chunked=settings.loss_as_chunked) is not None:
+        result.chunked_loss = plan_for(model, batch, settings.priced_as_chunked(), batch_size=batch_size)
     result.seconds = time.perf_counter() - started
     return result

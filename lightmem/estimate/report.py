@@ -13,7 +13,7 @@ from typing import Any
 
 from lightmem.config import format_bytes
 from lightmem.estimate.trace.blocks import BlockMemory
-from lightmem.estimate.trace.records import CATEGORIES
+from lightmem.estimate.trace.records import CATEGORIES, held_bytes, reserved_or_peak
 from lightmem.estimate.words import format_seconds
 from lightmem.tables import format_table
 
@@ -77,14 +77,13 @@ class StepMemory:
     def predicted_reserved(self) -> int:
         """The reserved peak under the estimate's assumptions (balanced routing); the allocated peak
         where nothing was replayed."""
-        return self.reserve.bytes if self.reserve is not None else self.peak_bytes
+        return reserved_or_peak(self.reserve, self.peak_bytes)
 
     @property
     def reserved(self) -> int:
         """The reserved peak a budget must hold: ``predicted_reserved``, or the worst-case routing's
         where the step routes (``routing_bound``) and it is higher."""
-        bound = self.routing_bound
-        return self.predicted_reserved if bound is None else max(self.predicted_reserved, bound.reserved_bytes)
+        return held_bytes(self.predicted_reserved, self.routing_bound)
 
     @property
     def routing_bound_bytes(self) -> int | None:
@@ -207,7 +206,7 @@ class MemoryEstimate:
 
     @property
     def reserved_bytes(self) -> int:
-        return self.reserve.bytes if self.reserve is not None else self.peak_bytes
+        return reserved_or_peak(self.reserve, self.peak_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -239,8 +238,7 @@ class MemoryEstimate:
         mixture-of-experts step (None without a budget)."""
         if self.budget_bytes is None:
             return None
-        bound = self.routing_bound_reserved_bytes or 0
-        return max(self.reserved_bytes, bound) + self.overhead_bytes <= self.budget_bytes
+        return held_bytes(self.reserved_bytes, self.routing_bound) + self.overhead_bytes <= self.budget_bytes
 
     @property
     def available_bytes(self) -> int | None:

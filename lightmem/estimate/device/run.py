@@ -11,7 +11,6 @@ import logging
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,8 +30,8 @@ from lightmem.estimate.device.kernels import CORRECTIONS, RealKernel, real_outpu
 from lightmem.estimate.trace.batch import batch_tensors, fake_batch
 from lightmem.estimate.trace.dry_run_device import DRY_RUN_DEVICE, OnDryRunDevice, known_value
 from lightmem.estimate.trace.errors import EstimateError
-from lightmem.estimate.trace.logits import loss_logits, price_as_chunked, pricing_chunked
-from lightmem.estimate.trace.records import BUFFER, INPUT, PARAMETER, PeakInfo
+from lightmem.estimate.trace.logits import loss_logits, price_as_chunked
+from lightmem.estimate.trace.records import BUFFER, INPUT, PARAMETER, RoutingBound
 from lightmem.estimate.trace.stand_in import stand_in
 from lightmem.estimate.trace.step import StepRequest, StepTrace, steady_step
 from lightmem.estimate.trace.tracer import StorageTracer
@@ -40,26 +39,6 @@ from lightmem.estimate.trace.user_code import DryRunTrainer, attach, lightning_p
 from lightmem.estimate.trace.values import BALANCED, WORST, StandIns
 from lightmem.lightning_packages import is_lightning_module
 from lightmem.tiling.apply import tile_modules
-
-
-@dataclass(frozen=True)
-class RoutingBound:
-    """The step again under the worst-case routing (``StepRequest.routing="worst"``: each expert's rows
-    as many as a routing can give it, every row for the first top-k asked for and one for each other,
-    ``lightmem.estimate.values.Routing``): a bound on its transient peak, where the step itself assumes
-    balanced routing (each expert rows x top-k / experts)."""
-
-    peak: PeakInfo
-    reserve: Reserve
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak.bytes
-
-    @property
-    def reserved_bytes(self) -> int:
-        """What the allocator must be able to reserve for the worst-case step (CPU: its peak)."""
-        return self.reserve.bytes
 
 
 def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
@@ -80,7 +59,7 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
     """
     trace = _run_once(model, batch, request)
     if trace.routed and request.routing == BALANCED:
-        worst = _run_once(model, batch, dataclasses.replace(request, routing=WORST, speeds=None))
+        worst = _run_once(model, batch, dataclasses.replace(request, routing=WORST, priced=False))
         assert worst.reserve is not None
         trace.routing_bound = RoutingBound(worst.peak, worst.reserve)
         trace.seconds += worst.seconds
@@ -236,7 +215,7 @@ def _run(
     tracer.on_failure = failure.op_failed
     tracer.when_fake_refuses = real_output
     tracer.op_policy = op_policy(request.checkpoint_policy)
-    tracer.price = request.speeds
+    tracer.log_prices = request.priced
     tracer.stand_ins = StandIns(mode=request.routing)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
@@ -289,7 +268,7 @@ def _run(
     trace.loss_logits = loss_logits(  # the step's statements named the stand-in's modules
         tracer, trace.peak, named, blocks.repeated, product_dtype=precision.autocast_dtype, model=step_model
     )
-    if trace.loss_logits is not None and trace.loss_logits.replaceable and pricing_chunked():
+    if trace.loss_logits is not None and trace.loss_logits.replaceable and request.loss_as_chunked:
         # Priced as chunked, the step's requests lose the logits and gain what the chunked loss holds.
         trace.peak = price_as_chunked(tracer, trace.loss_logits)
     # What the allocator must reserve: the step's requests replayed (the CPU: the peak).

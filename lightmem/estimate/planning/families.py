@@ -22,7 +22,7 @@ from lightmem.estimate.pricing.costs import (
 )
 from lightmem.estimate.pricing.timeline import StepTime, step_time
 from lightmem.estimate.trace.blocks import ROOT_BLOCK, BlockMemory
-from lightmem.estimate.words import natural_order
+from lightmem.estimate.words import configuration_parts, natural_order
 
 _RANK = {KEEP: 0, PARTIAL: 1, OFFLOAD: 2, CHECKPOINT: 3, BOTH: 4}  # a block only moves up this list
 
@@ -166,6 +166,14 @@ class Candidate:
 
     def checkpoint_names(self) -> list[str]:
         return sorted(self.checkpoint, key=natural_order)
+
+    def describe(self, kinds: Mapping[str, str], min_bytes: int) -> str:
+        """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
+        return " + ".join(
+            configuration_parts(
+                self.checkpoint, kinds, min_bytes, everywhere=self.everywhere, offloaded=self.offload, partial=self.partial
+            )
+        )
 
     def offload_settings(self, searched: OffloadSettings) -> OffloadSettings | None:
         """``searched`` (the settings the plan runs under) with this candidate's modules:

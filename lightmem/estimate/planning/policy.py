@@ -1,5 +1,6 @@
-"""``plan(checkpoint_policy="auto")``: the faster of the plans under "full" and "save_matmuls",
-from one baseline step."""
+"""The plan for one batch under its settings: one space searched for the budget, or with
+``checkpoint_policy="auto"`` the faster of the plans under "full" and "save_matmuls", from one
+baseline step."""
 
 from __future__ import annotations
 
@@ -9,13 +10,22 @@ from typing import Any
 from torch import nn
 
 from lightmem.estimate.planning.result import Plan, PlanOption
-from lightmem.estimate.planning.space import PlanSpace, plan_space
+from lightmem.estimate.planning.space import PlanSpace, space_for
+from lightmem.estimate.settings import AUTO_POLICY, EstimateSettings
 from lightmem.estimate.trace.errors import EstimateError
 from lightmem.estimate.trace.step import as_traced_in_full
 from lightmem.estimate.words import policy_name
 
-AUTO_POLICY = "auto"
-"""``plan(checkpoint_policy="auto")``: the planner chooses what checkpointed blocks keep."""
+
+def planned(
+    model: nn.Module, batch: Any, settings: EstimateSettings, *, batch_size: int | None = None, started: float
+) -> tuple[Plan, PlanSpace]:
+    """The plan for ``settings.budget_bytes`` (``AUTO_POLICY``: under either policy) and the space it
+    was found in; its ``seconds`` count from ``started``."""
+    if isinstance(settings.checkpoint_policy, str) and settings.checkpoint_policy == AUTO_POLICY:
+        return plan_either_policy(model, batch, settings, batch_size=batch_size, started=started)
+    space = space_for(model, batch, settings, batch_size=batch_size)
+    return plan_in(space, started), space
 
 
 def plan_in(space: PlanSpace, started: float, other: Plan | None = None) -> Plan:
@@ -27,7 +37,7 @@ def plan_in(space: PlanSpace, started: float, other: Plan | None = None) -> Plan
 
 
 def plan_either_policy(
-    model: nn.Module, batch: Any, budget: int | str, loss_fn: Any, started: float, **common: Any
+    model: nn.Module, batch: Any, settings: EstimateSettings, *, batch_size: int | None, started: float
 ) -> tuple[Plan, PlanSpace]:
     """The faster of the plans under the "full" and "save_matmuls" policies (one that fits before
     one that does not). The second is searched only when the first checkpoints or does not fit:
@@ -37,11 +47,10 @@ def plan_either_policy(
     One baseline step serves both: traced under "save_matmuls" (whose per-op decisions it counts),
     it is the "full" baseline without them (``as_traced_in_full``). Returns the plan and the space it
     was found in."""
-    matmuls_space = plan_space(model, batch, loss_fn, budget=budget, fn_name="plan", checkpoint_policy="save_matmuls", **common)
-    full_space = plan_space(
-        model, batch, loss_fn, budget=budget, fn_name="plan", checkpoint_policy="full",
-        baseline=as_traced_in_full(matmuls_space.baseline), **common,
-    )  # fmt: skip
+    matmuls_space = space_for(model, batch, settings.with_policy("save_matmuls"), batch_size=batch_size)
+    full_space = space_for(
+        model, batch, settings.with_policy("full"), batch_size=batch_size, baseline=as_traced_in_full(matmuls_space.baseline)
+    )
     full = plan_in(full_space, started)
     if full.fits and not full.checkpoint:
         full.seconds = time.perf_counter() - started

@@ -10,7 +10,7 @@ from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, format_bytes
 from lightmem.devices import format_rate
 from lightmem.estimate.report import MemoryEstimate
-from lightmem.estimate.words import compact_names, format_seconds, natural_order, policy_name
+from lightmem.estimate.words import configuration_parts, format_seconds, policy_name
 
 
 def shortened(text: str, width: int = 100) -> str:
@@ -200,28 +200,17 @@ class Plan:
         """What the plan does, one phrase per technique: "checkpoint transformer.h.0-3
         (GPT2Block)", "offload conv1 (Conv2d) (min_bytes 1.00 MiB)", and first, when the plan moves
         model state to the host, "offload_optimizer (gradients and optimizer state on the host)"."""
-        kinds = self.estimate_kinds
-        parts = []
-        if self.offload_optimizer:
-            dtype = self.offload_optimizer_device_dtype
-            on_device = f", {dtype} parameters on the device" if dtype is not None else ""
-            parts.append(f"offload_optimizer (gradients and optimizer state on the host{on_device})")
-        if self.checkpoint:
-            names = compact_names(sorted(self.checkpoint, key=natural_order), kinds)
-            policy = "" if self.checkpoint_policy == "full" else f" (policy {policy_name(self.checkpoint_policy)})"
-            parts.append(f"checkpoint {names}{policy}")
-        if self.offload is not None and self.offload.include is None:
-            parts.append(f"offload every saved tensor of at least {format_bytes(self.offload.min_bytes)}")
-        elif self.offload is not None:
-            own = dict(zip(self.offload.include or (), self.offload.include_min_bytes or ()))
-            whole = [name for name in self.offload.include or () if not own.get(name)]
-            if whole:
-                names = compact_names(sorted(whole, key=natural_order), kinds)
-                parts.append(f"offload {names} (min_bytes {format_bytes(self.offload.min_bytes)})")
-            for threshold in sorted({size for size in own.values() if size}):
-                names = compact_names(sorted((n for n, size in own.items() if size == threshold), key=natural_order), kinds)
-                parts.append(f"offload the saved tensors of at least {format_bytes(threshold)} of {names}")
-        return parts
+        dtype = self.offload_optimizer_device_dtype
+        offload = self.offload
+        own = dict(zip(offload.include or (), offload.include_min_bytes or ())) if offload is not None else {}
+        return configuration_parts(
+            self.checkpoint, self.estimate_kinds, offload.min_bytes if offload is not None else 0,
+            everywhere=offload is not None and offload.include is None,
+            offloaded=[name for name in (offload.include or ()) if not own.get(name)] if offload is not None else (),
+            partial=own.items(), policy=self.checkpoint_policy,
+            model_state=(f", {dtype} parameters on the device" if dtype is not None else "") if self.offload_optimizer else None,
+            in_full=True,
+        )  # fmt: skip
 
     def describe(self) -> str:
         """What the plan chose, at what predicted cost, what else fitted, and why this one."""

@@ -5,7 +5,7 @@ memory and cost, which reports and plans read)."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,40 +18,15 @@ from lightmem.estimate.trace.tracer import StorageTracer
 
 
 @dataclass
-class BlockUsage:
-    """Saved-for-backward storages of one top-level block, at the end of forward."""
-
-    saved_bytes: int = 0
-    saved_sizes: list[int] = field(default_factory=list)
-    forward_flops: float = 0.0
-    input_bytes: int = 0
-    kept_bytes: int = 0
-    """Bytes of the op outputs op-level checkpointing keeps (0 under the "full" policy)."""
-    recompute_flops: float | None = None
-    """Forward FLOPs a checkpointed re-run repeats; None: all of them (the "full" policy)."""
-    forward_s: float = 0.0
-    """Device seconds of the block's forward, priced op by op (0: the step was not priced)."""
-    backward_s: float = 0.0
-    """Device seconds of the block's backward."""
-    recompute_s: float | None = None
-    """Seconds a checkpointed re-run repeats; None: all of ``forward_s`` (the "full" policy)."""
-    forward_ops: int = 0
-    """Priced ops of the block's forward (what the host launches for it)."""
-    backward_ops: int = 0
-    """Priced ops of the block's backward."""
-    recompute_ops: int | None = None
-    """Priced ops a checkpointed re-run repeats; None: all of ``forward_ops`` (the "full" policy)."""
-
-
-@dataclass
 class BlockMemory:
     """One block (a repeated layer, or a module around them): what autograd keeps of it at the
-    end of forward, and its cost."""
+    end of forward, and its cost. The trace fills it as the step runs (its seconds and priced ops
+    at a device's speeds: ``lightmem.estimate.pricing.fold``); reports and plans read it."""
 
     name: str
-    saved_bytes: int
-    forward_flops: float
-    input_bytes: int
+    saved_bytes: int = 0
+    forward_flops: float = 0.0
+    input_bytes: int = 0
     saved_sizes: list[int] = field(default_factory=list, repr=False)
     kind: str = ""
     """The block's class name ("GPT2Block"); empty for what runs outside every block."""
@@ -178,9 +153,10 @@ class BlockTracker:
 
 def forward_end_usage(
     tracer: StorageTracer, tracker: BlockTracker
-) -> tuple[dict[str, BlockUsage], list[SavedTensor], int]:
-    """Per-block saved bytes still alive at the end of forward, and the saved tensors' shapes."""
-    usage = {name: BlockUsage() for name in tracker.block_names.values()}
+) -> tuple[dict[str, BlockMemory], list[SavedTensor], int]:
+    """Per-block saved bytes still alive at the end of forward, and the saved tensors' shapes; a
+    block that ran priced ops has its entry too (its seconds are folded in by the pricing)."""
+    usage = {name: BlockMemory(name) for name in tracker.block_names.values()}
     saved: list[SavedTensor] = []
     total = 0
     scores = attention_scores(tracer) if tracer.softmaxes else set()
@@ -189,24 +165,28 @@ def forward_end_usage(
         if record.freed or record.saved_at < tracer.window.start or record.role in (PARAMETER, BUFFER):
             continue
         block = record.saved_block or ROOT_BLOCK
-        entry = usage.setdefault(block, BlockUsage())
+        entry = usage.setdefault(block, BlockMemory(block))
         entry.saved_bytes += record.nbytes
         entry.saved_sizes.append(record.nbytes)
         total += record.nbytes
         saved.append(SavedTensor(record.saved_shape or (), record.nbytes, block, rid in scores))
     for name, flops in tracer.block_flops.items():
-        usage.setdefault(name or ROOT_BLOCK, BlockUsage()).forward_flops += flops
-    for (phase, block), seconds in tracer.seconds.items():
-        if phase == "forward":
-            entry = usage.setdefault(block or ROOT_BLOCK, BlockUsage())
-            entry.forward_s += seconds
-            entry.forward_ops += tracer.ops.get((phase, block), 0)
+        usage.setdefault(name or ROOT_BLOCK, BlockMemory(name or ROOT_BLOCK)).forward_flops += flops
+    priced_blocks(usage, tracer.price_log, "forward")
     for name, nbytes in tracker.input_bytes.items():
         usage[name].input_bytes = nbytes
     if tracer.op_policy is not None:
         for name, entry in usage.items():
             entry.kept_bytes = tracer.block_kept_bytes.get(name, 0)
             entry.recompute_flops = tracer.block_recompute_flops.get(name, 0.0)
-            entry.recompute_s = tracer.block_recompute_s.get(name, 0.0)
-            entry.recompute_ops = tracer.block_recompute_ops.get(name, 0)
+            entry.recompute_s, entry.recompute_ops = 0.0, 0  # what its re-run repeats: priced by the fold
     return usage, saved, total
+
+
+def priced_blocks(usage: dict[str, BlockMemory], price_log: Sequence[Sequence[Any]], phase: str) -> None:
+    """An entry in ``usage`` for every block that ran priced ops in ``phase``, in the order they ran."""
+    for (logged_phase, block), *_ in price_log:
+        if logged_phase == phase:
+            name = block or ROOT_BLOCK
+            if name not in usage:
+                usage[name] = BlockMemory(name)

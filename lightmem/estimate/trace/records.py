@@ -110,3 +110,44 @@ class TraceWindow:
     start: int = 0
     end: int = 0
     forward_end: int = 0
+
+
+@dataclass(frozen=True)
+class RoutingBound:
+    """The step again under the worst-case routing (``StepRequest.routing="worst"``: each expert's rows
+    as many as a routing can give it, every row for the first top-k asked for and one for each other,
+    ``lightmem.estimate.values.Routing``): a bound on its transient peak, where the step itself assumes
+    balanced routing (each expert rows x top-k / experts)."""
+
+    peak: PeakInfo
+    reserve: Any
+    """What the allocator must be able to reserve for it (``device.caching_allocator.Reserve``)."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the allocator must be able to reserve for the worst-case step (CPU: its peak)."""
+        return self.reserve.bytes
+
+
+def reserved_or_peak(reserve: Any, peak_bytes: int) -> int:
+    """What the device's allocator must be able to reserve for a step whose allocated peak is
+    ``peak_bytes``: its requests' replay (``device.caching_allocator.Reserve``: the least cap it
+    runs under; a CPU step's is its peak), or the peak where nothing was replayed (a report made by
+    hand). The one home of this rule."""
+    return reserve.bytes if reserve is not None else peak_bytes
+
+
+def runs_within(reserve: Any, peak_bytes: int, available_bytes: int) -> bool:
+    """Whether a step runs with ``available_bytes`` reservable: one replay under that cap
+    (``Reserve.fits``), not the bisection ``reserved_or_peak`` runs; the peak where nothing was replayed."""
+    return reserve.fits(available_bytes) if reserve is not None else peak_bytes <= available_bytes
+
+
+def held_bytes(reserved_bytes: int, routing_bound: RoutingBound | None) -> int:
+    """What a budget must hold for a step that reserves ``reserved_bytes``: that, or for a mixture of
+    experts (``routing_bound``) what its worst-case routing reserves where that is higher."""
+    return reserved_bytes if routing_bound is None else max(reserved_bytes, routing_bound.reserved_bytes)

@@ -36,10 +36,11 @@ from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.trace import optimizers as optimizer_state
 from lightmem.estimate.trace.blocks import (
     ROOT_BLOCK,
+    BlockMemory,
     BlockTracker,
-    BlockUsage,
     SavedTensor,
     forward_end_usage,
+    priced_blocks,
 )
 from lightmem.estimate.trace.errors import EstimateError
 from lightmem.estimate.trace.logits import LossLogits
@@ -52,7 +53,7 @@ from lightmem.estimate.trace.optimizers import (
     state_records,
     unique_storages,
 )
-from lightmem.estimate.trace.records import GRADIENT, PeakInfo
+from lightmem.estimate.trace.records import GRADIENT, PeakInfo, held_bytes, reserved_or_peak
 from lightmem.estimate.trace.tracer import StorageTracer
 from lightmem.estimate.trace.user_code import DryRunTrainer, StepBoundaries, lightning_step, phase_optimizers
 from lightmem.estimate.trace.values import BALANCED
@@ -88,13 +89,16 @@ class StepRequest:
     trainable_dtype: torch.dtype | None = None
     """The trainable parameters' dtype on the device in this step; None: their own (or
     ``precision``'s). With ``optimizer_offload.device_dtype``: that dtype."""
-    speeds: DeviceSpeeds | None = None
-    """Price every op of the step at these speeds (``StepTrace.compute``); None: not priced."""
+    priced: bool = False
+    """Log what every op of the step costs (``StepTrace.price_log``), to be priced at a device's
+    speeds (``lightmem.estimate.pricing.fold``)."""
     expandable_segments: bool = False
     """The CUDA allocator maps pages into growing segments (what ``StepTrace.reserved_bytes`` replays)."""
     routing: str = BALANCED
     """What sizes a top-k routing gives (``lightmem.estimate.values``): ``"balanced"`` or ``"worst"``.
     A balanced step that was routed is traced again under ``"worst"`` (``StepTrace.routing_bound``)."""
+    loss_as_chunked: bool = False
+    """Price the step as if its loss were chunked (``lightmem.estimate.trace.logits.price_as_chunked``)."""
 
 
 @dataclass
@@ -102,7 +106,7 @@ class StepTrace:
     """What the fake step measured."""
 
     peak: PeakInfo
-    blocks: dict[str, BlockUsage]
+    blocks: dict[str, BlockMemory]
     saved_at_forward_end: list[SavedTensor]
     activations_at_forward_end: int
     parameter_bytes: int
@@ -129,7 +133,8 @@ class StepTrace:
     loss_logits: LossLogits | None = None
     """The cross-entropy's logits and the peak without them (``lightmem.estimate.logits``)."""
     optimizer_s: float = 0.0
-    """Device seconds of the optimizer step, priced (0: not priced, or model-state offload)."""
+    """Device seconds of the optimizer step, priced (0: not priced, or model-state offload):
+    ``optimizer_s``, ``op_seconds``, ``priced_with`` and the blocks' seconds are the fold's."""
     priced_ops: int = 0
     """Ops of the step that cost device time: the host launches each one."""
     op_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)
@@ -140,7 +145,10 @@ class StepTrace:
     priced_with: DeviceSpeeds | None = field(default=None, repr=False)
     """The speeds its ops were priced at (None: not priced)."""
     price_log: tuple[tuple[Any, ...], ...] = field(default=(), repr=False)
-    """Each priced op in order (``StorageTracer.price_log``): what ``reprice`` prices again."""
+    """Each priced op in order (``StorageTracer.price_log``): what the fold prices
+    (``lightmem.estimate.pricing.fold``), at any speeds."""
+    forward_priced_ops: int = 0
+    """The first ops of ``price_log`` that ran before the first forward ended: the blocks' forward."""
     stand_ins: list[str] = field(default_factory=list)
     """Values the step read that fake tensors do not have, each with what stood in for it and where."""
     routed: bool = False
@@ -150,14 +158,13 @@ class StepTrace:
 
     @property
     def reserved_bytes(self) -> int:
-        return self.reserve.bytes if self.reserve is not None else self.peak.bytes
+        return reserved_or_peak(self.reserve, self.peak.bytes)
 
     @property
     def bound_bytes(self) -> int:
         """What a budget must hold for the step: the reserved peak, or for a routed step its worst-case
         routing's (``routing_bound``), whichever is higher."""
-        bound = self.routing_bound
-        return self.reserved_bytes if bound is None else max(self.reserved_bytes, bound.reserved_bytes)
+        return held_bytes(self.reserved_bytes, self.routing_bound)
 
 
 def as_traced_in_full(trace: StepTrace) -> StepTrace:
@@ -185,7 +192,8 @@ class _StepDriver:
         self.tracer = tracer
         self.tracker = tracker
         self.hooks = hooks
-        self.forward_usage: tuple[dict[str, BlockUsage], list[SavedTensor], int] | None = None
+        self.forward_usage: tuple[dict[str, BlockMemory], list[SavedTensor], int] | None = None
+        self.forward_priced_ops = 0
 
     def training_step(self, call: Callable[[], Any]) -> Any:
         """``call`` (a forward: ``training_step``, ``loss_fn``, the model) in the forward's context:
@@ -215,6 +223,7 @@ class _StepDriver:
         tracer = self.tracer
         tracer.window.forward_end = tracer.now()
         self.forward_usage = forward_end_usage(tracer, self.tracker)
+        self.forward_priced_ops = len(tracer.price_log)
         self.hooks.forward_done()
         # As in a fit: lightmem's offload leaves at the first backward; a later forward keeps its saves.
         self.hooks.policy = None
@@ -333,18 +342,15 @@ def steady_step(
     mark_state(tracer, optimizers, request.device)
 
     peak = tracer.peak()
-    for (phase, block), seconds in tracer.seconds.items():
-        if phase == "backward":
-            entry = usage.setdefault(block or ROOT_BLOCK, BlockUsage())
-            entry.backward_s += seconds
-            entry.backward_ops += tracer.ops.get((phase, block), 0)
+    priced_blocks(usage, tracer.price_log, "backward")
+    for name, entry in usage.items():
+        entry.kind = blocks.kind(name) if name in blocks.modules else ""
+        entry.repeated = name in blocks.repeated
     return StepTrace(
         peak=peak,
-        optimizer_s=tracer.seconds.get(("optimizer", None), 0.0),
-        priced_ops=tracer.priced_ops,
-        op_seconds=dict(tracer.op_seconds),
-        priced_with=request.speeds,
+        priced_ops=len(tracer.price_log),
         price_log=tuple(tuple(entry) for entry in tracer.price_log),
+        forward_priced_ops=driver.forward_priced_ops,
         blocks=usage,
         block_kinds={name: blocks.kind(name) for name in blocks.modules},
         repeated_blocks=set(blocks.repeated),

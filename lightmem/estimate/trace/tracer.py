@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from lightmem.devices import DeviceSpeeds, op_cost
+from lightmem.devices import op_cost
 from lightmem.estimate.trace.call_site import CallSite, call_site
 from lightmem.estimate.trace.records import (
     ALLOCATE,
@@ -135,27 +135,14 @@ class StorageTracer(TorchDispatchMode):
         """(input, output) record ids of each softmax of the forward (attention's, usually)."""
         self.log_softmax_sites: list[CallSite | None] = []
         """The user's statement behind each of ``log_softmax_inputs`` (``call_site``)."""
-        self.price: DeviceSpeeds | None = None
-        """With speeds, every op of the forward, backward and optimizer step is priced
-        (``devices.op_cost``) into ``seconds`` by (phase, block)."""
-        self.seconds: dict[tuple[str, str | None], float] = {}
-        """Device seconds by (phase, block): "forward", "backward", "optimizer", and "recompute"
-        for a checkpointed block's re-run in backward. Block None: outside every block."""
-        self.block_recompute_s: dict[str | None, float] = {}
-        """With an op policy: seconds of the forward ops a checkpointed re-run of each block repeats."""
-        self.block_recompute_ops: dict[str | None, int] = {}
-        """With an op policy: priced forward ops a checkpointed re-run of each block repeats."""
-        self.ops: dict[tuple[str, str | None], int] = {}
-        """Priced ops by (phase, block), as ``seconds``: what the host launches (``DeviceSpeeds.host_op_s``)."""
-        self.priced_ops = 0
-        """Ops that cost device time (views and allocations are free), for the host's launch time."""
+        self.log_prices = False
+        """Log what every op of the forward, backward and optimizer step costs (``devices.op_cost``)
+        into ``price_log``, for ``lightmem.estimate.pricing.fold`` to price at a device's speeds."""
         self.price_log: list[list[Any]] = []
-        """Every priced op, in order: [(phase, block) key of ``seconds``, its ``op_cost``, its name, the
-        block whose ``block_recompute_s`` it adds to or None]: what prices the step again at other
-        speeds without tracing it (``lightmem.estimate.step.reprice``)."""
-        self.op_seconds: dict[str, tuple[float, int]] = {}
-        """Priced device seconds and calls of each op (its overload packet's name): where a
-        predicted step's time goes (``MemoryEstimate.op_seconds``)."""
+        """Every priced op, in order: [its (phase, block) key ("forward", "backward", "optimizer", and
+        "recompute" for a checkpointed block's re-run in backward; block None: outside every block),
+        its ``op_cost``, its name, the block whose checkpointed re-run repeats it (an op-level
+        policy's) or None]."""
 
     # -- allocation tracking ---------------------------------------------------------------------
 
@@ -205,7 +192,7 @@ class StorageTracer(TorchDispatchMode):
             self._note_op(func, args, kwargs, first)
             if func is _SOFTMAX and len(self.records) > first:
                 self.softmaxes.append((self._live.get(id(args[0].untyped_storage()), -1), first))
-        if self.count_flops or self.price is not None:
+        if self.count_flops or self.log_prices:
             self._count_flops(func, out, args, kwargs or {})
         if self.workspaces is not None:
             self.workspaces.see(func, self.context.phase)
@@ -254,25 +241,17 @@ class StorageTracer(TorchDispatchMode):
         counter = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
         flops = 0.0 if counter is None else counter(*args, **kwargs, out_val=out)
         phase = self.context.phase
-        seconds = 0.0
         logged: list[Any] | None = None
-        if self.price is not None and phase in _PRICED_PHASES:
+        if self.log_prices and phase in _PRICED_PHASES:
             cost = op_cost(func, args, kwargs, out, flops)
             if cost is not None:
-                seconds = self.price.op_seconds(*cost)
-                self.priced_ops += 1
-                name = packet.__name__
-                total, ops = self.op_seconds.get(name, (0.0, 0))
-                self.op_seconds[name] = (total + seconds, ops + 1)
                 if phase == "forward":
                     key = (phase, self.forward_block)
                 elif phase == "backward":
                     key = (RECOMPUTE, self.forward_block) if self.in_recompute else (phase, self.backward_block)
                 else:
                     key = (phase, None)
-                self.seconds[key] = self.seconds.get(key, 0.0) + seconds
-                self.ops[key] = self.ops.get(key, 0) + 1
-                logged = [key, cost, name, None]
+                logged = [key, cost, packet.__name__, None]
                 self.price_log.append(logged)
         if not self.count_flops:
             return
@@ -288,11 +267,8 @@ class StorageTracer(TorchDispatchMode):
         else:
             if flops:
                 self.block_recompute_flops[block] = self.block_recompute_flops.get(block, 0.0) + flops
-            if seconds:
-                self.block_recompute_s[block] = self.block_recompute_s.get(block, 0.0) + seconds
-                if logged is not None:
-                    logged[3] = block
-                self.block_recompute_ops[block] = self.block_recompute_ops.get(block, 0) + 1
+            if logged is not None:  # a checkpointed re-run of the block repeats it
+                logged[3] = block
 
     def track(self, tensor: torch.Tensor, role: int = OTHER) -> int:
         """Register ``tensor``'s storage (if new) with ``role`` and return its record id."""
