@@ -17,7 +17,7 @@ from lightmem.estimate.settings import EstimateSettings
 from lightmem.estimate.steps import STEPS, baseline_key, run_configuration
 from lightmem.estimate.trace.batch import BatchInfo
 from lightmem.estimate.trace.blocks import BlockMemory
-from lightmem.estimate.trace.step import StepTrace
+from lightmem.estimate.trace.step import StepTrace, as_chunked_trace
 
 
 def scenario_from(name: str, trace: StepTrace) -> StepMemory:
@@ -102,6 +102,10 @@ def build_report(
         )
     if key is not None and traces["baseline"] is not baseline:
         STEPS.remember_baseline(model, key, traces["baseline"])
+        chunked = as_chunked_trace(traces["baseline"])
+        if chunked is not None:  # the what-if's baseline, should the loss be priced as chunked
+            chunked_key = baseline_key(model, batch, settings.priced_as_chunked(), info, batch_size)
+            STEPS.remember_baseline(model, chunked_key, chunked)
     scenarios = {name: scenario_from(name, traces[name]) for name, *_ in configurations}
     chosen = scenarios[configurations[-1][0]]
     baseline = traces["baseline"]

@@ -46,7 +46,8 @@ def run_configuration(
     ``offload_optimizer`` defaults to the settings' choice; ``priced``: every op priced at the
     settings' speeds (the baseline's, which every configuration's time is built from); ``tile``:
     position-wise modules run in sequence shards. With ``settings.loss_as_chunked`` the step is priced
-    as if its loss were chunked."""
+    as if its loss were chunked; a priced step where the loss's logits dominate comes with what it
+    gives priced so (``StepTrace.as_chunked``: the baseline of the what-if)."""
     info = info or inspect_batch(batch)
     if offload_optimizer is None:
         offload_optimizer = settings.offload_optimizer
@@ -75,6 +76,7 @@ def run_configuration(
         priced=priced,
         expandable_segments=settings.expandable_segments,
         loss_as_chunked=settings.loss_as_chunked,
+        chunked_too=priced,
     )
     trace = run_step(model, batch, request)
     if priced:

@@ -31,9 +31,9 @@ from lightmem.estimate.trace.batch import batch_tensors, fake_batch
 from lightmem.estimate.trace.dry_run_device import DRY_RUN_DEVICE, OnDryRunDevice, known_value
 from lightmem.estimate.trace.errors import EstimateError
 from lightmem.estimate.trace.logits import loss_logits, price_as_chunked
-from lightmem.estimate.trace.records import BUFFER, INPUT, PARAMETER, RoutingBound
+from lightmem.estimate.trace.records import BUFFER, INPUT, PARAMETER, PeakInfo, RoutingBound
 from lightmem.estimate.trace.stand_in import stand_in
-from lightmem.estimate.trace.step import StepRequest, StepTrace, steady_step
+from lightmem.estimate.trace.step import ChunkedStep, StepRequest, StepTrace, steady_step
 from lightmem.estimate.trace.tracer import StorageTracer
 from lightmem.estimate.trace.user_code import DryRunTrainer, attach, lightning_package, no_trace_of_user_code
 from lightmem.estimate.trace.values import BALANCED, WORST, StandIns
@@ -44,13 +44,14 @@ from lightmem.tiling.apply import tile_modules
 def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
     """Run one steady-state step of ``model`` on fake tensors and trace its memory.
 
-    The step runs on a stand-in of ``model`` (``lightmem.estimate.stand_in``): whatever the
+    The step runs on a stand-in of ``model`` (``lightmem.estimate.trace.stand_in``): whatever the
     user's code does to the module, its optimizers, schedulers, loggers and random generators,
     the real ones are left as they were.
 
     A step whose sizes follow a top-k routing (``StepTrace.routed``) under ``request.routing``
     "balanced" is traced a second time under "worst" (``StepTrace.routing_bound``); a step that
-    routes nothing is traced once.
+    routes nothing is traced once. With ``request.chunked_too``, what the step gives priced as if its
+    loss were chunked comes with it (``StepTrace.as_chunked``).
 
     Raises:
         EstimateError: the step reads tensor values (``.item()``, data-dependent shapes), a
@@ -62,6 +63,8 @@ def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
         worst = _run_once(model, batch, dataclasses.replace(request, routing=WORST, priced=False))
         assert worst.reserve is not None
         trace.routing_bound = RoutingBound(worst.peak, worst.reserve)
+        if trace.as_chunked is not None and worst.as_chunked is not None:
+            trace.as_chunked.routing_bound = RoutingBound(worst.as_chunked.peak, worst.as_chunked.reserve)
         trace.seconds += worst.seconds
     return trace
 
@@ -268,10 +271,19 @@ def _run(
     trace.loss_logits = loss_logits(  # the step's statements named the stand-in's modules
         tracer, trace.peak, named, blocks.repeated, product_dtype=precision.autocast_dtype, model=step_model
     )
-    if trace.loss_logits is not None and trace.loss_logits.replaceable and request.loss_as_chunked:
+    replaceable = trace.loss_logits is not None and trace.loss_logits.replaceable
+    if replaceable and request.loss_as_chunked:
         # Priced as chunked, the step's requests lose the logits and gain what the chunked loss holds.
         trace.peak = price_as_chunked(tracer, trace.loss_logits)
-    # What the allocator must reserve: the step's requests replayed (the CPU: the peak).
-    allocations = tracer.step_allocations() if request.device == "cuda" else None
-    trace.reserve = Reserve(trace.peak.bytes, allocations, request.expandable_segments)
+    trace.reserve = _reserve(tracer, trace.peak, request)
+    if request.chunked_too and replaceable and not request.loss_as_chunked and trace.loss_logits.dominates(trace.peak.bytes):
+        # Where the logits dominate, the same step priced as chunked (the what-if a refusal asks) from this trace.
+        chunked = price_as_chunked(tracer, trace.loss_logits)
+        trace.as_chunked = ChunkedStep(chunked, _reserve(tracer, chunked, request))
     return trace
+
+
+def _reserve(tracer: StorageTracer, peak: PeakInfo, request: StepRequest) -> Reserve:
+    """What the allocator must reserve for the traced step: its requests replayed (the CPU: the peak)."""
+    allocations = tracer.step_allocations() if request.device == "cuda" else None
+    return Reserve(peak.bytes, allocations, request.expandable_segments)

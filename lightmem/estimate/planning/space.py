@@ -256,6 +256,8 @@ class PlanSpace:
         Along "offload everywhere" fitting can go the other way (checkpointing on top of
         offload raises the peak when a re-run materialises a large block in backward): when
         nothing after the start fits, the start itself (offload alone) is the answer if it fits.
+        So where neither the first guess nor the extreme fits, that walk is settled by its start:
+        a refusal verifies each walk's ends, not the steps between them.
         """
         fits = lambda index: self.verify(family.candidates[index], model_state).runs_within(available)  # noqa: E731
         last = len(family.candidates) - 1
@@ -269,6 +271,11 @@ class PlanSpace:
                     break
                 high, step = high - step, step * 2
         else:
+            if family.starts_with_offload_alone and guess < last and not fits(last):
+                # Checkpointing on top of offloading everything keeps no less on the device (a re-run
+                # materialises its block in backward): where the extreme does not fit either, the walk
+                # has nothing to find but its start.
+                return 0 if fits(0) else None
             low, high = guess, None
             while low < last:
                 probe = min(low + step, last)
@@ -451,21 +458,30 @@ class PlanSpace:
 
     def _closest_refused(self, available: int, model_state: bool) -> list[PlanOption]:
         """For each kind of configuration (``KINDS``) none of whose verified ones fits
-        ``available``: the verified one of that kind that came closest."""
-        closest: dict[str, tuple[int, Candidate]] = {}
+        ``available``: the verified one of that kind that came closest (the first verified of
+        those that came as close). A step's allocated peak bounds what it reserves from below, so
+        what each reserves is worked out (a bisection of replays) only where it could be closer."""
+        candidates: dict[str, list[tuple[int, int, Candidate, Verified]]] = {}
         fitting: set[str] = set()
-        for (candidate, state), verified in self.verified.items():
+        for order, ((candidate, state), verified) in enumerate(self.verified.items()):
             if state != model_state or not (candidate.checkpoint or candidate.offloads):
                 continue
             if verified.runs_within(available):
                 fitting.add(candidate.kind)
                 continue
-            reserved = verified.held_bytes
-            if candidate.kind not in closest or reserved < closest[candidate.kind][0]:
-                closest[candidate.kind] = (reserved, candidate)
-        return [
-            self._option(closest[kind][1], False, model_state) for kind in KINDS if kind in closest and kind not in fitting
-        ]
+            bound = verified.routing_bound
+            least = verified.peak_bytes if bound is None else max(verified.peak_bytes, bound.peak_bytes)
+            candidates.setdefault(candidate.kind, []).append((least, order, candidate, verified))
+        closest: dict[str, Candidate] = {}
+        for kind, found in candidates.items():
+            best: tuple[int, int] | None = None
+            for least, order, candidate, verified in sorted(found, key=lambda item: (item[0], item[1])):
+                if best is not None and (least, order) > best:
+                    break  # it reserves at least its peak: it cannot come closer
+                held = (verified.held_bytes, order)
+                if best is None or held < best:
+                    best, closest[kind] = held, candidate
+        return [self._option(closest[kind], False, model_state) for kind in KINDS if kind in closest and kind not in fitting]
 
     def step_of(self, candidate: Candidate, verified: Verified) -> StepTime:
         """A verified candidate's step: its re-runs and the bytes its fake step sent per block."""

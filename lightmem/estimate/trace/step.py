@@ -95,10 +95,12 @@ class StepRequest:
     expandable_segments: bool = False
     """The CUDA allocator maps pages into growing segments (what ``StepTrace.reserved_bytes`` replays)."""
     routing: str = BALANCED
-    """What sizes a top-k routing gives (``lightmem.estimate.values``): ``"balanced"`` or ``"worst"``.
+    """What sizes a top-k routing gives (``lightmem.estimate.trace.values``): ``"balanced"`` or ``"worst"``.
     A balanced step that was routed is traced again under ``"worst"`` (``StepTrace.routing_bound``)."""
     loss_as_chunked: bool = False
     """Price the step as if its loss were chunked (``lightmem.estimate.trace.logits.price_as_chunked``)."""
+    chunked_too: bool = False
+    """Also work out the step priced as if its loss were chunked, from the same trace (``StepTrace.as_chunked``)."""
 
 
 @dataclass
@@ -131,7 +133,7 @@ class StepTrace:
     """Class name of each block."""
     repeated_blocks: set[str] = field(default_factory=set)
     loss_logits: LossLogits | None = None
-    """The cross-entropy's logits and the peak without them (``lightmem.estimate.logits``)."""
+    """The cross-entropy's logits and the peak without them (``lightmem.estimate.trace.logits``)."""
     optimizer_s: float = 0.0
     """Device seconds of the optimizer step, priced (0: not priced, or model-state offload):
     ``optimizer_s``, ``op_seconds``, ``priced_with`` and the blocks' seconds are the fold's."""
@@ -155,6 +157,9 @@ class StepTrace:
     """Sizes of a top-k routing were stood in for: the step's memory depends on ``StepRequest.routing``."""
     routing_bound: Any = None
     """For a routed step (balanced routing): the same step under the worst-case routing; None otherwise."""
+    as_chunked: ChunkedStep | None = field(default=None, repr=False, compare=False)
+    """With ``StepRequest.chunked_too``: the step's peak and reserve priced as if its loss were
+    chunked (``as_chunked_trace``)."""
 
     @property
     def reserved_bytes(self) -> int:
@@ -165,6 +170,27 @@ class StepTrace:
         """What a budget must hold for the step: the reserved peak, or for a routed step its worst-case
         routing's (``routing_bound``), whichever is higher."""
         return held_bytes(self.reserved_bytes, self.routing_bound)
+
+
+@dataclass
+class ChunkedStep:
+    """What a traced step gives priced as if its loss were chunked: its peak, what the allocator must
+    reserve for it and (a mixture of experts) its worst-case routing's."""
+
+    peak: PeakInfo
+    reserve: Any
+    routing_bound: Any = None
+
+
+def as_chunked_trace(trace: StepTrace) -> StepTrace | None:
+    """``trace`` priced as if its loss were chunked (None: not worked out): every figure but the memory
+    is the step's own."""
+    chunked = trace.as_chunked
+    if chunked is None:
+        return None
+    return dataclasses.replace(
+        trace, peak=chunked.peak, reserve=chunked.reserve, routing_bound=chunked.routing_bound, as_chunked=None
+    )
 
 
 def as_traced_in_full(trace: StepTrace) -> StepTrace:
@@ -182,7 +208,7 @@ def as_traced_in_full(trace: StepTrace) -> StepTrace:
 
 class _StepDriver:
     """The phases of one traced step, told by the step's code as it runs in whatever order
-    (``lightmem.estimate.user_code``): the forward's context around each ``training_step``, the
+    (``lightmem.estimate.trace.user_code``): the forward's context around each ``training_step``, the
     end of the first forward (what it saved, per block), each backward, the optimizer's update."""
 
     def __init__(
