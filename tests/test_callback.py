@@ -502,7 +502,7 @@ def test_plan_auto_stops_before_the_forward_when_its_plan_needs_offload_optimize
 
 def test_offload_scope_in_the_plan_log_line():
     from lightmem.config import OffloadSettings
-    from lightmem.fit_session import offload_scope
+    from lightmem.fit_lines import offload_scope
 
     settings = OffloadSettings.parse()
     assert offload_scope(None) == "nothing"
