@@ -1,6 +1,6 @@
 """The host's timeline in the step-time model: a block ends on the device no sooner than the host
 has launched it, and a checkpointed block's re-run costs the host its launches and checkpointing's
-bookkeeping, not its device seconds (``lightmem.estimate.step_time``, ``devices.checkpoint_host_seconds``).
+bookkeeping, not its device seconds (``lightmem.estimate.pricing.timeline``, ``devices.checkpoint_host_seconds``).
 
 The pins: GPT-2 from its default config (bf16 autocast, AdamW, 1024 tokens) on the H100 of
 2026-11-27 (docs/gpu-runs/2026-11-27-h100-run3-frontier.txt), a host-bound step: batch 3 without

@@ -63,7 +63,7 @@ class StepMemory:
     seconds: float = 0.0
     step_seconds: float = 0.0
     """The predicted time of one step in this configuration on the estimate's device
-    (``lightmem.estimate.step_time``): compute, re-runs and transfer not hidden by compute."""
+    (``lightmem.estimate.pricing.timeline``): compute, re-runs and transfer not hidden by compute."""
     reserve: Any = field(default=None, repr=False, compare=False)
     """What the allocator must be able to reserve for the step (``StepTrace.reserve``, worked out
     when first asked); None: the peak."""
@@ -71,7 +71,7 @@ class StepMemory:
     """Modules run in sequence shards (``estimate_memory(tile=...)``)."""
     routing_bound: Any = field(default=None, repr=False, compare=False)
     """For a step whose sizes follow a mixture-of-experts routing: the step under the worst-case
-    routing (``lightmem.estimate.step.RoutingBound``), the bound a budget must hold; None otherwise."""
+    routing (``lightmem.estimate.trace.step.RoutingBound``), the bound a budget must hold; None otherwise."""
 
     @property
     def predicted_reserved(self) -> int:
@@ -146,7 +146,7 @@ class MemoryEstimate:
     prediction of ``torch.cuda.max_memory_allocated``. ``overhead_bytes`` is the allowance for what
     the caching allocator does not count (CUDA context, NCCL) and is never part of the breakdown.
     ``reserved_bytes`` is what the caching allocator must be able to reserve for the step (its
-    requests replayed through it: ``lightmem.estimate.caching_allocator``; the peak itself on the
+    requests replayed through it: ``lightmem.estimate.device.caching_allocator``; the peak itself on the
     CPU), and
     ``total_bytes`` = reserved + overhead: what must fit the budget. A step whose sizes follow a
     mixture-of-experts routing is predicted under balanced routing and bounded under the worst case
@@ -171,7 +171,7 @@ class MemoryEstimate:
     not_modelled: list[str] = field(default_factory=list)
     stand_ins: list[str] = field(default_factory=list)
     """Values the step read that fake tensors do not have, each with what stood in for it and where
-    (``lightmem.estimate.values``): a figure that depends on one holds as far as the stand-in does."""
+    (``lightmem.estimate.trace.values``): a figure that depends on one holds as far as the stand-in does."""
     inputs_bytes: int = 0
     seconds: float = 0.0
     offload_optimizer: bool = False
@@ -196,7 +196,7 @@ class MemoryEstimate:
     profiler's per-op table sits beside it: ``benchmarks/op_prices.py``)."""
     loss_logits: Any = None
     """The baseline step's loss logits and what a chunked loss would leave
-    (``lightmem.estimate.logits.LossLogits``); None: no cross-entropy over a linear layer's output."""
+    (``lightmem.estimate.trace.logits.LossLogits``); None: no cross-entropy over a linear layer's output."""
     chunked_loss: Any = None
     """With a budget, where the logits dominate the peak: the largest batch without lightmem, as
     written and with the loss chunked (``lightmem.estimate.chunked_loss.ChunkedLossReach``)."""

@@ -69,7 +69,7 @@ class SavedTensor:
     block: str
     attention_scores: bool = False
     """Made between a product of two activations (query and key) and its softmax, or from that
-    softmax's output (``lightmem.estimate.op_chain.attention_scores``)."""
+    softmax's output (``lightmem.estimate.trace.op_chain.attention_scores``)."""
 
 
 class BlockTracker:

@@ -183,7 +183,7 @@ def loss_logits(
 
     The logits are the largest such input; their weight, bias and hidden states are what that
     product read, and what lies between it and the log-softmax is read from the trace
-    (``lightmem.estimate.op_chain``). ``repeated`` names the repeated layers: the head and the loss
+    (``lightmem.estimate.trace.op_chain``). ``repeated`` names the repeated layers: the head and the loss
     run outside them, and storages made inside them are never the logits, whatever their size (an
     MLP as wide as the vocabulary). ``product_dtype``: the dtype the head's product runs in
     (autocast's; None: the weight's). ``model``: the traced model, whose local name in the user's

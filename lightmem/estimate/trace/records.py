@@ -59,7 +59,7 @@ PARAMETER, BUFFER, INPUT, GRADIENT, STATE, OTHER = range(6)
 OpStep = tuple[Any, tuple[int, ...], tuple[Any, ...]]
 """One op of the forward as the trace keeps it: (the op, the record id of each tensor it read (-1: a
 tensor the trace never saw made), its plain number arguments): what made a tensor, read back by
-``lightmem.estimate.op_chain``."""
+``lightmem.estimate.trace.op_chain``."""
 
 
 @dataclass(slots=True)
@@ -84,7 +84,7 @@ class StorageRecord:
     requested: int = 0
     """Bytes the storage asked for (``nbytes`` is what the allocator hands out for it)."""
     known: Any = None
-    """What the dry run assumes of the storage's values (``lightmem.estimate.values.Known``), if anything."""
+    """What the dry run assumes of the storage's values (``lightmem.estimate.trace.values.Known``), if anything."""
     made_by: OpStep | None = None
     """In forward: the op whose output the storage is (None: not made by an op of the forward)."""
     changed_by: list[OpStep] | None = None
@@ -116,7 +116,7 @@ class TraceWindow:
 class RoutingBound:
     """The step again under the worst-case routing (``StepRequest.routing="worst"``: each expert's rows
     as many as a routing can give it, every row for the first top-k asked for and one for each other,
-    ``lightmem.estimate.values.Routing``): a bound on its transient peak, where the step itself assumes
+    ``lightmem.estimate.trace.values.Routing``): a bound on its transient peak, where the step itself assumes
     balanced routing (each expert rows x top-k / experts)."""
 
     peak: PeakInfo

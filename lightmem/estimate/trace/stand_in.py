@@ -18,7 +18,7 @@ instead, and the dry run runs on the twin:
   bound to its twin, one bound to an object an attribute holds to its copy, any other is shared;
 - lightmem's own machinery set on a module (offload hooks, a chunked loss's handle, a block clock) is
   shared: it holds host memory and streams by handle, and the dry run runs its own;
-- the module's Trainer is replaced by the dry run's (``lightmem.estimate.user_code.DryRunTrainer``);
+- the module's Trainer is replaced by the dry run's (``lightmem.estimate.trace.user_code.DryRunTrainer``);
 - what cannot be copied (a lock, an open file, a C object without a copy) and heavy objects that
   a step reads but does not write (data loaders, datasets, data modules, loggers, callbacks) are
   shared: ``StandIn.shared`` names them.

@@ -123,10 +123,10 @@ class StorageTracer(TorchDispatchMode):
         first event to the last (a what-if: what a chunked loss keeps in place of the logits)."""
         self.saved: list[int] = []  # record ids in the order autograd first saved them
         self.stand_ins: StandIns | None = None
-        """Answers ops that need values fake tensors do not have (``lightmem.estimate.values``)."""
+        """Answers ops that need values fake tensors do not have (``lightmem.estimate.trace.values``)."""
         self.when_fake_refuses: Any = None
         """Called with (op, args, kwargs) when an op's fake kernel raises: returns (verdict, output,
-        why) (``lightmem.estimate.kernels.real_output``); an output stands in for the fake one."""
+        why) (``lightmem.estimate.device.kernels.real_output``); an output stands in for the fake one."""
         self.on_failure: Any = None
         """Called with (op, (args, kwargs), exception, what when_fake_refuses said) when an op raises."""
         self.log_softmax_inputs: list[tuple[tuple[int, ...], int, int]] = []
