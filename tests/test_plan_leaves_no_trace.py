@@ -199,3 +199,36 @@ def test_an_error_of_the_users_step_is_raised_as_without_lightmem_at_its_step(li
             cpu_trainer(callbacks, lightning_package, max_steps=3).fit(module_class(), loader())
         raised.append((type(error.value), str(error.value)))
     assert raised == [(RuntimeError, "labels out of range in batch 0")] * 2
+
+
+def test_in_a_fit_planning_copies_the_fits_optimizers_and_schedulers_and_runs_no_configure_optimizers(lightning_package):
+    # A scheduler steps in its constructor and configure_optimizers may have effects of its own
+    # (counted here in class attributes, where a stand-in's copy cannot keep them): planning builds
+    # neither, copying the fit's own into the dry run.
+    class CountedStepLR(torch.optim.lr_scheduler.StepLR):
+        built = 0
+        stepped = 0
+
+        def __init__(self, *args, **kwargs):
+            type(self).built += 1
+            super().__init__(*args, **kwargs)
+
+        def step(self, *args, **kwargs):
+            type(self).stepped += 1
+            super().step(*args, **kwargs)
+
+    class Counting(idiom_class("automatic", lightning_package)):
+        configured = 0
+
+        def configure_optimizers(self):
+            type(self).configured += 1
+            self.my_opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            self.sched = CountedStepLR(self.my_opt, 1, gamma=0.5)
+            return {"optimizer": self.my_opt, "lr_scheduler": {"scheduler": self.sched, "interval": "step"}}
+
+    counts = []
+    for callbacks in ([], [LightMem(plan="auto", device_budget=TIGHT["automatic"])]):
+        Counting.configured = CountedStepLR.built = CountedStepLR.stepped = 0
+        cpu_trainer(callbacks, lightning_package, max_steps=3).fit(Counting(), loader())
+        counts.append((Counting.configured, CountedStepLR.built, CountedStepLR.stepped))
+    assert counts == [(1, 1, 4)] * 2  # the constructor's step, then one per optimizer step

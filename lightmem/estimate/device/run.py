@@ -5,6 +5,7 @@ experts, the same step under the worst-case routing."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -31,11 +32,12 @@ from lightmem.estimate.trace.batch import batch_tensors, fake_batch
 from lightmem.estimate.trace.dry_run_device import DRY_RUN_DEVICE, OnDryRunDevice, known_value
 from lightmem.estimate.trace.errors import EstimateError
 from lightmem.estimate.trace.logits import loss_logits, price_as_chunked
+from lightmem.estimate.trace.optimizers import optimizers_of_the_fit
 from lightmem.estimate.trace.records import BUFFER, INPUT, PARAMETER, PeakInfo, RoutingBound
 from lightmem.estimate.trace.stand_in import stand_in
 from lightmem.estimate.trace.step import ChunkedStep, StepRequest, StepTrace, steady_step
 from lightmem.estimate.trace.tracer import StorageTracer
-from lightmem.estimate.trace.user_code import DryRunTrainer, attach, lightning_package, no_trace_of_user_code
+from lightmem.estimate.trace.user_code import DryRunTrainer, attach, lightning_package, no_trace_of_user_code, use_optimizers
 from lightmem.estimate.trace.values import BALANCED, WORST, StandIns
 from lightmem.lightning_packages import is_lightning_module
 from lightmem.tiling.apply import tile_modules
@@ -225,14 +227,21 @@ def _run(
         fakes, params, buffers = _fake_state(model, precision.param_dtype, fake_mode, request.trainable_dtype)
         package = lightning_package(model) if is_lightning else None
         trainer = DryRunTrainer(getattr(model, "_trainer", None), package) if package is not None else None
+        fit_optimizers = optimizers_of_the_fit(trainer, fakes) if request.optimizer.factory is None else None
         twin = stand_in(
             model, fakes, fake_mode, replacements={id(trainer._real): trainer} if trainer is not None and trainer._real is not None else None,
             attributes=(lambda module, state: attach(module, trainer)) if trainer is not None else None,
+            with_it=(fit_optimizers,) if fit_optimizers is not None else (),
         )  # fmt: skip
         step_model = twin.module
         step_model.train()
         if trainer is not None:
             trainer.lightning_module = step_model
+            if fit_optimizers is not None:
+                optimizers, trainer.lr_scheduler_configs = twin.copies[0]
+                for optimizer in optimizers:  # its state is made as the previous step's (create_state)
+                    optimizer.state = collections.defaultdict(dict)
+                use_optimizers(trainer, optimizers)
         failure.module_names = {id(module): name for name, module in step_model.named_modules()}
         step_blocks = Blocks({name: twin.twin(module) for name, module in blocks.modules.items()}, set(blocks.repeated))
         checkpointed: list[str] = []

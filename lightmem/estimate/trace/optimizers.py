@@ -206,6 +206,8 @@ def build_optimizers(
         raise ValueError(
             "estimate_memory(optimizer=None): a plain nn.Module needs an optimizer name or callable"
         )
+    if trainer.optimizers:  # copies of the fit's own (optimizers_of_the_fit)
+        return trainer.optimizers
     try:
         optimizers = configure(model, trainer)
     except Exception as error:
@@ -219,3 +221,17 @@ def build_optimizers(
             "or a callable params -> Optimizer)"
         )
     return optimizers
+
+
+def optimizers_of_the_fit(trainer: DryRunTrainer | None, fakes: dict[int, torch.Tensor]) -> tuple[list[Any], list[Any]] | None:
+    """The fit's own optimizers and scheduler configs, to be copied into the dry run (so planning
+    runs no ``configure_optimizers`` and constructs no scheduler: a scheduler steps in its
+    constructor), when they step exactly the module's parameters; None outside a fit, or where they
+    hold other tensors (model-state offload's host copies): then the stand-in's ``configure_optimizers``."""
+    real = trainer._real if trainer is not None else None
+    optimizers = list(getattr(real, "optimizers", None) or [])
+    if not optimizers or any(is_mock_optimizer(optimizer) for optimizer in optimizers):
+        return None
+    if not all(id(p) in fakes for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]):
+        return None
+    return optimizers, list(getattr(real, "lr_scheduler_configs", None) or [])

@@ -16,8 +16,12 @@ instead, and the dry run runs on the twin:
   tensor's value, which steps read as a number);
 - hooks registered on the modules follow the attributes: a hook bound to a module of the tree is
   bound to its twin, one bound to an object an attribute holds to its copy, any other is shared;
-- lightmem's own machinery set on a module (offload hooks, a chunked loss's handle, a block clock) is
-  shared: it holds host memory and streams by handle, and the dry run runs its own;
+- lightmem's own machinery set on a module (offload hooks, a block clock) is shared: it holds host
+  memory and streams by handle, and the dry run runs its own; plain-state wrappers the step reads
+  through the module (a checkpoint or tiling wrapper, a chunked loss's handle) are copied;
+- an optimizer is copied whole but for the callables set on it (``_copy_optimizer``), and in a fit
+  the fit's own optimizers and schedulers are copied with the tree (``with_it``), so the twin's
+  ``self.my_opt`` is the dry run's ``self.optimizers()``;
 - the module's Trainer is replaced by the dry run's (``lightmem.estimate.trace.user_code.DryRunTrainer``);
 - what cannot be copied (a lock, an open file, a C object without a copy) and heavy objects that
   a step reads but does not write (data loaders, datasets, data modules, loggers, callbacks) are
@@ -72,6 +76,8 @@ class StandIn:
     """``module.attribute`` paths left shared with the real modules."""
     fakes: list[torch.Tensor] = field(default_factory=list)
     """The fakes made of tensors met in the copy (not parameters or buffers)."""
+    copies: list[Any] = field(default_factory=list)
+    """The copies of ``stand_in(with_it=...)``."""
 
     def twin(self, module: nn.Module) -> nn.Module:
         return self.twins[id(module)]
@@ -116,6 +122,7 @@ def stand_in(
     fake_mode: FakeTensorMode,
     replacements: dict[int, Any] | None = None,
     attributes: Callable[[nn.Module, dict[str, Any]], None] | None = None,
+    with_it: tuple[Any, ...] = (),
 ) -> StandIn:
     """A twin of ``model``'s tree (module docstring).
 
@@ -125,6 +132,9 @@ def stand_in(
             run's), wherever the copy meets it.
         attributes: called with each LightningModule twin and its ``__dict__`` to set what the dry
             run gives it in place of the real one (its Trainer, ``log``).
+        with_it: objects copied within the same memo after the tree (the fit's optimizers and
+            schedulers): ``StandIn.copies``, the very objects the twins' attributes hold where they
+            held the originals.
     """
     memo: dict[int, Any] = dict(fakes)
     memo.update(replacements or {})
@@ -136,6 +146,8 @@ def stand_in(
     shared_types = _shared_types()
     copier = _TensorsAsFakes(fake_mode, found.fakes)
     with copier:
+        for value in with_it:  # first: an attribute that holds one holds its copy
+            _seed_tensors(value, memo, copier)
         for name, module in ((name, m) for name, m in model.named_modules(remove_duplicate=True)):
             twin = twins[id(module)]
             state: dict[str, Any] = {}
@@ -149,7 +161,7 @@ def stand_in(
                 else:
                     _seed_tensors(value, memo, copier)
                     try:
-                        state[key] = _copy_function(value, memo) if isinstance(value, types.FunctionType) else copy.deepcopy(value, memo)
+                        state[key] = _copy_value(value, memo)
                     except Exception:  # noqa: BLE001 - anything that cannot be copied is shared
                         state[key] = value
                         found.shared.append(f"{name or type(module).__name__}.{key}")
@@ -161,15 +173,31 @@ def stand_in(
                 hooks = twin.__dict__.get(key)
                 if hooks:
                     twin.__dict__[key] = type(hooks)((handle, _copied_hook(hook, memo)) for handle, hook in hooks.items())
+        found.copies = [copy.deepcopy(value, memo) for value in with_it]
     for module in modules:
         _run_eagerly(twins[id(module)])
     return found
 
 
+def _copy_optimizer(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -> torch.optim.Optimizer:
+    """An optimizer's copy, its whole ``__dict__`` (``Optimizer.__getstate__`` keeps three keys and
+    loses what a subclass sets, such as LBFGS's ``_params``), less the callables set on the instance:
+    a scheduler's wrapper of ``step`` is bound to the original, which the copy must never step."""
+    twin = object.__new__(type(optimizer))
+    memo[id(optimizer)] = twin
+    state = {key: value for key, value in vars(optimizer).items() if not callable(value)}
+    twin.__dict__.update(copy.deepcopy(state, memo))
+    return twin
+
+
 def _seed_tensors(value: Any, memo: dict[int, Any], copier: _TensorsAsFakes, depth: int = 4) -> None:
-    """The fakes of the tensors an attribute holds in plain containers, put in the memo before the
-    copy: ``copy`` then never calls a tensor's own ``__deepcopy__`` (a tensor subclass may define one)."""
-    if isinstance(value, torch.Tensor):
+    """The fakes of the tensors an attribute holds in plain containers, and the copies of its
+    optimizers, put in the memo before the copy: ``copy`` then never calls a tensor's own
+    ``__deepcopy__`` (a tensor subclass may define one), nor ``Optimizer.__getstate__`` (``_copy_optimizer``)."""
+    if isinstance(value, torch.optim.Optimizer):
+        if id(value) not in memo:
+            _copy_optimizer(value, memo)
+    elif isinstance(value, torch.Tensor):
         if id(value) not in memo:
             fake = copier.fake(value)
             memo[id(value)] = nn.Parameter(fake, requires_grad=value.requires_grad) if isinstance(value, nn.Parameter) else fake
@@ -179,6 +207,18 @@ def _seed_tensors(value: Any, memo: dict[int, Any], copier: _TensorsAsFakes, dep
     elif depth and isinstance(value, dict):
         for item in value.values():
             _seed_tensors(item, memo, copier, depth - 1)
+
+
+def _copy_value(value: Any, memo: dict[int, Any]) -> Any:
+    """An attribute's copy: a function or a partial set on a module with what it closes over copied
+    too (``_copy_function``), anything else by ``copy.deepcopy``."""
+    if isinstance(value, types.FunctionType):
+        return _copy_function(value, memo)
+    if isinstance(value, functools.partial):
+        return functools.partial(
+            _copy_value(value.func, memo), *copy.deepcopy(value.args, memo), **copy.deepcopy(value.keywords, memo)
+        )
+    return copy.deepcopy(value, memo)
 
 
 def _copy_function(function: types.FunctionType, memo: dict[int, Any]) -> types.FunctionType:
@@ -218,9 +258,9 @@ def _copied_hook(hook: Any, memo: dict[int, Any]) -> Any:
         return hook
     if isinstance(hook, types.MethodType) and id(hook.__self__) in memo:
         return types.MethodType(hook.__func__, memo[id(hook.__self__)])
-    if isinstance(hook, types.FunctionType):
+    if isinstance(hook, (types.FunctionType, functools.partial)):
         try:
-            return _copy_function(hook, memo)
+            return _copy_value(hook, memo)
         except Exception:  # noqa: BLE001 - shared, as any attribute that cannot be copied
             return hook
     return hook

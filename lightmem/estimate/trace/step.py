@@ -321,6 +321,8 @@ def steady_step(
         tracer, tracker.current, request.offload, model, protected, asynchronous=request.device == "cuda"
     )
     driver = _StepDriver(request, tracer, tracker, hooks)
+    if trainer is not None:
+        trainer.around_backward = driver.backward
     as_lightning = trainer is not None and request.loss_fn is None and request.zero_grad == "after_forward"
     phase_optimizers(optimizers, driver.forward, driver.update, updates=not model_state_offload)
 
@@ -332,8 +334,11 @@ def steady_step(
         stack.enter_context(tracker)
         for mode in device_modes:  # the device's own rules (CUDA's autocast policy, fused kernels)
             stack.enter_context(mode)
-        stack.enter_context(StepBoundaries(driver.backward))  # last: above every other mode
         if as_lightning:
+            # Last, above every other mode: a Lightning step may run a backward itself, anywhere in
+            # its code (manual optimization, a backward hook of its own, torch.autograd.grad). A
+            # plain step's one backward is run below, and pays no mode layer for every op.
+            stack.enter_context(StepBoundaries(driver.backward))
             lightning_step(
                 model, trainer, batch, _batch_index(trainer), trainer.package,
                 training_step=driver.training_step, forward_ended=driver.forward_ended,

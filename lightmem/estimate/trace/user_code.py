@@ -98,7 +98,10 @@ class _DryRunStrategy:
     def backward(self, closure_loss: Loss, optimizer: Any, *args: Any, **kwargs: Any) -> Loss:
         module = self.lightning_module
         module.on_before_backward(closure_loss)
-        module.backward(closure_loss, *args, **kwargs)
+        if overrides(module, "backward", self._trainer.package):
+            module.backward(closure_loss, *args, **kwargs)
+        else:  # Lightning's own hook: the backward itself, not through Tensor.backward (which may be patched)
+            self._trainer.around_backward(functools.partial(_tensor_backward, closure_loss, *args, **kwargs))
         module.on_after_backward()
         return closure_loss
 
@@ -139,6 +142,8 @@ class DryRunTrainer:
     def __init__(self, real: Any, package: str) -> None:
         self._real = real
         self.package = package
+        self.around_backward: Callable[[Callable[[], Any]], Any] = lambda run: run()
+        """Runs a backward in the step's backward phase (``StepBoundaries``' callback)."""
         self.strategy = _DryRunStrategy(self, getattr(real, "strategy", None))
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_scheduler_configs: list[Any] = []
@@ -164,6 +169,11 @@ class DryRunTrainer:
             f"lightmem's dry run runs training_step outside a Trainer: self.trainer.{name} is not known there "
             "(estimate within a fit, with LightMem(plan='auto'), or pass loss_fn(model, batch) -> loss)"
         )
+
+
+def overrides(module: Any, hook: str, package: str) -> bool:
+    """Whether ``module``'s class overrides Lightning's ``hook``."""
+    return getattr(type(module), hook) is not getattr(_from(package, "core.module", "LightningModule"), hook)
 
 
 def attach(module: Any, trainer: DryRunTrainer) -> None:
