@@ -21,6 +21,7 @@ from lightmem.estimate.report import MemoryEstimate
 from lightmem.estimate.search import largest_batches
 from lightmem.estimate.settings import EstimateSettings, LossFn, parse_settings
 from lightmem.estimate.trace.batch import BatchInfo, inspect_batch, scalable_batch
+from lightmem.offload.scope import ModuleScope
 
 ESTIMATE_MEMORY = Spelling("estimate_memory", (("modules", "tile"),))
 
@@ -136,8 +137,6 @@ def estimate_memory(
     offload_config = parse_offload(offload, flag="estimate_memory(offload=...)")
     if offload_config is not None:
         # Patterns are checked against the model now, so a typo fails before any tracing.
-        from lightmem.offload.scope import ModuleScope
-
         ModuleScope(
             model, offload_config.include, offload_config.exclude,
             include_flag=offload_config.flag("include"), exclude_flag=offload_config.flag("exclude"),
