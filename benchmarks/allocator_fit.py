@@ -1,6 +1,6 @@
 """The largest batches the planner gives under the caps the GPUs ran under, beside what they measured.
 
-Each step's requests are replayed through the caching allocator (``lightmem.estimate.caching_allocator``),
+Each step's requests are replayed through the caching allocator (``lightmem.estimate.device.caching_allocator``),
 with and without expandable segments, priced at the H100's speeds, ``overhead_bytes=0`` (the GPU runs
 capped the caching allocator with ``set_per_process_memory_fraction``: the CUDA context was outside).
 

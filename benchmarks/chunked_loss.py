@@ -48,7 +48,7 @@ sys.path.insert(0, str(CHECKOUT / "benchmarks"))
 from _common import hardware, interleaved_times_s, one_thread  # noqa: E402
 from lightmem import linear_cross_entropy  # noqa: E402
 from lightmem.config import format_bytes  # noqa: E402
-from lightmem.estimate.report import format_seconds  # noqa: E402
+from lightmem.estimate.words import format_seconds  # noqa: E402
 from lightmem.tables import format_table  # noqa: E402
 
 SIZES = {

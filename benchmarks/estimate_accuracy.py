@@ -35,7 +35,7 @@ from models import ConvNet, LSTMTagger, TinyGPT, chunked_gpt_loss, gpt_loss
 from lightmem import estimate_memory
 from lightmem.config import format_bytes
 from lightmem.testing.measure import measure_cpu_step
-from lightmem.estimate.tracer import CATEGORIES
+from lightmem.estimate.trace.records import CATEGORIES
 
 
 class MLP(nn.Module):

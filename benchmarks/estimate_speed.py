@@ -43,9 +43,9 @@ def main() -> None:
     parser.add_argument("--full-optimizer-step", action="store_true")
     args = parser.parse_args()
     if args.full_optimizer_step:
-        from lightmem.estimate import step
+        from lightmem.estimate.trace import optimizers
 
-        step._create_state = lambda optimizer: optimizer.step()
+        optimizers.create_state = lambda optimizer: optimizer.step()
     model, tokens, loss_fn = gpt2_large(16)
     common = {"precision": "bf16-mixed", "device": "cuda"}
 

@@ -62,7 +62,7 @@ from lightmem import apply_checkpointing, frontier, measure_device_speeds, offlo
 from lightmem.config import format_bytes  # noqa: E402
 from lightmem.devices import DeviceSpeeds, cuda_seconds  # noqa: E402
 from lightmem.estimate.frontier import Frontier, FrontierRow, measured_rows  # noqa: E402
-from lightmem.estimate.report import format_seconds  # noqa: E402
+from lightmem.estimate.words import format_seconds  # noqa: E402
 from lightmem.tables import format_table  # noqa: E402
 
 WITHIN = 0.15

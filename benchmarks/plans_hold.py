@@ -57,7 +57,7 @@ from _common import run_script  # noqa: E402
 from lightmem import LightMem, PlanDoesNotFit, linear_cross_entropy, max_batch_size, plan  # noqa: E402
 from lightmem.config import format_bytes, parse_size  # noqa: E402
 from lightmem.estimate.frontier import labelled_batches  # noqa: E402
-from lightmem.estimate.report import format_seconds  # noqa: E402
+from lightmem.estimate.words import format_seconds  # noqa: E402
 
 CAP = "16GiB"
 GPT_CONFIG = {"vocab": 32000, "dim": 1024, "depth": 16, "heads": 16, "seq": 1024, "dropout": 0.0}

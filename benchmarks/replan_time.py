@@ -29,7 +29,7 @@ from _common import hardware, print_table  # noqa: E402
 from examples.estimate_factories import gpt2_large, tiny_gpt  # noqa: E402
 from lightmem import estimate_memory, plan  # noqa: E402
 from lightmem.config import format_bytes  # noqa: E402
-from lightmem.estimate.planner import _VERIFIED  # noqa: E402
+from lightmem.estimate.steps import STEPS  # noqa: E402
 
 
 def _choice(chosen) -> str:
@@ -71,7 +71,7 @@ def _gpt_rows(repeats: int) -> list[list[str]]:
         best: dict[str, float] = {}
         chosen: dict[str, Any] = {}
         for _ in range(repeats):
-            _VERIFIED.clear()  # each repeat's first plan is a first plan: no verified step remembered
+            STEPS.clear()  # each repeat's first plan is a first plan: no step remembered
             for what, prices in (("first plan", {}), ("re-plan, new prices", {"flops_per_s": 500e12})):
                 started = time.perf_counter()
                 chosen[what] = plan(model, plans_hold._tokens(batch_size), "16GiB", plans_hold.gpt_loss, **prices, **common)

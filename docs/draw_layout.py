@@ -1,39 +1,87 @@
-"""Draw docs/layout.svg: the offload packages and their imports, read from the code.
+"""Draw docs/layout.svg and docs/estimate_layout.svg: lightmem's packages and their imports, read
+from the code.
 
     python docs/draw_layout.py
 
-Each box is a module of ``lightmem/offload``, ``lightmem/model_state`` or ``lightmem/transfer``
-(with its line count), and the modules that use them above; an arrow ``A -> B`` means A imports
-B (an arrow a longer way already implies is left out). Within a package a module stands above
-what it imports, so data and calls flow downward. Nothing is laid out by hand: run it again after
-a move and commit the picture it writes.
+``layout.svg``: each box is a module of ``lightmem/offload``, ``lightmem/model_state`` or
+``lightmem/transfer`` (with its line count), and the modules that use them above.
+``estimate_layout.svg``: the estimator's layers, from its entry points down to the trace, each
+module of ``lightmem/estimate`` a box. An arrow ``A -> B`` means A imports B (an arrow a longer way
+already implies is left out). Within a package a module stands above what it imports, so data and
+calls flow downward. Nothing is laid out by hand: run it again after a move and commit the
+pictures it writes.
 """
 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from html import escape
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lightmem"
-OUT = Path(__file__).resolve().parent / "layout.svg"
+DOCS = Path(__file__).resolve().parent
 
-# Bands from top to bottom; each band holds groups side by side. A group is a folder of
-# lightmem/ whose modules are drawn one by one, or a list of modules and folders drawn as one box each.
-BANDS: list[list[tuple[str, list[str]]]] = [
-    [("uses them", ["callback.py", "fit_session.py", "estimate/", "metrics/"])],
-    [("offload/", []), ("model_state/", [])],
-    [("transfer/", [])],
-    [("below", ["config.py"])],
-]
-CAPTIONS = {
-    "uses them": "who drives them: the callback's fit session, the estimator, the metrics",
-    "offload/": "activation offload: saved tensors out in forward, back in backward",
-    "model_state/": "model-state offload: gradients, optimizer state and the step on the host",
-    "transfer/": "what both offloads stand on: copies, page-locked host memory, in-flight bounds",
-    "below": "",
-}
+
+@dataclass(frozen=True)
+class Layout:
+    """One picture. ``bands`` from top to bottom, each holding groups side by side: a group is a
+    folder of lightmem/ whose modules are drawn one by one (no members), or a list of modules and
+    folders drawn as one box each. ``frameless``: groups drawn without a frame (callers, what lies below)."""
+
+    out: str
+    title: str
+    bands: list[list[tuple[str, list[str]]]]
+    captions: dict[str, str]
+    frameless: tuple[str, ...] = ()
+
+
+OFFLOADS = Layout(
+    "layout.svg",
+    "lightmem: the two offloads over one copy layer",
+    [
+        [("uses them", ["callback.py", "fit_session.py", "estimate/", "metrics/"])],
+        [("offload/", []), ("model_state/", [])],
+        [("transfer/", [])],
+        [("below", ["config/"])],
+    ],
+    {
+        "uses them": "who drives them: the callback's fit session, the estimator, the metrics",
+        "offload/": "activation offload: saved tensors out in forward, back in backward",
+        "model_state/": "model-state offload: gradients, optimizer state and the step on the host",
+        "transfer/": "what both offloads stand on: copies, page-locked host memory, in-flight bounds",
+        "below": "",
+    },
+    frameless=("uses them", "below"),
+)
+_ESTIMATE_ENTRIES = ["estimator.py", "planner.py", "search.py", "frontier.py", "advice.py", "chunked_loss.py"]
+ESTIMATOR = Layout(
+    "estimate_layout.svg",
+    "lightmem/estimate: a call walks down, from the entry points to the trace",
+    [
+        [("uses them", ["fit_session.py", "auto_plan.py", "cli.py"])],
+        [("entry points", [f"estimate/{name}" for name in _ESTIMATE_ENTRIES])],
+        [("estimate/planning/", [])],
+        [("steps", ["estimate/assemble.py", "estimate/report.py", "estimate/steps.py"])],
+        [("estimate/pricing/", []), ("estimate/device/", []), ("words", ["estimate/words.py"])],
+        [("estimate/trace/", []), ("settings", ["estimate/settings.py"])],
+        [("below", ["config/", "devices.py", "checkpoint.py", "offload/", "tiling/", "blocks.py"])],
+    ],
+    {
+        "uses them": "",
+        "entry points": "estimate_memory, plan, max_batch_size, frontier, the advice: each parses its arguments once",
+        "estimate/planning/": "the space, its walks and what a plan returns",
+        "steps": "a configuration's step, the one step memo, the report of an estimate",
+        "estimate/pricing/": "one fold of per-block time, the timeline",
+        "estimate/device/": "CUDA's rules, the allocator's replay, one step as the device runs it",
+        "words": "messages, at the side",
+        "estimate/trace/": "one dispatch mode: memory and priced ops; blocks; the user's code; optimizer state",
+        "settings": "the one settings object",
+        "below": "",
+    },
+    frameless=("uses them", "below"),
+)
 
 BOX_W, BOX_H, GAP_X, ROW_H, PAD, TITLE_H, CAPTION_H = 150, 34, 12, 58, 18, 70, 22
 
@@ -63,11 +111,11 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def _graph() -> tuple[dict[str, str], dict[str, int], dict[str, set[str]]]:
+def _graph(layout: Layout) -> tuple[dict[str, str], dict[str, int], dict[str, set[str]]]:
     """Node -> group, node -> lines, node -> the nodes it imports (transitively reduced)."""
     group_of: dict[str, str] = {}
     owner: dict[str, str] = {}  # module name (or folder's package name) -> node
-    for band in BANDS:
+    for band in layout.bands:
         for group, members in band:
             if members:
                 for member in members:
@@ -121,8 +169,8 @@ def _floors(nodes: list[str], edges: dict[str, set[str]]) -> dict[str, int]:
     return floor
 
 
-def draw() -> str:
-    group_of, lines, edges = _graph()
+def draw(layout: Layout) -> str:
+    group_of, lines, edges = _graph(layout)
     importers: dict[str, list[str]] = {node: [] for node in group_of}
     for source, targets in edges.items():
         for target in targets:
@@ -130,14 +178,14 @@ def draw() -> str:
     place: dict[str, tuple[float, float]] = {}  # node -> top-left corner
     frames: list[tuple[str, float, float, float, float]] = []
     bands = []  # per band: its groups as (group, width, height, rows from the top)
-    for band in BANDS:
+    for band in layout.bands:
         groups = []
         for group, _ in band:
             nodes = [node for node, owner in group_of.items() if owner == group]
             floor = _floors(nodes, edges)
             rows = [sorted(node for node in nodes if floor[node] == number) for number in sorted(set(floor.values()), reverse=True)]
             widest = max(len(row) for row in rows)
-            caption_w = 7.2 * len(f"lightmem/{group}  {CAPTIONS[group]}") + 2 * PAD if CAPTIONS[group] else 0
+            caption_w = 7.2 * len(_caption(layout, group)) + 2 * PAD if layout.captions[group] else 0
             group_w = max(widest * (BOX_W + GAP_X) - GAP_X + 2 * PAD, caption_w)
             groups.append((group, group_w, CAPTION_H + len(rows) * ROW_H + PAD, rows))
         bands.append(groups)
@@ -167,18 +215,18 @@ def draw() -> str:
         '<defs><marker id="head" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" markerHeight="7" '
         'orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#4a5568"/></marker></defs>',
         f'<rect width="{width:.0f}" height="{height:.0f}" fill="#ffffff"/>',
-        f'<text x="{PAD}" y="30" font-size="18" font-weight="bold">lightmem: the two offloads over one copy layer</text>',
+        f'<text x="{PAD}" y="30" font-size="18" font-weight="bold">{escape(layout.title)}</text>',
         f'<text x="{PAD}" y="52" font-size="12" fill="#4a5568">A -&gt; B: A imports B (an arrow a longer way '
         "implies is left out); drawn from the code by docs/draw_layout.py</text>",
     ]
     for group, x, top, group_w, group_h in frames:
-        if group in ("uses them", "below"):
+        if group in layout.frameless:
             continue
         out.append(
             f'<rect x="{x:.1f}" y="{top:.1f}" width="{group_w:.1f}" height="{group_h:.1f}" rx="8" '
             'fill="#f3f6fa" stroke="#8fa3bf"/>'
         )
-        caption = f"lightmem/{group}  {CAPTIONS[group]}"
+        caption = _caption(layout, group)
         out.append(f'<text x="{x + 10:.1f}" y="{top + 16:.1f}" font-size="12" font-weight="bold">{escape(caption)}</text>')
     for source in sorted(edges):
         for target in sorted(edges[source]):
@@ -194,7 +242,7 @@ def draw() -> str:
                 f'fill="none" stroke="{colour}" stroke-opacity="{opacity}" stroke-width="1.2" marker-end="url(#head)"/>'
             )
     for node, (x, top) in place.items():
-        name = node.rpartition("/")[2] if node.count("/") and not node.endswith("/") else node
+        name = node.rpartition("/")[2] if node.count("/") and not node.endswith("/") else node.removeprefix("estimate/")
         out.append(
             f'<rect x="{x:.1f}" y="{top:.1f}" width="{BOX_W}" height="{BOX_H}" rx="4" fill="#dbe6f3" stroke="#4a6a94"/>'
         )
@@ -204,6 +252,13 @@ def draw() -> str:
     return "\n".join(out) + "\n"
 
 
+def _caption(layout: Layout, group: str) -> str:
+    """A group's caption: its folder (or name) and what it is."""
+    where = f"lightmem/{group}" if group.endswith("/") else group
+    return f"{where}  {layout.captions[group]}"
+
+
 if __name__ == "__main__":
-    OUT.write_text(draw())
-    print(f"wrote {OUT.relative_to(ROOT)}")
+    for layout in (OFFLOADS, ESTIMATOR):
+        (DOCS / layout.out).write_text(draw(layout))
+        print(f"wrote docs/{layout.out}")

@@ -46,26 +46,27 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightmem.compiled import holds_compiled_modules
 from lightmem.config import PlanSettings, format_bytes
+from lightmem.config.estimator import parse_overhead
 from lightmem.device_memory import (
     OVERHEAD_GRAIN_BYTES,
     DeviceMemory,
     measure_device_budget,
     measured_speeds,
     memory_to_measure,
+    outside_bytes,
     overhead_for_given_budget,
     overhead_for_measured_budget,
-    outside_bytes,
     training_device_memory,
 )
-from lightmem.estimate import Plan
-from lightmem.estimate.batch import batch_shapes
 from lightmem.devices import DeviceSpeeds
-from lightmem.compiled import holds_compiled_modules
-from lightmem.estimate.report import BlockMemory, format_seconds
-from lightmem.estimate.settings import parse_overhead
-from lightmem.estimate.step import ROOT_BLOCK
-from lightmem.estimate.step_time import CHECKPOINT, KEEP, ForwardInterval, forward_intervals
+from lightmem.estimate import Plan
+from lightmem.estimate.pricing.costs import CHECKPOINT, KEEP
+from lightmem.estimate.pricing.timeline import ForwardInterval, forward_intervals
+from lightmem.estimate.trace.batch import batch_shapes
+from lightmem.estimate.trace.blocks import ROOT_BLOCK, BlockMemory
+from lightmem.estimate.words import format_seconds
 
 Shapes = tuple[tuple[int, ...], ...]
 

@@ -18,15 +18,10 @@ from lightmem.config import (
     LightMemSettings,
 )
 from lightmem.estimate import Plan
-from lightmem.fit_session import FitSession
+from lightmem.fit_session import FitOutcome, FitSession, Module, Trainer
 from lightmem.lightning_packages import callback_bases
 from lightmem.metrics.names import GROUPS
-from lightmem.metrics.recorder import MetricsRecorder
 from lightmem.model_state.offloader import OptimizerOffloadStats
-
-# A Trainer and a LightningModule of either Lightning package: hooks only pass them on.
-Trainer = Any
-Module = Any
 
 
 class LightMem(*callback_bases()):  # type: ignore[misc]
@@ -179,25 +174,23 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         ``.host_guard``, ``.plan``."""
         self.fit_session: FitSession | None = None
         """The running fit's state (offloaders, checkpoint handle, recorder, host guard); None outside ``fit``."""
-        self._last_plan: Plan | None = None  # the last fit's, kept after it
-        self._last_recorder: MetricsRecorder | None = None
-        self._last_optimizer_offload_stats: list[OptimizerOffloadStats] = []
+        self._last = FitOutcome()  # the last fit's, kept after it
+
+    @property
+    def _fit(self) -> FitSession | FitOutcome:
+        """What is reported: the running fit, or after it what it left."""
+        return self.fit_session if self.fit_session is not None else self._last
 
     @property
     def chosen_plan(self) -> Plan | None:
         """With plan='auto': the ``lightmem.estimate.Plan`` applied now (made for the first training
         batch, or the last one that needed a new plan); after fit, the fit's last."""
-        return self.fit_session.chosen_plan if self.fit_session is not None else self._last_plan
+        return self._fit.chosen_plan
 
     @property
     def optimizer_offload_stats(self) -> list[OptimizerOffloadStats]:
         """With offload_optimizer: per optimizer, host bytes and the last step's traffic (kept after fit)."""
-        session = self.fit_session
-        return session.optimizer_offload_stats() if session is not None else self._last_optimizer_offload_stats
-
-    @property
-    def _recorder(self) -> MetricsRecorder | None:
-        return self.fit_session.recorder if self.fit_session is not None else self._last_recorder
+        return self._fit.optimizer_offload_stats()
 
     @property
     def host_budget_bytes(self) -> int | None:
@@ -208,17 +201,17 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
     @property
     def last_metrics(self) -> dict[str, float]:
         """The metrics of the last logged step, as logged (with DDP: the max over ranks)."""
-        return self._recorder.last_metrics if self._recorder is not None else {}
+        return self._fit.recorder.last_metrics if self._fit.recorder is not None else {}
 
     @property
     def last_local_metrics(self) -> dict[str, float]:
         """The same figures for this process alone."""
-        return self._recorder.last_local_metrics if self._recorder is not None else {}
+        return self._fit.recorder.last_local_metrics if self._fit.recorder is not None else {}
 
     def summary(self) -> dict[str, str]:
         """Readable end-of-fit figures: peaks over the logged steps, traffic and waits per step
         (over every step), checkpointed blocks."""
-        figures = self._recorder.summary() if self._recorder is not None else []
+        figures = self._fit.recorder.summary() if self._fit.recorder is not None else []
         return {figure.label: figure.readable() for figure in figures}
 
     def oom_report(self, trainer: Trainer, pl_module: Module) -> str:
@@ -290,13 +283,7 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         if stage != "fit" or self.fit_session is None:
             return
         self._end_session()
-        if self._last_recorder is not None:
-            # A Rich progress bar stops at its own teardown, which may run after this one and
-            # redraw over whatever was printed: stop it first so the summary prints below it.
-            bar = trainer.progress_bar_callback
-            if bar is not None:
-                bar.teardown(trainer, pl_module, stage)
-            self._last_recorder.publish_summary(trainer)
+        self._last.publish(trainer, pl_module, stage)
 
     def _forward_done(self) -> None:
         if self.fit_session is not None:
@@ -305,8 +292,7 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
     def _end_session(self) -> None:
         session, self.fit_session = self.fit_session, None
         if session is not None:
-            self._last_plan, self._last_recorder = session.chosen_plan, session.recorder
-            self._last_optimizer_offload_stats = session.optimizer_offload_stats()
+            self._last = session.outcome()
             session.close()
 
     @override

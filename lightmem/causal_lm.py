@@ -43,7 +43,7 @@ class ChunkedCausalLMLoss:
     """The hooks ``chunked_causal_lm_loss`` put on one model; ``remove()`` takes them off."""
 
     dry_run_copies = True
-    """The estimator's stand-in of the model gets its own copy (``lightmem.estimate.stand_in``): plain
+    """The estimator's stand-in of the model gets its own copy (``lightmem.estimate.trace.stand_in``): plain
     state, whose model and head are then the stand-in's."""
 
     def __init__(self, model: nn.Module, head: nn.Linear, chunk_rows: int | None) -> None:

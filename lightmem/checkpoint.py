@@ -306,7 +306,7 @@ class CheckpointedForward:
     """
 
     dry_run_copies = True
-    """Copied into the estimator's stand-in of the model, bound to its block (``lightmem.estimate.stand_in``)."""
+    """Copied into the estimator's stand-in of the model, bound to its block (``lightmem.estimate.trace.stand_in``)."""
 
     def __init__(
         self, inner: Any, had_instance_forward: bool, block: nn.Module,

@@ -39,7 +39,7 @@ from lightmem.device_memory import (
 )
 from lightmem.devices import parse_gpu
 from lightmem.estimate import estimate_memory, frontier, max_batch_size, plan
-from lightmem.estimate.settings import parse_device, parse_optimizer, parse_overhead, parse_precision
+from lightmem.config.estimator import parse_device, parse_optimizer, parse_overhead, parse_precision
 
 
 def load_factory(spec: str) -> Callable[[int], Any]:

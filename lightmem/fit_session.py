@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,18 +19,38 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightmem import oom
 from lightmem.auto_plan import AutoPlan, PlanDoesNotFit, format_shapes, no_fit_message
-from lightmem.causal_lm import LITGPT_OPTION, ChunkedCausalLMLoss, causal_lms, chunked_causal_lm_loss, litgpt_models
-from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, largest_with_chunked_loss, no_fit_sentence
 from lightmem.blocks import find_blocks
+from lightmem.causal_lm import (
+    LITGPT_OPTION,
+    ChunkedCausalLMLoss,
+    causal_lms,
+    chunked_causal_lm_loss,
+    litgpt_models,
+)
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
-from lightmem.config import DECIMAL_UNITS_NOTE, LightMemSettings, OffloadSettings, decimal_reading, format_bytes
+from lightmem.config import (
+    LightMemSettings,
+    OffloadSettings,
+    format_bytes,
+)
 from lightmem.device_memory import use_expandable_segments
 from lightmem.estimate import Plan, max_batch_size, plan
-from lightmem.estimate.report import STAND_IN_NOTE, format_seconds
-from lightmem.estimate.batch import batch_shapes, with_shapes
+from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, no_fit_sentence
+from lightmem.estimate.report import STAND_IN_NOTE
+from lightmem.estimate.search import largest_batches, search_arguments
+from lightmem.estimate.trace.batch import batch_shapes, with_shapes
+from lightmem.estimate.words import format_seconds
+from lightmem.fit_lines import (
+    decimal_host_budget,
+    dry_run_failure,
+    gradients_elsewhere,
+    how_plans_are_made,
+    offload_off_reason,
+    offload_scope,
+    what_is_on,
+)  # fmt: skip
 from lightmem.host_guard import HostGuard, batches_loaded_ahead
 from lightmem.lightning_packages import is_barebones, logged_step
-from lightmem.metrics.names import key
 from lightmem.metrics.recorder import MetricsRecorder, build_probes
 from lightmem.model_state.offloader import OptimizerOffloader, OptimizerOffloadStats
 from lightmem.model_state.trainer_optimizers import gradient_readers, offload_trainer_optimizers
@@ -42,24 +63,28 @@ Trainer = Any
 Module = Any
 
 
-def offload_off_reason(settings: OffloadSettings) -> str | None:
-    """Why offload with these settings would gain nothing on this machine, or None."""
-    if settings.devices == ("cuda",) and not torch.cuda.is_available():
-        return "no CUDA device: moving CPU tensors to host memory gains nothing"
-    return None
+@dataclass
+class FitOutcome:
+    """What a fit leaves for the callback to report after it: its last plan, its metrics recorder
+    (figures only) and the optimizer offloaders' figures; as a running ``FitSession`` reports them."""
 
+    chosen_plan: Plan | None = None
+    recorder: MetricsRecorder | None = None
+    optimizer_offload: list[OptimizerOffloadStats] = field(default_factory=list)
 
-def offload_scope(offload: OffloadSettings | None) -> str:
-    """A plan's offload scope in the log line: its modules, 'everywhere' (no include) or 'nothing'."""
-    if offload is None:
-        return "nothing"
-    return "everywhere" if offload.include is None else str(offload.include_arg())
+    def optimizer_offload_stats(self) -> list[OptimizerOffloadStats]:
+        return self.optimizer_offload
 
-
-def _reason(error: BaseException) -> str:
-    """An error of the dry run in a few words: its type and first line."""
-    first = (str(error).strip().splitlines() or [""])[0][:300].rstrip(".")
-    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+    def publish(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        """The summary of the fit's metrics, printed below the progress bar."""
+        if self.recorder is None:
+            return
+        # A Rich progress bar stops at its own teardown, which may run after the callback's and redraw
+        # over whatever was printed: stop it first so the summary prints below it.
+        bar = trainer.progress_bar_callback
+        if bar is not None:
+            bar.teardown(trainer, pl_module, stage)
+        self.recorder.publish_summary(trainer)
 
 
 class FitSession:
@@ -179,7 +204,7 @@ class FitSession:
             )  # fmt: skip
             readers = gradient_readers(trainer) if self._optimizer_offloaders else []
             if readers:
-                rank_zero_warn(self._gradients_elsewhere(readers))
+                rank_zero_warn(gradients_elsewhere(self.settings, readers))
         if self.settings.offload_on and self.auto_plan is None:  # with a plan: what the plan chooses
             self._start_offload(pl_module, self.offload_settings)
         self._start_recording(trainer, pl_module)
@@ -188,47 +213,14 @@ class FitSession:
             self._say_how_plans_are_made()
 
     def _say_decimal_host_budget(self) -> None:
-        """A ``host_budget`` given in decimal units, as read (as ``plan="auto"`` reads back its
-        ``device_budget``): "64 GB" is 59.60 GiB, not 64."""
-        offload = self.settings.offload
-        reading = decimal_reading(offload.host_budget)
-        if reading is not None:
-            rank_zero_info(f"lightmem: {offload.flag('host_budget')}: {reading}, {DECIMAL_UNITS_NOTE}")
+        line = decimal_host_budget(self.settings)
+        if line is not None:
+            rank_zero_info(line)
 
     def _say_how_plans_are_made(self) -> None:
-        """``plan="auto"``'s lines at fit start: its budget, the allocator, the prices."""
         assert self.auto_plan is not None
-        measured = self.auto_plan.budget_source
-        if measured is not None:
-            rank_zero_info(f"lightmem: plan='auto' device budget, measured at fit start: {measured}")
-        reading = self.settings.plan.device_budget_reading
-        if reading is not None:
-            rank_zero_info(
-                f"lightmem: plan='auto' device budget: {reading}, {DECIMAL_UNITS_NOTE}"
-            )
-        if self._allocator_note:
-            rank_zero_info(self._allocator_note)
-        if self.auto_plan.speeds is not None:
-            rank_zero_info(f"lightmem: plan='auto' prices steps at {self.auto_plan.speeds.describe()}")
-        if self.auto_plan.peaks_reset:
-            rank_zero_info(
-                "lightmem: measuring the device raised the allocator's peak statistics above anything before "
-                "the fit: reset them (torch.cuda.reset_peak_memory_stats), so that the training batches' "
-                "peaks can be measured against the plan"
-            )
-
-    def _gradients_elsewhere(self, readers: list[str]) -> str:
-        """The warning for user code that reads gradients where optimizer offload leaves ``param.grad``
-        None: ``readers`` name it (``gradient_readers``)."""
-        flag = self.settings.optimizer_offload.flag("enabled")  # type: ignore[union-attr]
-        logged = "lightmem" in self.settings.metrics.groups
-        norm = f"; their global norm is logged as {key('optimizer/grad_norm')}" if logged else ""
-        runs = "runs" if len(readers) == 1 else "run"
-        return (
-            f"lightmem: {flag}: param.grad of the model's parameters is None between backward and the optimizer "
-            f"step (the gradients are on the host), where {', '.join(readers)} {runs}: read them with "
-            f"lightmem.named_grads(module), by the names grad_norm gives{norm}"
-        )
+        for line in how_plans_are_made(self.auto_plan, self.settings, self._allocator_note):
+            rank_zero_info(line)
 
     def _reads_the_step_running(self, trainer: Trainer) -> bool:
         """Whether the optimizer step now running logs the gradient norm (its figures are read)."""
@@ -291,58 +283,13 @@ class FitSession:
         return probes, metrics_off
 
     def _what_is_on(self, metrics_on: list[str], metrics_off: dict[str, str], device: torch.device) -> str:
-        """One line: every feature that is on, why each one asked for is off, and, on a CPU, how to
-        run the offloads there anyway."""
-        on, off = [], []
-        on_the_cpu = []  # what offload_devices=["cpu"] would run here
-        if self.auto_plan is not None:  # the plan's own line, at the first batch, says what it chose
-            what = "what to checkpoint"
-            if device.type == "cpu":
-                what += "; on a CPU it never offloads"
-            elif self.settings.offload_on:
-                what += " and offload"
-            on.append(f"plan='auto' (at the first training batch it chooses {what})")
-        if self.offloader is not None:
-            on.append(f"activation offload (tensors from {format_bytes(self.offloader.min_bytes)})")
-        elif self.settings.offload_on and (reason := offload_off_reason(self.offload_settings)) is not None:
-            off.append(f"activation offload ({reason})")
-            if self.auto_plan is None and device.type == "cpu":
-                on_the_cpu.append("activation offload")
-        if self._optimizer_offloaders:
-            notes = [
-                (str(offloader.host_kernel), offloader.overlap_note, offloader.device_dtype_note)
-                for offloader in self._optimizer_offloaders
-            ]
-            kernels = "; ".join("; ".join(note for note in each if note) for each in notes)
-            on.append(f"optimizer offload (gradients, optimizer state and step on the host; {kernels})")
-        elif self._optimizer_offload_off:
-            off.append(f"optimizer offload ({self._optimizer_offload_off})")
-            optimizer_offload = self.settings.optimizer_offload
-            if device.type == "cpu" and optimizer_offload is not None and "cpu" not in optimizer_offload.devices:
-                on_the_cpu.append("optimizer offload")
-        blocks = self.checkpointed_blocks
-        if blocks:
-            names = self._checkpoint.modules  # type: ignore[union-attr]
-            on.append(f"checkpointing {blocks} blocks ({', '.join(names[:3])}{', ...' if blocks > 3 else ''})")
-        elif self.settings.checkpoint.targets is not None:
-            off.append("checkpointing (see the warning above)")
-        if self._tiling is not None:
-            on.append(self._tiling.describe())
-        if metrics_on:
-            on.append(f"{', '.join(dict.fromkeys(metrics_on))} metrics")
-        for reason in dict.fromkeys(metrics_off.values()):
-            groups = [group for group, why in metrics_off.items() if why == reason]
-            named = " and ".join(filter(None, [", ".join(groups[:-1]), groups[-1]]))
-            off.append(f"{named} metrics ({reason})")
-        line = f"lightmem: on: {'; '.join(on) or 'nothing'}." + (f" Off: {'; '.join(off)}." if off else "")
-        if on_the_cpu:
-            spelling = self.settings.offload.spelling
-            them = "them" if len(on_the_cpu) > 1 else "it"
-            line += (
-                f" On this CPU, {spelling.entry}({spelling.name('devices')}=['cpu']) runs {' and '.join(on_the_cpu)} "
-                f"anyway, with host-to-host copies that save no memory: to see {them} work."
-            )
-        return line
+        """The fit-start line of what is on (``fit_lines.what_is_on``), from this fit's parts."""
+        return what_is_on(
+            self.settings, device, metrics_on, metrics_off, planning=self.auto_plan is not None, offloader=self.offloader,
+            offload_settings=self.offload_settings, optimizer_offloaders=self._optimizer_offloaders,
+            optimizer_offload_off=self._optimizer_offload_off, checkpointed=self._checkpoint.modules if self._checkpoint is not None else [],
+            tiling=self._tiling,
+        )  # fmt: skip
 
     def _host_bytes_peak_in_use(self) -> int:
         return self.offloader.host_bytes_peak_in_use if self.offloader is not None else 0
@@ -409,7 +356,7 @@ class FitSession:
         try:
             chosen = self._run_planner(trainer, pl_module, batch, shapes)
         except Exception as error:  # noqa: BLE001 - the dry run failing is never why a fit ends
-            self._without_plan(trainer, pl_module, shapes, f"its dry run could not trace the training step ({_reason(error)})")
+            self._without_plan(trainer, pl_module, shapes, f"its dry run could not trace the training step ({dry_run_failure(error)})")
             return
         rank_zero_info(
             f"lightmem: planned batches of {format_shapes(shapes)} in {chosen.seconds:.1f} s "
@@ -495,10 +442,12 @@ class FitSession:
         return f" (priced at {speeds.name} figures: {speeds.source}; not measured on this machine)"
 
     def _run_planner(
-        self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, *, search_up_to: int | None = None
-    ) -> Any:
-        """``plan`` (or, with ``search_up_to``, ``max_batch_size(plan=True)`` up to that batch size)
-        for batches of ``shapes``, with this fit's flags, budget and device speeds."""
+        self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, *, search_up_to: int | None = None,
+        loss_as_chunked: bool = False,
+    ) -> Any:  # fmt: skip
+        """``plan`` (or, with ``search_up_to``, ``max_batch_size(plan=True)`` up to that batch size,
+        with ``loss_as_chunked`` the loss priced as chunked) for batches of ``shapes``, with this fit's
+        flags, budget and device speeds."""
         assert self.auto_plan is not None
         common = {
             "device": pl_module.device.type, "precision": str(trainer.precision),
@@ -508,14 +457,20 @@ class FitSession:
             "overhead_bytes": self.auto_plan.plan_overhead_bytes,
             "gpu": self.auto_plan.speeds if self.auto_plan.speeds is not None else "auto",
         }  # fmt: skip
+        budget = self.auto_plan.planning_budget_bytes
         with self._without_checkpointing(pl_module):  # the planner sees the model as the user wrote it
             shaped = with_shapes(batch, shapes)
-            if search_up_to is not None:  # under the policy "auto" starts from
-                common["checkpoint_policy"] = self.settings.checkpoint.policy
-                return max_batch_size(
-                    pl_module, shaped, self.auto_plan.planning_budget_bytes, plan=True, limit=search_up_to, **common
-                )
-            return plan(pl_module, shaped, self.auto_plan.planning_budget_bytes, **common)
+            if search_up_to is None:
+                return plan(pl_module, shaped, budget, **common)
+            common["checkpoint_policy"] = self.settings.checkpoint.policy  # under the policy "auto" starts from
+            if not loss_as_chunked:
+                return max_batch_size(pl_module, shaped, budget, plan=True, limit=search_up_to, **common)
+            settings, info, offload, _ = search_arguments(
+                pl_module, shaped, budget, None, limit=search_up_to, checkpoint=None, optimizer=None, **common
+            )
+            return largest_batches(
+                pl_module, shaped, settings.priced_as_chunked(), info, offload=offload, limit=search_up_to, plan=True
+            )
 
     def _no_fit(self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, chosen: Plan) -> str:
         """The message of ``PlanDoesNotFit``, with the largest batch a plan fits (searched now) and,
@@ -531,8 +486,8 @@ class FitSession:
         limit = SEARCH_MULTIPLE * size if size is not None else None
         if limit is not None and dominant_logits(chosen.estimate) is not None:
             with contextlib.suppress(Exception):  # as above: the refusal stands without the figure
-                chunked_largest = largest_with_chunked_loss(
-                    lambda: self._run_planner(trainer, pl_module, batch, shapes, search_up_to=limit)
+                chunked_largest = self._run_planner(
+                    trainer, pl_module, batch, shapes, search_up_to=limit, loss_as_chunked=True
                 ).planned
         sentence = no_fit_sentence(chosen, chunked_largest, limit)
         return no_fit_message(chosen, shapes, largest, size, chunked_loss=sentence)
@@ -594,6 +549,10 @@ class FitSession:
             written = oom.dump_snapshot(path, trainer.global_rank, trainer.world_size) if path else None
             if written is not None:
                 print(f"lightmem: memory snapshot written to {written} (open it at https://pytorch.org/memory_viz)")
+
+    def outcome(self) -> FitOutcome:
+        """What this fit leaves for the callback to report after it (``close`` keeps the recorder's figures)."""
+        return FitOutcome(self.chosen_plan, self.recorder, self.optimizer_offload_stats())
 
     def close(self) -> None:
         """Leave the model and the process as they were before fit: no wrapper, patch or hooks.

@@ -50,12 +50,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +64,7 @@ from lightmem.config import format_bytes
 from lightmem.devices import cuda_seconds
 from lightmem.estimate.search import largest_fitting
 from lightmem.tables import markdown_table
+from lightmem.testing.sections import VERDICT, Section, run_report, verdict_of  # noqa: F401 (a section's verdict, as the report reads it)
 from lightmem.transfer.pool import registration_stats
 
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -78,8 +77,6 @@ GPU_TESTS_TIMEOUT_S = 1800.0
 QUICK_TEST_TIMEOUT_S = 60
 """``--quick``: the most one GPU test may take (pytest-timeout's ``--timeout``)."""
 QUICK_ENV = "LIGHTMEM_SELFCHECK_QUICK"
-HEADER_LIMIT_S = 30
-"""The report's header (versions, the page-locked copy bandwidth) takes a second or two; its limit."""
 BANDWIDTH_BYTES = 256 * 2**20
 """The page-locked copy the report's header times each way."""
 
@@ -111,92 +108,6 @@ def relative(value: float, reference: float) -> str:
 def spread(times_s: Sequence[float]) -> str:
     """Median and range of step times in ms: "12.3 ms (11.9-13.0)"."""
     return f"{statistics.median(times_s) * 1e3:.1f} ms ({min(times_s) * 1e3:.1f}-{max(times_s) * 1e3:.1f})"
-
-
-def run_with_time_limit(section: Callable[[], str], limit_s: float) -> tuple[str, bool]:
-    """``section()``'s markdown, or a line saying it failed or did not finish within ``limit_s``.
-
-    Returns (markdown, finished). A section that hangs keeps running on its daemon thread (a
-    stuck CUDA call cannot be interrupted); the caller writes what it has and goes on.
-    """
-    result: list[str] = []
-
-    def run() -> None:
-        try:
-            result.append(section())
-        except Exception as error:  # one failing benchmark must not hide the others' figures
-            result.append(f"## {section.__name__}\n\nFailed: `{type(error).__name__}: {error}`\n")
-
-    worker = threading.Thread(target=run, name=f"selfcheck-{section.__name__}", daemon=True)
-    worker.start()
-    worker.join(limit_s)
-    if worker.is_alive():
-        return f"## {section.__name__}\n\nDid not finish within {limit_s:.0f} s (time limit); skipped.\n", False
-    return result[0], True
-
-
-@dataclass(frozen=True)
-class Section:
-    """One part of the report: ``run(limit_s)`` returns its markdown, within ``limit_s`` seconds.
-
-    Its markdown starts with a ``## `` title; a line ``**Verdict:** ...`` in it is also printed as
-    the section's verdict when it finishes (otherwise "done").
-    """
-
-    name: str
-    limit_s: float
-    run: Callable[[float], str]
-    what: str
-
-
-VERDICT = "**Verdict:** "
-
-
-def verdict_of(markdown: str, finished: bool) -> str:
-    """The line printed when a section ends: its ``**Verdict:**`` line, "done", or why it did not finish."""
-    if not finished:
-        return "did not finish within its time limit"
-    for line in markdown.splitlines():
-        if line.startswith(VERDICT):
-            return line[len(VERDICT) :]
-        if line.startswith("Failed: "):
-            return line
-    return "done"
-
-
-def run_report(
-    sections: Sequence[Section], output: Path, header: Callable[[], str], out: TextIO | None = None
-) -> bool:
-    """Write ``header()`` then each section's markdown to ``output`` as each finishes, each under its
-    time limit; print one verdict line per section to ``out`` (stdout). Returns whether a section
-    was left running (a thread stuck in CUDA: the caller should ``os._exit``)."""
-    out = out if out is not None else sys.stdout
-    head, _ = run_with_time_limit(_named(header, "header"), HEADER_LIMIT_S)
-    output.write_text(head)  # written as it goes: a hang still leaves a report
-    hung = False
-    for section in sections:
-        started = time.perf_counter()
-        run = _named(lambda section=section: section.run(section.limit_s), section.name)
-        text, finished = run_with_time_limit(run, section.limit_s)
-        hung = hung or not finished
-        with output.open("a") as report:
-            report.write("\n" + text)
-        took = time.perf_counter() - started
-        verdict = f"{verdict_of(text, finished)} ({took:.0f} s of {section.limit_s:.0f} s)"
-        print(f"lightmem selfcheck: {section.name}: {verdict}", file=out, flush=True)
-        if finished and torch.cuda.is_available():
-            gc.collect()
-            torch.cuda.empty_cache()
-    print(f"lightmem selfcheck: report written to {output.resolve()}", file=out, flush=True)
-    return hung
-
-
-def _named(function: Callable[[], str], name: str) -> Callable[[], str]:
-    def named() -> str:
-        return function()
-
-    named.__name__ = name
-    return named
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

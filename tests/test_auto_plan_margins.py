@@ -11,7 +11,7 @@ from lightmem import LightMem, plan
 from lightmem.auto_plan import TIMED_STEPS, AutoPlan
 from lightmem.config import format_bytes
 from lightmem.device_memory import OVERHEAD_GRAIN_BYTES
-from lightmem.estimate.batch import batch_shapes
+from lightmem.estimate.trace.batch import batch_shapes
 from lightmem.testing.device import SimulatedDeviceMemory, simulated_device
 from lit_models import LitGPT
 

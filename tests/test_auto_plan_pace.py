@@ -11,8 +11,8 @@ import torch
 
 from lightmem import plan
 from lightmem.auto_plan import REPLAN_MARGIN, AutoPlan
-from lightmem.estimate.batch import batch_shapes
-from lightmem.estimate.step_time import forward_intervals
+from lightmem.estimate.trace.batch import batch_shapes
+from lightmem.estimate.pricing.timeline import forward_intervals
 from lightmem.testing.device import SimulatedDeviceMemory
 from lit_models import LitGPT
 

@@ -9,15 +9,8 @@ from __future__ import annotations
 import pytest
 
 from lightmem import estimate_memory
-from lightmem.estimate.caching_allocator import (
-    ALLOCATE,
-    FREE,
-    FREE_PREVIOUS,
-    OutOfMemory,
-    StepAllocations,
-    replay,
-    reserved_bytes,
-)
+from lightmem.estimate.trace.records import ALLOCATE, FREE, FREE_PREVIOUS, StepAllocations
+from lightmem.estimate.device.caching_allocator import OutOfMemory, replay, reserved_bytes
 
 MiB = 1 << 20
 

@@ -15,7 +15,7 @@ from lit_models import LitGPT, cpu_trainer, lit_gpt_class, token_loader
 
 from lightmem import LightMem
 from lightmem.checkpoint import is_checkpointed
-from lightmem.estimate.report import format_seconds
+from lightmem.estimate.words import format_seconds
 from lightmem.metrics.recorder import SUMMARY_TITLE
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")
@@ -416,7 +416,7 @@ def test_plan_auto_applies_a_plan_that_offloads_everywhere(monkeypatch, caplog):
     import logging
 
     from lightmem import fit_session
-    from lightmem.estimate.report import Plan
+    from lightmem.estimate.planning.result import Plan
 
     def everywhere(model, batch, budget, **kwargs):
         offload = kwargs["offload"].with_choice(min_bytes=0, include=None)
@@ -445,7 +445,7 @@ def test_plan_auto_applies_a_plan_that_offloads_everywhere(monkeypatch, caplog):
 
 def test_plan_auto_with_offload_off_plans_without_offload(monkeypatch):
     from lightmem import fit_session
-    from lightmem.estimate.report import Plan
+    from lightmem.estimate.planning.result import Plan
 
     asked = {}
 
@@ -484,7 +484,7 @@ def test_plan_auto_stops_before_the_forward_when_its_plan_needs_offload_optimize
     # The plan fits only with model state on the host; this fit keeps it on the device, so the
     # plan's peak is not what it would reach: no silent no-fit (issue 37).
     from lightmem import PlanDoesNotFit, fit_session
-    from lightmem.estimate.report import Plan
+    from lightmem.estimate.planning.result import Plan
 
     def needs_model_state_offload(model, batch, budget, **kwargs):
         return Plan([], None, 1, 0, budget, True, "with offload_optimizer", offload_optimizer=True)
@@ -502,7 +502,7 @@ def test_plan_auto_stops_before_the_forward_when_its_plan_needs_offload_optimize
 
 def test_offload_scope_in_the_plan_log_line():
     from lightmem.config import OffloadSettings
-    from lightmem.fit_session import offload_scope
+    from lightmem.fit_lines import offload_scope
 
     settings = OffloadSettings.parse()
     assert offload_scope(None) == "nothing"

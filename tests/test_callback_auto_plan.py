@@ -31,9 +31,9 @@ from lightmem.device_memory import (
     measure_device_budget,
     measured_speeds,
 )
-from lightmem.estimate.batch import batch_shapes
-from lightmem.estimate.report import format_seconds
-from lightmem.estimate.step_time import forward_intervals
+from lightmem.estimate.trace.batch import batch_shapes
+from lightmem.estimate.words import format_seconds
+from lightmem.estimate.pricing.timeline import forward_intervals
 from lightmem.metrics.names import GiB
 from lightmem.testing.device import SimulatedDeviceMemory, simulated_device
 
@@ -543,7 +543,7 @@ def test_blocks_are_timed_only_where_hooks_cannot_change_the_model():
 
 
 def test_a_fit_whose_block_is_slower_than_priced_plans_again_once(monkeypatch, caplog):
-    from lightmem.estimate import configuration
+    from lightmem.estimate import steps as configuration
 
     module = LitGPT()
     chosen = plan(module, _tokens(4, 33), BUDGET, device="cpu")

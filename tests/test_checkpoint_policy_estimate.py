@@ -13,8 +13,10 @@ import torch
 from models import TinyGPT, gpt_loss
 
 from lightmem import LightMem, estimate_memory
-from lightmem.estimate.planner import CHECKPOINT, Costs, choose_actions, plan, recompute_s, saves_bytes
-from lightmem.estimate.report import BlockMemory
+from lightmem.estimate.pricing.costs import CHECKPOINT, Costs, recompute_s, saves_bytes
+from lightmem.estimate.planning.families import choose_actions
+from lightmem.estimate.planner import plan
+from lightmem.estimate.trace.blocks import BlockMemory
 
 # TinyGPT(dim=64, heads=4), batch 4, sequence 32, float32: the outputs save_matmuls keeps per block
 # are qkv (4x32x192), q@k^T (4x4x32x32), attn@v (4x4x32x16), proj (4x32x64), fc1 (4x32x256) and

@@ -55,15 +55,13 @@ def test_a_batch_no_plan_fits_for_its_logits_is_planned_again_with_the_loss_pric
 def test_a_step_priced_as_chunked_is_never_served_from_the_steps_verified_as_written():
     # The planner remembers verified steps across plans of one model: the what-if plan with the
     # loss priced as chunked must trace its own (it found the steps as written and kept refusing).
-    from lightmem.estimate.logits import priced_as_chunked
-    from lightmem.estimate.planner import plan_space
+    from lightmem.estimate.planning.space import plan_space
 
     model = _wide_gpt()
     written = plan_space(model, _tokens(24), gpt_loss, **COMMON)
     as_written = [written.verify(candidate).peak_bytes for candidate in written.extremes()]
-    with priced_as_chunked():
-        space = plan_space(model, _tokens(24), gpt_loss, **COMMON)
-        chunked = [space.verify(candidate).peak_bytes for candidate in space.extremes()]
+    space = plan_space(model, _tokens(24), gpt_loss, loss_as_chunked=True, **COMMON)
+    chunked = [space.verify(candidate).peak_bytes for candidate in space.extremes()]
     assert space.traced == len(chunked) > 0
     assert all(peak < peak_as_written for peak, peak_as_written in zip(chunked, as_written))
 
@@ -152,7 +150,7 @@ def _size(nbytes: int) -> str:
 
 
 def _seconds(seconds: float) -> str:
-    from lightmem.estimate.report import format_seconds
+    from lightmem.estimate.words import format_seconds
 
     return format_seconds(seconds)
 

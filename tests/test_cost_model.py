@@ -23,7 +23,7 @@ from models import TinyGPT, gpt_loss
 from lightmem import DeviceSpeeds, estimate_memory, max_batch_size, plan
 from lightmem.cli import main
 from lightmem.devices import CPU_SPEEDS, GPU_TABLE, MATMUL, MEMORY, REDUCTION, gpu_key, op_cost
-from lightmem.estimate.configuration import parse_settings
+from lightmem.estimate.settings import parse_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))

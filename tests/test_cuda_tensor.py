@@ -66,7 +66,7 @@ def test_an_op_mixing_it_with_a_cpu_tensor_raises_cudas_error(mix):
 
 
 def test_an_in_place_op_of_a_cpu_tensor_mixing_it_raises_cudas_error_as_counts_plus_equals_did():
-    # lightmem.estimate.batch._sparse_input on the H200: counts made on the CPU, the batch on CUDA.
+    # lightmem.estimate.trace.batch._sparse_input on the H200: counts made on the CPU, the batch on CUDA.
     counts = torch.zeros(4, dtype=torch.int64)
     rows = torch.ones(4, 8, device="cuda")
     with pytest.raises(RuntimeError) as error:

@@ -11,7 +11,7 @@ from lit_models import LitGPT
 from models import Block
 from pytorch_lightning.strategies import FSDPStrategy
 
-import lightmem.config
+import lightmem.config.units
 from lightmem import LightMem, oom, offload_activations
 from lightmem.checkpoint import existing_checkpointing, is_checkpointed
 from lightmem.fit_session import FitSession
@@ -22,7 +22,7 @@ GiB = 1024**3
 
 @pytest.fixture
 def eight_gib_available(monkeypatch):
-    monkeypatch.setattr(lightmem.config, "available_ram_bytes", lambda: 8 * GiB)
+    monkeypatch.setattr(lightmem.config.units, "available_ram_bytes", lambda: 8 * GiB)
 
 
 @pytest.mark.parametrize(("ranks", "expected"), [(None, 4 * GiB), ("1", 4 * GiB), ("4", GiB), ("8", GiB // 2)])
@@ -54,7 +54,7 @@ def test_lightning_callback_shares_host_budget_by_the_trainers_devices_per_node(
 def test_host_min_available_is_a_node_wide_floor_not_divided(monkeypatch):
     # Every rank compares the node's available RAM with it, so it is already shared.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setattr(lightmem.config, "total_ram_bytes", lambda: 10 * GiB)
+    monkeypatch.setattr(lightmem.config.units, "total_ram_bytes", lambda: 10 * GiB)
     assert offload_activations(host_min_available=0.1, devices=("cpu",)).host_min_available_bytes == GiB
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from lightmem import estimate_memory
 from lightmem.estimate import EstimateError
 from lightmem.estimate.report import STAND_IN_NOTE
-from lightmem.estimate.tracer import CATEGORIES
+from lightmem.estimate.trace.records import CATEGORIES
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from lightmem.estimate.tracer import CATEGORIES
+from lightmem.estimate.trace.records import CATEGORIES
 
 BENCHMARK = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "estimate_accuracy.py")
 EXPECTED_RUNS = [

@@ -11,7 +11,7 @@ from models import TinyGPT, gpt_loss
 from torch import nn
 
 from lightmem import estimate_memory
-from lightmem.estimate.advice import compact_names
+from lightmem.estimate.words import compact_names
 
 
 def _rules(estimate) -> list[str]:

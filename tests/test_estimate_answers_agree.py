@@ -13,7 +13,7 @@ from torch import nn
 
 from lightmem import frontier, max_batch_size, plan
 from lightmem.config import format_bytes
-from lightmem.estimate.planner import plan_space
+from lightmem.estimate.planning.space import plan_space
 
 
 class Layer(nn.Module):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightmem import estimate_memory
-from lightmem.estimate.cuda_model import cuda_block_bytes
+from lightmem.estimate.device.cuda_memory import cuda_block_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -19,7 +19,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from lightmem import estimate_memory, plan  # noqa: E402
-from lightmem.estimate.step import find_blocks  # noqa: E402
+from lightmem.blocks import find_blocks  # noqa: E402
 
 BATCH, SEQ, VOCAB = 4, 64, 512
 MODELS = ("gpt2", "llama", "bert", "t5")

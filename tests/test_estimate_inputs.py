@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightmem import estimate_memory
 from lightmem.estimate import EstimateError
-from lightmem.estimate.batch import inspect_batch
-from lightmem.estimate.tracer import StorageTracer
+from lightmem.estimate.trace.batch import inspect_batch
+from lightmem.estimate.trace.tracer import StorageTracer
 
 
 def _sum_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

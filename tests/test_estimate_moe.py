@@ -24,7 +24,7 @@ from hf_defaults import default_model  # noqa: E402
 
 from lightmem import estimate_memory  # noqa: E402
 from lightmem.estimate import EstimateError  # noqa: E402
-from lightmem.estimate.kernels import REAL_RUN_LIMIT_BYTES  # noqa: E402
+from lightmem.estimate.device.kernels import REAL_RUN_LIMIT_BYTES  # noqa: E402
 
 MIXTRAL_RUNS = ("plain", "full", "save_matmuls")
 

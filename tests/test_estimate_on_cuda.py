@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.data import DataLoader
 
 from lightmem import LightMem, estimate_memory, frontier, max_batch_size, plan
-from lightmem.estimate.batch import inspect_batch
+from lightmem.estimate.trace.batch import inspect_batch
 from lightmem.testing.cuda_tensor import CUDA_DEVICE, SimulatedCudaFit, simulated_cuda
 
 pytestmark = pytest.mark.filterwarnings(

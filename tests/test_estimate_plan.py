@@ -7,8 +7,9 @@ import torch
 from models import TinyGPT, gpt_loss
 
 from lightmem import estimate_memory, max_batch_size, plan
-from lightmem.estimate.planner import BOTH, CHECKPOINT, OFFLOAD, Costs, choose_actions, config_for
-from lightmem.estimate.report import BlockMemory
+from lightmem.estimate.pricing.costs import BOTH, CHECKPOINT, OFFLOAD, Costs
+from lightmem.estimate.planning.families import choose_actions, config_for
+from lightmem.estimate.trace.blocks import BlockMemory
 from lightmem.estimate.search import largest_fitting
 
 

@@ -21,8 +21,9 @@ from torch import nn
 
 from lightmem import estimate_memory, max_batch_size
 from lightmem.config import format_bytes
-from lightmem.estimate.planner import Candidate, PlanSpace, plan_space
-from lightmem.estimate.report import format_seconds
+from lightmem.estimate.planning.families import Candidate
+from lightmem.estimate.planning.space import PlanSpace, plan_space
+from lightmem.estimate.words import format_seconds
 
 transformers = pytest.importorskip("transformers")
 
@@ -223,7 +224,7 @@ def test_max_batch_size_with_plan_is_the_largest_batch_a_configuration_of_the_sp
 def test_cli_max_batch_size_with_plan_asks_for_the_planned_batch_at_the_link_speed_given(capsys, monkeypatch):
     # The searches themselves are tested above; here the flags reach them and the answer is printed.
     from lightmem import cli
-    from lightmem.estimate.report import Plan
+    from lightmem.estimate.planning.result import Plan
     from lightmem.estimate.search import BatchSearch
 
     asked = {}
@@ -264,8 +265,9 @@ def test_cli_link_speed_needs_plan(capsys, monkeypatch):
 
 
 def test_step_time_hides_a_transfer_behind_later_compute_and_charges_what_sticks_out():
-    from lightmem.estimate.report import BlockMemory
-    from lightmem.estimate.step_time import CHECKPOINT, OFFLOAD, Costs, step_time
+    from lightmem.estimate.trace.blocks import BlockMemory
+    from lightmem.estimate.pricing.costs import CHECKPOINT, OFFLOAD, Costs
+    from lightmem.estimate.pricing.timeline import step_time
 
     windows = 1 << 40  # the engine's bounds on bytes in flight never bind here
     costs = Costs(1e12, 1e9, 1, allow_offload=True, inflight_bytes=windows, prefetch_bytes=windows)

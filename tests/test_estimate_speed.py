@@ -1,5 +1,5 @@
-"""The previous step's optimizer state is created by a shortcut (lightmem/estimate/step.py,
-``_create_state``): one update per kind of parameter, clones for the rest. It must leave exactly
+"""The previous step's optimizer state is created by a shortcut (lightmem/estimate/trace/optimizers.py,
+``create_state``): one update per kind of parameter, clones for the rest. It must leave exactly
 what a full ``optimizer.step()`` leaves: same state bytes, roles, peak and every scenario."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightmem import estimate_memory
-from lightmem.estimate import step as step_module
+from lightmem.estimate.trace import optimizers as optimizer_state
 
 
 class _Net(nn.Module):
@@ -85,7 +85,7 @@ def test_state_shortcut_equals_full_step(monkeypatch, name, device):
         )  # fmt: skip
 
     fast = run()
-    monkeypatch.setattr(step_module, "_create_state", _full_step)
+    monkeypatch.setattr(optimizer_state, "create_state", _full_step)
     full = run()
     assert fast.scenarios["baseline"].breakdown["optimizer_state"] > 0
     assert _summary(fast) == _summary(full)
@@ -93,7 +93,7 @@ def test_state_shortcut_equals_full_step(monkeypatch, name, device):
 
 def test_state_shortcut_equals_full_step_two_lightning_optimizers(monkeypatch):
     fast = estimate_memory(_TwoOptimizers(), _BATCH, device="cpu")
-    monkeypatch.setattr(step_module, "_create_state", _full_step)
+    monkeypatch.setattr(optimizer_state, "create_state", _full_step)
     full = estimate_memory(_TwoOptimizers(), _BATCH, device="cpu")
     assert fast.scenarios["baseline"].breakdown["optimizer_state"] > 0
     assert _summary(fast) == _summary(full)
@@ -120,6 +120,6 @@ def test_state_shortcut_leaves_full_step_state_layout():
             full.step()
             full_layout = layout(full)
             full.state.clear()
-            step_module._create_state(fast)
+            optimizer_state.create_state(fast)
             assert layout(fast) == full_layout, name
             assert [p for g in fast.param_groups for p in g["params"]] == params

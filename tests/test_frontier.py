@@ -31,9 +31,9 @@ from lightmem.estimate.frontier import (
     floor_seconds,
     labelled_batches,
 )
-from lightmem.estimate.planner import allocated_need
-from lightmem.estimate.report import format_seconds
-from lightmem.estimate.step_time import CHECKPOINT, saves_bytes
+from lightmem.estimate.planning.space import allocated_need
+from lightmem.estimate.words import format_seconds
+from lightmem.estimate.pricing.costs import CHECKPOINT, saves_bytes
 
 FACTORY_MODULE = "lightmem_frontier_test_factory"
 
@@ -287,8 +287,8 @@ def no_search(monkeypatch):
         raise AssertionError("searched before the arguments were checked")
 
     module = sys.modules["lightmem.estimate.frontier"]  # lightmem.estimate.frontier is also the function
-    monkeypatch.setattr(module, "max_batch_size", searched)
-    monkeypatch.setattr(module, "plan", searched)
+    monkeypatch.setattr(module, "largest_batches", searched)
+    monkeypatch.setattr(module, "plan_for", searched)
 
 
 @pytest.mark.parametrize(

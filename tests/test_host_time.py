@@ -1,6 +1,6 @@
 """The host's timeline in the step-time model: a block ends on the device no sooner than the host
 has launched it, and a checkpointed block's re-run costs the host its launches and checkpointing's
-bookkeeping, not its device seconds (``lightmem.estimate.step_time``, ``devices.checkpoint_host_seconds``).
+bookkeeping, not its device seconds (``lightmem.estimate.pricing.timeline``, ``devices.checkpoint_host_seconds``).
 
 The pins: GPT-2 from its default config (bf16 autocast, AdamW, 1024 tokens) on the H100 of
 2026-11-27 (docs/gpu-runs/2026-11-27-h100-run3-frontier.txt), a host-bound step: batch 3 without
@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 from lightmem import DeviceSpeeds, estimate_memory
 from lightmem.devices import CHECKPOINT_HOST_SHARE, POLICY_HOST_SHARE, checkpoint_host_seconds
-from lightmem.estimate.report import BlockMemory, format_seconds
-from lightmem.estimate.step_time import CHECKPOINT, Costs, compute_s, forward_intervals, step_time
+from lightmem.estimate.trace.blocks import BlockMemory
+from lightmem.estimate.words import format_seconds
+from lightmem.estimate.pricing.costs import CHECKPOINT, Costs
+from lightmem.estimate.pricing.timeline import compute_s, forward_intervals, step_time
 
 ROOT = Path(__file__).resolve().parent.parent
 MS = 1e-3
@@ -158,7 +160,7 @@ def test_without_the_hosts_timeline_or_its_share_of_a_rerun_gpt2s_checkpointed_s
     or only the whole step's host time as a bound (batch 6: the step as the maximum of the host's
     and the device's times), is predicted more than 15% under its measured step."""
     model, speeds = gpt2
-    import lightmem.estimate.step_time as step_time_module
+    import lightmem.estimate.pricing.timeline as step_time_module
 
     if patched == "checkpoint_host_seconds":
         monkeypatch.setattr(step_time_module, patched, lambda *args: (0.0, 0.0))

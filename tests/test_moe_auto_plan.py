@@ -13,7 +13,7 @@ from lit_models import cpu_trainer
 
 from lightmem import LightMem, estimate_memory, plan
 from lightmem.auto_plan import TIMED_STEPS, AutoPlan
-from lightmem.estimate.batch import batch_shapes
+from lightmem.estimate.trace.batch import batch_shapes
 from lightmem.testing.device import SimulatedDeviceMemory
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::pytorch_lightning.utilities.warnings.PossibleUserWarning")

@@ -17,10 +17,10 @@ import torch
 from models import TinyGPT, gpt_loss
 
 from lightmem import estimate_memory, frontier, max_batch_size, plan
-from lightmem.estimate import step as step_module
+from lightmem.estimate.device import run as step_module
 from lightmem.estimate.frontier import ROUTED_TOTALS
 from lightmem.estimate.report import ROUTING_NOTE
-from lightmem.estimate.values import BALANCED, WORST, Routing
+from lightmem.estimate.trace.values import BALANCED, WORST, Routing
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 ROWS = moe_models.BATCH * moe_models.SEQ

@@ -27,7 +27,7 @@ from optimizer_models import (
 )
 from torch import nn
 
-import lightmem.config
+import lightmem.config.values
 from lightmem import LightMem, offload_optimizer
 from lightmem.testing.simulated import SimulatedAsyncTransport
 
@@ -370,7 +370,7 @@ def test_bad_overlap_flags_fail_at_construction(flags, message):
 
 
 def test_under_lightning_a_first_step_with_reentrant_checkpointing_keeps_the_step_after_backward(monkeypatch):
-    monkeypatch.setattr(lightmem.config, "_warned", set())  # warned once per process: maybe by another test
+    monkeypatch.setattr(lightmem.config.values, "_warned", set())  # warned once per process: maybe by another test
     expected = fit_tiny(None, module_class=LitSharedReentrant)
     callback = offloading_optimizer()
     with pytest.warns(UserWarning, match="off from now on, the first step showed nested backward passes"):

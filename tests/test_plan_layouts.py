@@ -18,7 +18,8 @@ import torch
 from layout_models import StagedNet, TrunkNet, TwoKindsNet, UserResNet, classification_loss, image_batch, user_resnet50
 from lightmem import estimate_memory, plan
 from lightmem.config import format_bytes
-from lightmem.estimate.planner import KINDS, Candidate, PlanSpace, plan_space
+from lightmem.estimate.planning.families import KINDS, Candidate
+from lightmem.estimate.planning.space import PlanSpace, plan_space
 
 LAYOUTS = {"stem, blocks, head": UserResNet, "trunk": TrunkNet, "nested stages": StagedNet, "two kinds": TwoKindsNet}
 REPEATED = {

@@ -76,7 +76,7 @@ def _gpt_at_twice_its_batch() -> tuple[Any, tuple[torch.Tensor], Any, dict[str, 
 
 def _counting_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, Any, Any]]:
     """Every fake step run from here on, as (checkpoint, offload, checkpoint policy)."""
-    from lightmem.estimate import configuration
+    from lightmem.estimate import steps as configuration
 
     steps: list[tuple[Any, Any, Any]] = []
     run_step = configuration.run_step
@@ -109,8 +109,9 @@ def test_the_gpt_at_twice_its_batch_is_planned_with_one_baseline_and_two_configu
 
 
 def test_one_baseline_serves_both_policies_as_if_traced_under_each():
-    from lightmem.estimate.configuration import parse_settings, run_configuration
-    from lightmem.estimate.step import as_traced_in_full
+    from lightmem.estimate.settings import parse_settings
+    from lightmem.estimate.steps import run_configuration
+    from lightmem.estimate.trace.step import as_traced_in_full
 
     model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
     traces = {}
@@ -130,8 +131,9 @@ def test_one_baseline_serves_both_policies_as_if_traced_under_each():
 
 
 def test_a_baseline_priced_again_from_its_log_is_the_one_a_trace_at_those_prices_gives():
-    from lightmem.estimate.configuration import parse_settings, run_configuration
-    from lightmem.estimate.step import reprice
+    from lightmem.estimate.settings import parse_settings
+    from lightmem.estimate.steps import run_configuration
+    from lightmem.estimate.pricing.fold import priced_at as reprice
 
     model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
     traces = {}
@@ -150,7 +152,7 @@ def test_a_baseline_priced_again_from_its_log_is_the_one_a_trace_at_those_prices
 
 
 def test_a_plan_made_again_at_new_prices_traces_no_step_and_prices_as_a_first_plan_would(monkeypatch):
-    from lightmem.estimate import configuration, planner
+    from lightmem.estimate.steps import STEPS
 
     model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
     common = {"optimizer": "adamw", "device": "cuda", "gpu": "h100", "overhead_bytes": 0, "checkpoint_policy": "auto"}
@@ -161,8 +163,7 @@ def test_a_plan_made_again_at_new_prices_traces_no_step_and_prices_as_a_first_pl
     steps = _counting_steps(monkeypatch)
     again = plan(model, _tokens(16, 33), budget, loss, flops_per_s=1e10, **common)
     assert steps == [] and again.evaluations == 0
-    configuration._BASELINES.clear()
-    planner._VERIFIED.clear()
+    STEPS.clear()
     fresh = plan(model, _tokens(16, 33), budget, loss, flops_per_s=1e10, **common)
     assert len(steps) > 0
     assert (again.checkpoint, again.step_seconds, again.predicted_total_bytes) == (

@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from models import TinyGPT, gpt_loss
 
 from lightmem import LightMem, estimate_memory, offload_activations, plan
-from lightmem.estimate.planner import PARTIAL, Costs, choose_actions
-from lightmem.estimate.report import BlockMemory
-from lightmem.estimate.step_time import partial_offload, step_time
+from lightmem.estimate.pricing.costs import PARTIAL, Costs
+from lightmem.estimate.planning.families import choose_actions
+from lightmem.estimate.trace.blocks import BlockMemory
+from lightmem.estimate.pricing.costs import partial_offload
+from lightmem.estimate.pricing.timeline import step_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from gpt_model import GPT  # noqa: E402

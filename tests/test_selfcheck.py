@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from lightmem import selfcheck
-from lightmem.selfcheck import NO_CUDA, largest_batch, relative, run_with_time_limit, spread
+from lightmem.selfcheck import NO_CUDA, largest_batch, relative, spread
+from lightmem.testing import sections as sections_module
+from lightmem.testing.sections import run_with_time_limit
 from lightmem.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,16 +144,16 @@ def test_a_header_that_hangs_still_leaves_a_report(tmp_path):
     release = threading.Event()
     report = tmp_path / "selfcheck.md"
     sections = [selfcheck.Section("only", 5, lambda limit_s: "## Only\n", "")]
-    original = selfcheck.run_with_time_limit
+    original = sections_module.run_with_time_limit
 
     def quick_limit(section, limit_s):  # the header's limit, shortened for the test
         return original(section, 0.2 if section.__name__ == "header" else limit_s)
 
-    selfcheck.run_with_time_limit = quick_limit
+    sections_module.run_with_time_limit = quick_limit
     try:
         selfcheck.run_report(sections, report, lambda: release.wait() and "", out=io.StringIO())
     finally:
-        selfcheck.run_with_time_limit = original
+        sections_module.run_with_time_limit = original
         release.set()
     assert report.read_text() == "## header\n\nDid not finish within 0 s (time limit); skipped.\n\n## Only\n"
 

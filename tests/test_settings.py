@@ -1,4 +1,4 @@
-"""One flag, one meaning: each flag is parsed once (lightmem/config.py) into the settings that the
+"""One flag, one meaning: each flag is parsed once (lightmem/config/) into the settings that the
 callback, the functions, the estimator/planner and the CLI all use; empty lists that would switch
 a feature off, and flags without the partner they need, are errors that name the flags."""
 
@@ -15,8 +15,8 @@ from models import TinyGPT, gpt_loss
 from lightmem import LightMem, apply_checkpointing, estimate_memory, offload_activations, plan
 from lightmem.cli import main
 from lightmem.config import LIGHTMEM, OFFLOAD_ACTIVATIONS, OffloadSettings, OptimizerOffloadSettings
-from lightmem.estimate.settings import parse_offload
-from lightmem.estimate.step_time import WINDOW_GRAIN_BYTES
+from lightmem.config.estimator import parse_offload
+from lightmem.estimate.pricing.costs import WINDOW_GRAIN_BYTES
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

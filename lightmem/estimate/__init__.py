@@ -2,10 +2,12 @@
 
 from lightmem.estimate.estimator import estimate_memory
 from lightmem.estimate.frontier import Frontier, frontier
-from lightmem.estimate.planner import Plan, plan
-from lightmem.estimate.report import Advice, BlockMemory, MemoryEstimate, StepMemory
+from lightmem.estimate.planner import plan
+from lightmem.estimate.planning.result import Plan
+from lightmem.estimate.report import Advice, MemoryEstimate, StepMemory
 from lightmem.estimate.search import BatchSearch, max_batch_size
-from lightmem.estimate.step import EstimateError
+from lightmem.estimate.trace.blocks import BlockMemory
+from lightmem.estimate.trace.errors import EstimateError
 
 __all__ = [
     "Advice",

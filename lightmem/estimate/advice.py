@@ -27,11 +27,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from lightmem.config import format_bytes
-from lightmem.estimate.batch import BatchInfo
-from lightmem.estimate.report import Advice, MemoryEstimate, Plan, compact_names, natural_order
 from lightmem.estimate.chunked_loss import reach_sentence
-from lightmem.estimate.logits import CHUNKED_LOSS
-from lightmem.estimate.step import StepTrace
+from lightmem.estimate.planning.result import Plan
+from lightmem.estimate.report import Advice, MemoryEstimate
+from lightmem.estimate.trace.batch import BatchInfo
+from lightmem.estimate.trace.logits import CHUNKED_LOSS
+from lightmem.estimate.trace.step import StepTrace
+from lightmem.estimate.words import compact_names, logits_share, natural_order
 
 QUADRATIC_MIN_SHARE = 0.05
 """Quadratic saved tensors must be at least this share of saved activations to be worth a word."""
@@ -171,10 +173,8 @@ def loss_logits(estimate: MemoryEstimate, baseline: StepTrace) -> list[Advice]:
     if saving < LOGITS_MIN_SAVING * peak.bytes:
         return []
     share = (
-        f"the loss's logits ({logits.rows:,} x {logits.classes:,}, from {logits.weight_name}), their "
-        f"float32 copies and gradients take {format_bytes(logits.bytes_at_peak)} of the "
-        f"{format_bytes(peak.bytes)} peak ({100 * logits.bytes_at_peak / peak.bytes:.0f}%, at {peak.phase}: "
-        f"{peak.op}); checkpointing and offload cannot reach them."
+        f"{logits_share(logits)} of the {format_bytes(peak.bytes)} peak ({100 * logits.bytes_at_peak / peak.bytes:.0f}%, "
+        f"at {peak.phase}: {peak.op}); checkpointing and offload cannot reach them."
     )
     if not logits.replaceable:
         return [Advice("loss-logits", f"{share} {logits.change[0].upper()}{logits.change[1:]}.")]

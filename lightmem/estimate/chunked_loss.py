@@ -1,54 +1,39 @@
 """What a chunked loss would give where the loss's logits dominate a step: the same questions
 (does a plan fit this batch, the largest batch) asked again with the loss priced as chunked
-(``lightmem.estimate.logits.priced_as_chunked``), so that ``estimate_memory``, ``plan``,
-``frontier`` and ``plan="auto"``'s refusal put the answer with ``lightmem.linear_cross_entropy``
-beside the answer as the loss is written, before the user changes a line.
+(``EstimateSettings.priced_as_chunked``), so that ``estimate_memory``, ``plan``, ``frontier`` and
+``plan="auto"``'s refusal put the answer with ``lightmem.linear_cross_entropy`` beside the answer as
+the loss is written, before the user changes a line.
 
-The questions are the callers' own (a callable that plans, or searches batch sizes); this module
-says when to ask them again and words the answers, so it never imports the planner.
+The questions are the callers' own (each asks its own search again with the settings priced as
+chunked); this module says when to ask them (``dominant_logits``) and words the answers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from lightmem.config import format_bytes
-from lightmem.estimate.logits import CHUNKED_LOSS, LossLogits, priced_as_chunked, pricing_chunked
-from lightmem.estimate.report import MemoryEstimate, Plan, format_seconds
+from lightmem.estimate.planning.result import Plan
+from lightmem.estimate.report import MemoryEstimate
+from lightmem.estimate.trace.logits import LossLogits
+from lightmem.estimate.words import format_seconds
 
 SEARCH_MULTIPLE = 16
 """``plan="auto"``'s refusal searches the largest batch a chunked loss reaches up to this multiple
 of the batch refused."""
 
 
-def dominant_logits(estimate: MemoryEstimate | None) -> LossLogits | None:
+def dominant_logits(estimate: MemoryEstimate | None, *, priced_as_chunked: bool = False) -> LossLogits | None:
     """The loss's logits of ``estimate``'s baseline step when they dominate its peak and the chunked
-    loss can take the loss's place (``LossLogits.replaceable``; the step not already priced as
-    chunked), else None."""
-    if estimate is None or pricing_chunked():
+    loss can take the loss's place (``LossLogits.replaceable``), else None; None too for a step
+    already ``priced_as_chunked``."""
+    if estimate is None or priced_as_chunked:
         return None
     logits = estimate.loss_logits
     baseline = estimate.scenarios.get("baseline")
     if logits is None or baseline is None or not logits.replaceable or not logits.dominates(baseline.peak_bytes):
         return None
     return logits
-
-
-def plan_with_chunked_loss(result: Plan, replan: Callable[[], Plan]) -> Plan | None:
-    """For a plan that does not fit where the logits dominate: ``replan()`` (the same search)
-    with the loss priced as chunked; None otherwise."""
-    if result.fits or dominant_logits(result.estimate) is None:
-        return None
-    with priced_as_chunked():
-        return replan()
-
-
-def largest_with_chunked_loss(search: Callable[[], Any]) -> Any:
-    """``search()`` (a batch-size search) with the loss priced as chunked."""
-    with priced_as_chunked():
-        return search()
 
 
 @dataclass(frozen=True)
@@ -99,6 +84,5 @@ def reach_sentence(reach: ChunkedLossReach | None) -> str:
 
 
 __all__ = [
-    "CHUNKED_LOSS", "SEARCH_MULTIPLE", "ChunkedLossReach", "dominant_logits", "largest_with_chunked_loss", "no_fit_sentence",
-    "plan_with_chunked_loss", "reach_sentence",
+    "SEARCH_MULTIPLE", "ChunkedLossReach", "dominant_logits", "no_fit_sentence", "reach_sentence",
 ]  # fmt: skip

@@ -5,20 +5,23 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings, Spelling, TileSettings
+from lightmem.config.estimator import parse_checkpoint, parse_offload
 from lightmem.estimate.advice import advise
-from lightmem.estimate.batch import BatchInfo, inspect_batch
-from lightmem.estimate.chunked_loss import ChunkedLossReach, dominant_logits, largest_with_chunked_loss
-from lightmem.estimate.configuration import EstimateSettings, LossFn, build_report, parse_settings
-from lightmem.estimate.planner import costs_for, search_plan
+from lightmem.estimate.assemble import build_report
+from lightmem.estimate.chunked_loss import ChunkedLossReach, dominant_logits
+from lightmem.estimate.planning.space import PlanSpace
 from lightmem.estimate.report import MemoryEstimate
-from lightmem.estimate.search import max_batch_size
-from lightmem.estimate.settings import parse_checkpoint, parse_offload
+from lightmem.estimate.search import largest_batches
+from lightmem.estimate.settings import EstimateSettings, LossFn, parse_settings
+from lightmem.estimate.trace.batch import BatchInfo, inspect_batch, scalable_batch
+from lightmem.offload.scope import ModuleScope
 
 ESTIMATE_MEMORY = Spelling("estimate_memory", (("modules", "tile"),))
 
@@ -134,8 +137,6 @@ def estimate_memory(
     offload_config = parse_offload(offload, flag="estimate_memory(offload=...)")
     if offload_config is not None:
         # Patterns are checked against the model now, so a typo fails before any tracing.
-        from lightmem.offload.scope import ModuleScope
-
         ModuleScope(
             model, offload_config.include, offload_config.exclude,
             include_flag=offload_config.flag("include"), exclude_flag=offload_config.flag("exclude"),
@@ -145,16 +146,7 @@ def estimate_memory(
     tiles = TileSettings.parse(tile, tile_tokens=tile_tokens, spelling=ESTIMATE_MEMORY)
     info = inspect_batch(batch)
 
-    def largest_batch() -> int:
-        """The largest batch that fits the budget without lightmem."""
-        return max_batch_size(
-            model, batch, settings.budget_bytes, loss_fn, optimizer=optimizer, precision=precision, device=device,
-            gpu=gpu, overhead_bytes=overhead_bytes, zero_grad=zero_grad,
-        ).baseline  # fmt: skip
-
-    return build_estimate(
-        model, batch, settings, info, offload_config, targets, started=started, largest_batch=largest_batch, tile=tiles
-    )
+    return build_estimate(model, batch, settings, info, offload_config, targets, started=started, tile=tiles)
 
 
 def build_estimate(
@@ -166,24 +158,28 @@ def build_estimate(
     checkpoint: tuple[Any, ...] | None,
     *,
     started: float | None = None,
-    largest_batch: Callable[[], int] | None = None,
     tile: TileSettings | None = None,
 ) -> MemoryEstimate:
     """The report with its advice. Over a budget that activations can be brought under, the
-    advice is the verified plan (the same search as ``plan``), so the two never disagree. With a
-    budget, where the loss's logits dominate the step, ``largest_batch()`` (a search of the largest
-    batch without lightmem) is asked as the loss is written and with it priced as chunked
-    (``MemoryEstimate.chunked_loss``)."""
+    advice is the verified plan of the planner's own space for these settings (``PlanSpace``: what
+    ``plan`` searches), so the two never disagree. With a budget, where the loss's logits dominate
+    the step, the largest batch without lightmem is searched as the loss is written and with it
+    priced as chunked (``MemoryEstimate.chunked_loss``)."""
     started = time.perf_counter() if started is None else started
     estimate, baseline = build_report(model, batch, settings, info, offload, checkpoint, tile=tile)
     verified = None
-    over_budget = estimate.budget_bytes is not None and not estimate.baseline_fits
-    if over_budget and not estimate.static_exceeds_budget:
-        verified = search_plan(model, batch, settings, info, estimate, costs_for(settings, baseline, parse_offload(True, flag="estimate_memory(offload=...)")))
-    if largest_batch is not None and estimate.budget_bytes is not None and dominant_logits(estimate) is not None:
+    budget = estimate.budget_bytes
+    if budget is not None and not estimate.baseline_fits and not estimate.static_exceeds_budget:
+        verified = PlanSpace(model, batch, settings, info, estimate, baseline).plan(budget)
+    if budget is not None and dominant_logits(estimate) is not None:
+        # The largest batch without lightmem: as written and priced as chunked (no model-state offload).
+        plain = replace(settings, optimizer_offload=None)
         with contextlib.suppress(ValueError):  # a batch without a batch dimension to scale
+            scaled = scalable_batch(batch, flag="max_batch_size(batch=...)")
             estimate.chunked_loss = ChunkedLossReach(
-                estimate.budget_bytes, largest_with_chunked_loss(largest_batch), largest_batch()
+                budget,
+                largest_batches(model, batch, plain.priced_as_chunked(), scaled).baseline,
+                largest_batches(model, batch, plain, scaled).baseline,
             )
     estimate.advice = advise(estimate, info, baseline, verified)
     estimate.seconds = time.perf_counter() - started

@@ -31,15 +31,17 @@ from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes, parse_count
+from lightmem.config.estimator import parse_planned_offload
 from lightmem.devices import DeviceSpeeds
-from lightmem.estimate.batch import scalable_batch
-from lightmem.estimate.chunked_loss import largest_with_chunked_loss
-from lightmem.estimate.configuration import parse_settings
-from lightmem.estimate.planner import AUTO_POLICY, allocated_need, plan
-from lightmem.estimate.report import Plan, format_seconds
-from lightmem.estimate.search import max_batch_size
-from lightmem.estimate.settings import parse_planned_offload
-from lightmem.estimate.step_time import CHECKPOINT, saves_bytes, step_time
+from lightmem.estimate.planner import plan_for
+from lightmem.estimate.planning.result import Plan
+from lightmem.estimate.planning.space import allocated_need
+from lightmem.estimate.pricing.costs import CHECKPOINT, saves_bytes
+from lightmem.estimate.pricing.timeline import step_time
+from lightmem.estimate.search import largest_batches
+from lightmem.estimate.settings import AUTO_POLICY, parse_settings
+from lightmem.estimate.trace.batch import scalable_batch
+from lightmem.estimate.words import format_seconds
 from lightmem.tables import format_table
 
 DEFAULT_MULTIPLES = (1.0, 1.5, 2.0, 3.0, 5.0, 8.0)
@@ -273,7 +275,6 @@ def floor_seconds(chosen: Plan) -> float:
     if estimate is None or chosen.speeds is None or costs is None:
         return chosen.baseline_step_seconds
     base = chosen.baseline_step_seconds
-    settings = chosen.settings
     baseline = estimate.scenarios["baseline"]
     available = chosen.budget_bytes - chosen.overhead_bytes
     if baseline.reserved <= available:
@@ -291,7 +292,7 @@ def floor_seconds(chosen: Plan) -> float:
         key=lambda piece: piece[0] / piece[1] if piece[1] else float("inf"),
     )
     movable = sum(block.offloadable_bytes(costs.min_bytes) for block in estimate.blocks.values())
-    if not settings.get("offload_considered", True):
+    if not costs.allow_offload:
         movable = 0
 
     def recompute_for(nbytes: float) -> float | None:
@@ -358,28 +359,22 @@ def frontier(
     started = time.perf_counter()
     if not multiples or not all(map(_positive_number, multiples)):
         raise ValueError(f"frontier(multiples=...): expected positive numbers; got {multiples!r}")
-    searched_policy = "full" if checkpoint_policy == AUTO_POLICY else checkpoint_policy
     settings = parse_settings(
         "frontier", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
-        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=searched_policy,
+        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
         gpu=gpu, offload_optimizer=offload_optimizer, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
+        auto_policy=True,
     )  # fmt: skip
     parse_count(limit, flag="frontier(limit=...)")
-    searched = parse_planned_offload(offload, flag="frontier(offload=...)")
-    scalable_batch(batch, flag="frontier(batch=...)")
+    # The offload settings as parsed here, so that an error found later (a pattern that matches no
+    # module) names frontier's argument.
+    settings = settings.searching(parse_planned_offload(True if offload is None else offload, flag="frontier(offload=...)"))
+    info = scalable_batch(batch, flag="frontier(batch=...)")
     budget_bytes = settings.budget_bytes
     assert budget_bytes is not None
-    # The offload settings as parsed here, so that an error found later (a pattern that matches no
-    # module) names frontier's argument; None and False stay as given: the planner reads them apart.
-    common: dict[str, Any] = {
-        "optimizer": optimizer, "precision": precision, "device": device, "gpu": gpu,
-        "overhead_bytes": overhead_bytes, "zero_grad": zero_grad, "flops_per_s": flops_per_s,
-        "link_bytes_per_s": link_bytes_per_s, "offload": offload if searched is None else searched,
-        "offload_optimizer": settings.optimizer_offload or False,
-    }  # fmt: skip
-    search = max_batch_size(
-        model, batch, budget_bytes, loss_fn, plan=True, limit=limit, checkpoint_policy=searched_policy, **common
-    )
+    # The largest batches are searched under "full" where the plans choose their policy ("auto").
+    searched = settings.with_policy("full") if settings.checkpoint_policy == AUTO_POLICY else settings
+    search = largest_batches(model, batch, searched, info, plan=True, limit=limit)
     reference = max(search.baseline, 1)
     sizes = labelled_batches(reference, multiples)
     largest = search.planned or 0
@@ -387,36 +382,25 @@ def frontier(
         sizes[largest] = "largest"
     result = Frontier(budget_bytes, search.baseline, largest, limit=limit)
     if not largest:  # not even a batch of 1 fits: no rows, what the plan there says instead
-        at_one = plan(model, batch, budget_bytes, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=1, **common)
+        at_one = plan_for(model, batch, settings, batch_size=1)
         result.plans[1], result.speeds, result.reason = at_one, at_one.speeds, at_one.reason
         result.seconds = time.perf_counter() - started
         return result
-    reference_plan = plan(
-        model, batch, budget_bytes, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=reference, **common
-    )
+    reference_plan = plan_for(model, batch, settings, batch_size=reference)
     reference_per_sample = reference_plan.step_seconds / reference
     result.speeds = reference_plan.speeds
     for size in sorted(sizes):
-        found = reference_plan if size == reference else plan(
-            model, batch, budget_bytes, loss_fn, checkpoint_policy=checkpoint_policy, batch_size=size, **common
-        )  # fmt: skip
+        found = reference_plan if size == reference else plan_for(model, batch, settings, batch_size=size)
         result.plans[size] = found
         result.rows.append(_row(found, size, sizes[size], reference_per_sample))
     chunked = {size: found.chunked_loss for size, found in result.plans.items() if found.chunked_loss is not None}
     if chunked:  # the rows a plan does not fit because of the logits, again with the loss priced as chunked
-        what_if = largest_with_chunked_loss(
-            lambda: max_batch_size(
-                model, batch, budget_bytes, loss_fn, plan=True, limit=limit, checkpoint_policy=searched_policy, **common
-            )
-        )  # fmt: skip
+        what_if = largest_batches(model, batch, searched.priced_as_chunked(), info, plan=True, limit=limit)
         section = Frontier(budget_bytes, search.baseline, what_if.planned or 0, speeds=result.speeds)
         if section.largest_batch and section.largest_batch not in chunked:
-            chunked[section.largest_batch] = largest_with_chunked_loss(
-                lambda: plan(
-                    model, batch, budget_bytes, loss_fn, checkpoint_policy=checkpoint_policy,
-                    batch_size=section.largest_batch, **common,
-                )
-            )  # fmt: skip
+            chunked[section.largest_batch] = plan_for(
+                model, batch, settings.priced_as_chunked(), batch_size=section.largest_batch
+            )
         for size in sorted(chunked):
             section.plans[size] = chunked[size]
             section.rows.append(_row(chunked[size], size, sizes.get(size, "largest"), reference_per_sample))

@@ -7,18 +7,14 @@ same with ``rich``, when installed);
 
 from __future__ import annotations
 
-import re
 import textwrap
-from collections import defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import OffloadSettings, format_bytes
-from lightmem.devices import format_rate
-from lightmem.estimate.step import ROOT_BLOCK
-from lightmem.estimate.tracer import CATEGORIES
+from lightmem.config import format_bytes
+from lightmem.estimate.trace.blocks import BlockMemory
+from lightmem.estimate.trace.records import CATEGORIES, held_bytes, reserved_or_peak
+from lightmem.estimate.words import format_seconds
 from lightmem.tables import format_table
 
 NOT_MODELLED = (
@@ -48,47 +44,6 @@ CUDA_NOTES = (
 
 
 @dataclass
-class BlockMemory:
-    """One block (a repeated layer, or a module around them): what autograd keeps of it at the
-    end of forward, and its cost."""
-
-    name: str
-    saved_bytes: int
-    forward_flops: float
-    input_bytes: int
-    saved_sizes: list[int] = field(default_factory=list, repr=False)
-    kind: str = ""
-    """The block's class name ("GPT2Block"); empty for what runs outside every block."""
-    repeated: bool = False
-    """One of the model's repeated layers: what the planner checkpoints."""
-    kept_bytes: int = 0
-    """Bytes of op outputs a checkpointed block keeps besides its input (op-level policies)."""
-    recompute_flops: float | None = None
-    """Forward FLOPs a checkpointed re-run repeats; None: all of ``forward_flops`` ("full")."""
-    forward_s: float = 0.0
-    """Predicted device seconds of its forward, priced op by op (0: not priced)."""
-    backward_s: float = 0.0
-    """Predicted device seconds of its backward."""
-    recompute_s: float | None = None
-    """Seconds a checkpointed re-run repeats; None: all of ``forward_s`` ("full")."""
-    forward_ops: int = 0
-    """Priced ops of its forward: what the host launches (0: not priced)."""
-    backward_ops: int = 0
-    """Priced ops of its backward."""
-    recompute_ops: int | None = None
-    """Priced ops a checkpointed re-run repeats; None: all of ``forward_ops`` ("full")."""
-
-    @property
-    def label(self) -> str:
-        """``transformer.h.3 (GPT2Block)``."""
-        return f"{self.name} ({self.kind})" if self.kind else self.name
-
-    def offloadable_bytes(self, min_bytes: int) -> int:
-        """Saved bytes in storages of at least ``min_bytes`` (what offload would move)."""
-        return sum(size for size in self.saved_sizes if size >= min_bytes)
-
-
-@dataclass
 class StepMemory:
     """The peak of one configuration (baseline, checkpoint, offload, or both)."""
 
@@ -108,7 +63,7 @@ class StepMemory:
     seconds: float = 0.0
     step_seconds: float = 0.0
     """The predicted time of one step in this configuration on the estimate's device
-    (``lightmem.estimate.step_time``): compute, re-runs and transfer not hidden by compute."""
+    (``lightmem.estimate.pricing.timeline``): compute, re-runs and transfer not hidden by compute."""
     reserve: Any = field(default=None, repr=False, compare=False)
     """What the allocator must be able to reserve for the step (``StepTrace.reserve``, worked out
     when first asked); None: the peak."""
@@ -116,20 +71,19 @@ class StepMemory:
     """Modules run in sequence shards (``estimate_memory(tile=...)``)."""
     routing_bound: Any = field(default=None, repr=False, compare=False)
     """For a step whose sizes follow a mixture-of-experts routing: the step under the worst-case
-    routing (``lightmem.estimate.step.RoutingBound``), the bound a budget must hold; None otherwise."""
+    routing (``lightmem.estimate.trace.step.RoutingBound``), the bound a budget must hold; None otherwise."""
 
     @property
     def predicted_reserved(self) -> int:
         """The reserved peak under the estimate's assumptions (balanced routing); the allocated peak
         where nothing was replayed."""
-        return self.reserve.bytes if self.reserve is not None else self.peak_bytes
+        return reserved_or_peak(self.reserve, self.peak_bytes)
 
     @property
     def reserved(self) -> int:
         """The reserved peak a budget must hold: ``predicted_reserved``, or the worst-case routing's
         where the step routes (``routing_bound``) and it is higher."""
-        bound = self.routing_bound
-        return self.predicted_reserved if bound is None else max(self.predicted_reserved, bound.reserved_bytes)
+        return held_bytes(self.predicted_reserved, self.routing_bound)
 
     @property
     def routing_bound_bytes(self) -> int | None:
@@ -192,7 +146,7 @@ class MemoryEstimate:
     prediction of ``torch.cuda.max_memory_allocated``. ``overhead_bytes`` is the allowance for what
     the caching allocator does not count (CUDA context, NCCL) and is never part of the breakdown.
     ``reserved_bytes`` is what the caching allocator must be able to reserve for the step (its
-    requests replayed through it: ``lightmem.estimate.caching_allocator``; the peak itself on the
+    requests replayed through it: ``lightmem.estimate.device.caching_allocator``; the peak itself on the
     CPU), and
     ``total_bytes`` = reserved + overhead: what must fit the budget. A step whose sizes follow a
     mixture-of-experts routing is predicted under balanced routing and bounded under the worst case
@@ -217,7 +171,7 @@ class MemoryEstimate:
     not_modelled: list[str] = field(default_factory=list)
     stand_ins: list[str] = field(default_factory=list)
     """Values the step read that fake tensors do not have, each with what stood in for it and where
-    (``lightmem.estimate.values``): a figure that depends on one holds as far as the stand-in does."""
+    (``lightmem.estimate.trace.values``): a figure that depends on one holds as far as the stand-in does."""
     inputs_bytes: int = 0
     seconds: float = 0.0
     offload_optimizer: bool = False
@@ -242,7 +196,7 @@ class MemoryEstimate:
     profiler's per-op table sits beside it: ``benchmarks/op_prices.py``)."""
     loss_logits: Any = None
     """The baseline step's loss logits and what a chunked loss would leave
-    (``lightmem.estimate.logits.LossLogits``); None: no cross-entropy over a linear layer's output."""
+    (``lightmem.estimate.trace.logits.LossLogits``); None: no cross-entropy over a linear layer's output."""
     chunked_loss: Any = None
     """With a budget, where the logits dominate the peak: the largest batch without lightmem, as
     written and with the loss chunked (``lightmem.estimate.chunked_loss.ChunkedLossReach``)."""
@@ -252,7 +206,7 @@ class MemoryEstimate:
 
     @property
     def reserved_bytes(self) -> int:
-        return self.reserve.bytes if self.reserve is not None else self.peak_bytes
+        return reserved_or_peak(self.reserve, self.peak_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -284,8 +238,7 @@ class MemoryEstimate:
         mixture-of-experts step (None without a budget)."""
         if self.budget_bytes is None:
             return None
-        bound = self.routing_bound_reserved_bytes or 0
-        return max(self.reserved_bytes, bound) + self.overhead_bytes <= self.budget_bytes
+        return held_bytes(self.reserved_bytes, self.routing_bound) + self.overhead_bytes <= self.budget_bytes
 
     @property
     def available_bytes(self) -> int | None:
@@ -571,343 +524,3 @@ class MemoryEstimate:
         )
 
 
-def shortened(text: str, width: int = 100) -> str:
-    """``text`` cut to ``width`` characters, with "..." where it was cut (a repr's one line)."""
-    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
-
-
-@dataclass
-class PlanOption:
-    """A configuration the planner verified: ``fits`` or not, its predicted total (reserved peak +
-    overhead), its predicted cost per step and its whole predicted step."""
-
-    description: str
-    fits: bool
-    predicted_total_bytes: int
-    recompute_s: float
-    exposed_transfer_s: float
-    step_seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "description": self.description,
-            "fits": self.fits,
-            "predicted_total_bytes": self.predicted_total_bytes,
-            "recompute_s": self.recompute_s,
-            "exposed_transfer_s": self.exposed_transfer_s,
-            "step_seconds": self.step_seconds,
-        }
-
-
-@dataclass
-class Plan:
-    """A lightmem configuration for a budget, verified by the estimator.
-
-    ``checkpoint`` lists the blocks to checkpoint; ``offload`` the offload settings (threshold, and
-    the blocks in ``include``, or ``include=None`` when every saved tensor is offloaded) or None;
-    ``fits`` says whether what the allocator reserves for the verified peak, plus the overhead
-    allowance, is within the budget; ``reason`` says why not when it is not.
-    ``predicted_peak_bytes`` is the verified allocated peak (``max_memory_allocated``),
-    ``predicted_reserved_bytes`` what the caching allocator reserves for it; for a mixture of
-    experts both assume balanced routing, and ``routing_bound_bytes`` (what the worst-case routing
-    reserves) is what ``fits`` holds to the budget. ``step_seconds`` is
-    the predicted step with the plan, ``baseline_step_seconds`` without lightmem (the same batch,
-    whether it fits or not), both priced at ``speeds``; ``recompute_s`` and
-    ``exposed_transfer_s`` are what the plan adds; ``alternatives`` the other configurations the
-    search verified (those that fitted, slower, and those that did not).
-    """
-
-    checkpoint: list[str]
-    offload: OffloadSettings | None
-    predicted_peak_bytes: int
-    overhead_bytes: int
-    budget_bytes: int
-    fits: bool
-    reason: str
-    actions: dict[str, str] = field(default_factory=dict)
-    recompute_s: float = 0.0
-    exposed_transfer_s: float = 0.0
-    estimate: MemoryEstimate | None = None
-    seconds: float = 0.0
-    estimate_kinds: dict[str, str] = field(default_factory=dict, repr=False)
-    """Class name per block, for the description."""
-    checkpoint_policy: CheckpointPolicyArg = "full"
-    """What the checkpointed blocks keep (``LightMem(checkpoint_policy=...)``)."""
-    offload_optimizer: bool = False
-    """Gradients, optimizer state and step on the host (``LightMem(offload_optimizer=True)``)."""
-    offload_optimizer_device_dtype: str | None = None
-    """With ``offload_optimizer``: the parameters' dtype on the device the plan was verified with
-    ("bf16": ``LightMem(offload_optimizer_device_dtype="bf16")``), None: the parameters' own."""
-    settings: dict[str, Any] = field(default_factory=dict)
-    """What the search ran under, as parsed: device, precision, optimizer, overhead, budget,
-    checkpoint policy, offload settings, whether offload was considered (not on "cpu"), whether
-    model-state offload was asked for, and the prices (``flops_per_s``, ``link_bytes_per_s``)."""
-    flops_per_s: float = 0.0
-    link_bytes_per_s: float = 0.0
-    offload_everywhere: bool = False
-    """The plan offloads every saved tensor of at least ``offload.min_bytes``, in any module."""
-    family: str = ""
-    """Which of the planner's walks found it: "checkpoint", "per block" or "offload everywhere"."""
-    alternatives: list[PlanOption] = field(default_factory=list)
-    evaluations: int = 0
-    """Fake steps the search ran (besides the baseline)."""
-    host_bytes: int = 0
-    """Peak host memory the plan's offload holds (pinned), as the estimator's step predicts."""
-    predicted_reserved_bytes: int = 0
-    """What the caching allocator must be able to reserve for the plan's step (its requests replayed)."""
-    routing_bound_bytes: int = 0
-    """For a mixture-of-experts step: what the allocator must reserve for it under the worst-case routing
-    (the first top-k experts get every token, each other expert one), which the plan keeps within the
-    budget where ``predicted_reserved_bytes`` assumes balanced routing; 0: the step routes nothing."""
-    step_seconds: float = 0.0
-    baseline_step_seconds: float = 0.0
-    speeds: Any = None
-    """The ``DeviceSpeeds`` the plan was priced at."""
-    costs: Any = field(default=None, repr=False)
-    """The ``step_time.Costs`` the search priced every configuration with (None: not searched)."""
-    dominant: str = ""
-    """When nothing fits: what dominates the peak of the configuration that came closest."""
-    chunked_loss: Plan | None = None
-    """When nothing fits and the loss's logits dominate the step: the plan for the same batch with
-    the loss priced as chunked (``lightmem.linear_cross_entropy``), fitting or not."""
-
-    @property
-    def predicted_total_bytes(self) -> int:
-        """What must fit the budget: the reserved peak (for a mixture of experts, under the worst-case
-        routing: ``routing_bound_bytes``) and the overhead allowance."""
-        return max(self.predicted_reserved_bytes, self.predicted_peak_bytes, self.routing_bound_bytes) + self.overhead_bytes
-
-    @property
-    def slowdown(self) -> float:
-        """Predicted step time with the plan over the step without lightmem (1.0: free)."""
-        return self.step_seconds / self.baseline_step_seconds if self.baseline_step_seconds else 1.0
-
-    def lightmem_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``LightMem(...)``: offload; when offloading, offload_min_bytes,
-        offload_include (omitted when the plan offloads everywhere) and offload_exclude (when the
-        search ran under one); checkpoint when it checkpoints, with checkpoint_policy when it is
-        not the default; offload_optimizer when the plan moves model state to the host. No list
-        is ever empty (``LightMem`` refuses empty lists).
-
-        Raises:
-            ValueError: the plan does not fit its budget (``fits`` is False): no flags would make
-                the step fit, and the message says why (``reason``).
-        """
-        if not self.fits:
-            raise ValueError(
-                f"Plan.lightmem_kwargs(): this plan does not fit its {format_bytes(self.budget_bytes)} budget, so "
-                f"no LightMem flags would make the step fit: {self.reason}"
-            )
-        kwargs: dict[str, Any] = {"offload": self.offload is not None}
-        if self.offload is not None:
-            kwargs["offload_min_bytes"] = self.offload.min_bytes
-            if self.offload.include:
-                kwargs["offload_include"] = self.offload.include_arg()
-            if self.offload.exclude:
-                kwargs["offload_exclude"] = list(self.offload.exclude)
-            # The windows the plan sized (what the link moves while a block computes).
-            kwargs["prefetch_bytes"] = self.offload.prefetch_bytes
-            kwargs["offload_max_inflight_bytes"] = self.offload.max_inflight_bytes
-        if self.checkpoint:
-            kwargs["checkpoint"] = list(self.checkpoint)
-            if self.checkpoint_policy != "full":
-                kwargs["checkpoint_policy"] = self.checkpoint_policy
-        if self.offload_optimizer:
-            kwargs["offload_optimizer"] = True
-            if self.offload_optimizer_device_dtype is not None:
-                kwargs["offload_optimizer_device_dtype"] = self.offload_optimizer_device_dtype
-        return kwargs
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "checkpoint": list(self.checkpoint),
-            "checkpoint_policy": policy_name(self.checkpoint_policy),
-            "offload": self.offload.to_dict() if self.offload is not None else None,
-            "offload_everywhere": self.offload_everywhere,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "predicted_total_bytes": self.predicted_total_bytes,
-            "overhead_bytes": self.overhead_bytes,
-            "budget_bytes": self.budget_bytes,
-            "fits": self.fits,
-            "reason": self.reason,
-            "predicted_reserved_bytes": self.predicted_reserved_bytes,
-            "routing_bound_bytes": self.routing_bound_bytes or None,
-            "step_seconds": self.step_seconds,
-            "baseline_step_seconds": self.baseline_step_seconds,
-            "slowdown": self.slowdown,
-            "speeds": self.speeds.to_dict() if self.speeds is not None else None,
-            "offload_optimizer": self.offload_optimizer,
-            "offload_optimizer_device_dtype": self.offload_optimizer_device_dtype,
-            "family": self.family,
-            "recompute_s": self.recompute_s,
-            "exposed_transfer_s": self.exposed_transfer_s,
-            "settings": self.settings,
-            "flops_per_s": self.flops_per_s,
-            "link_bytes_per_s": self.link_bytes_per_s,
-            "alternatives": [option.to_dict() for option in self.alternatives],
-            "evaluations": self.evaluations,
-            "host_bytes": self.host_bytes,
-            "chunked_loss": self.chunked_loss.to_dict() if self.chunked_loss is not None else None,
-            "lightmem_kwargs": {
-                name: policy_name(value) if name == "checkpoint_policy" else value
-                for name, value in self.lightmem_kwargs().items()
-            } if self.fits else None,
-        }
-
-    def parts(self) -> list[str]:
-        """What the plan does, one phrase per technique: "checkpoint transformer.h.0-3
-        (GPT2Block)", "offload conv1 (Conv2d) (min_bytes 1.00 MiB)", and first, when the plan moves
-        model state to the host, "offload_optimizer (gradients and optimizer state on the host)"."""
-        kinds = self.estimate_kinds
-        parts = []
-        if self.offload_optimizer:
-            dtype = self.offload_optimizer_device_dtype
-            on_device = f", {dtype} parameters on the device" if dtype is not None else ""
-            parts.append(f"offload_optimizer (gradients and optimizer state on the host{on_device})")
-        if self.checkpoint:
-            names = compact_names(sorted(self.checkpoint, key=natural_order), kinds)
-            policy = "" if self.checkpoint_policy == "full" else f" (policy {policy_name(self.checkpoint_policy)})"
-            parts.append(f"checkpoint {names}{policy}")
-        if self.offload is not None and self.offload.include is None:
-            parts.append(f"offload every saved tensor of at least {format_bytes(self.offload.min_bytes)}")
-        elif self.offload is not None:
-            own = dict(zip(self.offload.include or (), self.offload.include_min_bytes or ()))
-            whole = [name for name in self.offload.include or () if not own.get(name)]
-            if whole:
-                names = compact_names(sorted(whole, key=natural_order), kinds)
-                parts.append(f"offload {names} (min_bytes {format_bytes(self.offload.min_bytes)})")
-            for threshold in sorted({size for size in own.values() if size}):
-                names = compact_names(sorted((n for n, size in own.items() if size == threshold), key=natural_order), kinds)
-                parts.append(f"offload the saved tensors of at least {format_bytes(threshold)} of {names}")
-        return parts
-
-    def describe(self) -> str:
-        """What the plan chose, at what predicted cost, what else fitted, and why this one."""
-        if not self.fits:
-            text = f"No lightmem configuration fits {format_bytes(self.budget_bytes)}: {self.reason}"
-            chunked = self.chunked_loss
-            if chunked is not None:
-                text += "\n  with a chunked loss (lightmem.linear_cross_entropy): " + (
-                    f"fits at {format_bytes(chunked.predicted_total_bytes)}: {'; '.join(chunked.parts()) or 'nothing'}; "
-                    f"predicted step {format_seconds(chunked.step_seconds)}" if chunked.fits
-                    else f"does not fit either: {chunked.reason}"
-                )  # fmt: skip
-            return text
-        if not self.checkpoint and self.offload is None and not self.offload_optimizer:
-            return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
-        prices = self.speeds.describe() if self.speeds is not None else (
-            f"host link {format_rate(self.link_bytes_per_s, 'B/s')}, {format_rate(self.flops_per_s, 'FLOP/s')}"
-        )
-        fitted = [option for option in self.alternatives if option.fits]
-        refused = [option for option in self.alternatives if not option.fits]
-        why = (
-            f"the least predicted step time of the {len(fitted) + 1} configurations verified to fit"
-            if fitted
-            else "the only configuration verified to fit"
-        )
-        at = format_bytes(self.predicted_total_bytes)
-        if self.routing_bound_bytes:
-            balanced = max(self.predicted_reserved_bytes, self.predicted_peak_bytes) + self.overhead_bytes
-            at += (
-                f" under the worst-case routing of its experts ({format_bytes(balanced)} under balanced routing, "
-                "which the step time assumes)"
-            )
-        lines = [
-            f"Fits {format_bytes(self.budget_bytes)} at {at}: "
-            + "; ".join(self.parts())
-            + (f", holding {format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
-            + f"; predicted step {format_seconds(self.step_seconds)}, {self.slowdown:.2f}x the "
-            f"{format_seconds(self.baseline_step_seconds)} without lightmem (about {format_seconds(self.recompute_s)} "
-            f"re-computation and {format_seconds(self.exposed_transfer_s)} exposed transfer; {prices}): {why}."
-        ]
-        lines.extend(
-            f"  also fits: {option.description}, {format_bytes(option.predicted_total_bytes)}, step "
-            f"{format_seconds(option.step_seconds)}"
-            for option in fitted
-        )
-        lines.extend(
-            f"  does not fit: {option.description}, {format_bytes(option.predicted_total_bytes)}"
-            for option in refused
-        )
-        return "\n".join(lines)
-
-
-    def __str__(self) -> str:
-        return self.describe()
-
-    def __repr__(self) -> str:
-        if not self.fits:
-            return f"Plan(does not fit {format_bytes(self.budget_bytes)}: {shortened(self.reason)})"
-        return (
-            f"Plan(fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
-            f"{shortened('; '.join(self.parts()) or 'nothing')}; step {format_seconds(self.step_seconds)}, "
-            f"{self.slowdown:.2f}x)"
-        )
-
-
-def format_seconds(seconds: float) -> str:
-    """A predicted cost as people read it: '3.20 s', '41.0 ms', '12.5 us', '0 s'."""
-    if seconds <= 0:
-        return "0 s"
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds * 1e6:.1f} us"
-
-
-def policy_name(policy: CheckpointPolicyArg) -> str:
-    """A policy as JSON and people read it: its name, or the callable's name."""
-    return policy if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
-
-
-def natural_order(name: str) -> list[object]:
-    """Sort key for block names: "blocks.2" before "blocks.10"."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def compact_names(names: list[str], kinds: Mapping[str, str] | None = None) -> str:
-    """'blocks.0', 'blocks.1', 'blocks.2', 'head' -> 'blocks.0-2, head'.
-
-    With ``kinds`` (class name per block), each run is followed by its class:
-    'transformer.h.0-7 (GPT2Block), lm_head (Linear)'.
-    """
-    kinds = kinds or {}
-    groups: dict[str, list[int]] = defaultdict(list)
-    order: list[str] = []
-    for name in names:
-        match = re.fullmatch(r"(.*\.)(\d+)", name)
-        if match is None:
-            order.append(name)
-            continue
-        prefix = match.group(1)
-        if prefix not in groups:
-            order.append(prefix)
-        groups[prefix].append(int(match.group(2)))
-
-    def labelled(text: str, members: list[str]) -> str:
-        classes = {kinds[member] for member in members if kinds.get(member)}
-        return f"{text} ({classes.pop()})" if len(classes) == 1 else text
-
-    parts = []
-    for key in order:
-        if key not in groups:
-            if key == ROOT_BLOCK:
-                continue
-            parts.append(labelled(key, [key]))
-            continue
-        numbers = sorted(groups[key])
-        start = previous = numbers[0]
-        runs = []
-        for number in numbers[1:] + [None]:  # type: ignore[list-item]
-            if number is not None and number == previous + 1:
-                previous = number
-                continue
-            runs.append((start, previous))
-            if number is not None:
-                start = previous = number
-        for first, last in runs:
-            members = [f"{key}{n}" for n in range(first, last + 1)]
-            text = f"{key}{first}" if first == last else f"{key}{first}-{last}"
-            parts.append(labelled(text, members))
-    return ", ".join(parts)

@@ -24,12 +24,13 @@ from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes
-from lightmem.estimate.batch import scalable_batch
-from lightmem.estimate.configuration import parse_settings, run_configuration
+from lightmem.config.estimator import parse_checkpoint, parse_offload
 from lightmem.devices import DeviceSpeeds
-from lightmem.estimate.planner import plan_space
-from lightmem.estimate.report import Plan
-from lightmem.estimate.settings import parse_checkpoint, parse_offload
+from lightmem.estimate.planning.result import Plan
+from lightmem.estimate.planning.space import PlanSpace, space_for
+from lightmem.estimate.settings import EstimateSettings, parse_settings
+from lightmem.estimate.steps import run_configuration
+from lightmem.estimate.trace.batch import BatchInfo, scalable_batch
 from lightmem.tables import format_table
 
 DEFAULT_LIMIT = 1 << 20
@@ -246,16 +247,54 @@ def max_batch_size(
         ValueError: a bad argument, or a batch without tensors to scale.
     """
     started = time.perf_counter()
-    settings = parse_settings(
-        "max_batch_size", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
-        overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
-        offload_optimizer=offload_optimizer, gpu=gpu, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
+    settings, info, offload_config, targets = search_arguments(
+        model, batch, budget, loss_fn, optimizer=optimizer, precision=precision, device=device, gpu=gpu, offload=offload,
+        checkpoint=checkpoint, overhead_bytes=overhead_bytes, zero_grad=zero_grad, limit=limit,
+        checkpoint_policy=checkpoint_policy, offload_optimizer=offload_optimizer, flops_per_s=flops_per_s,
+        link_bytes_per_s=link_bytes_per_s,
     )  # fmt: skip
+    return largest_batches(
+        model, batch, settings, info, offload=offload_config, checkpoint=targets, limit=limit, plan=plan, started=started
+    )
+
+
+def search_arguments(
+    model: nn.Module, batch: Any, budget: int | str, loss_fn: Callable[[nn.Module, Any], Any] | None, *, limit: int,
+    offload: bool | Mapping[str, Any] | OffloadSettings | None, checkpoint: Iterable[str | type] | str | None,
+    **flags: Any,
+) -> tuple[EstimateSettings, BatchInfo, OffloadSettings | None, tuple[Any, ...] | None]:  # fmt: skip
+    """``max_batch_size``'s arguments parsed, each named as ``max_batch_size(argument=...)`` in an
+    error: the settings (a plan searches under ``offload`` less its ``include``, or lightmem's
+    defaults), the batch, the offload and checkpoint configuration searched without a plan.
+    ``flags``: the arguments ``parse_settings`` takes."""
+    settings = parse_settings("max_batch_size", model, loss_fn, budget=budget, **flags)
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"max_batch_size(limit=...): expected a positive int; got {limit!r}")
     offload_config = parse_offload(offload, flag="max_batch_size(offload=...)")
     targets = parse_checkpoint(checkpoint, flag="max_batch_size(checkpoint=...)")
     info = scalable_batch(batch, flag="max_batch_size(batch=...)")
+    if offload_config is not None:  # the plan searches under it, choosing the modules itself
+        settings = settings.searching(offload_config.with_choice(min_bytes=offload_config.min_bytes, include=None))
+    return settings, info, offload_config, targets
+
+
+def largest_batches(
+    model: nn.Module,
+    batch: Any,
+    settings: EstimateSettings,
+    info: BatchInfo,
+    *,
+    offload: OffloadSettings | None = None,
+    checkpoint: tuple[Any, ...] | None = None,
+    limit: int = DEFAULT_LIMIT,
+    plan: bool = False,
+    started: float | None = None,
+) -> BatchSearch:
+    """``max_batch_size`` with its arguments parsed (``settings``; ``info``: the batch, with a batch
+    dimension to scale): the largest batch without lightmem, with ``offload`` and ``checkpoint`` (or
+    the settings' model-state offload) when given, and with ``plan`` the largest a plan of the
+    planner's space fits and that plan."""
+    started = time.perf_counter() if started is None else started
     budget_bytes = settings.budget_bytes
     assert budget_bytes is not None
 
@@ -277,73 +316,70 @@ def max_batch_size(
         total.seen = seen  # type: ignore[attr-defined]
         return total
 
-    def search(
-        offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None, model_state: bool = False
-    ) -> tuple[int, list[tuple[int, int]]]:
-        return largest_fitting(totals(offload_config, targets, model_state), budget_bytes, info.batch_size or 1, limit)
-
     baseline_total = totals(None, None)
     baseline, baseline_evals = largest_fitting(baseline_total, budget_bytes, info.batch_size or 1, limit)
     result = BatchSearch(baseline, None, budget_bytes, settings.overhead_bytes, {"baseline": baseline_evals}, limit=limit)
-    if offload_config is not None or targets or settings.offload_optimizer:
-        configured, evals = search(offload_config, targets, settings.offload_optimizer)
-        result.configured = configured
-        result.evaluations["configured"] = evals
+    if offload is not None or checkpoint or settings.offload_optimizer:
+        result.configured, result.evaluations["configured"] = largest_fitting(
+            totals(offload, checkpoint, settings.offload_optimizer), budget_bytes, info.batch_size or 1, limit
+        )
     if plan:
-        common = {
-            "optimizer": optimizer, "precision": precision, "device": device, "gpu": gpu, "overhead_bytes": overhead_bytes,
-            "zero_grad": zero_grad, "flops_per_s": flops_per_s, "link_bytes_per_s": link_bytes_per_s,
-            "checkpoint_policy": checkpoint_policy, "fn_name": "max_batch_size",
-            "offload_optimizer": settings.optimizer_offload or False,  # as parsed: device_dtype included
-            "offload": offload_config.with_choice(min_bytes=offload_config.min_bytes, include=None)
-            if offload_config is not None else None,
-        }  # fmt: skip
-        # Whether a plan fits a size is asked of the planner's space at that size: its extremes,
-        # with their offload windows, are that size's (at a small batch no saved tensor may reach
-        # offload's threshold, and its space has no offload at all). So the answer is a function
-        # of the size alone, whatever batch the search starts from.
-        spaces: dict[int, Any] = {}
-        model_state = settings.offload_optimizer
-
-        def space_at(size: int) -> Any:
-            if size not in spaces:
-                spaces[size] = plan_space(model, batch, loss_fn, batch_size=size, **common)  # type: ignore[arg-type]
-            return spaces[size]
-
-        def planned_total(size: int) -> int:
-            """The least of the step without lightmem and the extremes of the space at ``size``:
-            what the allocator must reserve, plus the overhead allowance. Where none of them fits,
-            the plan at ``size`` decides: a configuration between the extremes can fit where they
-            do not (offloading every saved tensor holds more in flight than offloading most)."""
-            space = space_at(size)
-            least = baseline_total(size)
-            for candidate in space.extremes():
-                total = space.reserved(space.verify(candidate, model_state)) + space.settings.overhead_bytes
-                result.evaluations.setdefault(f"plan: {space.describe(candidate)}", []).append((size, total))
-                least = min(least, total)
-            if least > budget_bytes:
-                found = space.plan(budget_bytes)
-                if found.fits:
-                    least = found.predicted_total_bytes
-            return least
-
-        # From the first size that does not fit without lightmem: where the plans start to matter.
-        seed = max(1, min(baseline + 1, limit))
-        # Without lightmem is one of the plans: the answer is never below it (a step's memory that
-        # jumps, as a new segment does, bends the line the search starts from).
-        result.planned = largest_fitting(planned_total, budget_bytes, seed, limit, fits_at=baseline)[0]
-        for name, evaluations in result.evaluations.items():
-            if name.startswith("plan: "):
-                evaluations.sort()
-        # The best plan at that size; where the allocator's replay tips it over the budget (the
-        # extremes were asked their smallest reservable cap, the plan whether it runs under the
-        # budget), the size below is planned (a few sizes at most).
-        for _ in range(PLAN_TRIES):
-            if not result.planned:
-                break
-            result.plan = space_at(result.planned).plan(budget_bytes)
-            if result.plan.fits:
-                break
-            result.planned -= 1
+        result.planned, result.plan = _largest_planned(model, batch, settings, result, baseline_total, limit)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _largest_planned(
+    model: nn.Module, batch: Any, settings: EstimateSettings, result: BatchSearch, baseline_total: Callable[[int], int],
+    limit: int,
+) -> tuple[int | None, Plan | None]:  # fmt: skip
+    """The largest batch a configuration of the planner's space fits, and the best plan there.
+
+    Whether a plan fits a size is asked of the planner's space at that size: its extremes, with
+    their offload windows, are that size's (at a small batch no saved tensor may reach offload's
+    threshold, and its space has no offload at all). So the answer is a function of the size alone,
+    whatever batch the search starts from."""
+    budget_bytes = result.budget_bytes
+    spaces: dict[int, PlanSpace] = {}
+
+    def space_at(size: int) -> PlanSpace:
+        if size not in spaces:
+            spaces[size] = space_for(model, batch, settings, batch_size=size)
+        return spaces[size]
+
+    def planned_total(size: int) -> int:
+        """The least of the step without lightmem and the extremes of the space at ``size``:
+        what the allocator must reserve, plus the overhead allowance. Where none of them fits,
+        the plan at ``size`` decides: a configuration between the extremes can fit where they
+        do not (offloading every saved tensor holds more in flight than offloading most)."""
+        space = space_at(size)
+        least = baseline_total(size)
+        for description, total in space.extreme_totals():
+            result.evaluations.setdefault(f"plan: {description}", []).append((size, total))
+            least = min(least, total)
+        if least > budget_bytes:
+            found = space.plan(budget_bytes)
+            if found.fits:
+                least = found.predicted_total_bytes
+        return least
+
+    # From the first size that does not fit without lightmem: where the plans start to matter.
+    seed = max(1, min(result.baseline + 1, limit))
+    # Without lightmem is one of the plans: the answer is never below it (a step's memory that
+    # jumps, as a new segment does, bends the line the search starts from).
+    planned = largest_fitting(planned_total, budget_bytes, seed, limit, fits_at=result.baseline)[0]
+    for name, evaluations in result.evaluations.items():
+        if name.startswith("plan: "):
+            evaluations.sort()
+    # The best plan at that size; where the allocator's replay tips it over the budget (the
+    # extremes were asked their smallest reservable cap, the plan whether it runs under the
+    # budget), the size below is planned (a few sizes at most).
+    chosen = None
+    for _ in range(PLAN_TRIES):
+        if not planned:
+            break
+        chosen = space_at(planned).plan(budget_bytes)
+        if chosen.fits:
+            break
+        planned -= 1
+    return planned, chosen

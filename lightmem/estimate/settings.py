@@ -1,186 +1,167 @@
-"""The estimator's arguments, validated once: precision, optimizer, device, offload and checkpoint.
+"""The one settings object of an estimator call, parsed once at its entry point and passed down.
 
-Each ``parse_*`` turns what the user wrote into a plain value and fails with a ``ValueError`` that
-names the argument (``estimate_memory(precision=...)``) and lists what is accepted.
+``estimate_memory``, ``plan``, ``max_batch_size`` and ``frontier`` each turn their arguments into
+one ``EstimateSettings`` (``parse_settings``, each flag by its own parser in
+``lightmem.config.estimator``) before anything is traced, so a bad argument fails at once with its
+name (``plan(precision=...)``), and nothing below an entry point parses a flag again. What decides a
+fake step, what a plan searches under, what prices it and the chunked-loss what-if all travel in
+it; an entry point that asks a variant (the other checkpoint policy, the loss priced as chunked)
+derives it with ``replace``.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
+from torch import nn
 
-from lightmem.config import OffloadSettings, Spelling, parse_checkpoint_targets, parse_size
-from lightmem.estimate.cuda_model import cuda_block_bytes
+from lightmem.checkpoint import CheckpointPolicyArg
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings, Spelling, parse_size
+from lightmem.config.checkpointing import parse_checkpoint_policy
+from lightmem.config.estimator import (
+    OptimizerChoice,
+    PlanPrices,
+    Precision,
+    parse_device,
+    parse_optimizer,
+    parse_overhead,
+    parse_planned_offload,
+    parse_precision,
+    parse_zero_grad,
+)  # fmt: skip
+from lightmem.config.optimizer_offload import parse_optimizer_offload
+from lightmem.device_memory import expandable_segments_on
+from lightmem.devices import DeviceSpeeds, gpu_key, parse_gpu, resolve_gpu, speeds_for
+from lightmem.lightning_packages import is_lightning_module
 
-DEFAULT_CUDA_OVERHEAD = "1GiB"
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Lightning precision flag, as the estimator runs it."""
-
-    name: str
-    autocast_dtype: torch.dtype | None
-    """Mixed precision: forward under ``torch.autocast`` with this dtype."""
-    param_dtype: torch.dtype | None
-    """True half/double precision: parameters, buffers and float inputs in this dtype."""
-
-
-_PRECISIONS = {
-    "32-true": Precision("32-true", None, None),
-    "64-true": Precision("64-true", None, torch.float64),
-    "16-mixed": Precision("16-mixed", torch.float16, None),
-    "bf16-mixed": Precision("bf16-mixed", torch.bfloat16, None),
-    "16-true": Precision("16-true", None, torch.float16),
-    "bf16-true": Precision("bf16-true", None, torch.bfloat16),
-}
-# Lightning's short spellings.
-_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-
-
-def parse_precision(value: str | int, *, flag: str) -> Precision:
-    """Lightning's precision strings ("32-true", "bf16-mixed", ...) and their short forms."""
-    key = str(value).strip().lower()
-    key = _ALIASES.get(key, key)
-    if key not in _PRECISIONS:
-        accepted = ", ".join(list(_PRECISIONS) + list(_ALIASES))
-        raise ValueError(f"{flag}: unknown precision {value!r}; accepted: {accepted}")
-    return _PRECISIONS[key]
-
-
-def parse_device(value: str | torch.device, *, flag: str) -> str:
-    """'cuda' or 'cpu' (an index such as 'cuda:1' is accepted and dropped)."""
-    try:
-        kind = torch.device(value).type if isinstance(value, (str, torch.device)) else None
-    except RuntimeError:  # not a device string torch knows
-        kind = None
-    if kind not in ("cuda", "cpu"):
-        raise ValueError(f"{flag}: expected 'cuda' or 'cpu'; got {value!r}")
-    return kind
-
-
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-
-
-def _optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
-    classes = {}
-    for name in dir(torch.optim):
-        cls = getattr(torch.optim, name)
-        # LBFGS needs a closure and SparseAdam sparse gradients: neither runs a plain step.
-        if (
-            isinstance(cls, type)
-            and issubclass(cls, torch.optim.Optimizer)
-            and cls is not torch.optim.Optimizer
-            and name not in ("LBFGS", "SparseAdam")
-        ):
-            classes[name.lower()] = cls
-    return classes
+LossFn = Callable[[nn.Module, Any], Any]
+AUTO_POLICY = "auto"
+"""``plan(checkpoint_policy="auto")``: the planner chooses what checkpointed blocks keep."""
 
 
 @dataclass(frozen=True)
-class OptimizerChoice:
-    name: str
-    factory: OptimizerFactory | None
-    """None: the LightningModule's ``configure_optimizers``."""
+class EstimateSettings:
+    """Every argument of one estimator call, validated (``parse_settings``)."""
+
+    device: str
+    precision: Precision
+    optimizer: OptimizerChoice
+    loss_fn: LossFn | None
+    overhead_bytes: int
+    budget_bytes: int | None
+    zero_grad: str = "after_forward"
+    checkpoint_policy: CheckpointPolicyArg = "full"
+    """What checkpointed blocks keep: applied to ``checkpoint=...`` and priced by the planner;
+    ``AUTO_POLICY`` (a plan only): the faster of "full" and "save_matmuls"."""
+    gpu: str = "default"
+    """The GPU of a CUDA estimate, resolved (``"auto"`` is this machine's): its cuBLAS workspace
+    size and, unless measured ones are given, its speeds."""
+    optimizer_offload: OptimizerOffloadSettings | None = None
+    """Model-state offload asked for (gradients, optimizer state and step on the host); None: not."""
+    speeds: DeviceSpeeds | None = None
+    """What every op, re-run and transfer is priced at (``lightmem.devices``)."""
+    expandable_segments: bool = False
+    """The CUDA allocator's expandable segments are on: the steps' requests are replayed through
+    them (``StepTrace.reserved_bytes``)."""
+    offload: OffloadSettings | None = None
+    """The offload settings a plan searches under (its modules are the plan's choice): lightmem's
+    defaults (``parse_settings``) unless the call gives its own; None: offload is not planned
+    (``plan(offload=False)``)."""
+    loss_as_chunked: bool = False
+    """Every step priced as if its loss were chunked (``lightmem.linear_cross_entropy``): the
+    what-if a refusal and a frontier ask where the loss's logits dominate (``trace.logits``)."""
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.optimizer_offload is not None
+
+    @property
+    def offload_considered(self) -> bool:
+        """Whether a plan may offload activations: settings to search under, on a device whose
+        memory is not the host's."""
+        return self.offload is not None and self.device != "cpu"
+
+    def searching(self, offload: OffloadSettings | None) -> EstimateSettings:
+        """These settings with a plan searching under ``offload`` (None: no offload)."""
+        return replace(self, offload=offload)
+
+    def with_policy(self, policy: CheckpointPolicyArg) -> EstimateSettings:
+        """These settings with checkpointed blocks keeping what ``policy`` keeps."""
+        return replace(self, checkpoint_policy=policy)
+
+    def priced_as_chunked(self) -> EstimateSettings:
+        """These settings with every step priced as if its loss were chunked."""
+        return replace(self, loss_as_chunked=True)
 
 
-@functools.cache
-def _named_factory(name: str) -> OptimizerFactory:
-    """One factory per torch.optim name, the same object at every parse: the planner's memory of
-    verified steps keys on it (a factory made at each call would match no step planned before)."""
-    cls = _optimizer_classes()[name]
-    return lambda params: cls(params, lr=1e-3)
+def parse_settings(
+    fn_name: str,
+    model: nn.Module,
+    loss_fn: LossFn | None,
+    *,
+    optimizer: str | Callable[..., Any] | None = None,
+    precision: str | int = "32-true",
+    device: str = "cuda",
+    overhead_bytes: int | str | None = None,
+    budget: int | str | None = None,
+    zero_grad: str = "after_forward",
+    checkpoint_policy: CheckpointPolicyArg = "full",
+    gpu: str | DeviceSpeeds = "auto",
+    offload_optimizer: bool | OptimizerOffloadSettings = False,
+    flops_per_s: float | None = None,
+    link_bytes_per_s: int | str | None = None,
+    auto_policy: bool = False,
+) -> EstimateSettings:
+    """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``.
 
-
-def parse_optimizer(value: str | OptimizerFactory | None, *, flag: str) -> OptimizerChoice:
-    """A torch.optim name ("adamw", "sgd", ...), a callable ``params -> Optimizer``, or None."""
-    if value is None:
-        return OptimizerChoice("configure_optimizers", None)
-    if callable(value) and not isinstance(value, str):
-        name = getattr(value, "__name__", type(value).__name__)
-        return OptimizerChoice(name, value)
-    classes = _optimizer_classes()
-    if isinstance(value, str) and value.strip().lower() in classes:
-        name = value.strip().lower()
-        return OptimizerChoice(name, _named_factory(name))
-    accepted = ", ".join(sorted(classes))
-    raise ValueError(
-        f"{flag}: unknown optimizer {value!r}; accepted: {accepted}, or a callable "
-        "params -> torch.optim.Optimizer"
+    ``gpu``: a name of ``devices.GPU_NAMES`` or speeds measured on the training device
+    (``devices.measure_device_speeds``); ``flops_per_s`` and ``link_bytes_per_s`` override its
+    matrix rates and its host link. ``auto_policy``: ``checkpoint_policy="auto"`` is accepted (a
+    plan's). The offload a plan searches under is lightmem's defaults: an entry point that takes
+    an ``offload`` argument parses it in its own order and sets it (``EstimateSettings.searching``)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"{fn_name}(model=...): expected an nn.Module or LightningModule; got {type(model).__name__}"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(
+            f"{fn_name}(loss_fn=...): expected a callable loss_fn(model, batch) -> loss; got {loss_fn!r}"
+        )
+    if optimizer is None and not is_lightning_module(model):
+        optimizer = "adamw"
+    kind = parse_device(device, flag=f"{fn_name}(device=...)")
+    parsed_precision = parse_precision(precision, flag=f"{fn_name}(precision=...)")
+    model_state = parse_optimizer_offload(
+        offload_optimizer, spelling=Spelling(fn_name, (("enabled", "offload_optimizer"),))
     )
-
-
-_OFFLOAD_KEYS = ("min_bytes", "include", "exclude", "prefetch", "max_inflight_bytes", "host_budget")
-
-
-def parse_offload(
-    value: bool | Mapping[str, Any] | OffloadSettings | None, *, flag: str
-) -> OffloadSettings | None:
-    """``None``/``False`` (no offload), ``True`` (lightmem's defaults), a dict, or settings already
-    parsed (``LightMem``'s, the CLI's: used as they are).
-
-    The dict takes the keys of ``offload_activations`` and is parsed by the engine's own
-    :meth:`OffloadSettings.parse`, with its defaults: ``min_bytes`` ("1MiB"), ``include`` /
-    ``exclude`` (module patterns), ``prefetch`` ("256MiB"), ``max_inflight_bytes`` ("256MiB").
-    ``host_budget`` (bytes) has no default: the host of the target machine is not this one.
-    """
-    if value is None or value is False:
-        return None
-    if isinstance(value, OffloadSettings):
-        return value
-    if value is True:
-        value = {}
-    if not isinstance(value, Mapping):
-        raise ValueError(
-            f"{flag}: expected None, True or a dict with keys {', '.join(_OFFLOAD_KEYS)}; got {value!r}"
-        )
-    unknown = sorted(set(value) - set(_OFFLOAD_KEYS))
-    if unknown:
-        raise ValueError(
-            f"{flag}: unknown key(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(_OFFLOAD_KEYS)}"
-        )
-    return OffloadSettings.for_estimate(spelling=Spelling(flag, style="key"), **value)
-
-
-def parse_planned_offload(
-    value: bool | Mapping[str, Any] | OffloadSettings | None, *, flag: str
-) -> OffloadSettings | None:
-    """``parse_offload`` for a function that plans (``plan``, ``frontier``): the plan chooses the
-    modules to offload, so an ``include`` is refused."""
-    settings = parse_offload(value, flag=flag)
-    if settings is not None and settings.include is not None:
-        raise ValueError(f"{settings.flag('include')}: the plan chooses the modules to offload itself; leave it unset")
-    return settings
-
-
-def parse_checkpoint(value: Iterable[str | type] | str | None, *, flag: str) -> tuple[str | type, ...] | None:
-    """Checkpoint targets as ``apply_checkpointing`` takes them (names, classes, globs); None: none."""
-    return None if value is None else parse_checkpoint_targets(value, flag=flag)
-
-
-def parse_overhead(value: int | str | None, device: str, *, flag: str) -> int:
-    """Bytes set aside for what the caching allocator does not count (the CUDA context, NCCL
-    buffers): default 1 GiB on CUDA, 0 on CPU."""
-    if value is None:
-        value = DEFAULT_CUDA_OVERHEAD if device == "cuda" else 0
-    return parse_size(value, flag=flag)
-
-
-def allocation_rounding(device: str) -> Callable[[int], int] | None:
-    """The bytes the device's allocator hands out for a request (None: exactly the request)."""
-    return cuda_block_bytes if device == "cuda" else None
-
-
-ZERO_GRAD_ORDERS = ("after_forward", "before_forward")
-
-
-def parse_zero_grad(value: str, *, flag: str) -> str:
-    """Where the step sets gradients to None: "after_forward" (Lightning's automatic
-    optimization) or "before_forward" (a plain loop: zero_grad, forward, backward, step)."""
-    if value not in ZERO_GRAD_ORDERS:
-        raise ValueError(f"{flag}: expected one of {', '.join(map(repr, ZERO_GRAD_ORDERS))}; got {value!r}")
-    return value
+    if model_state is not None:
+        model_state.refuse_precision(parsed_precision.name)  # with device_dtype: bf16-mixed only
+    prices = PlanPrices.parse(flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s, spelling=Spelling(fn_name))
+    if isinstance(gpu, DeviceSpeeds):
+        key = "hopper" if gpu.hopper else gpu_key(gpu.name)
+        # On the CPU the table's figures, with what a fit measured of its blocks (``block_scale``).
+        speeds = gpu if kind == "cuda" else replace(speeds_for(kind, key), block_scale=dict(gpu.block_scale))
+    else:
+        key = resolve_gpu(parse_gpu(gpu, flag=f"{fn_name}(gpu=...)"))
+        speeds = speeds_for(kind, key)
+    speeds = speeds.with_overrides(flops_per_s=prices.flops_per_s, link_bytes_per_s=prices.link_bytes_per_s)
+    auto = auto_policy and isinstance(checkpoint_policy, str) and checkpoint_policy == AUTO_POLICY
+    return EstimateSettings(
+        device=kind,
+        precision=parsed_precision,
+        optimizer=parse_optimizer(optimizer, flag=f"{fn_name}(optimizer=...)"),
+        loss_fn=loss_fn,
+        overhead_bytes=parse_overhead(overhead_bytes, kind, flag=f"{fn_name}(overhead_bytes=...)"),
+        budget_bytes=None if budget is None else parse_size(budget, flag=f"{fn_name}(budget=...)"),
+        zero_grad=parse_zero_grad(zero_grad, flag=f"{fn_name}(zero_grad=...)"),
+        checkpoint_policy=AUTO_POLICY if auto else parse_checkpoint_policy(
+            checkpoint_policy, flag=f"{fn_name}(checkpoint_policy=...)"
+        ),
+        gpu=key,
+        optimizer_offload=model_state,
+        speeds=speeds,
+        expandable_segments=expandable_segments_on(),
+        offload=parse_planned_offload(True, flag=f"{fn_name}(offload=...)"),
+    )

@@ -69,7 +69,8 @@ from lightmem.offload.protocol import Entry, Handle, Reloads, Session
 from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
 from lightmem.transfer.inflight import InflightCopies, saved_view, served_view
-from lightmem.transfer.pool import HostBlock, HostPool
+from lightmem.transfer.pool import HostPool
+from lightmem.transfer.slab import HostBlock
 from lightmem.transfer.transport import Transport
 
 _sequence_nr = torch._C._autograd._get_sequence_nr  # the next autograd node's number (per thread)

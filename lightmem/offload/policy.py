@@ -1,7 +1,7 @@
 """Which saved tensors move to host memory: the one decision, run by the engine and the estimator.
 
 The offload engine (``hooks.py``) calls it on real tensors in its pack hook; the estimator
-(``lightmem/estimate/offload_sim.py``) calls the same code on fake tensors, so a predicted
+(``lightmem/estimate/trace/offload_sim.py``) calls the same code on fake tensors, so a predicted
 ``offloaded_bytes`` is what the engine moves. The two differ only in what a plain tensor is
 (``torch.Tensor`` or ``FakeTensor``) and how a storage is named (its data pointer, or the
 identity of its Python object: fake storages have no data).

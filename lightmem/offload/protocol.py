@@ -1,5 +1,5 @@
 """The reload protocol: reference counting of moved storages and the prefetch walk, run by the
-offload engine (``hooks.py``, on real tensors) and the estimator (``lightmem/estimate/offload_sim.py``,
+offload engine (``hooks.py``, on real tensors) and the estimator (``lightmem/estimate/trace/offload_sim.py``,
 on fake tensors), so a predicted reload happens where the engine's does.
 
 An ``Entry`` is one moved storage, shared by every save of it, and is also what autograd holds for

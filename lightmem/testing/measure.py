@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightmem.estimate.batch import batch_tensors
-from lightmem.estimate.settings import parse_optimizer, parse_precision
-from lightmem.estimate.tracer import CATEGORIES
+from lightmem.estimate.trace.batch import batch_tensors
+from lightmem.config.estimator import parse_optimizer, parse_precision
+from lightmem.estimate.trace.records import CATEGORIES
 
 _MAPPING = {
     "Parameter": "parameters",

@@ -94,10 +94,13 @@ from lightmem.testing.streams import (
     PinnedAllocator,
     Runtime,
     Stream,
+    POISON_BYTE,
+    alias_of,
     device_block_size,
+    fill_poison,
+    is_compute,
 )
 
-_POISON = 0xFF
 
 _LIVE: weakref.WeakSet[SimulatedAsyncTransport] = weakref.WeakSet()
 
@@ -107,25 +110,6 @@ def _close_all() -> None:
     # A worker killed at interpreter exit in the middle of a torch op aborts the process.
     for transport in list(_LIVE):
         transport.close()
-
-
-def is_compute(stream: Any) -> bool:
-    """Whether ``stream`` is a simulated compute stream."""
-    return isinstance(stream, ComputeStream)
-
-
-def _alias(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s memory under a version counter of its own: the write of a queued copy when its
-    stream runs it, which must not bump the counter again (the queueing did)."""
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-        tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()
-    )
-
-
-def _poison(tensor: torch.Tensor) -> None:
-    start = tensor.storage_offset() * tensor.element_size()
-    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    raw.set_(tensor.untyped_storage(), start, (tensor.nbytes,)).fill_(_POISON)
 
 
 class SimulatedAsyncTransport:
@@ -396,7 +380,7 @@ class SimulatedAsyncTransport:
         del src, storage
         host = self._track(dst)
         torch.autograd.graph.increment_version(dst)  # as copy_(non_blocking=True) does when queued
-        destination = _alias(dst)
+        destination = alias_of(dst)
         host_written = self._watch_host(dst)  # checked when the copy writes, before it does
         del dst
 
@@ -412,7 +396,7 @@ class SimulatedAsyncTransport:
         def write(snapshot: torch.Tensor | None) -> None:
             host_written()
             if snapshot is None:
-                _poison(destination)
+                fill_poison(destination)
             else:
                 destination.copy_(snapshot)
             self._untrack(host)
@@ -444,7 +428,7 @@ class SimulatedAsyncTransport:
         block = allocator.by_address.get(dst.untyped_storage().data_ptr())
         previous_free = None if block is None else block.previous_free
         torch.autograd.graph.increment_version(dst)  # as copy_(non_blocking=True) does when queued
-        destination = _alias(dst)
+        destination = alias_of(dst)
         del dst
         on_run = self._watch_host(src)
 
@@ -503,7 +487,7 @@ class SimulatedAsyncTransport:
         with self._inflight_lock:
             if any(start <= address < end for address in self._inflight):
                 self.reuse_hazards += 1
-        host_buffer.fill_(_POISON)
+        host_buffer.fill_(POISON_BYTE)
 
     # -- the caching allocator ----------------------------------------------------------------
 
@@ -512,7 +496,7 @@ class SimulatedAsyncTransport:
         nbytes = template.nbytes
         block = self._take_block(allocator, device_block_size(nbytes), device, stream)
         storage = block.backing[0:nbytes]
-        torch.empty(0, dtype=torch.uint8, device=device).set_(storage).fill_(_POISON)
+        torch.empty(0, dtype=torch.uint8, device=device).set_(storage).fill_(POISON_BYTE)
         weakref.finalize(storage, self._free_block, allocator, block)
         return torch.empty(0, dtype=template.dtype, device=device).set_(storage, 0, template.size(), template.stride())
 

@@ -345,3 +345,26 @@ class Runtime:
     @property
     def page_locked_bytes(self) -> int:
         return sum(self.ranges.values())
+
+
+POISON_BYTE = 0xFF
+"""What poisoned memory is filled with: every float dtype reads 0xFF.. bytes as NaN."""
+
+
+def is_compute(stream: Any) -> bool:
+    """Whether ``stream`` is a simulated compute stream."""
+    return isinstance(stream, ComputeStream)
+
+
+def alias_of(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory under a version counter of its own: the write of a queued copy when its
+    stream runs it, which must not bump the counter again (the queueing did)."""
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()
+    )
+
+
+def fill_poison(tensor: torch.Tensor) -> None:
+    start = tensor.storage_offset() * tensor.element_size()
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    raw.set_(tensor.untyped_storage(), start, (tensor.nbytes,)).fill_(POISON_BYTE)

@@ -35,7 +35,7 @@ class TiledForward:
     """
 
     dry_run_copies = True
-    """Copied into the estimator's stand-in of the model, bound to its module (``lightmem.estimate.stand_in``)."""
+    """Copied into the estimator's stand-in of the model, bound to its module (``lightmem.estimate.trace.stand_in``)."""
 
     def __init__(self, inner: Any, had_instance_forward: bool, module: nn.Module, settings: TileSettings, name: str) -> None:
         self.inner = inner

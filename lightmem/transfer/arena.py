@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from lightmem.config import format_bytes, warn_once
-from lightmem.transfer.pool import HostAllocationError, HostSlab
+from lightmem.transfer.page_lock import HostAllocationError
+from lightmem.transfer.slab import HostSlab
 from lightmem.transfer.transport import Transport
 
 ALIGN_BYTES = 64

@@ -67,11 +67,17 @@ is drained at the next ``acquire``, ``end_step`` or read of the byte counters. M
 written by a queued copy is never given back: a dropped pool waits for its pending copies first.
 The background threads never take the pool's lock: a chunk they made waits in a queue of their
 own until the pool, under its lock, adopts it.
+
+This is lightmem's one file over 600 lines, on purpose: ``HostPool`` is one resource with two
+policies over it, the bound (what a step may carve) and the cap and growth of its page-locked
+chunks (what it holds and gives back), and the invariants above hold only as long as both are read
+beside each other, with the release path that feeds them. Split across files, one could quietly
+undo the other. The memory it manages, ``HostSlab`` and ``HostBlock``, lives in
+``lightmem.transfer.slab``.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 import warnings
@@ -88,10 +94,10 @@ from lightmem.transfer.page_lock import (
     HostAllocationError,
     RegistrationStats,
     count,
-    page_locked_empty,
     registration_stats,
-    unregister,
 )
+
+from lightmem.transfer.slab import MAX_CACHED_BLOCKS, HostBlock, HostSlab
 
 if TYPE_CHECKING:
     from lightmem.transfer.transport import Transport
@@ -119,9 +125,7 @@ __all__ = [
     "RegistrationStats", "chunk_sizes", "registration_stats", "size_class",
 ]  # fmt: skip
 
-_POISON_BYTE = 0xFF  # every float dtype reads 0xFF.. bytes as NaN
 _PENDING_POLL_S = 1e-4
-_MAX_CACHED_BLOCKS = 4096  # block objects kept per slab for ranges that recur (and request sizes)
 
 
 def size_class(nbytes: int) -> int:
@@ -150,138 +154,6 @@ def chunk_sizes(nbytes: int, at_least: int = 0) -> list[int]:
         remaining -= take
         size = min(2 * size, CHUNK_MAX_BYTES)
     return sizes
-
-
-class HostSlab:
-    """One host allocation of ``capacity`` bytes, carved into blocks; free ranges sorted by offset."""
-
-    __slots__ = (
-        "blocks", "capacity", "device", "free_offsets", "free_sizes", "on_free", "registered", "sequence",
-        "tensor", "used",
-    )  # fmt: skip
-
-    def __init__(
-        self, capacity: int, pin: bool, poison: bool, on_free: Callable[[torch.Tensor], None] | None = None,
-        device: torch.device | None = None, page_locked: torch.Tensor | None = None,
-    ) -> None:  # fmt: skip
-        """``page_locked``: the slab's memory, already registered (a chunk made in the background)."""
-        self.capacity = capacity
-        self.device = device
-        self.sequence = -1  # a chunk's place in the order chunks were queued (``ChunkRegistrar``)
-        self.on_free = None
-        self.registered = False
-        if page_locked is not None:
-            self.tensor = page_locked
-        elif pin:
-            self.tensor = page_locked_empty(capacity, device)
-        else:
-            self.tensor = torch.empty(capacity, dtype=torch.uint8, device="cpu")
-        self.registered = pin
-        self.on_free = on_free
-        if poison:
-            self.tensor.fill_(_POISON_BYTE)
-        self.free_offsets = [0]
-        self.free_sizes = [capacity]
-        self.used = 0
-        self.blocks: dict[tuple[int, int], HostBlock] = {}
-
-    def take(self, size: int) -> HostBlock | None:
-        """The first free range of at least ``size`` bytes, split off as a block, or ``None``."""
-        sizes = self.free_sizes
-        for index, free in enumerate(sizes):
-            if free >= size:
-                offsets = self.free_offsets
-                offset = offsets[index]
-                if free == size:
-                    del offsets[index], sizes[index]
-                else:
-                    offsets[index] = offset + size
-                    sizes[index] = free - size
-                self.used += size
-                block = self.blocks.get((offset, size))
-                if block is None:
-                    if len(self.blocks) >= _MAX_CACHED_BLOCKS:
-                        self.blocks.clear()
-                    block = self.blocks[(offset, size)] = HostBlock(self, offset, size)
-                return block
-        return None
-
-    def give_back(self, offset: int, size: int) -> None:
-        """Return a range, merged with the free ranges on either side."""
-        offsets, sizes = self.free_offsets, self.free_sizes
-        index = bisect.bisect_left(offsets, offset)
-        after = offset + size
-        if index < len(offsets) and offsets[index] == after and not (
-            index and offsets[index - 1] + sizes[index - 1] == offset
-        ):  # the common case, a stack popped: grow the free range above downwards
-            offsets[index] = offset
-            sizes[index] += size
-            return
-        if index and offsets[index - 1] + sizes[index - 1] == offset:
-            index -= 1
-            offset = offsets[index]
-            size += sizes[index]
-            del offsets[index], sizes[index]
-        if index < len(offsets) and offset + size == offsets[index]:
-            size += sizes[index]
-            del offsets[index], sizes[index]
-        offsets.insert(index, offset)
-        sizes.insert(index, size)
-
-    @never_traced  # finalizers run wherever a reference drops, also inside a compiled model
-    def __del__(self) -> None:
-        self.close()  # a pinned slab must be unregistered however it dies
-
-    def close(self) -> None:
-        self.blocks = {}
-        if self.on_free is not None:
-            on_free, self.on_free = self.on_free, None
-            on_free(self.tensor)
-        if self.registered:
-            self.registered = False
-            unregister(self.tensor, self.device)
-
-
-class HostBlock:
-    """``capacity`` bytes at ``offset`` in ``slab``; a copy writes ``view(...)`` or ``raw(n)``.
-
-    ``event`` is the last copy that reads or writes the block once it has been released.
-    """
-
-    __slots__ = ("_raw", "_view", "_view_key", "capacity", "event", "offset", "requested", "slab")
-
-    def __init__(self, slab: HostSlab, offset: int, capacity: int) -> None:
-        self.slab = slab
-        self.requested = 0
-        self.offset = offset
-        self.capacity = capacity
-        self.event: Any = None
-        self._view: torch.Tensor | None = None
-        self._view_key: tuple[torch.dtype, Any] | None = None
-        self._raw: torch.Tensor | None = None
-
-    def view(self, dtype: torch.dtype, size: Any) -> torch.Tensor:
-        """The block's first bytes as a contiguous ``dtype`` tensor of ``size`` (cached: a step
-        hands a block the same shape it had the step before, and building a view costs more than
-        the copy into it)."""
-        key = (dtype, size)
-        if key != self._view_key:
-            nbytes = size.numel() * dtype.itemsize
-            self._view = self.slab.tensor[self.offset : self.offset + nbytes].view(dtype).view(size)
-            self._view_key = key
-        return self._view
-
-    def raw(self, nbytes: int) -> torch.Tensor:
-        """The block's first ``nbytes`` as a uint8 tensor (cached)."""
-        raw = self._raw
-        if raw is None or raw.numel() != nbytes:
-            raw = self._raw = self.slab.tensor[self.offset : self.offset + nbytes]
-        return raw
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The block's bytes as a uint8 tensor."""
-        return self.slab.tensor[self.offset : self.offset + self.capacity]
 
 
 class HostPool:
@@ -378,7 +250,7 @@ class HostPool:
         slab is made: page-locking runs in that device's context), or ``None`` (see the class)."""
         size = self._sizes.get(nbytes)
         if size is None:
-            if len(self._sizes) >= _MAX_CACHED_BLOCKS:
+            if len(self._sizes) >= MAX_CACHED_BLOCKS:
                 self._sizes.clear()
             size = self._sizes[nbytes] = size_class(nbytes)
         with self._lock:

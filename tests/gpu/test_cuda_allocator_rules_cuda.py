@@ -16,7 +16,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from lightmem.estimate.cuda_model import cublas_workspace_bytes, cuda_block_bytes
+from lightmem.estimate.device.cuda_memory import cublas_workspace_bytes, cuda_block_bytes
 
 MiB = 1 << 20
 SIZES = (1, 513, MiB, MiB + 1, 10 * MiB - 512, 10 * MiB, 24 * MiB + MiB // 2, 25 * MiB - 512, 25 * MiB, 25 * MiB + 1)

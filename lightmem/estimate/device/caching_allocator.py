@@ -44,7 +44,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightmem.estimate.cuda_model import (
+from lightmem.estimate.device.cuda_memory import (
     LARGE_SEGMENT_BYTES,
     MIN_BLOCK_BYTES,
     ROUND_LARGE_BYTES,
@@ -54,6 +54,7 @@ from lightmem.estimate.cuda_model import (
     segment_bytes,
     splits,
 )
+from lightmem.estimate.trace.records import ALLOCATE, FREE, StepAllocations
 
 ADDRESS_SPACE_BYTES = 1 << 48
 """The addresses an expandable segment reserves (more than any device holds)."""
@@ -62,47 +63,6 @@ NEED_GRANULE_BYTES = ROUND_LARGE_BYTES
 assert SMALL_SEGMENT_BYTES % NEED_GRANULE_BYTES == LARGE_SEGMENT_BYTES % NEED_GRANULE_BYTES == 0
 STEPS = 3
 """Steps replayed: the first (no optimizer state yet), then two whose caches carry over."""
-
-ALLOCATE, FREE, FREE_PREVIOUS = 0, 1, 2
-"""Event kinds of ``StepAllocations.events``."""
-
-
-@dataclass(frozen=True)
-class StepAllocations:
-    """One traced step's device requests in the order the allocator sees them.
-
-    ``events`` are ``(kind, value)``: ``ALLOCATE`` / ``FREE`` of slot ``value`` (its bytes in
-    ``sizes``), or ``FREE_PREVIOUS`` of a gradient of ``value`` bytes made by the step before.
-    """
-
-    persistent: tuple[int, ...]
-    """Requests made before training and never freed: parameters, buffers, cuBLAS workspaces."""
-    state: tuple[int, ...]
-    """The optimizer's state: created in the first step's optimizer step, then kept."""
-    state_at: int
-    """Index in ``events`` where the optimizer step starts (``len(events)``: at the step's end)."""
-    inputs: tuple[int, ...]
-    """The batch: allocated before each step, freed after it."""
-    sizes: tuple[int, ...]
-    events: tuple[tuple[int, int], ...]
-    carried: frozenset[int]
-    """Slots alive at the step's end that the next step frees as its previous gradients."""
-
-    @property
-    def requested_peak_bytes(self) -> int:
-        """The highest sum of live requests over the replay's steady step (a lower bound of any cap)."""
-        live = sum(self.persistent) + sum(self.state) + sum(self.inputs)
-        live += sum(self.sizes[slot] for slot in self.carried)
-        peak = live
-        for kind, value in self.events:
-            if kind == ALLOCATE:
-                live += self.sizes[value]
-                peak = max(peak, live)
-            elif kind == FREE:
-                live -= self.sizes[value]
-            else:
-                live -= value
-        return peak
 
 
 class OutOfMemory(Exception):

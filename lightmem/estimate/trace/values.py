@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from lightmem.estimate.call_site import call_site
+from lightmem.estimate.trace.call_site import call_site
 
 aten = torch.ops.aten
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightmem.estimate.tracer import BUFFER, PARAMETER, OpStep, StorageTracer
+from lightmem.estimate.trace.records import BUFFER, PARAMETER, OpStep
+from lightmem.estimate.trace.tracer import StorageTracer
 from lightmem.logit_transform import COPIES, aten
 
 PRODUCTS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})

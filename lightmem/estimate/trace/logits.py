@@ -10,27 +10,27 @@ them exists whole; instead it keeps the input gradient (rows x in_features, in t
 dtype) and the weight gradient (classes x in_features, float32) from the loss's forward to
 backward, and holds one chunk of logits (and its float32 copy) at a time (``chunked_kept_bytes``).
 
-What-if pricing: inside ``priced_as_chunked()``, every fake step is priced as if its loss were
-chunked (the logits-sized storages left out, what the chunked loss keeps counted where it
-holds it), so that ``plan`` and ``max_batch_size`` answer "with a chunked loss" for a loss written
-without one: the batch it would reach and its step, before the user changes a line.
+What-if pricing: a step asked with ``StepRequest.loss_as_chunked`` (``EstimateSettings.loss_as_chunked``)
+is priced as if its loss were chunked (``price_as_chunked``: the logits-sized storages left out,
+what the chunked loss keeps counted where it holds it), so that ``plan`` and ``max_batch_size``
+answer "with a chunked loss" for a loss written without one: the batch it would reach and its
+step, before the user changes a line.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from lightmem.estimate.call_site import CallSite
-from lightmem.estimate.op_chain import Product, aten, is_parameter, product_before, through_copies
-from lightmem.estimate.tracer import INPUT, OTHER, PeakInfo, StorageTracer
-from lightmem.logit_transform import LogitTransform, read_transform
+from lightmem.estimate.trace.call_site import CallSite
+from lightmem.estimate.trace.op_chain import Product, is_parameter, product_before, through_copies
+from lightmem.estimate.trace.records import INPUT, OTHER, PeakInfo
+from lightmem.estimate.trace.tracer import StorageTracer
+from lightmem.logit_transform import LogitTransform, aten, read_transform
 from lightmem.loss import default_chunk_rows
 
 LOGITS_MIN_SHARE = 0.25
@@ -183,7 +183,7 @@ def loss_logits(
 
     The logits are the largest such input; their weight, bias and hidden states are what that
     product read, and what lies between it and the log-softmax is read from the trace
-    (``lightmem.estimate.op_chain``). ``repeated`` names the repeated layers: the head and the loss
+    (``lightmem.estimate.trace.op_chain``). ``repeated`` names the repeated layers: the head and the loss
     run outside them, and storages made inside them are never the logits, whatever their size (an
     MLP as wide as the vocabulary). ``product_dtype``: the dtype the head's product runs in
     (autocast's; None: the weight's). ``model``: the traced model, whose local name in the user's
@@ -331,24 +331,6 @@ def _local_path(site: CallSite, qualified: str, model: nn.Module) -> str:
 
 
 # -- what-if pricing -------------------------------------------------------------------------------
-
-_PRICED_AS_CHUNKED: contextvars.ContextVar[bool] = contextvars.ContextVar("lightmem_priced_as_chunked", default=False)
-
-
-@contextlib.contextmanager
-def priced_as_chunked() -> Iterator[None]:
-    """Every fake step run inside is priced as if its loss were chunked (module docstring)."""
-    token = _PRICED_AS_CHUNKED.set(True)
-    try:
-        yield
-    finally:
-        _PRICED_AS_CHUNKED.reset(token)
-
-
-def pricing_chunked() -> bool:
-    """Whether fake steps are priced as if their loss were chunked now."""
-    return _PRICED_AS_CHUNKED.get()
-
 
 def price_as_chunked(tracer: StorageTracer, logits: LossLogits) -> PeakInfo:
     """The step's peak with the loss chunked: the logits-sized storages left out and what the

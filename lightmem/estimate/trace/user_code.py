@@ -5,7 +5,7 @@ closure (``training_step``, ``zero_grad``, ``backward``) through the module's ``
 hook (automatic optimization), or it calls ``training_step`` alone and the step drives its
 optimizers itself (manual optimization: ``self.optimizers()``, ``self.manual_backward``,
 ``opt.step()``, ``self.toggle_optimizer``). ``lightning_step`` runs both on the stand-in module
-(``lightmem.estimate.stand_in``), with:
+(``lightmem.estimate.trace.stand_in``), with:
 
 - ``DryRunTrainer`` as ``self.trainer``: the dry run's optimizers and schedulers (built by the
   stand-in's ``configure_optimizers``), a strategy whose ``backward`` and ``optimizer_step`` run

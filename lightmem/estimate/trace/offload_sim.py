@@ -29,13 +29,12 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightmem.config import OffloadSettings
-from lightmem.estimate.dry_run_device import DRY_RUN_DEVICE
-from lightmem.estimate.tracer import StorageTracer
+from lightmem.estimate.trace.dry_run_device import DRY_RUN_DEVICE
+from lightmem.estimate.trace.tracer import StorageTracer
 from lightmem.offload.policy import LEAVE, MOVE, OffloadPolicy, fits_host_budget, host_bytes, same_save
 from lightmem.offload.protocol import Entry, Handle, Reloads, Session
 from lightmem.offload.scope import ModuleScope
 from lightmem.offload.stats import OffloadStats
-
 
 
 def _layout(tensor: Tensor) -> tuple:

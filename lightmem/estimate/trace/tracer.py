@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,70 +21,34 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from lightmem.devices import DeviceSpeeds, op_cost
-from lightmem.estimate.caching_allocator import ALLOCATE, FREE, FREE_PREVIOUS, StepAllocations
-from lightmem.estimate.call_site import CallSite, call_site
-from lightmem.estimate.values import FOLLOWED, StandIns
-
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "workspaces")
+from lightmem.devices import op_cost
+from lightmem.estimate.trace.call_site import CallSite, call_site
+from lightmem.estimate.trace.records import (
+    ALLOCATE,
+    BUFFER,
+    CATEGORIES,
+    FREE,
+    FREE_PREVIOUS,
+    GRADIENT,
+    INPUT,
+    OTHER,
+    PARAMETER,
+    STATE,
+    PeakInfo,
+    StepAllocations,
+    StorageRecord,
+    TraceWindow,
+)
+from lightmem.estimate.trace.values import FOLLOWED, StandIns
 
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 _DEVICE_QUERY = torch.ops.prim.device.default
 """``tensor.device`` on a fake tensor: dispatched (fake tensors dispatch their device), most of a
 fake step's calls (~7 of 10), and neither allocates, frees nor costs anything."""
 
-# Roles a storage can start with; "other" is anything allocated by an op.
-PARAMETER, BUFFER, INPUT, GRADIENT, STATE, OTHER = range(6)
 
-OpStep = tuple[Any, tuple[int, ...], tuple[Any, ...]]
-"""One op of the forward as the trace keeps it: (the op, the record id of each tensor it read (-1: a
-tensor the trace never saw made), its plain number arguments): what made a tensor, read back by
-``lightmem.estimate.op_chain``."""
 _WRITES: dict[Any, tuple[int, ...]] = {}
 """For each op met: the positions of the arguments it writes (in-place and ``out=`` ops)."""
-
-
-@dataclass(slots=True)
-class StorageRecord:
-    """One device allocation (a storage) of the traced step."""
-
-    nbytes: int
-    """Bytes as the allocator hands them out (its block size on CUDA)."""
-    role: int
-    alloc_event: int
-    grad_at: int = -1
-    """Event index from which the storage is a parameter's ``.grad`` (-1: never)."""
-    saved_at: int = -1
-    """Event index at which autograd first saved it for backward (-1: never)."""
-    saved_block: str | None = None
-    saved_shape: tuple[int, ...] | None = None
-    freed: bool = False
-    recomputed: bool = False
-    """Allocated by a forward re-run during backward (activation checkpointing)."""
-    last_dim: int = 0
-    """Size of the last dimension of the tensor the storage was first seen as (0: a scalar)."""
-    requested: int = 0
-    """Bytes the storage asked for (``nbytes`` is what the allocator hands out for it)."""
-    known: Any = None
-    """What the dry run assumes of the storage's values (``lightmem.estimate.values.Known``), if anything."""
-    made_by: OpStep | None = None
-    """In forward: the op whose output the storage is (None: not made by an op of the forward)."""
-    changed_by: list[OpStep] | None = None
-    """In forward: the in-place ops that wrote the storage after it was made, in order."""
-
-
-@dataclass(slots=True)
-class PeakInfo:
-    """Where and what the highest point of the measured step is."""
-
-    bytes: int
-    breakdown: dict[str, int]
-    phase: str
-    op: str
-    block: str | None
-    event: int
-    inputs_bytes: int = 0
-    buffers_bytes: int = 0
 
 
 @dataclass
@@ -92,13 +56,6 @@ class _Context:
     phase: str = "setup"
     op: str = ""
     block: str | None = None
-
-
-@dataclass
-class TraceWindow:
-    start: int = 0
-    end: int = 0
-    forward_end: int = 0
 
 
 def _cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -166,10 +123,10 @@ class StorageTracer(TorchDispatchMode):
         first event to the last (a what-if: what a chunked loss keeps in place of the logits)."""
         self.saved: list[int] = []  # record ids in the order autograd first saved them
         self.stand_ins: StandIns | None = None
-        """Answers ops that need values fake tensors do not have (``lightmem.estimate.values``)."""
+        """Answers ops that need values fake tensors do not have (``lightmem.estimate.trace.values``)."""
         self.when_fake_refuses: Any = None
         """Called with (op, args, kwargs) when an op's fake kernel raises: returns (verdict, output,
-        why) (``lightmem.estimate.kernels.real_output``); an output stands in for the fake one."""
+        why) (``lightmem.estimate.device.kernels.real_output``); an output stands in for the fake one."""
         self.on_failure: Any = None
         """Called with (op, (args, kwargs), exception, what when_fake_refuses said) when an op raises."""
         self.log_softmax_inputs: list[tuple[tuple[int, ...], int, int]] = []
@@ -178,27 +135,14 @@ class StorageTracer(TorchDispatchMode):
         """(input, output) record ids of each softmax of the forward (attention's, usually)."""
         self.log_softmax_sites: list[CallSite | None] = []
         """The user's statement behind each of ``log_softmax_inputs`` (``call_site``)."""
-        self.price: DeviceSpeeds | None = None
-        """With speeds, every op of the forward, backward and optimizer step is priced
-        (``devices.op_cost``) into ``seconds`` by (phase, block)."""
-        self.seconds: dict[tuple[str, str | None], float] = {}
-        """Device seconds by (phase, block): "forward", "backward", "optimizer", and "recompute"
-        for a checkpointed block's re-run in backward. Block None: outside every block."""
-        self.block_recompute_s: dict[str | None, float] = {}
-        """With an op policy: seconds of the forward ops a checkpointed re-run of each block repeats."""
-        self.block_recompute_ops: dict[str | None, int] = {}
-        """With an op policy: priced forward ops a checkpointed re-run of each block repeats."""
-        self.ops: dict[tuple[str, str | None], int] = {}
-        """Priced ops by (phase, block), as ``seconds``: what the host launches (``DeviceSpeeds.host_op_s``)."""
-        self.priced_ops = 0
-        """Ops that cost device time (views and allocations are free), for the host's launch time."""
+        self.log_prices = False
+        """Log what every op of the forward, backward and optimizer step costs (``devices.op_cost``)
+        into ``price_log``, for ``lightmem.estimate.pricing.fold`` to price at a device's speeds."""
         self.price_log: list[list[Any]] = []
-        """Every priced op, in order: [(phase, block) key of ``seconds``, its ``op_cost``, its name, the
-        block whose ``block_recompute_s`` it adds to or None]: what prices the step again at other
-        speeds without tracing it (``lightmem.estimate.step.reprice``)."""
-        self.op_seconds: dict[str, tuple[float, int]] = {}
-        """Priced device seconds and calls of each op (its overload packet's name): where a
-        predicted step's time goes (``MemoryEstimate.op_seconds``)."""
+        """Every priced op, in order: [its (phase, block) key ("forward", "backward", "optimizer", and
+        "recompute" for a checkpointed block's re-run in backward; block None: outside every block),
+        its ``op_cost``, its name, the block whose checkpointed re-run repeats it (an op-level
+        policy's) or None]."""
 
     # -- allocation tracking ---------------------------------------------------------------------
 
@@ -248,7 +192,7 @@ class StorageTracer(TorchDispatchMode):
             self._note_op(func, args, kwargs, first)
             if func is _SOFTMAX and len(self.records) > first:
                 self.softmaxes.append((self._live.get(id(args[0].untyped_storage()), -1), first))
-        if self.count_flops or self.price is not None:
+        if self.count_flops or self.log_prices:
             self._count_flops(func, out, args, kwargs or {})
         if self.workspaces is not None:
             self.workspaces.see(func, self.context.phase)
@@ -297,25 +241,17 @@ class StorageTracer(TorchDispatchMode):
         counter = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
         flops = 0.0 if counter is None else counter(*args, **kwargs, out_val=out)
         phase = self.context.phase
-        seconds = 0.0
         logged: list[Any] | None = None
-        if self.price is not None and phase in _PRICED_PHASES:
+        if self.log_prices and phase in _PRICED_PHASES:
             cost = op_cost(func, args, kwargs, out, flops)
             if cost is not None:
-                seconds = self.price.op_seconds(*cost)
-                self.priced_ops += 1
-                name = packet.__name__
-                total, ops = self.op_seconds.get(name, (0.0, 0))
-                self.op_seconds[name] = (total + seconds, ops + 1)
                 if phase == "forward":
                     key = (phase, self.forward_block)
                 elif phase == "backward":
                     key = (RECOMPUTE, self.forward_block) if self.in_recompute else (phase, self.backward_block)
                 else:
                     key = (phase, None)
-                self.seconds[key] = self.seconds.get(key, 0.0) + seconds
-                self.ops[key] = self.ops.get(key, 0) + 1
-                logged = [key, cost, name, None]
+                logged = [key, cost, packet.__name__, None]
                 self.price_log.append(logged)
         if not self.count_flops:
             return
@@ -331,11 +267,8 @@ class StorageTracer(TorchDispatchMode):
         else:
             if flops:
                 self.block_recompute_flops[block] = self.block_recompute_flops.get(block, 0.0) + flops
-            if seconds:
-                self.block_recompute_s[block] = self.block_recompute_s.get(block, 0.0) + seconds
-                if logged is not None:
-                    logged[3] = block
-                self.block_recompute_ops[block] = self.block_recompute_ops.get(block, 0) + 1
+            if logged is not None:  # a checkpointed re-run of the block repeats it
+                logged[3] = block
 
     def track(self, tensor: torch.Tensor, role: int = OTHER) -> int:
         """Register ``tensor``'s storage (if new) with ``role`` and return its record id."""
@@ -598,27 +531,3 @@ def _held_at(held: Sequence[tuple[int, int, int]], index: int) -> int:
     return sum(nbytes for first, last, nbytes in held if first <= index <= last)
 
 
-@dataclass
-class BlockUsage:
-    """Saved-for-backward storages of one top-level block, at the end of forward."""
-
-    saved_bytes: int = 0
-    saved_sizes: list[int] = field(default_factory=list)
-    forward_flops: float = 0.0
-    input_bytes: int = 0
-    kept_bytes: int = 0
-    """Bytes of the op outputs op-level checkpointing keeps (0 under the "full" policy)."""
-    recompute_flops: float | None = None
-    """Forward FLOPs a checkpointed re-run repeats; None: all of them (the "full" policy)."""
-    forward_s: float = 0.0
-    """Device seconds of the block's forward, priced op by op (0: the step was not priced)."""
-    backward_s: float = 0.0
-    """Device seconds of the block's backward."""
-    recompute_s: float | None = None
-    """Seconds a checkpointed re-run repeats; None: all of ``forward_s`` (the "full" policy)."""
-    forward_ops: int = 0
-    """Priced ops of the block's forward (what the host launches for it)."""
-    backward_ops: int = 0
-    """Priced ops of the block's backward."""
-    recompute_ops: int | None = None
-    """Priced ops a checkpointed re-run repeats; None: all of ``forward_ops`` (the "full" policy)."""

@@ -22,7 +22,7 @@ instead, and the dry run runs on the twin:
 - an optimizer is copied whole but for the callables set on it (``_copy_optimizer``), and in a fit
   the fit's own optimizers and schedulers are copied with the tree (``with_it``), so the twin's
   ``self.my_opt`` is the dry run's ``self.optimizers()``;
-- the module's Trainer is replaced by the dry run's (``lightmem.estimate.user_code.DryRunTrainer``);
+- the module's Trainer is replaced by the dry run's (``lightmem.estimate.trace.user_code.DryRunTrainer``);
 - what cannot be copied (a lock, an open file, a C object without a copy) and heavy objects that
   a step reads but does not write (data loaders, datasets, data modules, loggers, callbacks) are
   shared: ``StandIn.shared`` names them.
@@ -46,7 +46,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
-from lightmem.estimate.dry_run_device import DRY_RUN_DEVICE, known_value
+from lightmem.estimate.trace.dry_run_device import DRY_RUN_DEVICE, known_value
 from lightmem.lightning_packages import imported_classes
 
 _STRUCTURE = ("_parameters", "_buffers", "_modules")

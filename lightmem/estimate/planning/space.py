@@ -1,0 +1,558 @@
+"""The planner's space: every configuration of one model, batch and settings, and its search.
+
+The space: checkpointing any set of the repeated layers, offloading the saved tensors of any set
+of blocks, and offloading every saved tensor of at least ``min_bytes`` anywhere in the model
+(the stem of a CNN, an LM's embedding output and head input included), alone or with any set
+of checkpointed layers. The space is too large to verify point by point, so it is walked as
+four nested sequences ("families", ``lightmem.estimate.planning.families``), each from one cheap
+step to its extreme:
+
+- ``checkpoint``: repeated layers checkpointed one by one, cheapest re-run per byte first;
+- ``offload``: offload alone, block by block (a block's largest saved tensors or all of them),
+  cheapest per byte first, ending with every saved tensor of at least ``min_bytes`` anywhere;
+- ``per block``: per-block actions (offload any block, checkpoint or checkpoint + offload a
+  repeated layer), cheapest per byte first, ending with every layer both and every block offloaded;
+- ``offload everywhere``: every saved tensor offloaded, then repeated layers checkpointed too.
+
+Predictions (the bytes each action saves) only order a family and say where to start looking.
+Whether a configuration fits is decided by the estimator's verified fake step, never by the
+prediction: from the first configuration whose predicted savings cover the need, verified steps
+gallop down while it fits or up (to the family's extreme) until it does, then bisect, which finds
+the first configuration that fits. Among it and every configuration after it, and across
+families, the one with the least predicted step time (:mod:`lightmem.estimate.pricing.timeline`)
+is chosen, verified before it is taken. So whenever a family's extreme fits (every repeated layer
+checkpointed, with or without offload) or offload alone fits, the plan fits, at a verified peak
+within the budget.
+
+A mixture of experts whose sizes follow its routing is verified twice per configuration (the
+estimator's balanced step and its worst-case routing, ``StepTrace.routing_bound``): what must fit
+the budget is the worst case, while the plan's predicted step time stays the balanced step's.
+
+Model-state offload (``offload_optimizer``: gradients and optimizer state on the host) is decided
+once, before the walks: on when asked for, or when parameters + gradients + optimizer state leave
+no room but the parameters alone do. Then every verified step runs with it, the baseline that
+decides "already fits" is its step, and its link time (``model_state_transfer_s``) is added to
+every configuration's exposed transfer.
+
+``plan`` and the estimate's reach-the-budget advice search this one space: both build it from the
+same report and settings (``PlanSpace``), so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightmem.config import OffloadSettings
+from lightmem.config.estimator import parse_planned_offload
+from lightmem.estimate.assemble import build_report
+from lightmem.estimate.planning.families import KINDS, Candidate, Family, build_families, preference
+from lightmem.estimate.planning.result import Plan, PlanOption
+from lightmem.estimate.pricing.costs import Costs, costs_for, partial_thresholds, sized_windows
+from lightmem.estimate.pricing.timeline import StepTime, compute_s, configuration_time
+from lightmem.estimate.report import MemoryEstimate
+from lightmem.estimate.settings import EstimateSettings, parse_settings
+from lightmem.estimate.steps import STEPS, run_configuration, step_key
+from lightmem.estimate.trace.batch import BatchInfo, inspect_batch
+from lightmem.estimate.trace.records import RoutingBound, held_bytes, reserved_or_peak, runs_within
+from lightmem.estimate.trace.step import StepTrace
+from lightmem.estimate.words import (
+    dominant_part,
+    fits_as_it_is,
+    nothing_fits,
+    nothing_to_plan,
+    policy_name,
+    static_reason,
+    verified_fit,
+)  # fmt: skip
+
+_TRIES_PAST_FIRST_FIT = 3
+"""Cheaper candidates verified past a family's first fit before settling on that fit."""
+
+
+def model_state_transfer_s(link_bytes: int, costs: Costs) -> float:
+    """Model-state offload's link time per step: ``link_bytes`` (each gradient out and each
+    parameter back, in the device's dtype: the estimator's ``model_state_link_bytes``), priced as
+    not hidden by compute: an upper bound on what it exposes."""
+    return link_bytes / costs.link_bytes_per_s
+
+
+def allocated_need(peak_bytes: int, reserved_bytes: int, available_bytes: int) -> int:
+    """The allocated bytes a step whose allocated peak is ``peak_bytes`` and reserved peak
+    ``reserved_bytes`` must lose to fit ``available_bytes``: the reserved overshoot, in allocated
+    bytes (the allocator's share taken as the step's own)."""
+    return max(0, (reserved_bytes - available_bytes) * peak_bytes // max(reserved_bytes, 1))
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A candidate's fake step: its peak, the host memory its offload holds, (with model-state
+    offload) the bytes that moves over the link per step, the bytes each block sent to host, and
+    what dominated its peak (for the no-fit message)."""
+
+    peak_bytes: int
+    host_bytes: int
+    link_bytes: int = 0
+    moved: tuple[tuple[str, int], ...] = ()
+    dominant: str = ""
+    reserve: Any = field(default=None, compare=False, repr=False)
+    """What the allocator must be able to reserve for the step (``StepTrace.reserve``; None: the peak)."""
+    routing_bound: RoutingBound | None = field(default=None, compare=False, repr=False)
+    """For a mixture-of-experts step: the step under the worst-case routing (``StepTrace.routing_bound``),
+    which must fit too; None: the step routes nothing."""
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the allocator must be able to reserve for the step (balanced routing)."""
+        return reserved_or_peak(self.reserve, self.peak_bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        """What a budget must hold for the step (for a mixture of experts, its worst-case routing's
+        where that is higher)."""
+        return held_bytes(self.reserved_bytes, self.routing_bound)
+
+    def runs_within(self, available_bytes: int) -> bool:
+        """Whether the step runs with ``available_bytes`` reservable (one replay, not the bisection
+        ``held_bytes`` runs), under the worst-case routing too for a mixture-of-experts step."""
+        bound = self.routing_bound
+        return runs_within(self.reserve, self.peak_bytes, available_bytes) and (
+            bound is None or bound.reserve.fits(available_bytes)
+        )
+
+
+@dataclass
+class _Search:
+    """One budget's search through the space: what is available, what must be saved, and what the
+    walks have found so far."""
+
+    available: int
+    need: int
+    model_state: bool
+    best: tuple[StepTime, Family, int] | None = None
+    fitted: dict[Candidate, tuple[StepTime, str]] = field(default_factory=dict)
+
+
+class PlanSpace:
+    """The planner's space for one model, batch and settings; ``plan(budget)`` searches it.
+
+    Built from the report of the step without lightmem (``base``) and its trace (``baseline``): the
+    prices (``costs_for``), and, where offload is planned, the windows the plan hands the engine
+    (what the link moves while a block computes) and each block's partial offload. Verified steps
+    are remembered (``steps.STEPS``: across spaces of the same model, batch and settings too), so
+    asking for several budgets (or the same budget twice) runs each configuration's fake step once.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        settings: EstimateSettings,
+        info: BatchInfo,
+        base: MemoryEstimate,
+        baseline: StepTrace,
+        *,
+        batch_size: int | None = None,
+    ) -> None:
+        self.model, self.batch, self.settings, self.info = model, batch, settings, info
+        self.base, self.batch_size, self.baseline = base, batch_size, baseline
+        costs = costs_for(settings, baseline, settings.offload)
+        offload = settings.offload
+        if offload is not None and costs.allow_offload:
+            # The windows the plan hands the engine are what its link moves while a block computes.
+            offload = sized_windows(offload, base.blocks, costs)
+            costs = dataclasses.replace(
+                costs, inflight_bytes=offload.max_inflight_bytes, prefetch_bytes=offload.prefetch_bytes
+            )
+            costs = dataclasses.replace(costs, partial=partial_thresholds(base.blocks, costs))
+        self.costs = costs
+        self.searched_offload = offload
+        """The offload settings the search runs under, windows sized (None: offload not planned)."""
+        self.offload = offload if offload is not None else settings.offload
+        self.families = build_families(base.blocks, costs)
+        self.verified: dict[tuple[Candidate, bool], Verified] = {}
+        """Verified steps by candidate and whether model state was offloaded."""
+        self.traced = 0
+        """Fake steps this space ran (verified steps remembered in ``STEPS`` are not run again)."""
+        self._step_key = step_key(model, batch, settings, batch_size)
+
+    def _key(self, candidate: Candidate, model_state: bool) -> tuple[Any, ...]:
+        """What decides the candidate's fake step: the space's step key, the candidate, its offload
+        settings (windows included) and, when it checkpoints, the policy."""
+        offload = candidate.offload_settings(self.offload) if self.offload is not None else None
+        policy = policy_name(self.settings.checkpoint_policy) if candidate.checkpoint else None
+        return (self._step_key, candidate, model_state, repr(offload.to_dict()) if offload is not None else None, policy)
+
+    def verify(self, candidate: Candidate, model_state: bool = False) -> Verified:
+        """The candidate's fake step, with model-state offload when ``model_state`` (run once per
+        candidate and choice)."""
+        found = self.verified.get((candidate, model_state))
+        if found is not None:
+            return found
+        key = self._key(candidate, model_state)
+        found = STEPS.verified(self.model, key)
+        if found is None:
+            self.traced += 1
+            trace = run_configuration(
+                self.model, self.batch, self.settings, info=self.info, batch_size=self.batch_size,
+                checkpoint=tuple(candidate.checkpoint_names()) or None,
+                offload=candidate.offload_settings(self.offload) if self.offload is not None else None,
+                offload_optimizer=model_state,
+            )  # fmt: skip
+            found = Verified(
+                trace.peak.bytes, trace.host_bytes, trace.optimizer_link_bytes,
+                tuple(trace.offloaded_by_block.items()), dominant_part(trace), trace.reserve, trace.routing_bound,
+            )  # fmt: skip
+            STEPS.remember_verified(self.model, key, found)
+        self.verified[(candidate, model_state)] = found
+        return found
+
+    def model_state_step(self) -> Verified:
+        """The baseline step with model-state offload (no activation technique): its peak and the
+        bytes that offload moves over the link per step."""
+        named = self.base.scenarios.get("offload_optimizer")
+        if named is not None:  # run with the report, at the space's batch size
+            return Verified(
+                named.peak_bytes, named.host_bytes, named.model_state_link_bytes,
+                reserve=named.reserve, routing_bound=named.routing_bound,
+            )
+        return self.verify(Candidate(), model_state=True)
+
+    def reserved(self, verified: Verified) -> int:
+        """What must fit the budget for a verified step (``Verified.held_bytes``)."""
+        return verified.held_bytes
+
+    def describe(self, candidate: Candidate) -> str:
+        """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
+        return candidate.describe(self.base.block_kinds, self.costs.min_bytes)
+
+    def extremes(self) -> list[Candidate]:
+        """The configurations that save the most in each family, and offload alone: what
+        completeness is promised for."""
+        found = [family.candidates[-1] for family in self.families]
+        found += [family.candidates[0] for family in self.families if family.starts_with_offload_alone]
+        return list(dict.fromkeys(found))
+
+    def extreme_totals(self) -> list[tuple[str, int]]:
+        """Each extreme configuration (``extremes``) in words, with what its verified step needs
+        reserved plus the overhead allowance (with model-state offload when the settings ask it)."""
+        model_state = self.settings.offload_optimizer
+        return [
+            (self.describe(candidate), self.verify(candidate, model_state).held_bytes + self.settings.overhead_bytes)
+            for candidate in self.extremes()
+        ]
+
+    def _first_fit(self, family: Family, available: int, need: int, model_state: bool = False) -> int | None:
+        """The first candidate of ``family`` that fits, searched with verified steps from the
+        first one whose predicted savings cover ``need``: galloping (1, 2, 4 ... steps) down
+        while it fits or up until it does, then bisecting. Fitting is taken to be monotone
+        along a family (a longer prefix saves more), so two or three steps usually settle it;
+        when nothing up to the extreme fits, None.
+
+        Along "offload everywhere" fitting can go the other way (checkpointing on top of
+        offload raises the peak when a re-run materialises a large block in backward): when
+        nothing after the start fits, the start itself (offload alone) is the answer if it fits.
+        So where neither the first guess nor the extreme fits, that walk is settled by its start:
+        a refusal verifies each walk's ends, not the steps between them.
+        """
+        fits = lambda index: self.verify(family.candidates[index], model_state).runs_within(available)  # noqa: E731
+        last = len(family.candidates) - 1
+        guess = family.guess(need)
+        step = 1
+        if fits(guess):
+            low, high = -1, guess  # low: taken not to fit (the baseline does not); high: fits
+            while high - step > low:
+                if not fits(high - step):
+                    low = high - step
+                    break
+                high, step = high - step, step * 2
+        else:
+            if family.starts_with_offload_alone and guess < last and not fits(last):
+                # Checkpointing on top of offloading everything keeps no less on the device (a re-run
+                # materialises its block in backward): where the extreme does not fit either, the walk
+                # has nothing to find but its start.
+                return 0 if fits(0) else None
+            low, high = guess, None
+            while low < last:
+                probe = min(low + step, last)
+                if fits(probe):
+                    high = probe
+                    break
+                low, step = probe, step * 2
+            if high is None:
+                return 0 if family.starts_with_offload_alone and fits(0) else None
+        while high - low > 1:
+            probe = (low + high) // 2
+            low, high = (low, probe) if fits(probe) else (probe, high)
+        return high
+
+    def plan(self, budget_bytes: int, other: Plan | None = None) -> Plan:
+        """The fastest verified configuration within ``budget_bytes`` (overhead allowance included).
+
+        ``other``: the plan under the other checkpoint policy (``checkpoint_policy="auto"``). Only
+        what this policy changes is searched (walks that re-run something), only along walks
+        predicted to reach the need, and, when ``other`` fits, only where they could be faster.
+        (A per-op policy keeps more than "full" in every checkpointed block, so where "full"'s
+        walks do not fit, its own are not expected to.)"""
+        settings, base, costs = self.settings, self.base, self.costs
+        baseline = base.scenarios["baseline"]
+        baseline_s = compute_s(base.blocks, costs)
+        result = Plan(
+            [], None, baseline.peak_bytes, settings.overhead_bytes, budget_bytes, False, "", estimate=base,
+            checkpoint_policy=settings.checkpoint_policy, flops_per_s=costs.flops_per_s,
+            link_bytes_per_s=costs.link_bytes_per_s, settings=self.searched_under(), step_seconds=baseline_s,
+            baseline_step_seconds=baseline_s, speeds=settings.speeds, predicted_reserved_bytes=baseline.predicted_reserved,
+            costs=costs, routing_bound_bytes=baseline.routing_bound.reserved_bytes if baseline.routing_bound else 0,
+        )  # fmt: skip
+        result.estimate_kinds = base.block_kinds
+        before = self.traced
+        model_state = settings.offload_optimizer
+        if base.budget_below_overhead:
+            result.reason = base.overhead_shortfall()
+            return result
+        if base.static_exceeds_budget and (model_state or not base.parameters_fit):
+            result.reason = static_reason(base.static_parts(), base.static_bytes, budget_bytes, settings.overhead_bytes)
+            return result
+        # Model-state offload is decided once, before the walks: every verified step below runs
+        # with it, and its link time is part of every configuration's exposed transfer.
+        start = Verified(baseline.peak_bytes, 0, reserve=baseline.reserve, routing_bound=baseline.routing_bound)
+        if base.static_exceeds_budget or model_state:
+            model_state = True
+            start = self._with_model_state(result)
+        # What must fit is what the allocator reserves for a verified (allocated) peak.
+        available = budget_bytes - settings.overhead_bytes
+        bound = start.routing_bound
+        peak = start.peak_bytes if bound is None else max(start.peak_bytes, bound.peak_bytes)
+        reserved = start.held_bytes
+        if reserved <= available:
+            result.fits = True
+            result.reason = fits_as_it_is(model_state, peak, settings.overhead_bytes, bound is not None)
+            result.evaluations = self.traced - before
+            return result
+        search = _Search(available, allocated_need(peak, reserved, available), model_state)
+        self._walk(search, other)
+        if search.best is None:  # a configuration verified for another budget may fit this one
+            search.best = self._fastest_verified_fit(available, model_state)
+        result.evaluations = self.traced - before
+        refused = self._closest_refused(available, model_state)
+        if search.best is None:
+            self._refuse(result, refused, budget_bytes, model_state)
+            return result
+        self._take(result, search, refused)
+        return result
+
+    def _with_model_state(self, result: Plan) -> Verified:
+        """Model-state offload turned on in ``result``: its baseline step and what it adds."""
+        result.offload_optimizer = True
+        # The settings asked for, or (turned on here) the engine's defaults: run_configuration's rule.
+        if self.settings.optimizer_offload is not None:
+            result.offload_optimizer_device_dtype = self.settings.optimizer_offload.device_dtype_name
+        found = self.model_state_step()
+        result.predicted_peak_bytes = found.peak_bytes
+        result.predicted_reserved_bytes = found.reserved_bytes
+        result.routing_bound_bytes = found.routing_bound.reserved_bytes if found.routing_bound is not None else 0
+        result.exposed_transfer_s = model_state_transfer_s(found.link_bytes, self.costs)
+        result.step_seconds = configuration_time(self.base.blocks, self.costs, model_state_link_bytes=found.link_bytes).step_s
+        return found
+
+    def _walk(self, search: _Search, other: Plan | None) -> None:
+        """Walk the families, the one that might offer most first: a fit one finds spares the walks
+        that cannot beat it."""
+        families = self.families
+        if other is not None:
+            added = other.recompute_s + other.exposed_transfer_s if other.fits else float("inf")
+            families = [
+                family for family in families
+                if any(candidate.checkpoint for candidate in family.candidates) and max(family.predicted_saved) >= search.need
+                and min(t.total_s for t in family.times) < added
+            ]  # fmt: skip
+
+        def offers(family: Family) -> tuple[float, int, int, bool]:
+            """What a walk might offer: its cheapest candidate from the first predicted to fit
+            (from the start for offload everywhere: the others may only fit with it)."""
+            start = 0 if family.starts_with_offload_alone else family.guess(search.need)
+            return min(preference(family.times[i], family.candidates[i]) for i in range(start, len(family.candidates)))
+
+        for family in sorted(families, key=offers):
+            best = search.best
+            if best is not None and offers(family) >= preference(best[0], best[1].candidates[best[2]]):
+                continue  # a configuration that fits is already at least as fast
+            first = self._first_fit(family, search.available, search.need, search.model_state)
+            if first is not None:
+                self._cheapest_from(family, first, search)
+
+    def _cheapest_from(self, family: Family, first: int, search: _Search) -> None:
+        """From ``family``'s first fit (verified), the cheaper candidates after it, nearest first,
+        each taken while it fits; the walk stops at the first that does not."""
+
+        def rank(index: int) -> tuple[float, int, int, bool]:
+            return preference(family.times[index], family.candidates[index])
+
+        search.fitted[family.candidates[first]] = (family.times[first], family.name)
+        chosen = first
+        for _ in range(_TRIES_PAST_FIRST_FIT):
+            cheaper = [i for i in range(chosen + 1, len(family.candidates)) if rank(i) < rank(chosen)]
+            if not cheaper or not self.verify(family.candidates[cheaper[0]], search.model_state).runs_within(search.available):
+                break
+            chosen = cheaper[0]
+        search.fitted[family.candidates[chosen]] = (family.times[chosen], family.name)
+        best = search.best
+        if best is None or rank(chosen) < preference(best[0], best[1].candidates[best[2]]):
+            search.best = (family.times[chosen], family, chosen)
+
+    def _refuse(self, result: Plan, refused: list[PlanOption], budget_bytes: int, model_state: bool) -> None:
+        """``result`` says that nothing fits, and what came closest of each kind."""
+        if not refused:
+            result.reason = nothing_to_plan(self.costs.min_bytes)
+            return
+        result.alternatives = refused
+        closest = min(refused, key=lambda option: option.predicted_total_bytes)
+        result.dominant = next(
+            self.verified[key].dominant for key in self.verified
+            if self.describe(key[0]) == closest.description and key[1] == model_state
+        )  # fmt: skip
+        result.reason = nothing_fits(refused, budget_bytes, self.settings.overhead_bytes, result.dominant)
+
+    def _take(self, result: Plan, search: _Search, refused: list[PlanOption]) -> None:
+        """``result`` takes the search's best configuration, with what else fitted and what did not."""
+        assert search.best is not None
+        _, family, index = search.best
+        candidate = family.candidates[index]
+        verified = self.verify(candidate, search.model_state)
+        base = self.base
+        result.fits = True
+        result.checkpoint = candidate.checkpoint_names()
+        result.offload = candidate.offload_settings(self.offload) if self.offload is not None else None
+        result.actions = candidate.actions(base.blocks) if not candidate.everywhere else {
+            name: action for name, action in candidate.actions(base.blocks).items() if name in candidate.checkpoint
+        }
+        result.offload_everywhere = candidate.everywhere
+        result.predicted_peak_bytes = verified.peak_bytes
+        result.predicted_reserved_bytes = verified.reserved_bytes
+        bound = verified.routing_bound
+        result.routing_bound_bytes = bound.reserved_bytes if bound is not None else 0
+        result.host_bytes = verified.host_bytes
+        price = self.step_of(candidate, verified)
+        result.recompute_s, result.exposed_transfer_s = price.recompute_s, price.exposed_transfer_s
+        result.step_seconds = price.step_s
+        result.family = family.name
+        others = [self._option(other, True, search.model_state) for other in search.fitted if other != candidate]
+        result.alternatives = sorted(others, key=lambda o: o.step_seconds) + refused
+        result.reason = verified_fit(verified.peak_bytes, result.predicted_reserved_bytes, self.settings.overhead_bytes, bound)
+
+    def _fastest_verified_fit(self, available: int, model_state: bool) -> tuple[StepTime, Family, int] | None:
+        """The fastest configuration already verified that fits ``available``, with its family."""
+        found = None
+        for family in self.families:
+            for index, candidate in enumerate(family.candidates):
+                verified = self.verified.get((candidate, model_state))
+                if verified is None or not verified.runs_within(available):
+                    continue
+                if found is None or preference(family.times[index], candidate) < preference(found[0], found[1].candidates[found[2]]):
+                    found = (family.times[index], family, index)
+        return found
+
+    def _closest_refused(self, available: int, model_state: bool) -> list[PlanOption]:
+        """For each kind of configuration (``KINDS``) none of whose verified ones fits
+        ``available``: the verified one of that kind that came closest (the first verified of
+        those that came as close). A step's allocated peak bounds what it reserves from below, so
+        what each reserves is worked out (a bisection of replays) only where it could be closer."""
+        candidates: dict[str, list[tuple[int, int, Candidate, Verified]]] = {}
+        fitting: set[str] = set()
+        for order, ((candidate, state), verified) in enumerate(self.verified.items()):
+            if state != model_state or not (candidate.checkpoint or candidate.offloads):
+                continue
+            if verified.runs_within(available):
+                fitting.add(candidate.kind)
+                continue
+            bound = verified.routing_bound
+            least = verified.peak_bytes if bound is None else max(verified.peak_bytes, bound.peak_bytes)
+            candidates.setdefault(candidate.kind, []).append((least, order, candidate, verified))
+        closest: dict[str, Candidate] = {}
+        for kind, found in candidates.items():
+            best: tuple[int, int] | None = None
+            for least, order, candidate, verified in sorted(found, key=lambda item: (item[0], item[1])):
+                if best is not None and (least, order) > best:
+                    break  # it reserves at least its peak: it cannot come closer
+                held = (verified.held_bytes, order)
+                if best is None or held < best:
+                    best, closest[kind] = held, candidate
+        return [self._option(closest[kind], False, model_state) for kind in KINDS if kind in closest and kind not in fitting]
+
+    def step_of(self, candidate: Candidate, verified: Verified) -> StepTime:
+        """A verified candidate's step: its re-runs and the bytes its fake step sent per block."""
+        return configuration_time(
+            self.base.blocks, self.costs, candidate.checkpoint_names(), dict(verified.moved), verified.link_bytes
+        )
+
+    def _option(self, candidate: Candidate, fits: bool, model_state: bool) -> PlanOption:
+        """``candidate`` as an alternative the plan lists: its reserved peak with the overhead
+        allowance, and its step priced from its verified fake step (with model-state offload's
+        transfer, with ``model_state``)."""
+        verified = self.verify(candidate, model_state)
+        step = self.step_of(candidate, verified)
+        return PlanOption(
+            self.describe(candidate), fits, verified.held_bytes + self.settings.overhead_bytes,
+            step.recompute_s, step.exposed_transfer_s, step.step_s,
+        )  # fmt: skip
+
+    def searched_under(self) -> dict[str, Any]:
+        """What a plan was searched under, JSON-ready: the flags that shaped it, as parsed."""
+        settings, costs, offload = self.settings, self.costs, self.searched_offload
+        return {
+            "device": settings.device,
+            "precision": settings.precision.name,
+            "optimizer": settings.optimizer.name,
+            "overhead_bytes": settings.overhead_bytes,
+            "budget_bytes": settings.budget_bytes,
+            "checkpoint_policy": policy_name(settings.checkpoint_policy),
+            "offload": offload.to_dict() if offload is not None else None,
+            "offload_considered": costs.allow_offload,
+            "offload_optimizer": settings.offload_optimizer,
+            "offload_optimizer_device_dtype": (
+                settings.optimizer_offload.device_dtype_name if settings.optimizer_offload is not None else None
+            ),
+            "gpu": settings.gpu,
+            "speeds": settings.speeds.to_dict() if settings.speeds is not None else None,
+            "expandable_segments": settings.expandable_segments,
+            "allocator": "replayed" if settings.device == "cuda" else None,
+            "flops_per_s": costs.flops_per_s,
+            "link_bytes_per_s": costs.link_bytes_per_s,
+        }
+
+
+def space_for(
+    model: nn.Module, batch: Any, settings: EstimateSettings, *, batch_size: int | None = None,
+    baseline: StepTrace | None = None,
+) -> PlanSpace:  # fmt: skip
+    """The planner's space for ``model`` and ``batch`` (at ``batch_size`` when given) under
+    ``settings``, with its baseline step run: ``space.plan(budget_bytes)`` answers for any budget,
+    each configuration's fake step run at most once across them. ``baseline``: the baseline step,
+    already traced under these settings."""
+    info = inspect_batch(batch)
+    base, baseline = build_report(model, batch, settings, info, None, None, batch_size=batch_size, baseline=baseline)
+    return PlanSpace(model, batch, settings, info, base, baseline, batch_size=batch_size)
+
+
+def plan_space(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+    *,
+    budget: int | str | None = None,
+    offload: bool | Mapping[str, Any] | OffloadSettings | None = None,
+    batch_size: int | None = None,
+    loss_as_chunked: bool = False,
+    fn_name: str = "plan_space",
+    **flags: Any,
+) -> PlanSpace:
+    """The planner's space from a call's arguments, as for :func:`lightmem.plan` (``flags``: those
+    ``parse_settings`` takes), parsed once and named ``fn_name(argument=...)`` in an error;
+    ``loss_as_chunked``: every step priced as if the loss were chunked (``space_for``)."""
+    settings = parse_settings(fn_name, model, loss_fn, budget=budget, **flags)
+    settings = settings.searching(parse_planned_offload(True if offload is None else offload, flag=f"{fn_name}(offload=...)"))
+    return space_for(model, batch, settings.priced_as_chunked() if loss_as_chunked else settings, batch_size=batch_size)
