@@ -51,6 +51,7 @@ from lightmem.estimate.kernels import CORRECTIONS, RealKernel, real_output
 from lightmem.estimate.logits import CHUNKED_LOSS, LossLogits, loss_logits, price_as_chunked, pricing_chunked
 from lightmem.estimate.offload_sim import SavedTensorHooks
 from lightmem.estimate.op_chain import attention_scores
+from lightmem.estimate.position_wise import ModuleForward, PositionWatch
 from lightmem.estimate.settings import OptimizerChoice, Precision, allocation_rounding
 from lightmem.estimate.caching_allocator import Reserve
 from lightmem.estimate.values import BALANCED, StandIns
@@ -69,6 +70,7 @@ from lightmem.estimate.user_code import (
 )
 from lightmem.lightning_packages import is_lightning_module, is_mock_optimizer
 from lightmem.tiling import tile_modules
+from lightmem.tiling.function import rerunning
 
 ROOT_BLOCK = "(outside blocks)"
 MASTER_DTYPE = torch.float32
@@ -93,6 +95,9 @@ class StepRequest:
     batch_size: int | None = None
     """Replace dim 0 of the batch's tensors (whose dim 0 is ``original_batch_size``)."""
     original_batch_size: int | None = None
+    sequence: tuple[int, int, int] | None = None
+    """Replace one dim of the batch's tensors whose size there is the batch's sequence length:
+    (dim, length, new length) (``lightmem.estimate.batch.SequenceAxis.grown``); None: as given."""
     zero_grad: str = "after_forward"
     """When gradients are set to None: "after_forward" (Lightning) or "before_forward" (a plain loop)."""
     gpu: str = "default"
@@ -140,6 +145,9 @@ class StepTrace:
     offloaded_by_block: dict[str, int] = field(default_factory=dict)
     """Bytes moved to host per block that saved them (``ROOT_BLOCK``: outside every block)."""
     host_bytes: int = 0
+    """The most host memory activation offload's blocks hold at once (the pool's size classes)."""
+    host_largest_bytes: int = 0
+    """The largest of those blocks."""
     reloaded_bytes: int = 0
     optimizers: list[str] = field(default_factory=list)
     optimizer_host_bytes: int = 0
@@ -171,6 +179,9 @@ class StepTrace:
     """Values the step read that fake tensors do not have, each with what stood in for it and where."""
     routed: bool = False
     """Sizes of a top-k routing were stood in for: the step's memory depends on ``StepRequest.routing``."""
+    modules: dict[str, ModuleForward] = field(default_factory=dict)
+    """In a priced step: each module called with one tensor, its forward's price, what it saved and
+    whether it is position-wise (``lightmem.estimate.position_wise``: what the planner may tile)."""
 
     @property
     def reserved_bytes(self) -> int:
@@ -204,9 +215,13 @@ def reprice(trace: StepTrace, speeds: DeviceSpeeds) -> StepTrace:
             blocks[block or ROOT_BLOCK].forward_s += spent
         elif phase == "backward":
             blocks[block or ROOT_BLOCK].backward_s += spent
+    modules = {
+        name: dataclasses.replace(module, forward_s=sum(speeds.op_seconds(*cost) for cost in module.costs))
+        for name, module in trace.modules.items()
+    }
     return dataclasses.replace(
         trace, blocks=blocks, op_seconds=op_seconds, optimizer_s=seconds.get(("optimizer", None), 0.0),
-        priced_with=speeds, checkpointed=list(trace.checkpointed),
+        priced_with=speeds, checkpointed=list(trace.checkpointed), modules=modules,
     )  # fmt: skip
 
 
@@ -402,6 +417,8 @@ def _run(
         if trainer is not None:
             trainer.lightning_module = step_model
         failure.module_names = {id(module): name for name, module in step_model.named_modules()}
+        if request.speeds is not None:  # the priced baseline: which modules a plan may tile
+            tracer.watch = PositionWatch(failure.module_names, tracer)
         step_blocks = Blocks({name: twin.twin(module) for name, module in blocks.modules.items()}, set(blocks.repeated))
         checkpointed: list[str] = []
         if request.checkpoint:
@@ -413,6 +430,7 @@ def _run(
             made = fake_batch(
                 batch, device=DRY_RUN_DEVICE, batch_size=request.batch_size,
                 original_batch_size=request.original_batch_size, float_dtype=precision.param_dtype,
+                sequence=request.sequence,
             )  # fmt: skip
             for tensor in batch_tensors(made):
                 tracer.track(tensor, INPUT)
@@ -433,6 +451,8 @@ def _run(
                 step_model, inputs, request, step_blocks, trainer, tracer, params, buffers, protected, failure, make_batch
             )
     trace.checkpointed, trace.tiled = checkpointed, tiled
+    if tracer.watch is not None:
+        trace.modules, tracer.watch = tracer.watch.modules, None
     trace.stand_ins, trace.routed = tracer.stand_ins.summary(), tracer.stand_ins.routed
     named = {name: fakes[id(tensor)] for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))}
     trace.loss_logits = loss_logits(  # the step's statements named the stand-in's modules
@@ -636,6 +656,7 @@ def _steady_step(
         offloaded_bytes=hooks.offloaded_bytes,
         offloaded_by_block={block or ROOT_BLOCK: nbytes for block, nbytes in hooks.offloaded_by_block.items()},
         host_bytes=hooks.peak_host_bytes,
+        host_largest_bytes=hooks.largest_host_bytes,
         reloaded_bytes=hooks.reloaded_bytes,
         optimizers=[type(optimizer).__name__ for optimizer in optimizers],
         optimizer_host_bytes=_host_model_state_bytes(optimizers, params, graded, unused, model_state.device_dtype)
@@ -974,6 +995,7 @@ class _BlockTracker:
         self.depth += 1
         if tracer.context.phase == "backward":
             tracer.in_recompute = True
+            tracer.in_tile_rerun = tracer.in_tile_rerun or rerunning()
         name = self.block_names.get(id(module))
         if name is not None:
             self.stack.append(name)
@@ -986,6 +1008,8 @@ class _BlockTracker:
                         seen.add(id(arg.untyped_storage()))
                         total += tracer.record_of(arg).nbytes
                 self.input_bytes[name] = total
+        if tracer.watch is not None and tracer.context.phase == "forward":
+            tracer.watch.enter(module, args, tracer.forward_block)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         tracer = self.tracer
@@ -993,6 +1017,8 @@ class _BlockTracker:
         if error is not None:  # called from Module.__call__'s except clause: the forward raised
             self.failure.module_failed(module, error)
         self.depth -= 1
+        if tracer.watch is not None and tracer.context.phase == "forward":
+            tracer.watch.exit(module, output)
         name = self.block_names.get(id(module))
         if name is not None and self.stack and self.stack[-1] == name:
             self.stack.pop()
@@ -1003,7 +1029,7 @@ class _BlockTracker:
                         leaf.register_hook(lambda grad, name=name: self._backward_enters(name))
         if self.depth <= 0:
             self.depth = 0
-            tracer.in_recompute = False
+            tracer.in_recompute = tracer.in_tile_rerun = False
             if tracer.context.phase != "backward":
                 tracer.forward_block = None
 

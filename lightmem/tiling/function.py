@@ -31,6 +31,14 @@ from lightmem.config import TileSettings
 
 SEQUENCE_DIM = -2
 """Where the positions are, in the input and the output of a tiled module: ``[..., T, d]``."""
+_RERUNS = [0]
+"""Tiled backwards running their shards again now (``rerunning``)."""
+
+
+def rerunning() -> bool:
+    """Whether a tiled module's backward is running its shards again: the estimator prices what runs
+    then as backward, not as a checkpointed block's re-run (both call module forwards in backward)."""
+    return _RERUNS[0] > 0
 
 
 def shard_lengths(length: int, width: int, settings: TileSettings) -> list[int]:
@@ -137,7 +145,7 @@ class TiledCall:
                 if keep_rng:
                     self.rng_states.append(rng_state(x))
                 with contextlib.nullcontext() if index == 0 else self.other_buffers:
-                    piece = self.function(x.narrow(SEQUENCE_DIM, start, length))
+                    piece = self.function(_shard(x, start, length))
                 self._check_output(piece, length)
                 if len(self.lengths) == 1:
                     return piece
@@ -174,13 +182,14 @@ class TiledCall:
         devices = self.rng_states[0][1] if self.rng_states else []
         start = 0
         with (
+            _rerun(),
             torch.random.fork_rng(devices=devices, device_type=x.device.type),
             _reparametrize_module(self.module, named),
             _autocast(self.autocast),
         ):  # fmt: skip
             for index, length in enumerate(self.lengths):
                 set_rng_state(self.rng_states[index], x.device.type)
-                leaf = x.narrow(SEQUENCE_DIM, start, length).detach().requires_grad_(x_wanted)
+                leaf = _shard(x, start, length).detach().requires_grad_(x_wanted)
                 with torch.enable_grad(), self.other_buffers:
                     piece = self.function(leaf if self.input_is_leaf else leaf.view_as(leaf))
                 inputs = ([leaf] if x_wanted else []) + asked
@@ -198,6 +207,22 @@ class TiledCall:
                 start += length
         by_param = iter(gradients.sums)
         return gradients.input, [next(by_param) if want else None for want in wanted]
+
+
+def _shard(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Positions ``start`` to ``start + length`` of ``x``, contiguous: a module may ``view`` its input
+    (Hugging Face's GPT-2 ``Conv1D``), and a shard of a batch of several sequences is not contiguous."""
+    return x.narrow(SEQUENCE_DIM, start, length).contiguous()
+
+
+@contextlib.contextmanager
+def _rerun() -> Iterator[None]:
+    """A tiled backward runs its shards again (``rerunning``)."""
+    _RERUNS[0] += 1
+    try:
+        yield
+    finally:
+        _RERUNS[0] -= 1
 
 
 class _ShardGradients:
