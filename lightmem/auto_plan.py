@@ -453,7 +453,7 @@ class AutoPlan:
         assert self.memory is not None and self.plan is not None
         if self.looser_by_bytes or self.replan_reason is not None or self._steps_of_plan != TIMED_STEPS + 1:
             return
-        if not (self.plan.checkpoint or self.plan.offload is not None) or self.memory.alloc_retries() > self._retries_at_plan:
+        if not (self.plan.checkpoint or self.plan.offload is not None or self.plan.tile) or self.memory.alloc_retries() > self._retries_at_plan:
             return  # nothing to take back, or a peak held under a limit
         self.looser_by_bytes = (predicted - measured) // 2
         self.replan_reason = (

@@ -4,7 +4,7 @@ from lightmem.estimate.estimator import estimate_memory
 from lightmem.estimate.frontier import Frontier, frontier
 from lightmem.estimate.planner import Plan, plan
 from lightmem.estimate.report import Advice, BlockMemory, MemoryEstimate, StepMemory
-from lightmem.estimate.search import BatchSearch, max_batch_size
+from lightmem.estimate.search import BatchSearch, SequenceSearch, max_batch_size, max_sequence_length
 from lightmem.estimate.step import EstimateError
 
 __all__ = [
@@ -15,9 +15,11 @@ __all__ = [
     "Frontier",
     "MemoryEstimate",
     "Plan",
+    "SequenceSearch",
     "StepMemory",
     "estimate_memory",
     "frontier",
     "max_batch_size",
+    "max_sequence_length",
     "plan",
 ]

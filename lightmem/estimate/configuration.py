@@ -156,11 +156,13 @@ def run_configuration(
     offload_optimizer: bool | None = None,
     priced: bool = False,
     tile: TileSettings | None = None,
+    sequence: tuple[int, int, int] | None = None,
 ) -> StepTrace:
     """One fake step of ``model`` with one lightmem configuration (the building block of the API).
     ``offload_optimizer`` defaults to the settings' choice; ``priced``: every op priced at the
     settings' speeds (the baseline's, which every configuration's time is built from); ``tile``:
-    position-wise modules run in sequence shards."""
+    position-wise modules run in sequence shards; ``sequence``: the batch's sequence at another
+    length (``StepRequest.sequence``)."""
     info = info or inspect_batch(batch)
     if offload_optimizer is None:
         offload_optimizer = settings.offload_optimizer
@@ -182,6 +184,7 @@ def run_configuration(
         tile=tile,
         batch_size=batch_size,
         original_batch_size=info.batch_size,
+        sequence=sequence,
         zero_grad=settings.zero_grad,
         gpu=settings.gpu,
         optimizer_offload=model_state if offload_optimizer else None,
@@ -265,22 +268,27 @@ again from its log (``reprice``)."""
 BASELINES_KEPT = 8
 
 
-def step_memory_key(model: nn.Module, batch: Any, settings: EstimateSettings, batch_size: int | None) -> tuple[Any, ...]:
+def step_memory_key(
+    model: nn.Module, batch: Any, settings: EstimateSettings, batch_size: int | None,
+    sequence: tuple[int, int, int] | None = None,
+) -> tuple[Any, ...]:  # fmt: skip
     """What decides a fake step's memory but the lightmem configuration and the prices: the model, the
-    batch (at ``batch_size``) and every setting a step reads (a step priced as chunked is another step)."""
+    batch (at ``batch_size`` and ``sequence``) and every setting a step reads (a step priced as chunked
+    is another step)."""
     return (
-        _model_signature(model), _batch_signature(batch), batch_size, settings.device, settings.precision.name,
+        _model_signature(model), _batch_signature(batch), batch_size, sequence, settings.device, settings.precision.name,
         settings.optimizer.name, settings.optimizer.factory, settings.loss_fn, settings.zero_grad, settings.gpu,
         settings.expandable_segments, repr(settings.optimizer_offload), pricing_chunked(),
     )  # fmt: skip
 
 
 def _baseline_key(
-    model: nn.Module, batch: Any, settings: EstimateSettings, info: BatchInfo, batch_size: int | None
-) -> tuple[Any, ...]:
+    model: nn.Module, batch: Any, settings: EstimateSettings, info: BatchInfo, batch_size: int | None,
+    sequence: tuple[int, int, int] | None = None,
+) -> tuple[Any, ...]:  # fmt: skip
     """What decides a baseline step but its prices: ``step_memory_key``, the batch size it is scaled
     from and the checkpoint policy (its per-op counts)."""
-    return (*step_memory_key(model, batch, settings, batch_size), info.batch_size, settings.checkpoint_policy)
+    return (*step_memory_key(model, batch, settings, batch_size, sequence), info.batch_size, settings.checkpoint_policy)
 
 
 def _remembered_baseline(model: nn.Module, key: tuple[Any, ...], speeds: DeviceSpeeds) -> StepTrace | None:
@@ -310,6 +318,7 @@ def build_report(
     batch_size: int | None = None,
     baseline: StepTrace | None = None,
     tile: TileSettings | None = None,
+    sequence: tuple[int, int, int] | None = None,
 ) -> tuple[MemoryEstimate, StepTrace]:
     """Run the baseline and every requested configuration; the report (without advice) and the
     baseline's trace. ``baseline``: the baseline, already traced under these settings (not run again)."""
@@ -330,7 +339,7 @@ def build_report(
         configurations.append(("offload" + tiled + suffix, offload, None, model_state, tile))
     if checkpoint and offload is not None:
         configurations.append(("checkpoint+offload" + tiled + suffix, offload, checkpoint, model_state, tile))
-    key = _baseline_key(model, batch, settings, info, batch_size) if settings.speeds is not None else None
+    key = _baseline_key(model, batch, settings, info, batch_size, sequence) if settings.speeds is not None else None
     if baseline is None and key is not None:
         baseline = _remembered_baseline(model, key, settings.speeds)  # type: ignore[arg-type]
     traces: dict[str, StepTrace] = {} if baseline is None else {"baseline": baseline}
@@ -348,6 +357,7 @@ def build_report(
             offload_optimizer=offload_model_state,
             priced=name == "baseline",
             tile=tiles,
+            sequence=sequence,
         )
     if key is not None and traces["baseline"] is not baseline:
         _remember_baseline(model, key, traces["baseline"])
@@ -359,7 +369,7 @@ def build_report(
         trace = traces[name]
         costs = costs_for(settings, baseline, offload_config)
         scenario.step_seconds = configuration_time(
-            blocks, costs, trace.checkpointed, trace.offloaded_by_block, trace.optimizer_link_bytes
+            blocks, costs, trace.checkpointed, trace.offloaded_by_block, trace.optimizer_link_bytes, trace.tiled
         ).step_s
     estimate = MemoryEstimate(
         peak_bytes=chosen.peak_bytes,
@@ -376,6 +386,7 @@ def build_report(
         if settings.optimizer.factory is not None
         else "+".join(baseline.optimizers),
         batch_size=batch_size if batch_size is not None else info.batch_size,
+        sequence_length=sequence[2] if sequence is not None else None,
         parameter_count=parameter_count(model),
         blocks=blocks,
         scenarios=scenarios,
@@ -390,6 +401,7 @@ def build_report(
         compiled=holds_compiled_modules(model),
         op_seconds=dict(baseline.op_seconds),
         loss_logits=baseline.loss_logits,
+        modules=dict(baseline.modules),
     )
     return estimate, baseline
 
@@ -407,7 +419,7 @@ def costs_for(settings: EstimateSettings, baseline: StepTrace, offload: OffloadS
         flops, speeds.link_bytes_per_s, searched.min_bytes,
         allow_offload=offload is not None and settings.device != "cpu", optimizer_s=baseline.optimizer_s,
         host_s=speeds.host_seconds(baseline.priced_ops), host_op_s=speeds.host_op_s, inflight_bytes=searched.max_inflight_bytes,
-        prefetch_bytes=searched.prefetch_bytes, block_scale=dict(speeds.block_scale),
+        prefetch_bytes=searched.prefetch_bytes, block_scale=dict(speeds.block_scale), modules=dict(baseline.modules),
     )  # fmt: skip
 
 

@@ -11,7 +11,11 @@ four nested sequences ("families"), each from one cheap step to its extreme:
   cheapest per byte first, ending with every saved tensor of at least ``min_bytes`` anywhere;
 - ``per block``: per-block actions (offload any block, checkpoint or checkpoint + offload a
   repeated layer), cheapest per byte first, ending with every layer both and every block offloaded;
-- ``offload everywhere``: every saved tensor offloaded, then repeated layers checkpointed too.
+- ``offload everywhere``: every saved tensor offloaded, then repeated layers checkpointed too;
+- ``tile``: position-wise modules (read from the trace: ``lightmem.estimate.position_wise``) run
+  in sequence shards one by one, cheapest per byte first, then, with every one tiled, the per-block
+  actions on top (within a checkpointed block, tiling its MLP keeps the MLP's intermediates out of
+  the re-run too), ending with everything tiled, every layer checkpointed and offloaded.
 
 Predictions (the bytes each action saves) only order a family and say where to start looking.
 Whether a configuration fits is decided by the estimator's verified fake step, never by the
@@ -42,24 +46,30 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
+from lightmem.compiled import holds_compiled_modules
 from lightmem.config import (
+    LIGHTMEM,
     OffloadSettings,
     OptimizerOffloadSettings,
+    TileSettings,
     format_bytes,
+    parse_count,
 )
 from lightmem.estimate.advice import advise
-from lightmem.estimate.batch import BatchInfo, inspect_batch
+from lightmem.estimate.batch import BatchInfo, inspect_batch, sequence_axis
 from lightmem.estimate.caching_allocator import Reserve
 from lightmem.estimate.chunked_loss import plan_with_chunked_loss
 from lightmem.estimate.configuration import (
     EstimateSettings, build_report, costs_for, parse_settings, run_configuration, step_memory_key,
 )  # fmt: skip
 from lightmem.devices import DeviceSpeeds
+from lightmem.estimate.host import HostBytes, HostLimit, host_bytes, host_limit
 from lightmem.estimate.report import (
     BlockMemory,
     MemoryEstimate,
     Plan,
     PlanOption,
+    compact_modules,
     compact_names,
     natural_order,
     policy_name,
@@ -82,6 +92,7 @@ from lightmem.estimate.step_time import (
     saves_bytes,
     sized_windows,
     step_time,
+    tile_s,
 )
 
 __all__ = [
@@ -92,6 +103,8 @@ _RANK = {KEEP: 0, PARTIAL: 1, OFFLOAD: 2, CHECKPOINT: 3, BOTH: 4}  # a block onl
 KINDS = ("checkpoint", "offload", "checkpoint + offload")
 """The three kinds of configuration the space holds, each searched for every model layout; a
 refusal names the closest of each kind."""
+TILED_KINDS = tuple(f"tile + {kind}" for kind in ("checkpoint", "offload", "checkpoint + offload"))
+"""With position-wise modules to tile, the kinds with tiling: ``"tile"`` alone and ``TILED_KINDS``."""
 _TRIES_PAST_FIRST_FIT = 3
 """Cheaper candidates verified past a family's first fit before settling on that fit."""
 
@@ -203,19 +216,22 @@ class Candidate:
     everywhere: bool = False
     partial: frozenset[tuple[str, int]] = frozenset()
     """Blocks whose largest saved tensors only are offloaded: (name, threshold in bytes)."""
+    tile: frozenset[str] = frozenset()
+    """Position-wise modules run in sequence shards (``LightMem(tile=...)``)."""
 
     @classmethod
     def from_actions(
-        cls, actions: Mapping[str, str], everywhere: bool = False, thresholds: Mapping[str, int] | None = None
-    ) -> Candidate:
+        cls, actions: Mapping[str, str], everywhere: bool = False, thresholds: Mapping[str, int] | None = None,
+        tile: frozenset[str] = frozenset(),
+    ) -> Candidate:  # fmt: skip
         checkpoint = frozenset(name for name, action in actions.items() if action in (CHECKPOINT, BOTH))
         offload = frozenset(name for name, action in actions.items() if action in (OFFLOAD, BOTH))
         partial = frozenset(
             (name, (thresholds or {})[name]) for name, action in actions.items() if action == PARTIAL
         )
         if everywhere:
-            return cls(checkpoint, frozenset(), True)
-        return cls(checkpoint, offload, False, partial)
+            return cls(checkpoint, frozenset(), True, tile=tile)
+        return cls(checkpoint, offload, False, partial, tile)
 
     @property
     def offloads(self) -> bool:
@@ -224,9 +240,10 @@ class Candidate:
     @property
     def kind(self) -> str:
         """What the candidate does: one of ``KINDS``."""
-        if self.checkpoint:
-            return KINDS[2] if self.offloads else KINDS[0]
-        return KINDS[1]
+        kind = (KINDS[2] if self.offloads else KINDS[0]) if self.checkpoint else KINDS[1] if self.offloads else ""
+        if self.tile:
+            return f"tile + {kind}" if kind else "tile"
+        return kind or KINDS[1]
 
     def actions(self, blocks: Mapping[str, BlockMemory]) -> dict[str, str]:
         """Per-block actions, for pricing: with ``everywhere``, every block offloads."""
@@ -244,6 +261,13 @@ class Candidate:
 
     def checkpoint_names(self) -> list[str]:
         return sorted(self.checkpoint, key=natural_order)
+
+    def tile_names(self) -> list[str]:
+        return sorted(self.tile, key=natural_order)
+
+    def tile_settings(self) -> TileSettings | None:
+        """The tiling it runs with, as ``LightMem(tile=...)`` applies it (None: none)."""
+        return TileSettings(modules=tuple(self.tile_names()), spelling=LIGHTMEM) if self.tile else None
 
     def offload_settings(self, searched: OffloadSettings) -> OffloadSettings | None:
         """``searched`` (the settings the plan runs under) with this candidate's modules:
@@ -291,19 +315,82 @@ class Verified:
     dominant: str = ""
     reserve: Reserve | None = field(default=None, compare=False, repr=False)
     """What the allocator must be able to reserve for the step (``StepTrace.reserve``; None: the peak)."""
+    host: HostBytes = field(default_factory=HostBytes)
+    """What the step holds on the host (``lightmem.estimate.host``)."""
 
 
 def _family(name: str, candidates: list[Candidate], blocks: Mapping[str, BlockMemory], costs: Costs) -> Family:
     times, saved = [], []
+    after_tiling: dict[frozenset[str], dict[str, BlockMemory]] = {}
     for candidate in candidates:
         actions = candidate.actions(blocks)
-        times.append(step_time(blocks, actions, costs))
-        saved.append(sum(saves_bytes(blocks[n], a, costs) for n, a in actions.items()))
+        times.append(step_time(blocks, actions, costs, tiled=candidate.tile))
+        if candidate.tile not in after_tiling:
+            after_tiling[candidate.tile] = tiled_blocks(blocks, costs, candidate.tile)
+        left = after_tiling[candidate.tile]
+        tiling = sum(costs.modules[module].saved_bytes for module in candidate.tile)
+        saved.append(tiling + sum(saves_bytes(left[n], a, costs) for n, a in actions.items()))
     return Family(name, candidates, times, saved)
 
 
-def build_families(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Family]:
-    """The planner's four walks through the space (one on CPU: checkpoint only)."""
+def tiled_blocks(blocks: Mapping[str, BlockMemory], costs: Costs, tiled: frozenset[str]) -> dict[str, BlockMemory]:
+    """``blocks`` as their steps save with the ``tiled`` modules run in shards: what each tiled module
+    saved besides its input taken out of its block (a prediction, to order the walks)."""
+    if not tiled:
+        return dict(blocks)
+    removed: dict[str, list[int]] = {}
+    for name in tiled:
+        module = costs.modules[name]
+        removed.setdefault(module.block or ROOT_BLOCK, []).extend(module.saved_sizes)
+    found = {}
+    for name, block in blocks.items():
+        sizes = list(block.saved_sizes)
+        for size in removed.get(name, ()):
+            if size in sizes:
+                sizes.remove(size)
+        found[name] = dataclasses.replace(block, saved_bytes=sum(sizes), saved_sizes=sizes)
+    return found
+
+
+def tile_order(blocks: Mapping[str, BlockMemory], costs: Costs, candidates: list[str]) -> list[str]:
+    """The modules a plan may tile, cheapest per byte first: what tiling adds to the step (its
+    second forward and its launches, ``tile_s``) over what it saves."""
+
+    def per_byte(name: str) -> tuple[float, list[object]]:
+        module = costs.modules[name]
+        seconds = sum(tile_s(module, blocks, costs))
+        return seconds / max(module.saved_bytes, 1), natural_order(name)
+
+    return sorted(candidates, key=per_byte)
+
+
+def build_families(blocks: Mapping[str, BlockMemory], costs: Costs, tile: list[str] | tuple[str, ...] = ()) -> list[Family]:
+    """The planner's walks through the space: four (one on CPU: checkpoint only), and with ``tile``
+    (the modules it may tile) the tile walk (module docstring)."""
+    families = _walks(blocks, costs)
+    if tile:
+        families.append(_tile_walk(blocks, costs, list(tile)))
+    return families
+
+
+def _tile_walk(blocks: Mapping[str, BlockMemory], costs: Costs, modules: list[str]) -> Family:
+    """Modules tiled one by one (``tile_order``), then, every one tiled, the per-block actions on the
+    blocks as they save with them tiled (checkpoint alone where offload is not considered)."""
+    order = tile_order(blocks, costs, modules)
+    candidates = [Candidate(tile=frozenset(order[: index + 1])) for index in range(len(order))]
+    everything = frozenset(order)
+    left = tiled_blocks(blocks, costs, everything)
+    thresholds = {name: threshold for name, (threshold, _) in costs.partial.items()}
+    walk = costs if costs.allow_offload else dataclasses.replace(costs, allow_offload=False)
+    actions: dict[str, str] = {}
+    for name, action in greedy_steps(left, walk):
+        actions[name] = action
+        candidates.append(Candidate.from_actions(actions, thresholds=thresholds, tile=everything))
+    return _family("tile", candidates, blocks, costs)
+
+
+def _walks(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Family]:
+    """The four walks without tiling (one on CPU: checkpoint only)."""
     families = []
     checkpoint_only = dataclasses.replace(costs, allow_offload=False)
     actions: dict[str, str] = {}
@@ -384,19 +471,29 @@ class PlanSpace:
         offload: OffloadSettings | None = None,
         batch_size: int | None = None,
         baseline: StepTrace | None = None,
+        tile: bool = True,
+        host: HostLimit | None = None,
+        sequence: tuple[int, int, int] | None = None,
     ) -> None:
         self.model, self.batch, self.settings, self.info = model, batch, settings, info
+        self.sequence = sequence
+        """The batch's sequence at the length planned for (``StepRequest.sequence``); None: as given."""
+        self.host = host if host is not None else HostLimit(None)
+        """The host memory a configuration may hold (``lightmem.estimate.host``)."""
         self.base, self.costs, self.batch_size, self.baseline = base, costs, batch_size, baseline
         self.searched_offload = offload
         """The offload settings the search runs under (None: lightmem's defaults)."""
         self.offload = offload if offload is not None else parse_offload(True, flag="plan(offload=...)")
         assert self.offload is not None
-        self.families = build_families(base.blocks, costs)
+        self.tile_candidates = base.tile_candidates if tile and not holds_compiled_modules(model) else []
+        """The modules this space may tile (none for a compiled model: a tiled module runs eagerly
+        between compiled graphs)."""
+        self.families = build_families(base.blocks, costs, self.tile_candidates)
         self.verified: dict[tuple[Candidate, bool], Verified] = {}
         """Verified steps by candidate and whether model state was offloaded."""
         self.traced = 0
         """Fake steps this space ran (verified steps found in ``_VERIFIED`` are not run again)."""
-        self._memory_key = step_memory_key(model, batch, settings, batch_size)
+        self._memory_key = step_memory_key(model, batch, settings, batch_size, sequence)
 
     def _step_key(self, candidate: Candidate, model_state: bool) -> tuple[Any, ...]:
         """What decides the candidate's fake step: the space's memory key, the candidate, its offload
@@ -419,10 +516,16 @@ class PlanSpace:
                 self.model, self.batch, self.settings, info=self.info, batch_size=self.batch_size,
                 checkpoint=tuple(candidate.checkpoint_names()) or None,
                 offload=candidate.offload_settings(self.offload), offload_optimizer=model_state,
+                tile=candidate.tile_settings(), sequence=self.sequence,
+            )  # fmt: skip
+            offload = candidate.offload_settings(self.offload)
+            held = host_bytes(
+                trace.host_bytes, trace.host_largest_bytes, trace.optimizer_host_bytes,
+                offload.host_budget_bytes if offload is not None else None,
             )  # fmt: skip
             found = Verified(
                 trace.peak.bytes, trace.host_bytes, trace.optimizer_link_bytes,
-                tuple(trace.offloaded_by_block.items()), dominant_part(trace), trace.reserve,
+                tuple(trace.offloaded_by_block.items()), dominant_part(trace), trace.reserve, held,
             )  # fmt: skip
             self.verified[(candidate, model_state)] = remembered[key] = found
         return found
@@ -434,7 +537,7 @@ class PlanSpace:
         if named is not None:  # run with the report, at the space's batch size
             return Verified(
                 named.peak_bytes, named.host_bytes, named.model_state_link_bytes,
-                reserve=named.reserve,
+                reserve=named.reserve, host=HostBytes(model_state=named.host_bytes),
             )
         return self.verify(Candidate(), model_state=True)
 
@@ -444,12 +547,32 @@ class PlanSpace:
 
     def fits(self, verified: Verified, available: int) -> bool:
         """Whether a verified step runs with ``available`` bytes reservable (one replay, not the bisection
-        ``reserved`` runs)."""
+        ``reserved`` runs) and what it holds on the host within ``host`` (the space's host limit)."""
+        return self.fits_device(verified, available) and self.host.admits(verified.host)
+
+    def fits_device(self, verified: Verified, available: int) -> bool:
+        """``fits`` on the device alone."""
         return verified.reserve.fits(available) if verified.reserve is not None else verified.peak_bytes <= available
+
+    def held_by_host(self, available: int, model_state: bool) -> Verified | None:
+        """When every verified configuration that fits the device holds more than the host limit:
+        the one that holds least (None: the device, not the host, refused them)."""
+        fitting = [
+            verified for (candidate, state), verified in self.verified.items()
+            if state == model_state and self.fits_device(verified, available)
+        ]  # fmt: skip
+        if not fitting or any(self.host.admits(verified.host) for verified in fitting):
+            return None
+        return min(fitting, key=lambda verified: verified.host.total)
+
+    @property
+    def kinds(self) -> dict[str, str]:
+        """The class name of each block and each module the space may tile, for words."""
+        return {**self.base.block_kinds, **{name: self.costs.modules[name].kind for name in self.tile_candidates}}
 
     def describe(self, candidate: Candidate) -> str:
         """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
-        return _describe(candidate, self.base.block_kinds, self.costs.min_bytes)
+        return _describe(candidate, self.kinds, self.costs.min_bytes)
 
     def extremes(self) -> list[Candidate]:
         """The configurations that save the most in each family, and offload alone: what
@@ -512,7 +635,8 @@ class PlanSpace:
         result = Plan(
             [], None, baseline_peak, settings.overhead_bytes, budget_bytes, False, "", estimate=base,
             checkpoint_policy=settings.checkpoint_policy, flops_per_s=costs.flops_per_s,
-            link_bytes_per_s=costs.link_bytes_per_s, settings=_searched_under(settings, costs, self.searched_offload),
+            link_bytes_per_s=costs.link_bytes_per_s,
+            settings={**_searched_under(settings, costs, self.searched_offload), "tile_candidates": list(self.tile_candidates)},
             step_seconds=baseline_s, baseline_step_seconds=baseline_s, speeds=settings.speeds,
             predicted_reserved_bytes=baseline_reserved, costs=costs,
         )  # fmt: skip
@@ -550,6 +674,11 @@ class PlanSpace:
             result.predicted_reserved_bytes = baseline_reserved
             result.exposed_transfer_s = model_state_s
             result.step_seconds = configuration_time(base.blocks, costs, model_state_link_bytes=link_bytes).step_s
+            result.host = found.host
+            if not self.host.admits(found.host):
+                result.reason = f"gradients and optimizer state go to the host, and {self.host.refusal(found.host)}"
+                result.limited_by = "host"
+                return result
         if baseline_reserved <= available:
             result.fits = True
             result.reason = (
@@ -605,6 +734,15 @@ class PlanSpace:
         if best is None:  # a configuration verified for another budget may fit this one
             best = self._fastest_verified_fit(available, model_state)
         result.evaluations = self.traced - before
+        held = self.held_by_host(available, model_state) if best is None else None
+        if held is not None:
+            closest = next(candidate for (candidate, state), found in self.verified.items() if found is held and state == model_state)
+            result.reason = (
+                f"every configuration verified to fit the device holds more host memory than the host allows: the "
+                f"least, {self.describe(closest)}, {self.host.refusal(held.host)}"
+            )
+            result.limited_by, result.host = "host", held.host
+            return result
         refused = self._closest_refused(available, model_state)
         if best is None and not refused:
             result.reason = (
@@ -615,6 +753,7 @@ class PlanSpace:
         if best is None:
             result.alternatives = refused
             closest = min(refused, key=lambda option: option.predicted_total_bytes)
+            result.limited_by = "device"
             result.dominant = next(
                 self.verified[key].dominant for key in self.verified
                 if self.describe(key[0]) == closest.description and key[1] == model_state
@@ -638,9 +777,12 @@ class PlanSpace:
             name: action for name, action in candidate.actions(base.blocks).items() if name in candidate.checkpoint
         }
         result.offload_everywhere = candidate.everywhere
+        result.tile = candidate.tile_names()
+        result.tile_kinds = {name: self.costs.modules[name].kind for name in result.tile}
         result.predicted_peak_bytes = verified.peak_bytes
         result.predicted_reserved_bytes = self.reserved(verified)
         result.host_bytes = verified.host_bytes
+        result.host = verified.host
         price = self.step_of(candidate, verified)
         result.recompute_s, result.exposed_transfer_s = price.recompute_s, price.exposed_transfer_s
         result.step_seconds = price.step_s
@@ -684,13 +826,15 @@ class PlanSpace:
             if candidate.kind not in closest or reserved < closest[candidate.kind][0]:
                 closest[candidate.kind] = (reserved, candidate)
         return [
-            self._option(closest[kind][1], False, model_state) for kind in KINDS if kind in closest and kind not in fitting
-        ]
+            self._option(closest[kind][1], False, model_state)
+            for kind in (*KINDS, "tile", *TILED_KINDS) if kind in closest and kind not in fitting
+        ]  # fmt: skip
 
     def step_of(self, candidate: Candidate, verified: Verified) -> StepTime:
         """A verified candidate's step: its re-runs and the bytes its fake step sent per block."""
         return configuration_time(
-            self.base.blocks, self.costs, candidate.checkpoint_names(), dict(verified.moved), verified.link_bytes
+            self.base.blocks, self.costs, candidate.checkpoint_names(), dict(verified.moved), verified.link_bytes,
+            candidate.tile,
         )
 
     def _option(self, candidate: Candidate, fits: bool, model_state: bool) -> PlanOption:
@@ -698,7 +842,7 @@ class PlanSpace:
         allowance, and its step priced from its verified fake step (with model-state offload's
         transfer, with ``model_state``)."""
         verified = self.verify(candidate, model_state)
-        description = _describe(candidate, self.base.block_kinds, self.costs.min_bytes)
+        description = _describe(candidate, self.kinds, self.costs.min_bytes)
         step = self.step_of(candidate, verified)
         return PlanOption(
             description, fits, self.reserved(verified) + self.settings.overhead_bytes,
@@ -708,6 +852,8 @@ class PlanSpace:
 
 def _describe(candidate: Candidate, kinds: Mapping[str, str], min_bytes: int) -> str:
     parts = []
+    if candidate.tile:
+        parts.append(f"tile {compact_modules(candidate.tile_names(), kinds)}")
     if candidate.checkpoint:
         parts.append(f"checkpoint {compact_names(candidate.checkpoint_names(), kinds)}")
     if candidate.everywhere:
@@ -739,6 +885,10 @@ def plan(
     checkpoint_policy: CheckpointPolicyArg = "full",
     offload_optimizer: bool | OptimizerOffloadSettings = False,
     batch_size: int | None = None,
+    tile: bool = True,
+    host_budget: int | float | str | None = None,
+    sequence_length: int | None = None,
+    seq_dim: int | None = None,
 ) -> Plan:
     """The lightmem configuration with the least predicted step time whose verified peak fits ``budget``.
 
@@ -774,6 +924,20 @@ def plan(
             ``offload_optimizer_device_dtype`` too.
         batch_size: plan for ``batch`` with dim 0 of its batch tensors at this size (as
             ``max_batch_size`` scales it); None: the batch as given.
+        sequence_length: plan for ``batch`` with its sequence at this length (as
+            ``max_sequence_length`` grows it: every batch tensor whose size along the sequence's
+            dimension is the batch's length); None: as given.
+        seq_dim: the sequence's dimension in the batch's tensors; None: dimension 1 of its token
+            ids ``[B, T]`` or vectors ``[B, T, d]`` (``lightmem.estimate.batch.sequence_axis``).
+        tile: whether the plan may run position-wise modules in sequence shards
+            (``LightMem(tile=...)``): the modules the baseline's trace shows never mix positions
+            (``MemoryEstimate.tile_candidates``; none in a compiled model); False: never.
+        host_budget: the host memory the plan may hold in all (the offloaded activations' pool and,
+            with model-state offload, the host copies of parameters, gradients and optimizer
+            state): bytes, a size ("1TiB"), or a fraction of this machine's available RAM. None:
+            this machine's available RAM when the plan is for this machine (``device="cpu"``, or a
+            CUDA device here), else no limit. A configuration that holds more is not taken; when
+            every one that fits the device does, the plan does not fit and ``limited_by`` is "host".
         Other arguments: as for :func:`estimate_memory`.
 
     On "cpu" only checkpointing is planned (offloading CPU memory to CPU memory saves nothing).
@@ -794,14 +958,15 @@ def plan(
             model, batch, budget, loss_fn, started, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
             overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
             link_bytes_per_s=link_bytes_per_s, offload=offload, offload_optimizer=offload_optimizer,
-            batch_size=batch_size,
+            batch_size=batch_size, tile=tile, host_budget=host_budget, sequence_length=sequence_length, seq_dim=seq_dim,
         )  # fmt: skip
     else:
         space = plan_space(
             model, batch, loss_fn, budget=budget, fn_name="plan", optimizer=optimizer, precision=precision,
             device=device, gpu=gpu, overhead_bytes=overhead_bytes, zero_grad=zero_grad, flops_per_s=flops_per_s,
             link_bytes_per_s=link_bytes_per_s, offload=offload, checkpoint_policy=checkpoint_policy,
-            offload_optimizer=offload_optimizer, batch_size=batch_size,
+            offload_optimizer=offload_optimizer, batch_size=batch_size, tile=tile, host_budget=host_budget,
+            sequence_length=sequence_length, seq_dim=seq_dim,
         )  # fmt: skip
         result = _plan_in(space, started)
     result.chunked_loss = plan_with_chunked_loss(result, lambda: plan(**arguments))
@@ -888,6 +1053,10 @@ def plan_space(
     fn_name: str = "plan_space",
     offload_optimizer: bool | OptimizerOffloadSettings = False,
     baseline: StepTrace | None = None,
+    tile: bool = True,
+    host_budget: int | float | str | None = None,
+    sequence_length: int | None = None,
+    seq_dim: int | None = None,
 ) -> PlanSpace:
     """The planner's space for ``model`` and ``batch`` (at ``batch_size`` when given), with its
     baseline step run: ``space.plan(budget_bytes)`` answers for any budget, each configuration's
@@ -900,7 +1069,13 @@ def plan_space(
     )  # fmt: skip
     offload_settings = parse_planned_offload(True if offload is None else offload, flag=f"{fn_name}(offload=...)")
     info = inspect_batch(batch)
-    base, baseline = build_report(model, batch, settings, info, None, None, batch_size=batch_size, baseline=baseline)
+    sequence = None
+    if sequence_length is not None:
+        parse_count(sequence_length, flag=f"{fn_name}(sequence_length=...)")
+        sequence = sequence_axis(batch, seq_dim, fn_name=fn_name).grown(sequence_length)
+    base, baseline = build_report(
+        model, batch, settings, info, None, None, batch_size=batch_size, baseline=baseline, sequence=sequence
+    )
     costs = costs_for(settings, baseline, offload_settings)
     if offload_settings is not None and costs.allow_offload:
         # The windows the plan hands the engine are what its link moves while a block computes.
@@ -909,8 +1084,12 @@ def plan_space(
             costs, inflight_bytes=offload_settings.max_inflight_bytes, prefetch_bytes=offload_settings.prefetch_bytes
         )
         costs = dataclasses.replace(costs, partial=partial_thresholds(base.blocks, costs))
+    if not isinstance(tile, bool):
+        raise ValueError(f"{fn_name}(tile=...): expected True (the plan may tile position-wise modules) or False; got {tile!r}")
+    host = host_limit(host_budget, settings.device, flag=f"{fn_name}(host_budget=...)")
     return PlanSpace(
-        model, batch, settings, info, base, costs, offload=offload_settings, batch_size=batch_size, baseline=baseline
+        model, batch, settings, info, base, costs, offload=offload_settings, batch_size=batch_size, baseline=baseline,
+        tile=tile, host=host, sequence=sequence,
     )
 
 

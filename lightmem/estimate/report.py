@@ -17,6 +17,7 @@ from typing import Any
 from lightmem.checkpoint import CheckpointPolicyArg
 from lightmem.config import OffloadSettings, format_bytes
 from lightmem.devices import format_rate
+from lightmem.estimate.position_wise import tile_candidates
 from lightmem.estimate.step import ROOT_BLOCK
 from lightmem.estimate.tracer import CATEGORIES
 from lightmem.tables import format_table
@@ -218,6 +219,17 @@ class MemoryEstimate:
     chunked_loss: Any = None
     """With a budget, where the logits dominate the peak: the largest batch without lightmem, as
     written and with the loss chunked (``lightmem.estimate.chunked_loss.ChunkedLossReach``)."""
+    sequence_length: int | None = None
+    """The batch's sequence length the step ran at, when it was grown to one (``plan(sequence_length=...)``)."""
+    modules: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Each module the baseline called with one tensor (``lightmem.estimate.position_wise.ModuleForward``):
+    its forward's price, what it saved, and whether it is position-wise (``why_not`` says why not)."""
+
+    @property
+    def tile_candidates(self) -> list[str]:
+        """The modules a plan may tile, read from the trace (``position_wise.tile_candidates``): the
+        outermost position-wise modules that keep more than their input, not the repeated blocks."""
+        return list(tile_candidates(self.modules, self.blocks))
 
     @property
     def reserved_bytes(self) -> int:
@@ -599,11 +611,26 @@ class Plan:
     chunked_loss: Plan | None = None
     """When nothing fits and the loss's logits dominate the step: the plan for the same batch with
     the loss priced as chunked (``lightmem.linear_cross_entropy``), fitting or not."""
+    tile: list[str] = field(default_factory=list)
+    """The position-wise modules the plan runs in sequence shards (``LightMem(tile=...)``)."""
+    host: Any = None
+    """What the plan's step holds on the host (``lightmem.estimate.host.HostBytes``: the offloaded
+    activations' pool and model state); None: not searched."""
+    limited_by: str = ""
+    """When it does not fit: "device" (no configuration's peak fits the budget) or "host" (those
+    whose peak fits hold more host memory than the host limit)."""
+    tile_kinds: dict[str, str] = field(default_factory=dict, repr=False)
+    """Class name per tiled module, for the description."""
 
     @property
     def predicted_total_bytes(self) -> int:
         """What must fit the budget: the reserved peak and the overhead allowance."""
         return max(self.predicted_reserved_bytes, self.predicted_peak_bytes) + self.overhead_bytes
+
+    @property
+    def host_total_bytes(self) -> int:
+        """What the plan holds on the host in all: the offloaded activations' pool and model state."""
+        return self.host.total if self.host is not None else 0
 
     @property
     def slowdown(self) -> float:
@@ -640,6 +667,8 @@ class Plan:
             kwargs["checkpoint"] = list(self.checkpoint)
             if self.checkpoint_policy != "full":
                 kwargs["checkpoint_policy"] = self.checkpoint_policy
+        if self.tile:
+            kwargs["tile"] = list(self.tile)
         if self.offload_optimizer:
             kwargs["offload_optimizer"] = True
             if self.offload_optimizer_device_dtype is not None:
@@ -674,6 +703,11 @@ class Plan:
             "alternatives": [option.to_dict() for option in self.alternatives],
             "evaluations": self.evaluations,
             "host_bytes": self.host_bytes,
+            "host_total_bytes": self.host_total_bytes,
+            "host_pool_bytes": self.host.pool if self.host is not None else 0,
+            "host_model_state_bytes": self.host.model_state if self.host is not None else 0,
+            "limited_by": self.limited_by,
+            "tile": list(self.tile),
             "chunked_loss": self.chunked_loss.to_dict() if self.chunked_loss is not None else None,
             "lightmem_kwargs": {
                 name: policy_name(value) if name == "checkpoint_policy" else value
@@ -691,6 +725,8 @@ class Plan:
             dtype = self.offload_optimizer_device_dtype
             on_device = f", {dtype} parameters on the device" if dtype is not None else ""
             parts.append(f"offload_optimizer (gradients and optimizer state on the host{on_device})")
+        if self.tile:
+            parts.append(f"tile {compact_modules(sorted(self.tile, key=natural_order), self.tile_kinds)}")
         if self.checkpoint:
             names = compact_names(sorted(self.checkpoint, key=natural_order), kinds)
             policy = "" if self.checkpoint_policy == "full" else f" (policy {policy_name(self.checkpoint_policy)})"
@@ -720,7 +756,7 @@ class Plan:
                     else f"does not fit either: {chunked.reason}"
                 )  # fmt: skip
             return text
-        if not self.checkpoint and self.offload is None and not self.offload_optimizer:
+        if not self.checkpoint and self.offload is None and not self.offload_optimizer and not self.tile:
             return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
         prices = self.speeds.describe() if self.speeds is not None else (
             f"host link {format_rate(self.link_bytes_per_s, 'B/s')}, {format_rate(self.flops_per_s, 'FLOP/s')}"
@@ -735,7 +771,7 @@ class Plan:
         lines = [
             f"Fits {format_bytes(self.budget_bytes)} at {format_bytes(self.predicted_total_bytes)}: "
             + "; ".join(self.parts())
-            + (f", holding {format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
+            + (f", holding {self.host.describe()} of host memory" if self.host_total_bytes else "")
             + f"; predicted step {format_seconds(self.step_seconds)}, {self.slowdown:.2f}x the "
             f"{format_seconds(self.baseline_step_seconds)} without lightmem (about {format_seconds(self.recompute_s)} "
             f"re-computation and {format_seconds(self.exposed_transfer_s)} exposed transfer; {prices}): {why}."
@@ -830,4 +866,36 @@ def compact_names(names: list[str], kinds: Mapping[str, str] | None = None) -> s
             members = [f"{key}{n}" for n in range(first, last + 1)]
             text = f"{key}{first}" if first == last else f"{key}{first}-{last}"
             parts.append(labelled(text, members))
+    return ", ".join(parts)
+
+
+def compact_modules(names: list[str], kinds: Mapping[str, str] | None = None) -> str:
+    """Modules inside repeated layers, by their first index: 'model.layers.0.mlp' ... 'model.layers.15.mlp',
+    'model.norm' -> 'model.layers.0-15.mlp (LlamaMLP), model.norm (LlamaRMSNorm)' (with ``kinds``,
+    the class name per module)."""
+    kinds = kinds or {}
+    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    order: list[tuple[str, str]] = []
+    for name in names:
+        match = re.fullmatch(r"(.*?\.)(\d+)((?:\..*)?)", name)
+        key = (match.group(1), match.group(3)) if match else (name, "")
+        if key not in groups and key not in order:
+            order.append(key)
+        if match:
+            groups[key].append(int(match.group(2)))
+    parts = []
+    for prefix, suffix in order:
+        numbers = sorted(groups.get((prefix, suffix), []))
+        if not numbers:
+            parts.append(f"{prefix} ({kinds[prefix]})" if kinds.get(prefix) else prefix)
+            continue
+        runs, start = [], numbers[0]
+        for previous, number in zip(numbers, [*numbers[1:], None]):
+            if number is None or number != previous + 1:  # a run ends at previous
+                runs.append((start, previous))
+                start = number
+        members = [f"{prefix}{n}{suffix}" for n in numbers]
+        classes = {kinds[member] for member in members if kinds.get(member)}
+        text = ", ".join(f"{prefix}{a}{suffix}" if a == b else f"{prefix}{a}-{b}{suffix}" for a, b in runs)
+        parts.append(f"{text} ({classes.pop()})" if len(classes) == 1 else text)
     return ", ".join(parts)
