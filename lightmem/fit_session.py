@@ -299,7 +299,7 @@ class FitSession:
         on, off = [], []
         on_the_cpu = []  # what offload_devices=["cpu"] would run here
         if self.auto_plan is not None:  # the plan's own line, at the first batch, says what it chose
-            what = "what to checkpoint"
+            what = "what to checkpoint and tile" if self.settings.plan.tile else "what to checkpoint"
             if device.type == "cpu":
                 what += "; on a CPU it never offloads"
             elif self.settings.offload_on:

@@ -282,7 +282,7 @@ def test_plan_auto_on_a_cpu_says_what_is_on_at_fit_start_then_plans_at_the_first
         _fit(callback)
     on, budget, planning, planned, chosen = _fit_start_lines(caplog)
     assert on == (
-        "lightmem: on: plan='auto' (at the first training batch it chooses what to checkpoint; on a CPU it never "
+        "lightmem: on: plan='auto' (at the first training batch it chooses what to checkpoint and tile; on a CPU it never "
         "offloads); host metrics. Off: activation offload (no CUDA device: moving CPU tensors to host memory gains "
         "nothing); gpu and device metrics (the training device is not a CUDA device)."
     )

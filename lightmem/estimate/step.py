@@ -70,7 +70,7 @@ from lightmem.estimate.user_code import (
 )
 from lightmem.lightning_packages import is_lightning_module, is_mock_optimizer
 from lightmem.tiling import tile_modules
-from lightmem.tiling.function import rerunning
+from lightmem.tiling.function import rerunning, sampled_shards
 
 ROOT_BLOCK = "(outside blocks)"
 MASTER_DTYPE = torch.float32
@@ -446,7 +446,9 @@ def _run(
         inputs = make_batch()
         # A real tensor from another device enters as a real CPU tensor does: not counted.
         on_dry_run_device = OnDryRunDevice(fake_mode, entered=lambda fake: tracer.excluded.add(tracer.track(fake)))
-        with tracer, torch.enable_grad(), on_dry_run_device:
+        # An unpriced step traces a tiled call's first and last shards only: the same memory (``sampled_shards``).
+        shards = sampled_shards() if request.speeds is None else contextlib.nullcontext()
+        with tracer, torch.enable_grad(), on_dry_run_device, shards:
             trace = _steady_step(
                 step_model, inputs, request, step_blocks, trainer, tracer, params, buffers, protected, failure, make_batch
             )
