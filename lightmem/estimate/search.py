@@ -572,6 +572,8 @@ def _search(
         # jumps, as a new segment does, bends the line the search starts from).
         result.planned, seen = largest_fitting(planned_total, budget_bytes, seed, limit, fits_at=baseline)
         past = [size for size, total in seen if size > result.planned and total > budget_bytes]
+        if not past and result.planned < limit and planned_total(result.planned + 1) > budget_bytes:
+            past = [result.planned + 1]  # a line confirmed the answer: the next size says what stopped it
         if past:  # what stopped the search: the host's limit, or the device's budget
             result.limited_by = "host" if min(past) in host_stopped else "device"
         for name, evaluations in result.evaluations.items():
