@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes, parse_count
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings, Spelling, TileSettings, format_bytes, parse_count
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.batch import SequenceAxis, inspect_batch, scalable_batch, sequence_axis
 from lightmem.estimate.chunked_loss import dominant_logits, largest_with_chunked_loss
@@ -294,7 +294,7 @@ def max_batch_size(
     plan: bool = False,
     flops_per_s: float | None = None,
     link_bytes_per_s: int | str | None = None,
-    tile: bool = True,
+    tile: bool | Iterable[str | type] | str = True,
     host_budget: int | float | str | None = None,
 ) -> BatchSearch:
     """The largest batch size whose step fits ``budget``, without lightmem and with a configuration.
@@ -306,7 +306,8 @@ def max_batch_size(
     Args:
         budget: device memory for the step including the overhead allowance ("24GiB", bytes).
         offload, checkpoint, offload_optimizer: the lightmem configuration for ``configured``
-            (none of them: baseline only).
+            (none of them: baseline only); ``tile`` as a list of modules (``estimate_memory(tile=...)``)
+            is part of it too.
         limit: the largest batch size considered.
         checkpoint_policy: what the ``checkpoint`` blocks keep, as for :func:`estimate_memory`
             (and the blocks a plan checkpoints, with ``plan=True``).
@@ -324,8 +325,9 @@ def max_batch_size(
         gpu: the GPU estimated for, as for :func:`lightmem.plan` (its cuBLAS workspaces; with
             ``plan=True`` also its speeds).
         flops_per_s, link_bytes_per_s, tile, host_budget: as for :func:`lightmem.plan` (read with
-            ``plan=True`` only): at a size where every configuration that fits the device holds
-            more host memory than the host limit, the plans do not fit (``limited_by``: "host").
+            ``plan=True`` only; ``tile`` False: the plans never tile, anything else: they may):
+            at a size where every configuration that fits the device holds more host memory than
+            the host limit, the plans do not fit (``limited_by``: "host").
         Other arguments: as for :func:`estimate_memory`.
 
     Raises:
@@ -362,7 +364,7 @@ def max_sequence_length(
     plan: bool = True,
     flops_per_s: float | None = None,
     link_bytes_per_s: int | str | None = None,
-    tile: bool = True,
+    tile: bool | Iterable[str | type] | str = True,
     host_budget: int | float | str | None = None,
 ) -> SequenceSearch:
     """The longest sequence whose step fits ``budget``: without lightmem, with the configuration
@@ -468,7 +470,7 @@ def _search(
     plan: bool,
     flops_per_s: float | None,
     link_bytes_per_s: int | str | None,
-    tile: bool,
+    tile: bool | Iterable[str | type] | str,
     host_budget: int | float | str | None,
 ) -> Any:
     """The search of ``max_batch_size`` and ``max_sequence_length`` along ``axis``: one rule, one place."""
@@ -486,9 +488,13 @@ def _search(
     info = inspect_batch(batch)
     budget_bytes = settings.budget_bytes
     assert budget_bytes is not None
+    # A list of modules is a configuration to search (tiled as estimate_memory(tile=...) tiles them);
+    # True or False only say whether plans may tile.
+    tiles = None if isinstance(tile, bool) else TileSettings.parse(tile, spelling=Spelling(fn_name, (("modules", "tile"),)))
 
     def totals(
-        offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None, model_state: bool = False
+        offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None, model_state: bool = False,
+        tiles: TileSettings | None = None,
     ) -> Callable[[int], int]:
         """Peak + overhead of one configuration by batch size, each size estimated once."""
         seen: dict[int, int] = {}
@@ -497,7 +503,7 @@ def _search(
             if size not in seen:
                 trace = run_configuration(
                     model, batch, settings, offload=offload_config, checkpoint=targets, info=info,
-                    offload_optimizer=model_state, **axis.step(size),
+                    offload_optimizer=model_state, tile=tiles, **axis.step(size),
                 )  # fmt: skip
                 seen[size] = trace.reserved_bytes + settings.overhead_bytes
             return seen[size]
@@ -506,22 +512,23 @@ def _search(
         return total
 
     def search(
-        offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None, model_state: bool = False
+        offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None, model_state: bool = False,
+        tiles: TileSettings | None = None,
     ) -> tuple[int, list[tuple[int, int]]]:
-        return largest_fitting(totals(offload_config, targets, model_state), budget_bytes, axis.start, limit)
+        return largest_fitting(totals(offload_config, targets, model_state, tiles), budget_bytes, axis.start, limit)
 
     baseline_total = totals(None, None)
     baseline, baseline_evals = largest_fitting(baseline_total, budget_bytes, axis.start, limit)
     result = kind(baseline, None, budget_bytes, settings.overhead_bytes, {"baseline": baseline_evals}, limit=limit)
-    if offload_config is not None or targets or settings.offload_optimizer:
-        configured, evals = search(offload_config, targets, settings.offload_optimizer)
+    if offload_config is not None or targets or settings.offload_optimizer or tiles is not None:
+        configured, evals = search(offload_config, targets, settings.offload_optimizer, tiles)
         result.configured = configured
         result.evaluations["configured"] = evals
     if plan:
         common = {
             "optimizer": optimizer, "precision": precision, "device": device, "gpu": gpu, "overhead_bytes": overhead_bytes,
             "zero_grad": zero_grad, "flops_per_s": flops_per_s, "link_bytes_per_s": link_bytes_per_s,
-            "checkpoint_policy": checkpoint_policy, "fn_name": fn_name, "tile": tile, "host_budget": host_budget,
+            "checkpoint_policy": checkpoint_policy, "fn_name": fn_name, "tile": tile is not False, "host_budget": host_budget,
             "offload_optimizer": settings.optimizer_offload or False,  # as parsed: device_dtype included
             "offload": offload_config.with_choice(min_bytes=offload_config.min_bytes, include=None)
             if offload_config is not None else None,
