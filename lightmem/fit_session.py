@@ -23,7 +23,8 @@ from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, lar
 from lightmem.blocks import find_blocks
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
 from lightmem.config import (
-    DECIMAL_UNITS_NOTE, LIGHTMEM, LightMemSettings, OffloadSettings, TileSettings, decimal_reading, format_bytes,
+    DECIMAL_UNITS_NOTE, LIGHTMEM, LightMemSettings, OffloadSettings, TileSettings, available_ram_bytes, decimal_reading,
+    format_bytes,
 )  # fmt: skip
 from lightmem.device_memory import use_expandable_segments
 from lightmem.estimate import Plan, max_batch_size, plan
@@ -511,6 +512,8 @@ class FitSession:
             "overhead_bytes": self.auto_plan.plan_overhead_bytes,
             "gpu": self.auto_plan.speeds if self.auto_plan.speeds is not None else "auto",
             "tile": self.settings.plan.tile,
+            # This machine's RAM is the host's limit, what lightmem's own pools hold now included.
+            "host_budget": available_ram_bytes() + self._all_host_bytes_held(),
         }  # fmt: skip
         with self._without_checkpointing(pl_module):  # the planner sees the model as the user wrote it
             shaped = with_shapes(batch, shapes)

@@ -386,6 +386,14 @@ def _tile_walk(blocks: Mapping[str, BlockMemory], costs: Costs, modules: list[st
     for name, action in greedy_steps(left, walk):
         actions[name] = action
         candidates.append(Candidate.from_actions(actions, thresholds=thresholds, tile=everything))
+    # The predictions stop where offloading a tiled layer seems to save all it keeps, but its reloads
+    # and its backward are then on the device together: the walk goes on to every layer checkpointed
+    # (and its input offloaded), one layer at a time, the extreme long context needs.
+    last = BOTH if walk.allow_offload else CHECKPOINT
+    for name in sorted(planned_blocks(left), key=natural_order):
+        if _RANK[actions.get(name, KEEP)] < _RANK[last]:
+            actions[name] = last
+            candidates.append(Candidate.from_actions(actions, thresholds=thresholds, tile=everything))
     return _family("tile", candidates, blocks, costs)
 
 
@@ -479,6 +487,8 @@ class PlanSpace:
         self.sequence = sequence
         """The batch's sequence at the length planned for (``StepRequest.sequence``); None: as given."""
         self.host = host if host is not None else HostLimit(None)
+        self.model_state_when_needed = False
+        """Search again with model-state offload where nothing fits without it (``plan``)."""
         """The host memory a configuration may hold (``lightmem.estimate.host``)."""
         self.base, self.costs, self.batch_size, self.baseline = base, costs, batch_size, baseline
         self.searched_offload = offload
@@ -625,7 +635,25 @@ class PlanSpace:
         what this policy changes is searched (walks that re-run something), only along walks
         predicted to reach the need, and, when ``other`` fits, only where they could be faster.
         (A per-op policy keeps more than "full" in every checkpointed block, so where "full"'s
-        walks do not fit, its own are not expected to.)"""
+        walks do not fit, its own are not expected to.)
+
+        With ``model_state_when_needed`` (``max_sequence_length``'s spaces), on CUDA, where no
+        configuration fits with gradients and optimizer state on the device, the walks are searched
+        again with them on the host (model-state offload): at long context the activations, not the
+        model state, fill the device, and the model state's bytes are room."""
+        found = self._plan(budget_bytes, other)
+        retry = self.model_state_when_needed and self.settings.device == "cuda" and not found.offload_optimizer
+        if found.fits or not retry or found.limited_by != "device":
+            return found
+        moved = self._plan(budget_bytes, other, model_state=True)
+        if not moved.fits:
+            return found
+        moved.evaluations += found.evaluations
+        return moved
+
+    def _plan(self, budget_bytes: int, other: Plan | None, *, model_state: bool = False) -> Plan:
+        """``plan``'s search, with model-state offload when ``model_state`` (or asked for, or needed by
+        the model state alone)."""
         settings, base, costs = self.settings, self.base, self.costs
         # What must fit is what the allocator reserves for a verified (allocated) peak.
         available = budget_bytes - settings.overhead_bytes
@@ -642,7 +670,7 @@ class PlanSpace:
         )  # fmt: skip
         result.estimate_kinds = base.block_kinds
         before = self.traced
-        model_state = settings.offload_optimizer
+        model_state = model_state or settings.offload_optimizer
         if base.budget_below_overhead:
             result.reason = base.overhead_shortfall()
             return result

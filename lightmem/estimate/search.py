@@ -544,6 +544,8 @@ def _search(
         def space_at(size: int) -> Any:
             if size not in spaces:
                 spaces[size] = plan_space(model, batch, loss_fn, **axis.space(size), **common)  # type: ignore[arg-type]
+                # Along the sequence the activations fill the device: model state may leave it too.
+                spaces[size].model_state_when_needed = axis.sequence is not None
             return spaces[size]
 
         def planned_total(size: int) -> int:
