@@ -645,6 +645,13 @@ class PlanSpace:
         retry = self.model_state_when_needed and self.settings.device == "cuda" and not found.offload_optimizer
         if found.fits or not retry or found.limited_by != "device":
             return found
+        # Model state on the host frees at most the gradients and optimizer state: where the closest
+        # configuration is further over the budget, it cannot fit either.
+        trace = self.baseline
+        freed = trace.gradient_bytes + trace.optimizer_state_bytes if trace is not None else budget_bytes
+        closest = min((option.predicted_total_bytes for option in found.alternatives), default=None)
+        if closest is not None and closest - budget_bytes > freed:
+            return found
         moved = self._plan(budget_bytes, other, model_state=True)
         if not moved.fits:
             return found
