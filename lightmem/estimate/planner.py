@@ -1114,7 +1114,7 @@ def plan_space(
     costs = costs_for(settings, baseline, offload_settings)
     if offload_settings is not None and costs.allow_offload:
         # The windows the plan hands the engine are what its link moves while a block computes.
-        offload_settings = sized_windows(offload_settings, base.blocks, costs)
+        offload_settings = sized_windows(offload_settings, base.blocks, costs, _window_cap(base, settings))
         costs = dataclasses.replace(
             costs, inflight_bytes=offload_settings.max_inflight_bytes, prefetch_bytes=offload_settings.prefetch_bytes
         )
@@ -1126,6 +1126,18 @@ def plan_space(
         model, batch, settings, info, base, costs, offload=offload_settings, batch_size=batch_size, baseline=baseline,
         tile=tile, host=host, sequence=sequence,
     )
+
+
+def _window_cap(base: MemoryEstimate, settings: EstimateSettings) -> int | None:
+    """The most an offload window need hold (``sized_windows``): one layer's share of what the budget
+    leaves for activations, or, where that is less, one layer's input (what a checkpointed, offloaded
+    layer sends); None without a budget."""
+    if not settings.budget_bytes:
+        return None
+    layers = list(planned_blocks(base.blocks).values())
+    room = settings.budget_bytes - settings.overhead_bytes - base.static_bytes
+    inputs = sorted(block.input_bytes for block in layers)
+    return max(room // max(len(layers), 1), inputs[len(inputs) // 2] if inputs else 0)
 
 
 def search_plan(

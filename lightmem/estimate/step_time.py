@@ -414,11 +414,15 @@ def window_bytes(link_bytes_per_s: float, seconds: float, block_bytes: int) -> i
     return max(WINDOW_GRAIN_BYTES, -(-int(moved) // WINDOW_GRAIN_BYTES) * WINDOW_GRAIN_BYTES)
 
 
-def sized_windows(offload: OffloadSettings, blocks: Mapping[str, BlockMemory], costs: Costs) -> OffloadSettings:
+def sized_windows(
+    offload: OffloadSettings, blocks: Mapping[str, BlockMemory], costs: Costs, share_bytes: int | None = None
+) -> OffloadSettings:
     """``offload`` with its in-flight window sized to what the link moves while a typical block
     (the median repeated one) runs its forward, and its prefetch window to what it moves while that
-    block runs its backward, each at most what that block offloads; a window set to anything but
-    its default is kept as given."""
+    block runs its backward, each at most what that block offloads and at most ``share_bytes`` (the
+    planner's ``_window_cap``: at long context a layer's forward takes seconds and its saved tensors
+    tens of GiB, and a window the size of either held every layer's input on the device); a window
+    set to anything but its default is kept as given."""
     layers = [block for block in blocks.values() if block.repeated] or list(blocks.values())
     if not layers:
         return offload
@@ -429,6 +433,8 @@ def sized_windows(offload: OffloadSettings, blocks: Mapping[str, BlockMemory], c
     forward = median([forward_s(block, costs) for block in layers])
     backward = median([backward_s(block, costs) for block in layers])
     sent = int(median([float(block.offloadable_bytes(costs.min_bytes)) for block in layers]))
+    if share_bytes is not None:
+        sent = min(sent, max(share_bytes, 0))
     inflight, prefetch = offload.max_inflight_bytes, offload.prefetch_bytes
     if inflight == DEFAULT_WINDOW_BYTES:
         inflight = window_bytes(costs.link_bytes_per_s, forward, sent)
