@@ -5,7 +5,7 @@ from lightmem.callback import LightMem
 from lightmem.causal_lm import chunked_causal_lm_loss
 from lightmem.devices import DeviceSpeeds, measure_device_speeds
 from lightmem.checkpoint import apply_checkpointing
-from lightmem.estimate import estimate_memory, frontier, max_batch_size, plan
+from lightmem.estimate import estimate_memory, frontier, max_batch_size, max_sequence_length, plan
 from lightmem.loss import linear_cross_entropy
 from lightmem.model_state.host_grads import named_grads
 from lightmem.model_state.offloader import offload_optimizer
@@ -23,6 +23,7 @@ __all__ = [
     "frontier",
     "linear_cross_entropy",
     "max_batch_size",
+    "max_sequence_length",
     "measure_device_speeds",
     "named_grads",
     "offload_activations",

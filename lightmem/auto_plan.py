@@ -456,7 +456,7 @@ class AutoPlan:
         assert self.memory is not None and self.plan is not None
         if self.looser_by_bytes or self.replan_reason is not None or self._steps_of_plan != TIMED_STEPS + 1:
             return
-        if not (self.plan.checkpoint or self.plan.offload is not None) or self.memory.alloc_retries() > self._retries_at_plan:
+        if not (self.plan.checkpoint or self.plan.offload is not None or self.plan.tile) or self.memory.alloc_retries() > self._retries_at_plan:
             return  # nothing to take back, or a peak held under a limit
         if self.plan.routing_bound_bytes:
             return  # under its worst-case routing's bound: a later batch may route as unevenly as the bound assumes

@@ -113,7 +113,9 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
             keeping only their input and running each shard again in backward: class names or
             module-name globs, as ``checkpoint`` (see :func:`~lightmem.apply_tiling`). A module
             that mixes positions (attention, a convolution along the sequence) fails at its first
-            call, the message saying what was seen.
+            call, the message saying what was seen. With ``plan="auto"`` the plans may tile other
+            position-wise modules too (read from the dry run's trace); False: nothing is tiled,
+            not even by a plan.
         tile_tokens: positions per shard (needs ``tile``); default: as many as the tiled module's
             input is wide (its hidden size).
 
@@ -164,7 +166,7 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
         offload_overlap_step: bool | str = "auto",
         offload_optimizer_device_dtype: str | torch.dtype | None = None,
         chunked_loss: bool = False,
-        tile: list[str] | str | None = None,
+        tile: list[str] | str | bool | None = None,
         tile_tokens: int | None = None,
     ) -> None:
         flags = {name: value for name, value in locals().items() if name not in ("self", "__class__")}

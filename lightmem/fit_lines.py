@@ -105,7 +105,7 @@ def what_is_on(
     on, off = [], []
     on_the_cpu = []  # what offload_devices=["cpu"] would run here
     if planning:  # the plan's own line, at the first batch, says what it chose
-        what = "what to checkpoint"
+        what = "what to checkpoint and tile" if settings.plan.tile else "what to checkpoint"
         if device.type == "cpu":
             what += "; on a CPU it never offloads"
         elif settings.offload_on:

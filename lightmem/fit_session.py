@@ -29,8 +29,11 @@ from lightmem.causal_lm import (
 )
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
 from lightmem.config import (
+    LIGHTMEM,
     LightMemSettings,
     OffloadSettings,
+    TileSettings,
+    available_ram_bytes,
     format_bytes,
 )
 from lightmem.device_memory import use_expandable_segments
@@ -109,6 +112,7 @@ class FitSession:
         self._offload: TrainingOffload | None = None
         self._checkpoint: CheckpointHandle | None = None
         self._tiling: TilingHandle | None = None
+        self._plan_tiling: TilingHandle | None = None  # what plan="auto" tiles (the user's own: _tiling)
         self._patched_module: Module | None = None
         self._chunked_losses: list[ChunkedCausalLMLoss] = []
         self._optimizer_offloaders: list[OptimizerOffloader] = []
@@ -386,8 +390,9 @@ class FitSession:
                     f"{chosen.slowdown:.2f}x the step without lightmem"
                 )
             return  # nothing to re-apply: checkpointed blocks and offloader stay as they are
+        tiled = f", tile {chosen.tile}" if chosen.tile else ""
         choice = (
-            f"checkpoint {chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}; predicted peak "
+            f"checkpoint {chosen.checkpoint or 'nothing'}, offload {offload_scope(chosen.offload)}{tiled}; predicted peak "
             f"{format_bytes(chosen.predicted_total_bytes)} (reserved, overhead allowance included"
             f"{', under the worst-case routing of its experts' if chosen.routing_bound_bytes else ''}), step "
             f"{format_seconds(chosen.step_seconds)}{self._priced_at(chosen)}: {chosen.slowdown:.2f}x the step without "
@@ -456,6 +461,9 @@ class FitSession:
             "offload_optimizer": self.settings.optimizer_offload if self._optimizer_offloaders else False,
             "overhead_bytes": self.auto_plan.plan_overhead_bytes,
             "gpu": self.auto_plan.speeds if self.auto_plan.speeds is not None else "auto",
+            "tile": self.settings.plan.tile,
+            # This machine's RAM is the host's limit, what lightmem's own pools hold now included.
+            "host_budget": available_ram_bytes() + self._all_host_bytes_held(),
         }  # fmt: skip
         budget = self.auto_plan.planning_budget_bytes
         with self._without_checkpointing(pl_module):  # the planner sees the model as the user wrote it
@@ -465,12 +473,13 @@ class FitSession:
             common["checkpoint_policy"] = self.settings.checkpoint.policy  # under the policy "auto" starts from
             if not loss_as_chunked:
                 return max_batch_size(pl_module, shaped, budget, plan=True, limit=search_up_to, **common)
-            settings, info, offload, _ = search_arguments(
+            found = search_arguments(
                 pl_module, shaped, budget, None, limit=search_up_to, checkpoint=None, optimizer=None, **common
             )
             return largest_batches(
-                pl_module, shaped, settings.priced_as_chunked(), info, offload=offload, limit=search_up_to, plan=True
-            )
+                pl_module, shaped, found.settings.priced_as_chunked(), found.info, offload=found.offload,
+                limit=search_up_to, plan=True,
+            )  # fmt: skip
 
     def _no_fit(self, trainer: Trainer, pl_module: Module, batch: Any, shapes: Any, chosen: Plan) -> str:
         """The message of ``PlanDoesNotFit``, with the largest batch a plan fits (searched now) and,
@@ -494,34 +503,40 @@ class FitSession:
 
     @contextlib.contextmanager
     def _without_checkpointing(self, pl_module: Module) -> Iterator[None]:
-        """The blocks lightmem checkpoints run their own forward inside; the very same wrappers are
-        put back after, so a plan that keeps the choice changes nothing (a compiled model is not
-        recompiled)."""
-        if self._checkpoint is None:
-            yield
-            return
-        blocks = [pl_module.get_submodule(name) for name in self._checkpoint.modules]
-        wrappers = [block.__dict__["forward"] for block in blocks]
-        for block, wrapper in zip(blocks, wrappers):  # as CheckpointHandle.remove unwraps
+        """The blocks lightmem checkpoints and the modules a plan tiles run their own forward inside;
+        the very same wrappers are put back after, so a plan that keeps the choice changes nothing (a
+        compiled model is not recompiled). The user's own tiling (``tile=``) stays: it is the model
+        as written."""
+        names = [*(self._checkpoint.modules if self._checkpoint is not None else ()),
+                 *(self._plan_tiling.modules if self._plan_tiling is not None else ())]  # fmt: skip
+        modules = [pl_module.get_submodule(name) for name in names]
+        wrappers = [module.__dict__["forward"] for module in modules]
+        for module, wrapper in zip(modules, wrappers):  # as CheckpointHandle.remove unwraps
             if wrapper.had_instance_forward:
-                block.forward = wrapper.inner
+                module.forward = wrapper.inner
             else:
-                del block.forward
+                del module.forward
         try:
             yield
         finally:
-            for block, wrapper in zip(blocks, wrappers):
-                block.forward = wrapper
+            for module, wrapper in zip(modules, wrappers):
+                module.forward = wrapper
 
     def _apply_plan(self, trainer: Trainer, pl_module: Module, previous: Plan | None, chosen: Plan) -> None:
-        """Checkpoint and offload as ``chosen`` says, replacing what ``previous`` applied where the
-        two differ."""
+        """Checkpoint, tile and offload as ``chosen`` says, replacing what ``previous`` applied where
+        the two differ (tiling after checkpointing, as at fit start)."""
         if previous is None or previous.checkpoint != chosen.checkpoint:
             if self._checkpoint is not None:
                 self._checkpoint.remove()
                 self._checkpoint = None
             if chosen.checkpoint:
                 self.apply_checkpointing(trainer, pl_module, tuple(chosen.checkpoint), every_n=1)
+        if previous is None or previous.tile != chosen.tile:
+            if self._plan_tiling is not None:
+                self._plan_tiling.remove()
+                self._plan_tiling = None
+            if chosen.tile:
+                self._plan_tiling = tile_modules(pl_module, TileSettings(modules=tuple(chosen.tile), spelling=LIGHTMEM))
         if previous is None or previous.offload != chosen.offload:
             if self._offload is not None:
                 self._offload.close()
@@ -562,9 +577,10 @@ class FitSession:
         finally:
             if self.auto_plan is not None:
                 self.auto_plan.remove_block_timer()
-            if self._tiling is not None:  # applied after checkpointing: undone first
-                self._tiling.remove()
-                self._tiling = None
+            for tiling in (self._plan_tiling, self._tiling):  # applied after checkpointing: undone first
+                if tiling is not None:
+                    tiling.remove()
+            self._tiling = self._plan_tiling = None
             if self._checkpoint is not None:
                 self._checkpoint.remove()
                 self._checkpoint = None

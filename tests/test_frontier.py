@@ -200,8 +200,9 @@ def test_to_dict_carries_every_row_and_survives_json(found):
     data = found.to_dict()
     assert set(data) == {
         "budget_bytes", "reference_batch", "largest_batch", "speeds", "rows", "reason", "seconds", "chunked_loss",
-        "limit",
+        "limit", "axis", "limited_by",
     }  # fmt: skip
+    assert (data["axis"], data["limited_by"]) == ("batch", found.limited_by)
     assert data["limit"] == 1 << 16  # frontier's default: the largest batch searched
     assert data["reason"] == ""  # rows: some batch fits
     assert data["chunked_loss"] is None  # no logits here: nothing to chunk
@@ -220,7 +221,8 @@ def test_to_dict_carries_every_row_and_survives_json(found):
             timed = dict.fromkeys(timed)
         assert item == {
             "batch_size": row.batch_size, "label": row.label, "fits": row.fits, "plan": row.plan,
-            "predicted_total_bytes": row.predicted_total_bytes, **timed,
+            "predicted_total_bytes": row.predicted_total_bytes, "host_bytes": row.host_bytes,
+            "limited_by": row.limited_by, **timed,
         }  # fmt: skip
     assert data["rows"][0]["vs_reference"] == 1.0
     assert json.loads(json.dumps(data)) == data
@@ -230,11 +232,12 @@ def _cells(row: FrontierRow) -> list[list[str]]:
     """The table's lines of one row, as the module says a row reads: the plan in words wrapped at
     ``PLAN_WIDTH``, each further line of it a line of its own."""
     first, *rest = textwrap.wrap(row.plan if row.fits else f"does not fit; closest: {row.plan}", PLAN_WIDTH)
+    host = format_bytes(row.host_bytes) if row.host_bytes else "-"
     if not row.fits:
-        cells = [str(row.batch_size), row.label, first, format_bytes(row.predicted_total_bytes), "-", "-", "-", "-", "-"]
+        cells = [str(row.batch_size), row.label, first, format_bytes(row.predicted_total_bytes), host, "-", "-", "-", "-", "-"]
     else:
         cells = [
-            str(row.batch_size), row.label, first, format_bytes(row.predicted_total_bytes),
+            str(row.batch_size), row.label, first, format_bytes(row.predicted_total_bytes), host,
             format_seconds(row.step_s), format_seconds(row.step_s / row.batch_size), f"{row.vs_reference:.2f}x",
             format_seconds(row.floor_s / row.batch_size), f"{row.floor_vs_reference:.2f}x",
         ]  # fmt: skip
@@ -249,7 +252,7 @@ def test_to_text_has_the_title_a_line_per_row_and_the_prices(found):
         f"(the largest without lightmem), largest with a plan {found.largest_batch}"
     )
     assert re.split(r"\s{2,}", lines[1].strip()) == [
-        "batch", "plan", "total", "step", "per sample", "vs reference", "floor / sample", "floor vs ref",
+        "batch", "plan", "total", "host", "step", "per sample", "vs reference", "floor / sample", "floor vs ref",
     ]  # fmt: skip
     assert set(lines[2]) <= {"-", " "}
     body = lines[3:-1]

@@ -61,8 +61,8 @@ def test_plan_turns_the_option_on_when_model_state_exceeds_the_budget(seed_case)
     # expandable segments), 1.28 GiB with the 400 MiB allowance.
     assert found.predicted_peak_bytes == 930_567_680 and found.predicted_total_bytes == 954_204_160 + (400 << 20)
     assert found.describe() == (
-        "Fits 1.68 GiB at 1.28 GiB: offload_optimizer (gradients and optimizer state on the host); predicted step "
-        "70.1 ms, 4.95x the 14.2 ms without lightmem (about 0 s re-computation and 66.1 ms exposed transfer; "
+        "Fits 1.68 GiB at 1.28 GiB: offload_optimizer (gradients and optimizer state on the host), holding 3.08 GiB "
+        "(model state 3.08 GiB) of host memory; predicted step 70.1 ms, 4.95x the 14.2 ms without lightmem (about 0 s re-computation and 66.1 ms exposed transfer; "
         f"{found.speeds.describe()}): the only configuration verified to fit."
     )
 

@@ -5,7 +5,7 @@ concerns."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightmem.config.checkpointing import CheckpointSettings
@@ -83,6 +83,8 @@ class PlanSettings:
     spelling: Spelling = LIGHTMEM
     device_budget_reading: str | None = None
     """A ``device_budget`` given in decimal units, as read (``decimal_reading``): said at fit start."""
+    tile: bool = True
+    """The plans may run position-wise modules in sequence shards (``LightMem(tile=False)``: never)."""
 
     @classmethod
     def parse(
@@ -131,6 +133,10 @@ class LightMemSettings:
         probe groups ``metrics`` accepts."""
         flag = LIGHTMEM.flag
         plan = PlanSettings.parse(plan=flags["plan"], device_budget=flags["device_budget"])
+        tile = flags["tile"]
+        if tile is False:  # nothing tiled, not even by a plan
+            plan = replace(plan, tile=False)
+            tile = None
         if plan.auto and (flags["checkpoint"] is not None or flags["offload_include"] is not None):
             raise ValueError(f"{flag('plan')}: 'auto' chooses checkpoint and offload_include itself; leave them unset")
         offload = OffloadSettings.parse(
@@ -173,5 +179,5 @@ class LightMemSettings:
             plan=plan,
             optimizer_offload=optimizer_offload,
             chunked_loss=parse_bool(flags["chunked_loss"], flag=flag("chunked_loss")),
-            tile=TileSettings.parse(flags["tile"], tile_tokens=flags["tile_tokens"], spelling=LIGHTMEM),
+            tile=TileSettings.parse(tile, tile_tokens=flags["tile_tokens"], spelling=LIGHTMEM),
         )  # fmt: skip

@@ -61,6 +61,7 @@ def build_report(
     batch_size: int | None = None,
     baseline: StepTrace | None = None,
     tile: TileSettings | None = None,
+    sequence: tuple[int, int, int] | None = None,
 ) -> tuple[MemoryEstimate, StepTrace]:
     """Run the baseline and every requested configuration; the report (without advice) and the
     baseline's trace. ``baseline``: the baseline, already traced under these settings (not run again)."""
@@ -81,7 +82,7 @@ def build_report(
         configurations.append(("offload" + tiled + suffix, offload, None, model_state, tile))
     if checkpoint and offload is not None:
         configurations.append(("checkpoint+offload" + tiled + suffix, offload, checkpoint, model_state, tile))
-    key = baseline_key(model, batch, settings, info, batch_size) if settings.speeds is not None else None
+    key = baseline_key(model, batch, settings, info, batch_size, sequence) if settings.speeds is not None else None
     if baseline is None and key is not None:
         baseline = STEPS.baseline(model, key, settings.speeds)  # type: ignore[arg-type]
     traces: dict[str, StepTrace] = {} if baseline is None else {"baseline": baseline}
@@ -99,12 +100,13 @@ def build_report(
             offload_optimizer=offload_model_state,
             priced=name == "baseline",
             tile=tiles,
+            sequence=sequence,
         )
     if key is not None and traces["baseline"] is not baseline:
         STEPS.remember_baseline(model, key, traces["baseline"])
         chunked = as_chunked_trace(traces["baseline"])
         if chunked is not None:  # the what-if's baseline, should the loss be priced as chunked
-            chunked_key = baseline_key(model, batch, settings.priced_as_chunked(), info, batch_size)
+            chunked_key = baseline_key(model, batch, settings.priced_as_chunked(), info, batch_size, sequence)
             STEPS.remember_baseline(model, chunked_key, chunked)
     scenarios = {name: scenario_from(name, traces[name]) for name, *_ in configurations}
     chosen = scenarios[configurations[-1][0]]
@@ -114,7 +116,7 @@ def build_report(
         trace = traces[name]
         costs = costs_for(settings, baseline, offload_config)
         scenario.step_seconds = configuration_time(
-            blocks, costs, trace.checkpointed, trace.offloaded_by_block, trace.optimizer_link_bytes
+            blocks, costs, trace.checkpointed, trace.offloaded_by_block, trace.optimizer_link_bytes, trace.tiled
         ).step_s
     estimate = MemoryEstimate(
         peak_bytes=chosen.peak_bytes,
@@ -131,6 +133,7 @@ def build_report(
         if settings.optimizer.factory is not None
         else "+".join(baseline.optimizers),
         batch_size=batch_size if batch_size is not None else info.batch_size,
+        sequence_length=sequence[2] if sequence is not None else None,
         parameter_count=parameter_count(model),
         blocks=blocks,
         scenarios=scenarios,
@@ -145,6 +148,7 @@ def build_report(
         compiled=holds_compiled_modules(model),
         op_seconds=dict(baseline.op_seconds),
         loss_logits=baseline.loss_logits,
+        modules=dict(baseline.modules),
         routing_bound=chosen.routing_bound,
     )
     return estimate, baseline

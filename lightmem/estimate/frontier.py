@@ -39,8 +39,9 @@ from lightmem.estimate.planning.space import allocated_need
 from lightmem.estimate.pricing.costs import CHECKPOINT, saves_bytes
 from lightmem.estimate.pricing.timeline import step_time
 from lightmem.estimate.search import largest_batches
-from lightmem.estimate.settings import AUTO_POLICY, parse_settings
-from lightmem.estimate.trace.batch import scalable_batch
+from lightmem.estimate.sequence import longest_sequences
+from lightmem.estimate.settings import AUTO_POLICY, EstimateSettings, parse_settings
+from lightmem.estimate.trace.batch import inspect_batch, scalable_batch, sequence_axis
 from lightmem.estimate.words import format_seconds
 from lightmem.tables import format_table
 
@@ -72,6 +73,10 @@ class FrontierRow:
     """The reference batch's measured step per sample (None: the reference was not measured)."""
     pace: float = 1.0
     """The reference step measured over predicted: the floor is taken at this pace beside measured steps."""
+    host_bytes: int = 0
+    """What the plan holds on the host (``Plan.host_total_bytes``: the offloaded activations' pool and model state)."""
+    limited_by: str = ""
+    """For a row that does not fit: "device" or "host" (``Plan.limited_by``)."""
 
     @property
     def per_sample_s(self) -> float:
@@ -117,7 +122,8 @@ class FrontierRow:
         }  # fmt: skip
         return {
             "batch_size": self.batch_size, "label": self.label, "fits": self.fits, "plan": self.plan,
-            "predicted_total_bytes": self.predicted_total_bytes, **(times if self.fits else dict.fromkeys(times)),
+            "predicted_total_bytes": self.predicted_total_bytes, "host_bytes": self.host_bytes,
+            "limited_by": self.limited_by, **(times if self.fits else dict.fromkeys(times)),
             **(measured if self.measured_step_s is not None else {}),
         }  # fmt: skip
 
@@ -152,6 +158,11 @@ class Frontier:
     limit: int | None = None
     """The largest batch size searched (``frontier(limit=...)``): a reference or largest batch equal to
     it is where the search stopped, not the largest that fits."""
+    axis: str = "batch"
+    """What the rows grow: "batch" (sizes are batch sizes) or "sequence" (sizes are sequence lengths
+    at the batch's own batch size; per sample is then per position)."""
+    limited_by: str = ""
+    """Past the largest size: what stopped the plans, "device" or "host" (``BatchSearch.limited_by``)."""
 
     def measured(self, steps: Mapping[int, float]) -> Frontier:
         """This frontier with the steps measured on a device (``measured_rows``)."""
@@ -168,6 +179,8 @@ class Frontier:
             "seconds": round(self.seconds, 3),
             "chunked_loss": self.chunked_loss.to_dict() if self.chunked_loss is not None else None,
             "limit": self.limit,
+            "axis": self.axis,
+            "limited_by": self.limited_by,
         }
 
     def to_text(self) -> str:
@@ -187,7 +200,10 @@ class Frontier:
         largest = f"{self.largest_batch}" + (
             " (the limit searched)" if not capped and self.limit is not None and self.largest_batch >= self.limit else ""
         )
-        title = f"Frontier on {format_bytes(self.budget_bytes)}: {reference}, largest with a plan {largest}"
+        if self.axis == "sequence":
+            reference = reference.replace("reference batch", "reference length").replace("a batch of 1", "a length of 1")
+        host = " (past it the host's memory, not the device's, sets the limit)" if self.limited_by == "host" else ""
+        title = f"Frontier on {format_bytes(self.budget_bytes)}: {reference}, largest with a plan {largest}{host}"
         if any(found.routing_bound_bytes for found in self.plans.values()):
             where = (ROUTED_TOTALS + " " + where).strip()
         text = self._table(title) + ("\n" + where if where else "") + "\n"
@@ -200,17 +216,20 @@ class Frontier:
 
     def _table(self, title: str | None = None) -> str:
         """The rows as ``to_text`` shows them, under ``title``."""
-        headers = ["batch", "", "plan", "total", "step", "per sample", "vs reference", "floor / sample", "floor vs ref"]
+        unit = ("length", "per position", "floor / position") if self.axis == "sequence" else ("batch", "per sample", "floor / sample")
+        headers = [unit[0], "", "plan", "total", "host", "step", unit[1], "vs reference", unit[2], "floor vs ref"]
         measured = any(row.measured_step_s is not None for row in self.rows)
         if measured:
             headers += ["measured step", "measured vs measured ref", "measured vs floor"]
         rows = []
         for row in self.rows:
-            text = row.plan if row.fits else f"does not fit; closest: {row.plan}"
+            why = " (the host's memory)" if row.limited_by == "host" else ""
+            text = row.plan if row.fits else f"does not fit{why}; closest: {row.plan}"
             first, *rest = textwrap.wrap(text, PLAN_WIDTH) or [""]
             cells = [
                 str(row.batch_size), row.label, first,
-                format_bytes(row.predicted_total_bytes), format_seconds(row.step_s) if row.fits else "-",
+                format_bytes(row.predicted_total_bytes), format_bytes(row.host_bytes) if row.host_bytes else "-",
+                format_seconds(row.step_s) if row.fits else "-",
                 format_seconds(row.per_sample_s) if row.fits else "-", f"{row.vs_reference:.2f}x" if row.fits else "-",
                 format_seconds(row.floor_per_sample_s) if row.fits else "-",
                 f"{row.floor_vs_reference:.2f}x" if row.fits else "-",
@@ -223,7 +242,7 @@ class Frontier:
                 ]
             rows.append(cells)
             rows.extend(["", "", line] + [""] * (len(headers) - 3) for line in rest)
-        return format_table(rows, headers, title=title, align="rlllrrrrr" + "rrr" * measured)
+        return format_table(rows, headers, title=title, align="rlllrrrrrr" + "rrr" * measured)
 
     def print(self) -> None:
         print(self.to_text(), end="")
@@ -341,6 +360,11 @@ def frontier(
     checkpoint_policy: CheckpointPolicyArg = AUTO_POLICY,
     offload_optimizer: bool | OptimizerOffloadSettings = False,
     limit: int = 1 << 16,
+    axis: str = "batch",
+    seq_dim: int | None = None,
+    multiple_of: int = 1,
+    tile: bool = True,
+    host_budget: int | float | str | None = None,
 ) -> Frontier:
     """For batch ``multiples`` of the largest batch without lightmem, and the largest batch any plan
     fits, the best plan's predicted time per sample against that reference and against the floor
@@ -348,6 +372,13 @@ def frontier(
     ``flops_per_s`` and ``link_bytes_per_s`` included: every row and its floor are priced at them);
     ``checkpoint_policy`` defaults to ``"auto"`` (the planner chooses). A multiple's batch and its
     label: :func:`labelled_batches` (with a reference of 3, 1.5x is batch 5).
+
+    ``axis="sequence"``: the rows are sequence lengths instead, multiples of the longest without
+    lightmem and the longest any plan fits (:func:`lightmem.max_sequence_length`, ``seq_dim`` and
+    ``multiple_of`` as there, ``limit`` in positions), at the batch's own batch size; per sample is
+    then per position. Each row shows the host memory its plan holds, and the title says when the
+    host's memory, not the device's, stops the plans past the largest (``host_budget``: as for
+    :func:`lightmem.plan`).
 
     Returns:
         A :class:`Frontier`: ``print()`` for the table, ``to_dict()`` for programs.
@@ -363,44 +394,62 @@ def frontier(
         "frontier", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
         gpu=gpu, offload_optimizer=offload_optimizer, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
-        auto_policy=True,
+        auto_policy=True, tile=tile, host_budget=host_budget,
     )  # fmt: skip
     parse_count(limit, flag="frontier(limit=...)")
+    if axis not in ("batch", "sequence"):
+        raise ValueError(f"frontier(axis=...): expected 'batch' or 'sequence'; got {axis!r}")
+    multiple = parse_count(multiple_of, flag="frontier(multiple_of=...)") or 1
     # The offload settings as parsed here, so that an error found later (a pattern that matches no
     # module) names frontier's argument.
     settings = settings.searching(parse_planned_offload(True if offload is None else offload, flag="frontier(offload=...)"))
-    info = scalable_batch(batch, flag="frontier(batch=...)")
+    info = scalable_batch(batch, flag="frontier(batch=...)") if axis == "batch" else inspect_batch(batch)
+    sequence = sequence_axis(batch, seq_dim, fn_name="frontier") if axis == "sequence" else None
     budget_bytes = settings.budget_bytes
     assert budget_bytes is not None
-    # The largest batches are searched under "full" where the plans choose their policy ("auto").
+    # The largest sizes are searched under "full" where the plans choose their policy ("auto").
     searched = settings.with_policy("full") if settings.checkpoint_policy == AUTO_POLICY else settings
-    search = largest_batches(model, batch, searched, info, plan=True, limit=limit)
+
+    def largest_of(searched: EstimateSettings) -> Any:
+        """The search along ``axis``: the largest size without lightmem and with the best plan."""
+        if sequence is None:
+            return largest_batches(model, batch, searched, info, plan=True, limit=limit)
+        return longest_sequences(model, batch, searched, info, sequence, multiple=multiple, limit=limit)
+
+    def plan_at(size: int, settings: EstimateSettings = settings) -> Plan:
+        """The best plan for a row of ``size`` along ``axis``."""
+        if sequence is None:
+            return plan_for(model, batch, settings, batch_size=size)
+        return plan_for(model, batch, settings, sequence=sequence.grown(size))
+
+    search = largest_of(searched)
     reference = max(search.baseline, 1)
     sizes = labelled_batches(reference, multiples)
     largest = search.planned or 0
     if largest and largest not in sizes:
         sizes[largest] = "largest"
-    result = Frontier(budget_bytes, search.baseline, largest, limit=limit)
+    result = Frontier(budget_bytes, search.baseline, largest, limit=limit, axis=axis, limited_by=search.limited_by)
     if not largest:  # not even a batch of 1 fits: no rows, what the plan there says instead
-        at_one = plan_for(model, batch, settings, batch_size=1)
+        at_one = plan_at(1)
         result.plans[1], result.speeds, result.reason = at_one, at_one.speeds, at_one.reason
         result.seconds = time.perf_counter() - started
         return result
-    reference_plan = plan_for(model, batch, settings, batch_size=reference)
+    reference_plan = plan_at(reference)
     reference_per_sample = reference_plan.step_seconds / reference
     result.speeds = reference_plan.speeds
     for size in sorted(sizes):
-        found = reference_plan if size == reference else plan_for(model, batch, settings, batch_size=size)
+        found = reference_plan if size == reference else plan_at(size)
         result.plans[size] = found
         result.rows.append(_row(found, size, sizes[size], reference_per_sample))
     chunked = {size: found.chunked_loss for size, found in result.plans.items() if found.chunked_loss is not None}
     if chunked:  # the rows a plan does not fit because of the logits, again with the loss priced as chunked
-        what_if = largest_batches(model, batch, searched.priced_as_chunked(), info, plan=True, limit=limit)
-        section = Frontier(budget_bytes, search.baseline, what_if.planned or 0, speeds=result.speeds)
+        # The sequence's search did it already where the logits stopped its plans.
+        what_if = getattr(search, "chunked_loss", None) or largest_of(searched.priced_as_chunked())
+        section = Frontier(
+            budget_bytes, search.baseline, what_if.planned or 0, speeds=result.speeds, axis=axis, limited_by=what_if.limited_by
+        )  # fmt: skip
         if section.largest_batch and section.largest_batch not in chunked:
-            chunked[section.largest_batch] = plan_for(
-                model, batch, settings.priced_as_chunked(), batch_size=section.largest_batch
-            )
+            chunked[section.largest_batch] = plan_at(section.largest_batch, settings.priced_as_chunked())
         for size in sorted(chunked):
             section.plans[size] = chunked[size]
             section.rows.append(_row(chunked[size], size, sizes.get(size, "largest"), reference_per_sample))
@@ -422,5 +471,5 @@ def _row(found: Plan, size: int, label: str, reference_per_sample: float) -> Fro
     return FrontierRow(
         size, label, found.fits, parts, total,
         found.step_seconds if found.fits else found.baseline_step_seconds, floor_seconds(found),
-        reference_per_sample,
+        reference_per_sample, host_bytes=found.host_total_bytes, limited_by="" if found.fits else found.limited_by,
     )  # fmt: skip

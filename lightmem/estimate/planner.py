@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import OffloadSettings, OptimizerOffloadSettings
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings, parse_count
 from lightmem.config.estimator import parse_planned_offload
 from lightmem.devices import DeviceSpeeds
 from lightmem.estimate.advice import advise
@@ -18,6 +18,7 @@ from lightmem.estimate.chunked_loss import dominant_logits
 from lightmem.estimate.planning.policy import planned
 from lightmem.estimate.planning.result import Plan
 from lightmem.estimate.settings import EstimateSettings, parse_settings
+from lightmem.estimate.trace.batch import sequence_axis
 
 
 def plan(
@@ -38,6 +39,10 @@ def plan(
     checkpoint_policy: CheckpointPolicyArg = "full",
     offload_optimizer: bool | OptimizerOffloadSettings = False,
     batch_size: int | None = None,
+    tile: bool = True,
+    host_budget: int | float | str | None = None,
+    sequence_length: int | None = None,
+    seq_dim: int | None = None,
 ) -> Plan:
     """The lightmem configuration with the least predicted step time whose verified peak fits ``budget``.
 
@@ -73,6 +78,20 @@ def plan(
             ``offload_optimizer_device_dtype`` too.
         batch_size: plan for ``batch`` with dim 0 of its batch tensors at this size (as
             ``max_batch_size`` scales it); None: the batch as given.
+        sequence_length: plan for ``batch`` with its sequence at this length (as
+            ``max_sequence_length`` grows it: every batch tensor whose size along the sequence's
+            dimension is the batch's length); None: as given.
+        seq_dim: the sequence's dimension in the batch's tensors; None: dimension 1 of its token
+            ids ``[B, T]`` or vectors ``[B, T, d]`` (``lightmem.estimate.trace.batch.sequence_axis``).
+        tile: whether the plan may run position-wise modules in sequence shards
+            (``LightMem(tile=...)``): the modules the baseline's trace shows never mix positions
+            (``MemoryEstimate.tile_candidates``; none in a compiled model); False: never.
+        host_budget: the host memory the plan may hold in all (the offloaded activations' pool and,
+            with model-state offload, the host copies of parameters, gradients and optimizer
+            state): bytes, a size ("1TiB"), or a fraction of this machine's available RAM. None:
+            this machine's available RAM when the plan is for this machine (``device="cpu"``, or a
+            CUDA device here), else no limit. A configuration that holds more is not taken; when
+            every one that fits the device does, the plan does not fit and ``limited_by`` is "host".
         Other arguments: as for :func:`estimate_memory`.
 
     On "cpu" only checkpointing is planned (offloading CPU memory to CPU memory saves nothing).
@@ -91,23 +110,27 @@ def plan(
         "plan", model, loss_fn, optimizer=optimizer, precision=precision, device=device, gpu=gpu,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
         offload_optimizer=offload_optimizer, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
-        auto_policy=True,
+        auto_policy=True, tile=tile, host_budget=host_budget,
     )  # fmt: skip
     settings = settings.searching(parse_planned_offload(True if offload is None else offload, flag="plan(offload=...)"))
-    return plan_for(model, batch, settings, batch_size=batch_size, started=started)
+    sequence = None
+    if sequence_length is not None:
+        parse_count(sequence_length, flag="plan(sequence_length=...)")
+        sequence = sequence_axis(batch, seq_dim, fn_name="plan").grown(sequence_length)
+    return plan_for(model, batch, settings, batch_size=batch_size, sequence=sequence, started=started)
 
 
 def plan_for(
     model: nn.Module, batch: Any, settings: EstimateSettings, *, batch_size: int | None = None,
-    started: float | None = None,
+    sequence: tuple[int, int, int] | None = None, started: float | None = None,
 ) -> Plan:  # fmt: skip
     """``plan`` with its arguments parsed (``settings``): the plan, its advice written into its
     estimate, and, where no configuration fits and the loss's logits dominate the step, the same
     plan with the loss priced as chunked (``Plan.chunked_loss``)."""
     started = time.perf_counter() if started is None else started
-    result, space = planned(model, batch, settings, batch_size=batch_size, started=started)
+    result, space = planned(model, batch, settings, batch_size=batch_size, sequence=sequence, started=started)
     space.base.advice = advise(space.base, space.info, space.baseline, result)
     if not result.fits and dominant_logits(result.estimate, priced_as_chunked=settings.loss_as_chunked) is not None:
-        result.chunked_loss = plan_for(model, batch, settings.priced_as_chunked(), batch_size=batch_size)
+        result.chunked_loss = plan_for(model, batch, settings.priced_as_chunked(), batch_size=batch_size, sequence=sequence)
     result.seconds = time.perf_counter() - started
     return result

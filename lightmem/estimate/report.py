@@ -13,6 +13,7 @@ from typing import Any
 
 from lightmem.config import format_bytes
 from lightmem.estimate.trace.blocks import BlockMemory
+from lightmem.estimate.trace.position_wise import tile_candidates
 from lightmem.estimate.trace.records import CATEGORIES, held_bytes, reserved_or_peak
 from lightmem.estimate.words import format_seconds
 from lightmem.tables import format_table
@@ -203,6 +204,17 @@ class MemoryEstimate:
     routing_bound: Any = field(default=None, repr=False, compare=False)
     """The configuration asked for under the worst-case routing (``StepMemory.routing_bound``); None:
     the step routes nothing."""
+    sequence_length: int | None = None
+    """The batch's sequence length the step ran at, when it was grown to one (``plan(sequence_length=...)``)."""
+    modules: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Each module the baseline called with one tensor (``lightmem.estimate.trace.position_wise.ModuleForward``):
+    its forward's price, what it saved, and whether it is position-wise (``why_not`` says why not)."""
+
+    @property
+    def tile_candidates(self) -> list[str]:
+        """The modules a plan may tile, read from the trace (``position_wise.tile_candidates``): the
+        outermost position-wise modules that keep more than their input, not the repeated blocks."""
+        return list(tile_candidates(self.modules, self.blocks))
 
     @property
     def reserved_bytes(self) -> int:

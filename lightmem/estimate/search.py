@@ -23,14 +23,15 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
-from lightmem.config import OffloadSettings, OptimizerOffloadSettings, format_bytes
+from lightmem.config import OffloadSettings, OptimizerOffloadSettings, Spelling, TileSettings, format_bytes
 from lightmem.config.estimator import parse_checkpoint, parse_offload
 from lightmem.devices import DeviceSpeeds
+from lightmem.estimate.chunked_loss import dominant_logits
 from lightmem.estimate.planning.result import Plan
 from lightmem.estimate.planning.space import PlanSpace, space_for
 from lightmem.estimate.settings import EstimateSettings, parse_settings
 from lightmem.estimate.steps import run_configuration
-from lightmem.estimate.trace.batch import BatchInfo, scalable_batch
+from lightmem.estimate.trace.batch import BatchInfo, SequenceAxis, inspect_batch, scalable_batch
 from lightmem.tables import format_table
 
 DEFAULT_LIMIT = 1 << 20
@@ -59,6 +60,24 @@ class BatchSearch:
     """With ``plan=True``: the best plan at ``planned`` (None when not even a batch of 1 fits)."""
     limit: int | None = None
     """The largest batch size searched: an answer equal to it is a floor, not the largest that fits."""
+    limited_by: str = ""
+    """With ``plan=True``: what stopped the plans past ``planned``: "device" (no configuration's peak
+    fits the budget there) or "host" (those whose peak fits hold more host memory than the host
+    limit, ``lightmem.estimate.host``); empty when the search stopped at ``limit``."""
+    stopped_by_logits: bool = False
+    """With ``plan=True``: past ``planned``, the loss's logits dominate the step and a chunked loss
+    could take the loss's place (``lightmem.estimate.chunked_loss.dominant_logits``)."""
+
+    def in_sizes(self, multiple: int) -> BatchSearch:
+        """This search, whose sizes are in units of ``multiple``, in sizes."""
+        if multiple == 1:
+            return self
+        self.baseline *= multiple
+        self.configured, self.planned, self.limit = (
+            None if size is None else size * multiple for size in (self.configured, self.planned, self.limit)
+        )
+        self.evaluations = {name: [(size * multiple, total) for size, total in items] for name, items in self.evaluations.items()}
+        return self
 
     def at_limit(self, answer: int | None) -> bool:
         """Whether ``answer`` is where the search stopped rather than the largest batch that fits."""
@@ -106,6 +125,7 @@ class BatchSearch:
             "evaluations": {name: [list(item) for item in items] for name, items in self.evaluations.items()},
             "seconds": round(self.seconds, 3),
             "limit": self.limit,
+            "limited_by": self.limited_by,
         }
 
 
@@ -213,6 +233,8 @@ def max_batch_size(
     plan: bool = False,
     flops_per_s: float | None = None,
     link_bytes_per_s: int | str | None = None,
+    tile: bool | Iterable[str | type] | str = True,
+    host_budget: int | float | str | None = None,
 ) -> BatchSearch:
     """The largest batch size whose step fits ``budget``, without lightmem and with a configuration.
 
@@ -223,14 +245,16 @@ def max_batch_size(
     Args:
         budget: device memory for the step including the overhead allowance ("24GiB", bytes).
         offload, checkpoint, offload_optimizer: the lightmem configuration for ``configured``
-            (none of them: baseline only).
+            (none of them: baseline only); ``tile`` as a list of modules (``estimate_memory(tile=...)``)
+            is part of it too.
         limit: the largest batch size considered.
         checkpoint_policy: what the ``checkpoint`` blocks keep, as for :func:`estimate_memory`
             (and the blocks a plan checkpoints, with ``plan=True``).
         plan: also search the largest batch that fits with the best plan (``planned``, and the
             plan at that size in ``plan``): the largest size at which one of the planner's
             extreme configurations fits (every repeated layer checkpointed, with and without
-            offload, and offload alone), then :func:`lightmem.plan` at that size picks the
+            offload, offload alone, and, where the trace finds position-wise modules, everything
+            tiled), then :func:`lightmem.plan` at that size picks the
             fastest configuration that fits there. Each size is asked of the planner's space at
             that size (its extremes, with their offload windows), from the first size that does
             not fit without lightmem: the answer does not depend on ``batch``'s own size.
@@ -239,43 +263,79 @@ def max_batch_size(
             With ``offload_optimizer`` the extremes and the plan run with model-state offload too.
         gpu: the GPU estimated for, as for :func:`lightmem.plan` (its cuBLAS workspaces; with
             ``plan=True`` also its speeds).
-        flops_per_s, link_bytes_per_s: the planner's prices, as for :func:`lightmem.plan`
-            (read with ``plan=True`` only).
+        flops_per_s, link_bytes_per_s, tile, host_budget: as for :func:`lightmem.plan` (read with
+            ``plan=True`` only; ``tile`` False: the plans never tile, anything else: they may):
+            at a size where every configuration that fits the device holds more host memory than
+            the host limit, the plans do not fit (``limited_by``: "host").
         Other arguments: as for :func:`estimate_memory`.
 
     Raises:
         ValueError: a bad argument, or a batch without tensors to scale.
     """
     started = time.perf_counter()
-    settings, info, offload_config, targets = search_arguments(
+    found = search_arguments(
         model, batch, budget, loss_fn, optimizer=optimizer, precision=precision, device=device, gpu=gpu, offload=offload,
         checkpoint=checkpoint, overhead_bytes=overhead_bytes, zero_grad=zero_grad, limit=limit,
         checkpoint_policy=checkpoint_policy, offload_optimizer=offload_optimizer, flops_per_s=flops_per_s,
-        link_bytes_per_s=link_bytes_per_s,
+        link_bytes_per_s=link_bytes_per_s, tile=tile, host_budget=host_budget,
     )  # fmt: skip
     return largest_batches(
-        model, batch, settings, info, offload=offload_config, checkpoint=targets, limit=limit, plan=plan, started=started
-    )
+        model, batch, found.settings, found.info, offload=found.offload, checkpoint=found.checkpoint, tile=found.tile,
+        limit=limit, plan=plan, started=started,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Axis:
+    """The dimension a search grows: the batch's (``sequence`` None) or its sequence's, in units of
+    ``multiple`` positions; ``start`` is the batch's own size in those units."""
+
+    fn_name: str
+    start: int
+    multiple: int = 1
+    sequence: SequenceAxis | None = None
+
+    def at(self, size: int) -> dict[str, Any]:
+        """``run_configuration``'s and ``space_for``'s arguments at ``size``."""
+        if self.sequence is None:
+            return {"batch_size": size}
+        return {"sequence": self.sequence.grown(size * self.multiple)}
+
+
+@dataclass(frozen=True)
+class SearchArguments:
+    """A search's arguments, parsed once (``search_arguments``)."""
+
+    settings: EstimateSettings
+    info: BatchInfo
+    offload: OffloadSettings | None
+    """The offload configuration searched without a plan (None: none)."""
+    checkpoint: tuple[Any, ...] | None
+    tile: TileSettings | None
+    """The modules ``tile=[...]`` names, searched without a plan (None: none)."""
 
 
 def search_arguments(
     model: nn.Module, batch: Any, budget: int | str, loss_fn: Callable[[nn.Module, Any], Any] | None, *, limit: int,
     offload: bool | Mapping[str, Any] | OffloadSettings | None, checkpoint: Iterable[str | type] | str | None,
-    **flags: Any,
-) -> tuple[EstimateSettings, BatchInfo, OffloadSettings | None, tuple[Any, ...] | None]:  # fmt: skip
-    """``max_batch_size``'s arguments parsed, each named as ``max_batch_size(argument=...)`` in an
-    error: the settings (a plan searches under ``offload`` less its ``include``, or lightmem's
-    defaults), the batch, the offload and checkpoint configuration searched without a plan.
-    ``flags``: the arguments ``parse_settings`` takes."""
-    settings = parse_settings("max_batch_size", model, loss_fn, budget=budget, **flags)
+    tile: bool | Iterable[str | type] | str = True, fn_name: str = "max_batch_size", **flags: Any,
+) -> SearchArguments:  # fmt: skip
+    """A search's arguments parsed, each named as ``fn_name(argument=...)`` in an error: the settings
+    (a plan searches under ``offload`` less its ``include``, or lightmem's defaults; it may tile
+    unless ``tile`` is False), the batch (with a batch dimension to scale, for ``max_batch_size``),
+    the offload, checkpoint and tiling configuration searched without a plan (``tile`` as a list of
+    modules, tiled as ``estimate_memory(tile=...)`` tiles them). ``flags``: the arguments
+    ``parse_settings`` takes."""
+    settings = parse_settings(fn_name, model, loss_fn, budget=budget, tile=tile is not False, **flags)
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise ValueError(f"max_batch_size(limit=...): expected a positive int; got {limit!r}")
-    offload_config = parse_offload(offload, flag="max_batch_size(offload=...)")
-    targets = parse_checkpoint(checkpoint, flag="max_batch_size(checkpoint=...)")
-    info = scalable_batch(batch, flag="max_batch_size(batch=...)")
+        raise ValueError(f"{fn_name}(limit=...): expected a positive int; got {limit!r}")
+    offload_config = parse_offload(offload, flag=f"{fn_name}(offload=...)")
+    targets = parse_checkpoint(checkpoint, flag=f"{fn_name}(checkpoint=...)")
+    tiles = None if isinstance(tile, bool) else TileSettings.parse(tile, spelling=Spelling(fn_name, (("modules", "tile"),)))
+    info = scalable_batch(batch, flag=f"{fn_name}(batch=...)") if fn_name == "max_batch_size" else inspect_batch(batch)
     if offload_config is not None:  # the plan searches under it, choosing the modules itself
         settings = settings.searching(offload_config.with_choice(min_bytes=offload_config.min_bytes, include=None))
-    return settings, info, offload_config, targets
+    return SearchArguments(settings, info, offload_config, targets, tiles)
 
 
 def largest_batches(
@@ -286,29 +346,36 @@ def largest_batches(
     *,
     offload: OffloadSettings | None = None,
     checkpoint: tuple[Any, ...] | None = None,
+    tile: TileSettings | None = None,
     limit: int = DEFAULT_LIMIT,
     plan: bool = False,
     started: float | None = None,
-) -> BatchSearch:
+    axis: Axis | None = None,
+    kind: type[BatchSearch] = BatchSearch,
+) -> Any:
     """``max_batch_size`` with its arguments parsed (``settings``; ``info``: the batch, with a batch
-    dimension to scale): the largest batch without lightmem, with ``offload`` and ``checkpoint`` (or
-    the settings' model-state offload) when given, and with ``plan`` the largest a plan of the
-    planner's space fits and that plan."""
+    dimension to scale): the largest batch without lightmem, with ``offload``, ``checkpoint`` and
+    ``tile`` (or the settings' model-state offload) when given, and with ``plan`` the largest a plan
+    of the planner's space fits and that plan. ``axis``: the dimension grown (None: the batch's;
+    ``max_sequence_length`` grows the sequence, its sizes in units of ``axis.multiple``), the answer
+    a ``kind``."""
     started = time.perf_counter() if started is None else started
+    axis = axis if axis is not None else Axis("max_batch_size", info.batch_size or 1)
     budget_bytes = settings.budget_bytes
     assert budget_bytes is not None
 
     def totals(
-        offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None, model_state: bool = False
-    ) -> Callable[[int], int]:
-        """Peak + overhead of one configuration by batch size, each size estimated once."""
+        offload_config: OffloadSettings | None, targets: tuple[Any, ...] | None, model_state: bool = False,
+        tiles: TileSettings | None = None,
+    ) -> Callable[[int], int]:  # fmt: skip
+        """Peak + overhead of one configuration by size, each size estimated once."""
         seen: dict[int, int] = {}
 
         def total(size: int) -> int:
             if size not in seen:
                 trace = run_configuration(
-                    model, batch, settings, offload=offload_config, checkpoint=targets, batch_size=size, info=info,
-                    offload_optimizer=model_state,
+                    model, batch, settings, offload=offload_config, checkpoint=targets, info=info,
+                    offload_optimizer=model_state, tile=tiles, **axis.at(size),
                 )  # fmt: skip
                 seen[size] = trace.bound_bytes + settings.overhead_bytes
             return seen[size]
@@ -317,23 +384,25 @@ def largest_batches(
         return total
 
     baseline_total = totals(None, None)
-    baseline, baseline_evals = largest_fitting(baseline_total, budget_bytes, info.batch_size or 1, limit)
-    result = BatchSearch(baseline, None, budget_bytes, settings.overhead_bytes, {"baseline": baseline_evals}, limit=limit)
-    if offload is not None or checkpoint or settings.offload_optimizer:
+    baseline, baseline_evals = largest_fitting(baseline_total, budget_bytes, axis.start, limit)
+    result = kind(baseline, None, budget_bytes, settings.overhead_bytes, {"baseline": baseline_evals}, limit=limit)
+    if offload is not None or checkpoint or settings.offload_optimizer or tile is not None:
         result.configured, result.evaluations["configured"] = largest_fitting(
-            totals(offload, checkpoint, settings.offload_optimizer), budget_bytes, info.batch_size or 1, limit
+            totals(offload, checkpoint, settings.offload_optimizer, tile), budget_bytes, axis.start, limit
         )
     if plan:
-        result.planned, result.plan = _largest_planned(model, batch, settings, result, baseline_total, limit)
+        _largest_planned(model, batch, settings, result, baseline_total, limit, axis)
     result.seconds = time.perf_counter() - started
-    return result
+    return result.in_sizes(axis.multiple)
 
 
 def _largest_planned(
     model: nn.Module, batch: Any, settings: EstimateSettings, result: BatchSearch, baseline_total: Callable[[int], int],
-    limit: int,
-) -> tuple[int | None, Plan | None]:  # fmt: skip
-    """The largest batch a configuration of the planner's space fits, and the best plan there.
+    limit: int, axis: Axis,
+) -> None:  # fmt: skip
+    """The largest size a configuration of the planner's space fits, and the best plan there
+    (``result.planned``, ``result.plan``), with what stopped the plans past it (``limited_by``,
+    ``stopped_by_logits``).
 
     Whether a plan fits a size is asked of the planner's space at that size: its extremes, with
     their offload windows, are that size's (at a small batch no saved tensor may reach offload's
@@ -341,33 +410,53 @@ def _largest_planned(
     whatever batch the search starts from."""
     budget_bytes = result.budget_bytes
     spaces: dict[int, PlanSpace] = {}
+    model_state = settings.offload_optimizer
+    host_stopped: set[int] = set()  # sizes whose configurations that fit the device hold too much host memory
 
     def space_at(size: int) -> PlanSpace:
         if size not in spaces:
-            spaces[size] = space_for(model, batch, settings, batch_size=size)
+            spaces[size] = space_for(model, batch, settings, **axis.at(size))
+            # Along the sequence the activations fill the device: model state may leave it too.
+            spaces[size].model_state_when_needed = axis.sequence is not None
         return spaces[size]
 
     def planned_total(size: int) -> int:
         """The least of the step without lightmem and the extremes of the space at ``size``:
         what the allocator must reserve, plus the overhead allowance. Where none of them fits,
         the plan at ``size`` decides: a configuration between the extremes can fit where they
-        do not (offloading every saved tensor holds more in flight than offloading most)."""
+        do not (offloading every saved tensor holds more in flight than offloading most). An
+        extreme holding more host memory than the space's host limit does not fit."""
         space = space_at(size)
         least = baseline_total(size)
-        for description, total in space.extreme_totals():
-            result.evaluations.setdefault(f"plan: {description}", []).append((size, total))
+        for candidate in space.extremes():
+            verified = space.verify(candidate, model_state)
+            total = verified.held_bytes + settings.overhead_bytes
+            result.evaluations.setdefault(f"plan: {space.describe(candidate)}", []).append((size, total))
+            if not space.host.admits(verified.host):
+                if total <= budget_bytes:
+                    host_stopped.add(size)
+                continue
             least = min(least, total)
         if least > budget_bytes:
             found = space.plan(budget_bytes)
             if found.fits:
                 least = found.predicted_total_bytes
+            elif found.limited_by == "host":
+                host_stopped.add(size)
+        if least <= budget_bytes:
+            host_stopped.discard(size)
         return least
 
     # From the first size that does not fit without lightmem: where the plans start to matter.
     seed = max(1, min(result.baseline + 1, limit))
     # Without lightmem is one of the plans: the answer is never below it (a step's memory that
     # jumps, as a new segment does, bends the line the search starts from).
-    planned = largest_fitting(planned_total, budget_bytes, seed, limit, fits_at=result.baseline)[0]
+    planned, seen = largest_fitting(planned_total, budget_bytes, seed, limit, fits_at=result.baseline)
+    past = [size for size, total in seen if size > planned and total > budget_bytes]
+    if not past and planned < limit and planned_total(planned + 1) > budget_bytes:
+        past = [planned + 1]  # a line confirmed the answer: the next size says what stopped it
+    if past:  # what stopped the search: the host's limit, or the device's budget
+        result.limited_by = "host" if min(past) in host_stopped else "device"
     for name, evaluations in result.evaluations.items():
         if name.startswith("plan: "):
             evaluations.sort()
@@ -382,4 +471,6 @@ def _largest_planned(
         if chosen.fits:
             break
         planned -= 1
-    return planned, chosen
+    result.planned, result.plan = planned, chosen
+    if past and result.limited_by == "device":
+        result.stopped_by_logits = dominant_logits(space_at(min(past)).base, priced_as_chunked=settings.loss_as_chunked) is not None

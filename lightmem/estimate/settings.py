@@ -34,6 +34,7 @@ from lightmem.config.estimator import (
 from lightmem.config.optimizer_offload import parse_optimizer_offload
 from lightmem.device_memory import expandable_segments_on
 from lightmem.devices import DeviceSpeeds, gpu_key, parse_gpu, resolve_gpu, speeds_for
+from lightmem.estimate.host import HostLimit, host_limit
 from lightmem.lightning_packages import is_lightning_module
 
 LossFn = Callable[[nn.Module, Any], Any]
@@ -72,6 +73,11 @@ class EstimateSettings:
     loss_as_chunked: bool = False
     """Every step priced as if its loss were chunked (``lightmem.linear_cross_entropy``): the
     what-if a refusal and a frontier ask where the loss's logits dominate (``trace.logits``)."""
+    tile: bool = True
+    """A plan may run position-wise modules in sequence shards (read from the baseline's trace:
+    ``MemoryEstimate.tile_candidates``); False: never (``plan(tile=False)``, ``LightMem(tile=False)``)."""
+    host: HostLimit = HostLimit(None)
+    """The host memory a plan's configuration may hold (``lightmem.estimate.host``)."""
 
     @property
     def offload_optimizer(self) -> bool:
@@ -113,6 +119,8 @@ def parse_settings(
     flops_per_s: float | None = None,
     link_bytes_per_s: int | str | None = None,
     auto_policy: bool = False,
+    tile: bool = True,
+    host_budget: int | float | str | None = None,
 ) -> EstimateSettings:
     """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``.
 
@@ -120,7 +128,9 @@ def parse_settings(
     (``devices.measure_device_speeds``); ``flops_per_s`` and ``link_bytes_per_s`` override its
     matrix rates and its host link. ``auto_policy``: ``checkpoint_policy="auto"`` is accepted (a
     plan's). The offload a plan searches under is lightmem's defaults: an entry point that takes
-    an ``offload`` argument parses it in its own order and sets it (``EstimateSettings.searching``)."""
+    an ``offload`` argument parses it in its own order and sets it (``EstimateSettings.searching``).
+    ``tile``: whether plans may tile (a bool); ``host_budget``: the host memory a plan may hold
+    (``lightmem.estimate.host.host_limit``)."""
     if not isinstance(model, nn.Module):
         raise ValueError(
             f"{fn_name}(model=...): expected an nn.Module or LightningModule; got {type(model).__name__}"
@@ -147,6 +157,8 @@ def parse_settings(
         key = resolve_gpu(parse_gpu(gpu, flag=f"{fn_name}(gpu=...)"))
         speeds = speeds_for(kind, key)
     speeds = speeds.with_overrides(flops_per_s=prices.flops_per_s, link_bytes_per_s=prices.link_bytes_per_s)
+    if not isinstance(tile, bool):
+        raise ValueError(f"{fn_name}(tile=...): expected True (the plan may tile position-wise modules) or False; got {tile!r}")
     auto = auto_policy and isinstance(checkpoint_policy, str) and checkpoint_policy == AUTO_POLICY
     return EstimateSettings(
         device=kind,
@@ -164,4 +176,6 @@ def parse_settings(
         speeds=speeds,
         expandable_segments=expandable_segments_on(),
         offload=parse_planned_offload(True, flag=f"{fn_name}(offload=...)"),
+        tile=tile,
+        host=host_limit(host_budget, kind, flag=f"{fn_name}(host_budget=...)"),
     )

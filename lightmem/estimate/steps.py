@@ -41,11 +41,13 @@ def run_configuration(
     offload_optimizer: bool | None = None,
     priced: bool = False,
     tile: TileSettings | None = None,
+    sequence: tuple[int, int, int] | None = None,
 ) -> StepTrace:
     """One fake step of ``model`` with one lightmem configuration (the building block of the API).
     ``offload_optimizer`` defaults to the settings' choice; ``priced``: every op priced at the
     settings' speeds (the baseline's, which every configuration's time is built from); ``tile``:
-    position-wise modules run in sequence shards. With ``settings.loss_as_chunked`` the step is priced
+    position-wise modules run in sequence shards; ``sequence``: the batch's sequence at another
+    length (``StepRequest.sequence``). With ``settings.loss_as_chunked`` the step is priced
     as if its loss were chunked; a priced step where the loss's logits dominate comes with what it
     gives priced so (``StepTrace.as_chunked``: the baseline of the what-if)."""
     info = info or inspect_batch(batch)
@@ -69,6 +71,7 @@ def run_configuration(
         tile=tile,
         batch_size=batch_size,
         original_batch_size=info.batch_size,
+        sequence=sequence,
         zero_grad=settings.zero_grad,
         gpu=settings.gpu,
         optimizer_offload=model_state if offload_optimizer else None,
@@ -112,22 +115,27 @@ def _batch_signature(batch: Any) -> tuple[Any, ...]:
 
 
 
-def step_key(model: nn.Module, batch: Any, settings: EstimateSettings, batch_size: int | None) -> tuple[Any, ...]:
+def step_key(
+    model: nn.Module, batch: Any, settings: EstimateSettings, batch_size: int | None,
+    sequence: tuple[int, int, int] | None = None,
+) -> tuple[Any, ...]:  # fmt: skip
     """What decides a fake step's memory but the lightmem configuration and the prices: the model, the
-    batch (at ``batch_size``) and every setting a step reads (a step priced as chunked is another step)."""
+    batch (at ``batch_size`` and ``sequence``) and every setting a step reads (a step priced as chunked
+    is another step)."""
     return (
-        _model_signature(model), _batch_signature(batch), batch_size, settings.device, settings.precision.name,
+        _model_signature(model), _batch_signature(batch), batch_size, sequence, settings.device, settings.precision.name,
         settings.optimizer.name, settings.optimizer.factory, settings.loss_fn, settings.zero_grad, settings.gpu,
         settings.expandable_segments, repr(settings.optimizer_offload), settings.loss_as_chunked,
     )  # fmt: skip
 
 
 def baseline_key(
-    model: nn.Module, batch: Any, settings: EstimateSettings, info: BatchInfo, batch_size: int | None
-) -> tuple[Any, ...]:
+    model: nn.Module, batch: Any, settings: EstimateSettings, info: BatchInfo, batch_size: int | None,
+    sequence: tuple[int, int, int] | None = None,
+) -> tuple[Any, ...]:  # fmt: skip
     """What decides a baseline step but its prices: ``step_key``, the batch size it is scaled from and
     the checkpoint policy (its per-op counts)."""
-    return (*step_key(model, batch, settings, batch_size), info.batch_size, settings.checkpoint_policy)
+    return (*step_key(model, batch, settings, batch_size, sequence), info.batch_size, settings.checkpoint_policy)
 
 
 @dataclass

@@ -58,6 +58,7 @@ def configuration_parts(
     policy: CheckpointPolicyArg = "full",
     model_state: str | None = None,
     in_full: bool = False,
+    tile: Iterable[str] = (),
 ) -> list[str]:
     """A lightmem configuration in words, one phrase per technique: "checkpoint blocks.0-3
     (Bottleneck)", "offload every saved tensor of at least 1.00 MiB", "offload blocks.0-3
@@ -66,10 +67,14 @@ def configuration_parts(
     largest ones only; ``everywhere``: every saved tensor anywhere. ``in_full``, as a chosen plan
     says itself (``Plan.parts``): a checkpoint policy other than "full", the offload threshold after
     the blocks, "saved tensors"; and first, with ``model_state`` (what lies on the device besides:
-    "" or ", bf16 parameters on the device"), model-state offload."""
+    "" or ", bf16 parameters on the device"), model-state offload. ``tile``: the modules run in
+    sequence shards ("tile model.layers.0-15.mlp (LlamaMLP)", after model-state offload)."""
     parts = []
     if model_state is not None:
         parts.append(f"offload_optimizer (gradients and optimizer state on the host{model_state})")
+    tiled = sorted(tile, key=natural_order)
+    if tiled:
+        parts.append(f"tile {compact_modules(tiled, kinds)}")
     checkpoint = sorted(checkpoint, key=natural_order)
     if checkpoint:
         said = f" (policy {policy_name(policy)})" if in_full and policy != "full" else ""
@@ -217,3 +222,35 @@ def compact_names(names: list[str], kinds: Mapping[str, str] | None = None) -> s
     return ", ".join(parts)
 
 
+
+
+def compact_modules(names: list[str], kinds: Mapping[str, str] | None = None) -> str:
+    """Modules inside repeated layers, by their first index: 'model.layers.0.mlp' ... 'model.layers.15.mlp',
+    'model.norm' -> 'model.layers.0-15.mlp (LlamaMLP), model.norm (LlamaRMSNorm)' (with ``kinds``,
+    the class name per module)."""
+    kinds = kinds or {}
+    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    order: list[tuple[str, str]] = []
+    for name in names:
+        match = re.fullmatch(r"(.*?\.)(\d+)((?:\..*)?)", name)
+        key = (match.group(1), match.group(3)) if match else (name, "")
+        if key not in groups and key not in order:
+            order.append(key)
+        if match:
+            groups[key].append(int(match.group(2)))
+    parts = []
+    for prefix, suffix in order:
+        numbers = sorted(groups.get((prefix, suffix), []))
+        if not numbers:
+            parts.append(f"{prefix} ({kinds[prefix]})" if kinds.get(prefix) else prefix)
+            continue
+        runs, start = [], numbers[0]
+        for previous, number in zip(numbers, [*numbers[1:], None]):
+            if number is None or number != previous + 1:  # a run ends at previous
+                runs.append((start, previous))
+                start = number
+        members = [f"{prefix}{n}{suffix}" for n in numbers]
+        classes = {kinds[member] for member in members if kinds.get(member)}
+        text = ", ".join(f"{prefix}{a}{suffix}" if a == b else f"{prefix}{a}-{b}{suffix}" for a, b in runs)
+        parts.append(f"{text} ({classes.pop()})" if len(classes) == 1 else text)
+    return ", ".join(parts)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import get_device_states, set_device_states
@@ -31,6 +32,30 @@ from lightmem.config import TileSettings
 
 SEQUENCE_DIM = -2
 """Where the positions are, in the input and the output of a tiled module: ``[..., T, d]``."""
+_RERUNS = [0]
+"""Tiled backwards running their shards again now (``rerunning``)."""
+_SAMPLED = [0]
+"""Dry runs asking for a tiled call's first and last shards only (``sampled_shards``)."""
+
+
+@contextlib.contextmanager
+def sampled_shards() -> Iterator[None]:
+    """Within it, a tiled call on fake tensors runs its first and last shards only, forward and
+    backward: the shards between allocate and free what the first does (its output and its input's
+    gradient are made whole at once), so the step's memory is the same, and a dry run at 500K
+    positions traces 2 shards per call, not 128. The estimator's unpriced steps use it; a priced
+    step runs every shard (each one's ops are priced)."""
+    _SAMPLED[0] += 1
+    try:
+        yield
+    finally:
+        _SAMPLED[0] -= 1
+
+
+def rerunning() -> bool:
+    """Whether a tiled module's backward is running its shards again: the estimator prices what runs
+    then as backward, not as a checkpointed block's re-run (both call module forwards in backward)."""
+    return _RERUNS[0] > 0
 
 
 def shard_lengths(length: int, width: int, settings: TileSettings) -> list[int]:
@@ -99,6 +124,9 @@ class TiledCall:
         self.module = module
         self.function = function
         self.lengths = lengths
+        starts = [sum(lengths[:index]) for index in range(len(lengths))]
+        self.shards = list(zip(starts, lengths))
+        """(start, length) of each shard run: every one, or in a sampled dry run the first and last."""
         self.forward_buffers, self.other_buffers = buffers.contexts()
         self.describe = describe
         self.rng_states: list[tuple[torch.Tensor, list[int], list[torch.Tensor]]] = []
@@ -130,14 +158,15 @@ class TiledCall:
             # a leaf exactly when the module's input was.
             self.input_is_leaf = x.requires_grad and x.is_leaf and not x._is_view()
         output: torch.Tensor | None = None
-        start = 0
+        if _SAMPLED[0] and is_fake(x) and len(self.shards) > 2:
+            self.shards = [self.shards[0], self.shards[-1]]
         x = x.detach()  # a view made without grad would still say it requires grad (hooks would ask its grad_fn)
         with self.forward_buffers:
-            for index, length in enumerate(self.lengths):
+            for index, (start, length) in enumerate(self.shards):
                 if keep_rng:
                     self.rng_states.append(rng_state(x))
                 with contextlib.nullcontext() if index == 0 else self.other_buffers:
-                    piece = self.function(x.narrow(SEQUENCE_DIM, start, length))
+                    piece = self.function(_shard(x, start, length))
                 self._check_output(piece, length)
                 if len(self.lengths) == 1:
                     return piece
@@ -146,7 +175,6 @@ class TiledCall:
                     output = piece.new_empty(shape)
                 output.narrow(SEQUENCE_DIM, start, length).copy_(piece)
                 del piece  # before the next shard's intermediates
-                start += length
         assert output is not None
         return output
 
@@ -172,15 +200,15 @@ class TiledCall:
         asked = [alias for alias, want in zip(aliases, wanted) if want]
         gradients = _ShardGradients(x, len(self.lengths) == 1, len(asked))
         devices = self.rng_states[0][1] if self.rng_states else []
-        start = 0
         with (
+            _rerun(),
             torch.random.fork_rng(devices=devices, device_type=x.device.type),
             _reparametrize_module(self.module, named),
             _autocast(self.autocast),
         ):  # fmt: skip
-            for index, length in enumerate(self.lengths):
+            for index, (start, length) in enumerate(self.shards):
                 set_rng_state(self.rng_states[index], x.device.type)
-                leaf = x.narrow(SEQUENCE_DIM, start, length).detach().requires_grad_(x_wanted)
+                leaf = _shard(x, start, length).detach().requires_grad_(x_wanted)
                 with torch.enable_grad(), self.other_buffers:
                     piece = self.function(leaf if self.input_is_leaf else leaf.view_as(leaf))
                 inputs = ([leaf] if x_wanted else []) + asked
@@ -195,9 +223,24 @@ class TiledCall:
                     gradients.write_input(start, length, grads[0])
                 gradients.add_parameters(grads[1:] if x_wanted else grads)
                 del grads
-                start += length
         by_param = iter(gradients.sums)
         return gradients.input, [next(by_param) if want else None for want in wanted]
+
+
+def _shard(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Positions ``start`` to ``start + length`` of ``x``, contiguous: a module may ``view`` its input
+    (Hugging Face's GPT-2 ``Conv1D``), and a shard of a batch of several sequences is not contiguous."""
+    return x.narrow(SEQUENCE_DIM, start, length).contiguous()
+
+
+@contextlib.contextmanager
+def _rerun() -> Iterator[None]:
+    """A tiled backward runs its shards again (``rerunning``)."""
+    _RERUNS[0] += 1
+    try:
+        yield
+    finally:
+        _RERUNS[0] -= 1
 
 
 class _ShardGradients:

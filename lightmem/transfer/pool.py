@@ -119,8 +119,16 @@ CHUNK_FIRST_BYTES = 256 * 2**20
 CHUNK_MAX_BYTES = 2 * 2**30
 """Chunk sizes double from ``CHUNK_FIRST_BYTES`` up to this (or the largest request, if larger)."""
 
+
+
+def bound_bytes(peak_bytes: int) -> int:
+    """The pool's bound for a window whose largest bytes in use at once are ``peak_bytes``:
+    ``HEADROOM`` times them, aligned (the chunks' cap adds the window's largest block)."""
+    return int(peak_bytes * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES
+
+
 __all__ = [
-    "ALIGN_BYTES", "CHUNK_FIRST_BYTES", "CHUNK_MAX_BYTES", "HEADROOM", "TRIM_WINDOW_STEPS",
+    "ALIGN_BYTES", "CHUNK_FIRST_BYTES", "CHUNK_MAX_BYTES", "HEADROOM", "TRIM_WINDOW_STEPS", "bound_bytes",
     "WAIT_FOR_CHUNKS", "WARM_START", "HostAllocationError", "HostBlock", "HostPool", "HostSlab",
     "RegistrationStats", "chunk_sizes", "registration_stats", "size_class",
 ]  # fmt: skip
@@ -310,7 +318,7 @@ class HostPool:
             if block is not None:
                 return block
         step_peak = max(self._step_peak_requested, requested)
-        limit = max(self._limit_bytes, int(step_peak * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES)
+        limit = max(self._limit_bytes, bound_bytes(step_peak))
         # With the warm start chunks go back only at a step boundary (``_warm_for_next_step``).
         pageable_only = self._registrar is not None and WARM_START
         if self._held_bytes + size > limit:
@@ -365,7 +373,7 @@ class HostPool:
                 self._device = device
             if self._registrar.done:
                 self._adopt()
-            wanted = min(int(nbytes * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES, self.budget_bytes)
+            wanted = min(bound_bytes(nbytes), self.budget_bytes)
             self._prepared_bytes = wanted
             self._prepared_boundaries = TRIM_WINDOW_STEPS
             self._limit_bytes = max(self._limit_bytes, wanted)
@@ -519,7 +527,7 @@ class HostPool:
             self._step_peak_requested = self._requested_bytes
             self._step_peak_bytes = self._step_overflow_peak = self._in_use_bytes
             self._step_pageable_peak, self._step_pageable_largest = self._pageable_bytes, 0
-            limit = int(max(self._window) * HEADROOM) // ALIGN_BYTES * ALIGN_BYTES
+            limit = bound_bytes(max(self._window))
             if self._prepared_boundaries:
                 self._prepared_boundaries -= 1
                 limit = max(limit, self._prepared_bytes)

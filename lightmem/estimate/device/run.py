@@ -33,6 +33,7 @@ from lightmem.estimate.trace.dry_run_device import DRY_RUN_DEVICE, OnDryRunDevic
 from lightmem.estimate.trace.errors import EstimateError
 from lightmem.estimate.trace.logits import loss_logits, price_as_chunked
 from lightmem.estimate.trace.optimizers import optimizers_of_the_fit
+from lightmem.estimate.trace.position_wise import PositionWatch
 from lightmem.estimate.trace.records import BUFFER, INPUT, PARAMETER, PeakInfo, RoutingBound
 from lightmem.estimate.trace.stand_in import stand_in
 from lightmem.estimate.trace.step import ChunkedStep, StepRequest, StepTrace, steady_step
@@ -41,6 +42,7 @@ from lightmem.estimate.trace.user_code import DryRunTrainer, attach, lightning_p
 from lightmem.estimate.trace.values import BALANCED, WORST, StandIns
 from lightmem.lightning_packages import is_lightning_module
 from lightmem.tiling.apply import tile_modules
+from lightmem.tiling.function import sampled_shards
 
 
 def run_step(model: nn.Module, batch: Any, request: StepRequest) -> StepTrace:
@@ -243,6 +245,8 @@ def _run(
                     optimizer.state = collections.defaultdict(dict)
                 use_optimizers(trainer, optimizers)
         failure.module_names = {id(module): name for name, module in step_model.named_modules()}
+        if request.priced:  # the priced baseline: which modules a plan may tile
+            tracer.watch = PositionWatch(failure.module_names, tracer)
         step_blocks = Blocks({name: twin.twin(module) for name, module in blocks.modules.items()}, set(blocks.repeated))
         checkpointed: list[str] = []
         if request.checkpoint:
@@ -254,6 +258,7 @@ def _run(
             made = fake_batch(
                 batch, device=DRY_RUN_DEVICE, batch_size=request.batch_size,
                 original_batch_size=request.original_batch_size, float_dtype=precision.param_dtype,
+                sequence=request.sequence,
             )  # fmt: skip
             for tensor in batch_tensors(made):
                 tracer.track(tensor, INPUT)
@@ -269,12 +274,16 @@ def _run(
         inputs = make_batch()
         # A real tensor from another device enters as a real CPU tensor does: not counted.
         on_dry_run_device = OnDryRunDevice(fake_mode, entered=lambda fake: tracer.excluded.add(tracer.track(fake)))
-        with tracer, torch.enable_grad(), on_dry_run_device:
+        # An unpriced step traces a tiled call's first and last shards only: the same memory (``sampled_shards``).
+        shards = sampled_shards() if not request.priced else contextlib.nullcontext()
+        with tracer, torch.enable_grad(), on_dry_run_device, shards:
             trace = steady_step(
                 step_model, inputs, request, step_blocks, trainer, tracer, params, buffers, protected,
                 failure.module_failed, make_batch, device_modes=[CudaBehaviour()] if request.device == "cuda" else [],
             )  # fmt: skip
     trace.checkpointed, trace.tiled = checkpointed, tiled
+    if tracer.watch is not None:
+        trace.modules, tracer.watch = tracer.watch.modules, None
     trace.stand_ins, trace.routed = tracer.stand_ins.summary(), tracer.stand_ins.routed
     named = {name: fakes[id(tensor)] for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))}
     trace.loss_logits = loss_logits(  # the step's statements named the stand-in's modules

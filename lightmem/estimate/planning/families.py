@@ -1,6 +1,7 @@
 """The planner's space as walks: the configurations (``Candidate``), the per-block actions that
-build them cheapest per byte first (``greedy_steps``), and the four nested sequences the search
-walks (``build_families``), each priced by ``pricing``."""
+build them cheapest per byte first (``greedy_steps``), and the nested sequences the search walks
+(``build_families``: four, and with position-wise modules to tile the tile walk), each priced by
+``pricing``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightmem.config import OffloadSettings
+from lightmem.config import LIGHTMEM, OffloadSettings, TileSettings
 from lightmem.estimate.pricing.costs import (
     BOTH,
     CHECKPOINT,
@@ -20,7 +21,7 @@ from lightmem.estimate.pricing.costs import (
     block_cost_s,
     saves_bytes,
 )
-from lightmem.estimate.pricing.timeline import StepTime, step_time
+from lightmem.estimate.pricing.timeline import StepTime, step_time, tile_s
 from lightmem.estimate.trace.blocks import ROOT_BLOCK, BlockMemory
 from lightmem.estimate.words import configuration_parts, natural_order
 
@@ -30,6 +31,8 @@ _RANK = {KEEP: 0, PARTIAL: 1, OFFLOAD: 2, CHECKPOINT: 3, BOTH: 4}  # a block onl
 KINDS = ("checkpoint", "offload", "checkpoint + offload")
 """The three kinds of configuration the space holds, each searched for every model layout; a
 refusal names the closest of each kind."""
+TILED_KINDS = ("tile", *(f"tile + {kind}" for kind in KINDS))
+"""With position-wise modules to tile, the kinds with tiling."""
 
 
 def planned_blocks(blocks: Mapping[str, BlockMemory]) -> dict[str, BlockMemory]:
@@ -125,19 +128,22 @@ class Candidate:
     everywhere: bool = False
     partial: frozenset[tuple[str, int]] = frozenset()
     """Blocks whose largest saved tensors only are offloaded: (name, threshold in bytes)."""
+    tile: frozenset[str] = frozenset()
+    """Position-wise modules run in sequence shards (``LightMem(tile=...)``)."""
 
     @classmethod
     def from_actions(
-        cls, actions: Mapping[str, str], everywhere: bool = False, thresholds: Mapping[str, int] | None = None
-    ) -> Candidate:
+        cls, actions: Mapping[str, str], everywhere: bool = False, thresholds: Mapping[str, int] | None = None,
+        tile: frozenset[str] = frozenset(),
+    ) -> Candidate:  # fmt: skip
         checkpoint = frozenset(name for name, action in actions.items() if action in (CHECKPOINT, BOTH))
         offload = frozenset(name for name, action in actions.items() if action in (OFFLOAD, BOTH))
         partial = frozenset(
             (name, (thresholds or {})[name]) for name, action in actions.items() if action == PARTIAL
         )
         if everywhere:
-            return cls(checkpoint, frozenset(), True)
-        return cls(checkpoint, offload, False, partial)
+            return cls(checkpoint, frozenset(), True, tile=tile)
+        return cls(checkpoint, offload, False, partial, tile)
 
     @property
     def offloads(self) -> bool:
@@ -145,10 +151,11 @@ class Candidate:
 
     @property
     def kind(self) -> str:
-        """What the candidate does: one of ``KINDS``."""
-        if self.checkpoint:
-            return KINDS[2] if self.offloads else KINDS[0]
-        return KINDS[1]
+        """What the candidate does: one of ``KINDS`` or ``TILED_KINDS``."""
+        kind = (KINDS[2] if self.offloads else KINDS[0]) if self.checkpoint else KINDS[1] if self.offloads else ""
+        if self.tile:
+            return f"tile + {kind}" if kind else "tile"
+        return kind or KINDS[1]
 
     def actions(self, blocks: Mapping[str, BlockMemory]) -> dict[str, str]:
         """Per-block actions, for pricing: with ``everywhere``, every block offloads."""
@@ -167,11 +174,19 @@ class Candidate:
     def checkpoint_names(self) -> list[str]:
         return sorted(self.checkpoint, key=natural_order)
 
+    def tile_names(self) -> list[str]:
+        return sorted(self.tile, key=natural_order)
+
+    def tile_settings(self) -> TileSettings | None:
+        """The tiling it runs with, as ``LightMem(tile=...)`` applies it (None: none)."""
+        return TileSettings(modules=tuple(self.tile_names()), spelling=LIGHTMEM) if self.tile else None
+
     def describe(self, kinds: Mapping[str, str], min_bytes: int) -> str:
         """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
         return " + ".join(
             configuration_parts(
-                self.checkpoint, kinds, min_bytes, everywhere=self.everywhere, offloaded=self.offload, partial=self.partial
+                self.checkpoint, kinds, min_bytes, everywhere=self.everywhere, offloaded=self.offload, partial=self.partial,
+                tile=self.tile,
             )
         )
 
@@ -210,15 +225,83 @@ class Family:
 
 def _family(name: str, candidates: list[Candidate], blocks: Mapping[str, BlockMemory], costs: Costs) -> Family:
     times, saved = [], []
+    after_tiling: dict[frozenset[str], dict[str, BlockMemory]] = {}
     for candidate in candidates:
         actions = candidate.actions(blocks)
-        times.append(step_time(blocks, actions, costs))
-        saved.append(sum(saves_bytes(blocks[n], a, costs) for n, a in actions.items()))
+        times.append(step_time(blocks, actions, costs, tiled=candidate.tile))
+        if candidate.tile not in after_tiling:
+            after_tiling[candidate.tile] = tiled_blocks(blocks, costs, candidate.tile)
+        left = after_tiling[candidate.tile]
+        tiling = sum(costs.modules[module].saved_bytes for module in candidate.tile)
+        saved.append(tiling + sum(saves_bytes(left[n], a, costs) for n, a in actions.items()))
     return Family(name, candidates, times, saved)
 
 
-def build_families(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Family]:
-    """The planner's four walks through the space (one on CPU: checkpoint only)."""
+def tiled_blocks(blocks: Mapping[str, BlockMemory], costs: Costs, tiled: frozenset[str]) -> dict[str, BlockMemory]:
+    """``blocks`` as their steps save with the ``tiled`` modules run in shards: what each tiled module
+    saved besides its input taken out of its block (a prediction, to order the walks)."""
+    if not tiled:
+        return dict(blocks)
+    removed: dict[str, list[int]] = {}
+    for name in tiled:
+        module = costs.modules[name]
+        removed.setdefault(module.block or ROOT_BLOCK, []).extend(module.saved_sizes)
+    found = {}
+    for name, block in blocks.items():
+        sizes = list(block.saved_sizes)
+        for size in removed.get(name, ()):
+            if size in sizes:
+                sizes.remove(size)
+        found[name] = dataclasses.replace(block, saved_bytes=sum(sizes), saved_sizes=sizes)
+    return found
+
+
+def tile_order(blocks: Mapping[str, BlockMemory], costs: Costs, candidates: list[str]) -> list[str]:
+    """The modules a plan may tile, cheapest per byte first: what tiling adds to the step (its
+    second forward and its launches, ``tile_s``) over what it saves."""
+
+    def per_byte(name: str) -> tuple[float, list[object]]:
+        module = costs.modules[name]
+        seconds = sum(tile_s(module, blocks, costs))
+        return seconds / max(module.saved_bytes, 1), natural_order(name)
+
+    return sorted(candidates, key=per_byte)
+
+
+def build_families(blocks: Mapping[str, BlockMemory], costs: Costs, tile: list[str] | tuple[str, ...] = ()) -> list[Family]:
+    """The planner's walks through the space: four (one on CPU: checkpoint only), and with ``tile``
+    (the modules it may tile) the tile walk (``lightmem.estimate.planning.space``'s docstring)."""
+    families = _walks(blocks, costs)
+    if tile:
+        families.append(_tile_walk(blocks, costs, list(tile)))
+    return families
+
+
+def _tile_walk(blocks: Mapping[str, BlockMemory], costs: Costs, modules: list[str]) -> Family:
+    """Modules tiled one by one (``tile_order``), then, every one tiled, the per-block actions on the
+    blocks as they save with them tiled (checkpoint alone where offload is not considered)."""
+    order = tile_order(blocks, costs, modules)
+    candidates = [Candidate(tile=frozenset(order[: index + 1])) for index in range(len(order))]
+    everything = frozenset(order)
+    left = tiled_blocks(blocks, costs, everything)
+    thresholds = {name: threshold for name, (threshold, _) in costs.partial.items()}
+    actions: dict[str, str] = {}
+    for name, action in greedy_steps(left, costs):
+        actions[name] = action
+        candidates.append(Candidate.from_actions(actions, thresholds=thresholds, tile=everything))
+    # The predictions stop where offloading a tiled layer seems to save all it keeps, but its reloads
+    # and its backward are then on the device together: the walk goes on to every layer checkpointed
+    # (and its input offloaded), one layer at a time, the extreme long context needs.
+    last = BOTH if costs.allow_offload else CHECKPOINT
+    for name in sorted(planned_blocks(left), key=natural_order):
+        if _RANK[actions.get(name, KEEP)] < _RANK[last]:
+            actions[name] = last
+            candidates.append(Candidate.from_actions(actions, thresholds=thresholds, tile=everything))
+    return _family("tile", candidates, blocks, costs)
+
+
+def _walks(blocks: Mapping[str, BlockMemory], costs: Costs) -> list[Family]:
+    """The four walks without tiling (one on CPU: checkpoint only)."""
     families = []
     checkpoint_only = dataclasses.replace(costs, allow_offload=False)
     actions: dict[str, str] = {}

@@ -18,13 +18,14 @@ from lightmem.estimate.words import policy_name
 
 
 def planned(
-    model: nn.Module, batch: Any, settings: EstimateSettings, *, batch_size: int | None = None, started: float
-) -> tuple[Plan, PlanSpace]:
+    model: nn.Module, batch: Any, settings: EstimateSettings, *, batch_size: int | None = None,
+    sequence: tuple[int, int, int] | None = None, started: float,
+) -> tuple[Plan, PlanSpace]:  # fmt: skip
     """The plan for ``settings.budget_bytes`` (``AUTO_POLICY``: under either policy) and the space it
     was found in; its ``seconds`` count from ``started``."""
     if isinstance(settings.checkpoint_policy, str) and settings.checkpoint_policy == AUTO_POLICY:
-        return plan_either_policy(model, batch, settings, batch_size=batch_size, started=started)
-    space = space_for(model, batch, settings, batch_size=batch_size)
+        return plan_either_policy(model, batch, settings, batch_size=batch_size, sequence=sequence, started=started)
+    space = space_for(model, batch, settings, batch_size=batch_size, sequence=sequence)
     return plan_in(space, started), space
 
 
@@ -37,8 +38,9 @@ def plan_in(space: PlanSpace, started: float, other: Plan | None = None) -> Plan
 
 
 def plan_either_policy(
-    model: nn.Module, batch: Any, settings: EstimateSettings, *, batch_size: int | None, started: float
-) -> tuple[Plan, PlanSpace]:
+    model: nn.Module, batch: Any, settings: EstimateSettings, *, batch_size: int | None,
+    sequence: tuple[int, int, int] | None = None, started: float,
+) -> tuple[Plan, PlanSpace]:  # fmt: skip
     """The faster of the plans under the "full" and "save_matmuls" policies (one that fits before
     one that does not). The second is searched only when the first checkpoints or does not fit:
     otherwise no block is re-run and the policy changes nothing; and then only along the walks that
@@ -47,10 +49,11 @@ def plan_either_policy(
     One baseline step serves both: traced under "save_matmuls" (whose per-op decisions it counts),
     it is the "full" baseline without them (``as_traced_in_full``). Returns the plan and the space it
     was found in."""
-    matmuls_space = space_for(model, batch, settings.with_policy("save_matmuls"), batch_size=batch_size)
+    matmuls_space = space_for(model, batch, settings.with_policy("save_matmuls"), batch_size=batch_size, sequence=sequence)
     full_space = space_for(
-        model, batch, settings.with_policy("full"), batch_size=batch_size, baseline=as_traced_in_full(matmuls_space.baseline)
-    )
+        model, batch, settings.with_policy("full"), batch_size=batch_size, sequence=sequence,
+        baseline=as_traced_in_full(matmuls_space.baseline),
+    )  # fmt: skip
     full = plan_in(full_space, started)
     if full.fits and not full.checkpoint:
         full.seconds = time.perf_counter() - started

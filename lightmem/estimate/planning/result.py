@@ -112,12 +112,27 @@ class Plan:
     chunked_loss: Plan | None = None
     """When nothing fits and the loss's logits dominate the step: the plan for the same batch with
     the loss priced as chunked (``lightmem.linear_cross_entropy``), fitting or not."""
+    tile: list[str] = field(default_factory=list)
+    """The position-wise modules the plan runs in sequence shards (``LightMem(tile=...)``)."""
+    host: Any = None
+    """What the plan's step holds on the host (``lightmem.estimate.host.HostBytes``: the offloaded
+    activations' pool and model state); None: not searched."""
+    limited_by: str = ""
+    """When it does not fit: "device" (no configuration's peak fits the budget) or "host" (those
+    whose peak fits hold more host memory than the host limit)."""
+    tile_kinds: dict[str, str] = field(default_factory=dict, repr=False)
+    """Class name per tiled module, for the description."""
 
     @property
     def predicted_total_bytes(self) -> int:
         """What must fit the budget: the reserved peak (for a mixture of experts, under the worst-case
         routing: ``routing_bound_bytes``) and the overhead allowance."""
         return max(self.predicted_reserved_bytes, self.predicted_peak_bytes, self.routing_bound_bytes) + self.overhead_bytes
+
+    @property
+    def host_total_bytes(self) -> int:
+        """What the plan holds on the host in all: the offloaded activations' pool and model state."""
+        return self.host.total if self.host is not None else 0
 
     @property
     def slowdown(self) -> float:
@@ -154,6 +169,8 @@ class Plan:
             kwargs["checkpoint"] = list(self.checkpoint)
             if self.checkpoint_policy != "full":
                 kwargs["checkpoint_policy"] = self.checkpoint_policy
+        if self.tile:
+            kwargs["tile"] = list(self.tile)
         if self.offload_optimizer:
             kwargs["offload_optimizer"] = True
             if self.offload_optimizer_device_dtype is not None:
@@ -189,6 +206,11 @@ class Plan:
             "alternatives": [option.to_dict() for option in self.alternatives],
             "evaluations": self.evaluations,
             "host_bytes": self.host_bytes,
+            "host_total_bytes": self.host_total_bytes,
+            "host_pool_bytes": self.host.pool if self.host is not None else 0,
+            "host_model_state_bytes": self.host.model_state if self.host is not None else 0,
+            "limited_by": self.limited_by,
+            "tile": list(self.tile),
             "chunked_loss": self.chunked_loss.to_dict() if self.chunked_loss is not None else None,
             "lightmem_kwargs": {
                 name: policy_name(value) if name == "checkpoint_policy" else value
@@ -204,12 +226,12 @@ class Plan:
         offload = self.offload
         own = dict(zip(offload.include or (), offload.include_min_bytes or ())) if offload is not None else {}
         return configuration_parts(
-            self.checkpoint, self.estimate_kinds, offload.min_bytes if offload is not None else 0,
+            self.checkpoint, {**self.estimate_kinds, **self.tile_kinds}, offload.min_bytes if offload is not None else 0,
             everywhere=offload is not None and offload.include is None,
             offloaded=[name for name in (offload.include or ()) if not own.get(name)] if offload is not None else (),
             partial=own.items(), policy=self.checkpoint_policy,
             model_state=(f", {dtype} parameters on the device" if dtype is not None else "") if self.offload_optimizer else None,
-            in_full=True,
+            in_full=True, tile=self.tile,
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -224,7 +246,7 @@ class Plan:
                     else f"does not fit either: {chunked.reason}"
                 )  # fmt: skip
             return text
-        if not self.checkpoint and self.offload is None and not self.offload_optimizer:
+        if not self.checkpoint and self.offload is None and not self.offload_optimizer and not self.tile:
             return f"Fits {format_bytes(self.budget_bytes)} without lightmem ({self.reason})."
         prices = self.speeds.describe() if self.speeds is not None else (
             f"host link {format_rate(self.link_bytes_per_s, 'B/s')}, {format_rate(self.flops_per_s, 'FLOP/s')}"
@@ -246,7 +268,7 @@ class Plan:
         lines = [
             f"Fits {format_bytes(self.budget_bytes)} at {at}: "
             + "; ".join(self.parts())
-            + (f", holding {format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
+            + (f", holding {self.host.describe()} of host memory" if self.host_total_bytes else "")
             + f"; predicted step {format_seconds(self.step_seconds)}, {self.slowdown:.2f}x the "
             f"{format_seconds(self.baseline_step_seconds)} without lightmem (about {format_seconds(self.recompute_s)} "
             f"re-computation and {format_seconds(self.exposed_transfer_s)} exposed transfer; {prices}): {why}."

@@ -12,7 +12,12 @@ step to its extreme:
   cheapest per byte first, ending with every saved tensor of at least ``min_bytes`` anywhere;
 - ``per block``: per-block actions (offload any block, checkpoint or checkpoint + offload a
   repeated layer), cheapest per byte first, ending with every layer both and every block offloaded;
-- ``offload everywhere``: every saved tensor offloaded, then repeated layers checkpointed too.
+- ``offload everywhere``: every saved tensor offloaded, then repeated layers checkpointed too;
+- ``tile``: position-wise modules (read from the trace: ``lightmem.estimate.trace.position_wise``)
+  run in sequence shards one by one, cheapest per byte first, then, with every one tiled, the
+  per-block actions on top (within a checkpointed block, tiling its MLP keeps the MLP's
+  intermediates out of the re-run too), ending with everything tiled, every layer checkpointed and
+  offloaded.
 
 Predictions (the bytes each action saves) only order a family and say where to start looking.
 Whether a configuration fits is decided by the estimator's verified fake step, never by the
@@ -32,7 +37,13 @@ Model-state offload (``offload_optimizer``: gradients and optimizer state on the
 once, before the walks: on when asked for, or when parameters + gradients + optimizer state leave
 no room but the parameters alone do. Then every verified step runs with it, the baseline that
 decides "already fits" is its step, and its link time (``model_state_transfer_s``) is added to
-every configuration's exposed transfer.
+every configuration's exposed transfer. Along the sequence (``model_state_when_needed``) it is
+tried again where nothing fits without it.
+
+Every verified configuration's host memory (``lightmem.estimate.host``: the offload pool's bound
+and model state) is held to the settings' host limit: one that fits the device but not the host is
+not taken, and where every one that fits the device holds too much, the plan says the host, not
+the device, is the limit (``Plan.limited_by``).
 
 ``plan`` and the estimate's reach-the-budget advice search this one space: both build it from the
 same report and settings (``PlanSpace``), so the two never disagree.
@@ -49,8 +60,12 @@ from torch import nn
 
 from lightmem.config import OffloadSettings
 from lightmem.config.estimator import parse_planned_offload
+from lightmem.compiled import holds_compiled_modules
 from lightmem.estimate.assemble import build_report
-from lightmem.estimate.planning.families import KINDS, Candidate, Family, build_families, preference
+from lightmem.estimate.host import HostBytes, host_bytes
+from lightmem.estimate.planning.families import (
+    KINDS, TILED_KINDS, Candidate, Family, build_families, planned_blocks, preference,
+)  # fmt: skip
 from lightmem.estimate.planning.result import Plan, PlanOption
 from lightmem.estimate.pricing.costs import Costs, costs_for, partial_thresholds, sized_windows
 from lightmem.estimate.pricing.timeline import StepTime, compute_s, configuration_time
@@ -104,6 +119,8 @@ class Verified:
     routing_bound: RoutingBound | None = field(default=None, compare=False, repr=False)
     """For a mixture-of-experts step: the step under the worst-case routing (``StepTrace.routing_bound``),
     which must fit too; None: the step routes nothing."""
+    host: HostBytes = field(default_factory=HostBytes, compare=False)
+    """What the step holds on the host (``lightmem.estimate.host``)."""
 
     @property
     def reserved_bytes(self) -> int:
@@ -157,14 +174,21 @@ class PlanSpace:
         baseline: StepTrace,
         *,
         batch_size: int | None = None,
+        sequence: tuple[int, int, int] | None = None,
     ) -> None:
         self.model, self.batch, self.settings, self.info = model, batch, settings, info
         self.base, self.batch_size, self.baseline = base, batch_size, baseline
+        self.sequence = sequence
+        """The batch's sequence at the length planned for (``StepRequest.sequence``); None: as given."""
+        self.host = settings.host
+        """The host memory a configuration may hold (``lightmem.estimate.host``)."""
+        self.model_state_when_needed = False
+        """Search again with model-state offload where nothing fits without it (``plan``)."""
         costs = costs_for(settings, baseline, settings.offload)
         offload = settings.offload
         if offload is not None and costs.allow_offload:
             # The windows the plan hands the engine are what its link moves while a block computes.
-            offload = sized_windows(offload, base.blocks, costs)
+            offload = sized_windows(offload, base.blocks, costs, window_cap(base, settings))
             costs = dataclasses.replace(
                 costs, inflight_bytes=offload.max_inflight_bytes, prefetch_bytes=offload.prefetch_bytes
             )
@@ -173,12 +197,15 @@ class PlanSpace:
         self.searched_offload = offload
         """The offload settings the search runs under, windows sized (None: offload not planned)."""
         self.offload = offload if offload is not None else settings.offload
-        self.families = build_families(base.blocks, costs)
+        self.tile_candidates = base.tile_candidates if settings.tile and not holds_compiled_modules(model) else []
+        """The modules this space may tile (none for a compiled model: a tiled module runs eagerly
+        between compiled graphs)."""
+        self.families = build_families(base.blocks, costs, self.tile_candidates)
         self.verified: dict[tuple[Candidate, bool], Verified] = {}
         """Verified steps by candidate and whether model state was offloaded."""
         self.traced = 0
         """Fake steps this space ran (verified steps remembered in ``STEPS`` are not run again)."""
-        self._step_key = step_key(model, batch, settings, batch_size)
+        self._step_key = step_key(model, batch, settings, batch_size, sequence)
 
     def _key(self, candidate: Candidate, model_state: bool) -> tuple[Any, ...]:
         """What decides the candidate's fake step: the space's step key, the candidate, its offload
@@ -201,11 +228,16 @@ class PlanSpace:
                 self.model, self.batch, self.settings, info=self.info, batch_size=self.batch_size,
                 checkpoint=tuple(candidate.checkpoint_names()) or None,
                 offload=candidate.offload_settings(self.offload) if self.offload is not None else None,
-                offload_optimizer=model_state,
+                offload_optimizer=model_state, tile=candidate.tile_settings(), sequence=self.sequence,
+            )  # fmt: skip
+            offload = candidate.offload_settings(self.offload) if self.offload is not None else None
+            held = host_bytes(
+                trace.host_bytes, trace.host_largest_bytes, trace.optimizer_host_bytes,
+                offload.host_budget_bytes if offload is not None else None,
             )  # fmt: skip
             found = Verified(
                 trace.peak.bytes, trace.host_bytes, trace.optimizer_link_bytes,
-                tuple(trace.offloaded_by_block.items()), dominant_part(trace), trace.reserve, trace.routing_bound,
+                tuple(trace.offloaded_by_block.items()), dominant_part(trace), trace.reserve, trace.routing_bound, held,
             )  # fmt: skip
             STEPS.remember_verified(self.model, key, found)
         self.verified[(candidate, model_state)] = found
@@ -218,7 +250,7 @@ class PlanSpace:
         if named is not None:  # run with the report, at the space's batch size
             return Verified(
                 named.peak_bytes, named.host_bytes, named.model_state_link_bytes,
-                reserve=named.reserve, routing_bound=named.routing_bound,
+                reserve=named.reserve, routing_bound=named.routing_bound, host=HostBytes(model_state=named.host_bytes),
             )
         return self.verify(Candidate(), model_state=True)
 
@@ -226,9 +258,30 @@ class PlanSpace:
         """What must fit the budget for a verified step (``Verified.held_bytes``)."""
         return verified.held_bytes
 
+    def admits(self, verified: Verified, available: int) -> bool:
+        """Whether a verified step runs with ``available`` bytes reservable (``Verified.runs_within``)
+        and what it holds on the host within the space's host limit."""
+        return verified.runs_within(available) and self.host.admits(verified.host)
+
+    def held_by_host(self, available: int, model_state: bool) -> tuple[Candidate, Verified] | None:
+        """When every verified configuration that runs within ``available`` holds more than the host
+        limit: the one that holds least (None: the device, not the host, refused them)."""
+        fitting = [
+            (candidate, verified) for (candidate, state), verified in self.verified.items()
+            if state == model_state and verified.runs_within(available)
+        ]  # fmt: skip
+        if not fitting or any(self.host.admits(verified.host) for _, verified in fitting):
+            return None
+        return min(fitting, key=lambda found: found[1].host.total)
+
+    @property
+    def kinds(self) -> dict[str, str]:
+        """The class name of each block and each module the space may tile, for words."""
+        return {**self.base.block_kinds, **{name: self.costs.modules[name].kind for name in self.tile_candidates}}
+
     def describe(self, candidate: Candidate) -> str:
         """The candidate in words: "checkpoint layer1.0-2 (Bottleneck) + offload every saved tensor ..."."""
-        return candidate.describe(self.base.block_kinds, self.costs.min_bytes)
+        return candidate.describe(self.kinds, self.costs.min_bytes)
 
     def extremes(self) -> list[Candidate]:
         """The configurations that save the most in each family, and offload alone: what
@@ -259,7 +312,7 @@ class PlanSpace:
         So where neither the first guess nor the extreme fits, that walk is settled by its start:
         a refusal verifies each walk's ends, not the steps between them.
         """
-        fits = lambda index: self.verify(family.candidates[index], model_state).runs_within(available)  # noqa: E731
+        fits = lambda index: self.admits(self.verify(family.candidates[index], model_state), available)  # noqa: E731
         last = len(family.candidates) - 1
         guess = family.guess(need)
         step = 1
@@ -297,7 +350,32 @@ class PlanSpace:
         what this policy changes is searched (walks that re-run something), only along walks
         predicted to reach the need, and, when ``other`` fits, only where they could be faster.
         (A per-op policy keeps more than "full" in every checkpointed block, so where "full"'s
-        walks do not fit, its own are not expected to.)"""
+        walks do not fit, its own are not expected to.)
+
+        With ``model_state_when_needed`` (``max_sequence_length``'s spaces), on CUDA, where no
+        configuration fits with gradients and optimizer state on the device, the walks are searched
+        again with them on the host (model-state offload): at long context the activations, not the
+        model state, fill the device, and the model state's bytes are room."""
+        found = self._plan(budget_bytes, other)
+        retry = self.model_state_when_needed and self.settings.device == "cuda" and not found.offload_optimizer
+        if found.fits or not retry or found.limited_by != "device":
+            return found
+        # Model state on the host frees at most the gradients and optimizer state: where the closest
+        # configuration is further over the budget, it cannot fit either.
+        trace = self.baseline
+        freed = trace.gradient_bytes + trace.optimizer_state_bytes
+        closest = min((option.predicted_total_bytes for option in found.alternatives), default=None)
+        if closest is not None and closest - budget_bytes > freed:
+            return found
+        moved = self._plan(budget_bytes, other, model_state=True)
+        if not moved.fits:
+            return found
+        moved.evaluations += found.evaluations
+        return moved
+
+    def _plan(self, budget_bytes: int, other: Plan | None, *, model_state: bool = False) -> Plan:
+        """``plan``'s search, with model-state offload when ``model_state`` (or asked for, or needed by
+        the model state alone)."""
         settings, base, costs = self.settings, self.base, self.costs
         baseline = base.scenarios["baseline"]
         baseline_s = compute_s(base.blocks, costs)
@@ -310,7 +388,7 @@ class PlanSpace:
         )  # fmt: skip
         result.estimate_kinds = base.block_kinds
         before = self.traced
-        model_state = settings.offload_optimizer
+        model_state = model_state or settings.offload_optimizer
         if base.budget_below_overhead:
             result.reason = base.overhead_shortfall()
             return result
@@ -323,6 +401,10 @@ class PlanSpace:
         if base.static_exceeds_budget or model_state:
             model_state = True
             start = self._with_model_state(result)
+            if not self.host.admits(start.host):
+                result.reason = f"gradients and optimizer state go to the host, and {self.host.refusal(start.host)}"
+                result.limited_by = "host"
+                return result
         # What must fit is what the allocator reserves for a verified (allocated) peak.
         available = budget_bytes - settings.overhead_bytes
         bound = start.routing_bound
@@ -338,6 +420,14 @@ class PlanSpace:
         if search.best is None:  # a configuration verified for another budget may fit this one
             search.best = self._fastest_verified_fit(available, model_state)
         result.evaluations = self.traced - before
+        held = self.held_by_host(available, model_state) if search.best is None else None
+        if held is not None:
+            result.reason = (
+                f"every configuration verified to fit the device holds more host memory than the host allows: the "
+                f"least, {self.describe(held[0])}, {self.host.refusal(held[1].host)}"
+            )
+            result.limited_by, result.host = "host", held[1].host
+            return result
         refused = self._closest_refused(available, model_state)
         if search.best is None:
             self._refuse(result, refused, budget_bytes, model_state)
@@ -356,6 +446,7 @@ class PlanSpace:
         result.predicted_reserved_bytes = found.reserved_bytes
         result.routing_bound_bytes = found.routing_bound.reserved_bytes if found.routing_bound is not None else 0
         result.exposed_transfer_s = model_state_transfer_s(found.link_bytes, self.costs)
+        result.host = found.host
         result.step_seconds = configuration_time(self.base.blocks, self.costs, model_state_link_bytes=found.link_bytes).step_s
         return found
 
@@ -396,7 +487,7 @@ class PlanSpace:
         chosen = first
         for _ in range(_TRIES_PAST_FIRST_FIT):
             cheaper = [i for i in range(chosen + 1, len(family.candidates)) if rank(i) < rank(chosen)]
-            if not cheaper or not self.verify(family.candidates[cheaper[0]], search.model_state).runs_within(search.available):
+            if not cheaper or not self.admits(self.verify(family.candidates[cheaper[0]], search.model_state), search.available):
                 break
             chosen = cheaper[0]
         search.fitted[family.candidates[chosen]] = (family.times[chosen], family.name)
@@ -410,6 +501,7 @@ class PlanSpace:
             result.reason = nothing_to_plan(self.costs.min_bytes)
             return
         result.alternatives = refused
+        result.limited_by = "device"
         closest = min(refused, key=lambda option: option.predicted_total_bytes)
         result.dominant = next(
             self.verified[key].dominant for key in self.verified
@@ -431,6 +523,9 @@ class PlanSpace:
             name: action for name, action in candidate.actions(base.blocks).items() if name in candidate.checkpoint
         }
         result.offload_everywhere = candidate.everywhere
+        result.tile = candidate.tile_names()
+        result.tile_kinds = {name: self.costs.modules[name].kind for name in result.tile}
+        result.host = verified.host
         result.predicted_peak_bytes = verified.peak_bytes
         result.predicted_reserved_bytes = verified.reserved_bytes
         bound = verified.routing_bound
@@ -450,7 +545,7 @@ class PlanSpace:
         for family in self.families:
             for index, candidate in enumerate(family.candidates):
                 verified = self.verified.get((candidate, model_state))
-                if verified is None or not verified.runs_within(available):
+                if verified is None or not self.admits(verified, available):
                     continue
                 if found is None or preference(family.times[index], candidate) < preference(found[0], found[1].candidates[found[2]]):
                     found = (family.times[index], family, index)
@@ -464,9 +559,9 @@ class PlanSpace:
         candidates: dict[str, list[tuple[int, int, Candidate, Verified]]] = {}
         fitting: set[str] = set()
         for order, ((candidate, state), verified) in enumerate(self.verified.items()):
-            if state != model_state or not (candidate.checkpoint or candidate.offloads):
+            if state != model_state or not (candidate.checkpoint or candidate.offloads or candidate.tile):
                 continue
-            if verified.runs_within(available):
+            if self.admits(verified, available):
                 fitting.add(candidate.kind)
                 continue
             bound = verified.routing_bound
@@ -481,12 +576,16 @@ class PlanSpace:
                 held = (verified.held_bytes, order)
                 if best is None or held < best:
                     best, closest[kind] = held, candidate
-        return [self._option(closest[kind], False, model_state) for kind in KINDS if kind in closest and kind not in fitting]
+        return [
+            self._option(closest[kind], False, model_state)
+            for kind in (*KINDS, *TILED_KINDS) if kind in closest and kind not in fitting
+        ]  # fmt: skip
 
     def step_of(self, candidate: Candidate, verified: Verified) -> StepTime:
         """A verified candidate's step: its re-runs and the bytes its fake step sent per block."""
         return configuration_time(
-            self.base.blocks, self.costs, candidate.checkpoint_names(), dict(verified.moved), verified.link_bytes
+            self.base.blocks, self.costs, candidate.checkpoint_names(), dict(verified.moved), verified.link_bytes,
+            candidate.tile,
         )
 
     def _option(self, candidate: Candidate, fits: bool, model_state: bool) -> PlanOption:
@@ -522,20 +621,36 @@ class PlanSpace:
             "allocator": "replayed" if settings.device == "cuda" else None,
             "flops_per_s": costs.flops_per_s,
             "link_bytes_per_s": costs.link_bytes_per_s,
+            "tile_candidates": list(self.tile_candidates),
+            "host_limit_bytes": self.host.bytes,
         }
+
+
+def window_cap(base: MemoryEstimate, settings: EstimateSettings) -> int | None:
+    """The most an offload window need hold (``sized_windows``): one layer's share of what the budget
+    leaves for activations, or, where that is less, one layer's input (what a checkpointed, offloaded
+    layer sends); None without a budget."""
+    if not settings.budget_bytes:
+        return None
+    layers = list(planned_blocks(base.blocks).values())
+    room = settings.budget_bytes - settings.overhead_bytes - base.static_bytes
+    inputs = sorted(block.input_bytes for block in layers)
+    return max(room // max(len(layers), 1), inputs[len(inputs) // 2] if inputs else 0)
 
 
 def space_for(
     model: nn.Module, batch: Any, settings: EstimateSettings, *, batch_size: int | None = None,
-    baseline: StepTrace | None = None,
+    baseline: StepTrace | None = None, sequence: tuple[int, int, int] | None = None,
 ) -> PlanSpace:  # fmt: skip
-    """The planner's space for ``model`` and ``batch`` (at ``batch_size`` when given) under
-    ``settings``, with its baseline step run: ``space.plan(budget_bytes)`` answers for any budget,
-    each configuration's fake step run at most once across them. ``baseline``: the baseline step,
-    already traced under these settings."""
+    """The planner's space for ``model`` and ``batch`` (at ``batch_size`` and ``sequence`` when
+    given) under ``settings``, with its baseline step run: ``space.plan(budget_bytes)`` answers for
+    any budget, each configuration's fake step run at most once across them. ``baseline``: the
+    baseline step, already traced under these settings."""
     info = inspect_batch(batch)
-    base, baseline = build_report(model, batch, settings, info, None, None, batch_size=batch_size, baseline=baseline)
-    return PlanSpace(model, batch, settings, info, base, baseline, batch_size=batch_size)
+    base, baseline = build_report(
+        model, batch, settings, info, None, None, batch_size=batch_size, baseline=baseline, sequence=sequence
+    )
+    return PlanSpace(model, batch, settings, info, base, baseline, batch_size=batch_size, sequence=sequence)
 
 
 def plan_space(

@@ -12,6 +12,7 @@ from lightmem.config.estimator import parse_offload
 from lightmem.config.offload import DEFAULT_MAX_INFLIGHT
 from lightmem.estimate.settings import EstimateSettings
 from lightmem.estimate.trace.blocks import BlockMemory
+from lightmem.estimate.trace.position_wise import ModuleForward
 from lightmem.estimate.trace.step import StepTrace
 
 KEEP, OFFLOAD, CHECKPOINT, BOTH = "keep", "offload", "checkpoint", "checkpoint+offload"
@@ -48,6 +49,8 @@ class Costs:
     """Per block, its partial offload's (threshold, bytes) (``partial_thresholds``); absent: none."""
     block_scale: Mapping[str, float] = field(default_factory=dict)
     """Per block, its measured compute over its priced one (``DeviceSpeeds.block_scale``); absent: 1."""
+    modules: Mapping[str, ModuleForward] = field(default_factory=dict)
+    """The baseline's watched modules (``StepTrace.modules``): what tiling one of them costs."""
 
 
 def _kept_input(block: BlockMemory, costs: Costs) -> int:
@@ -152,11 +155,15 @@ def window_bytes(link_bytes_per_s: float, seconds: float, block_bytes: int) -> i
     return max(WINDOW_GRAIN_BYTES, -(-int(moved) // WINDOW_GRAIN_BYTES) * WINDOW_GRAIN_BYTES)
 
 
-def sized_windows(offload: OffloadSettings, blocks: Mapping[str, BlockMemory], costs: Costs) -> OffloadSettings:
+def sized_windows(
+    offload: OffloadSettings, blocks: Mapping[str, BlockMemory], costs: Costs, share_bytes: int | None = None
+) -> OffloadSettings:
     """``offload`` with its in-flight window sized to what the link moves while a typical block
     (the median repeated one) runs its forward, and its prefetch window to what it moves while that
-    block runs its backward, each at most what that block offloads; a window set to anything but
-    its default is kept as given."""
+    block runs its backward, each at most what that block offloads and at most ``share_bytes`` (the
+    planner's window cap: at long context a layer's forward takes seconds and its saved tensors
+    tens of GiB, and a window the size of either held every layer's input on the device); a window
+    set to anything but its default is kept as given."""
     layers = [block for block in blocks.values() if block.repeated] or list(blocks.values())
     if not layers:
         return offload
@@ -167,6 +174,8 @@ def sized_windows(offload: OffloadSettings, blocks: Mapping[str, BlockMemory], c
     forward = median([forward_s(block, costs) for block in layers])
     backward = median([backward_s(block, costs) for block in layers])
     sent = int(median([float(block.offloadable_bytes(costs.min_bytes)) for block in layers]))
+    if share_bytes is not None:
+        sent = min(sent, max(share_bytes, 0))
     inflight, prefetch = offload.max_inflight_bytes, offload.prefetch_bytes
     if inflight == DEFAULT_WINDOW_BYTES:
         inflight = window_bytes(costs.link_bytes_per_s, forward, sent)
@@ -188,7 +197,7 @@ def costs_for(settings: EstimateSettings, baseline: StepTrace, offload: OffloadS
         flops, speeds.link_bytes_per_s, searched.min_bytes,
         allow_offload=offload is not None and settings.device != "cpu", optimizer_s=baseline.optimizer_s,
         host_s=speeds.host_seconds(baseline.priced_ops), host_op_s=speeds.host_op_s, inflight_bytes=searched.max_inflight_bytes,
-        prefetch_bytes=searched.prefetch_bytes, block_scale=dict(speeds.block_scale),
+        prefetch_bytes=searched.prefetch_bytes, block_scale=dict(speeds.block_scale), modules=dict(baseline.modules),
     )  # fmt: skip
 
 

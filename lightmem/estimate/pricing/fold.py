@@ -52,7 +52,11 @@ def priced_at(trace: StepTrace, speeds: DeviceSpeeds) -> StepTrace:
         elif phase == "backward":
             blocks[block or ROOT_BLOCK].backward_s += spent
             blocks[block or ROOT_BLOCK].backward_ops += ops[(phase, block)]
+    modules = {
+        name: dataclasses.replace(module, forward_s=sum(speeds.op_seconds(*cost) for cost in module.costs))
+        for name, module in trace.modules.items()
+    }
     return dataclasses.replace(
         trace, blocks=blocks, op_seconds=op_seconds, optimizer_s=seconds.get(("optimizer", None), 0.0),
-        priced_with=speeds, checkpointed=list(trace.checkpointed),
+        priced_with=speeds, checkpointed=list(trace.checkpointed), modules=modules,
     )  # fmt: skip

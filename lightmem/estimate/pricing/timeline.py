@@ -24,10 +24,10 @@ the host, not the device; there transfers, and a re-run's device time, hide for 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
-from lightmem.config import DEFAULT_PREFETCH, parse_size
+from lightmem.config import DEFAULT_PREFETCH, TileSettings, parse_size
 from lightmem.devices import checkpoint_host_seconds
 from lightmem.estimate.pricing.costs import (
     BOTH,
@@ -36,12 +36,15 @@ from lightmem.estimate.pricing.costs import (
     KEEP,
     OFFLOAD,
     Costs,
+    _as_measured,
     backward_s,
     forward_s,
     moved_bytes,
     recompute_s,
 )
-from lightmem.estimate.trace.blocks import BlockMemory
+from lightmem.estimate.trace.blocks import ROOT_BLOCK, BlockMemory
+from lightmem.estimate.trace.position_wise import ModuleForward
+from lightmem.tiling import shard_lengths
 
 assert DEFAULT_WINDOW_BYTES == parse_size(DEFAULT_PREFETCH, flag="prefetch")
 
@@ -66,6 +69,45 @@ class StepTime:
     def step_s(self) -> float:
         """The whole step's predicted seconds."""
         return self.compute_s + self.total_s
+
+
+DEFAULT_SHARDS = TileSettings(modules=())
+"""The shards a plan tiles in: ``LightMem(tile=...)``'s default, as long as the module's input is wide."""
+
+
+def tile_s(module: ModuleForward, blocks: Mapping[str, BlockMemory], costs: Costs, checkpointed: bool = False) -> tuple[float, float, float]:
+    """What tiling ``module`` adds to the step: (device seconds in backward: its forward once more,
+    the shards run again with grad; host seconds in forward; host seconds in backward).
+
+    The host launches each of its forward's ops once per shard in forward (and again in a
+    checkpointed block's re-run), and in backward each shard's forward and backward: its backward
+    taken to launch as many ops per forward op as its block's backward does (the trace prices
+    blocks' backwards, not modules')."""
+    block_name = module.block or ROOT_BLOCK
+    shards = len(shard_lengths(module.input_shape[-2], module.input_shape[-1], DEFAULT_SHARDS))
+    device = _as_measured(blocks[block_name], costs, module.forward_s) if block_name in blocks else module.forward_s
+    block = blocks.get(block_name)
+    ratio = block.backward_ops / block.forward_ops if block is not None and block.forward_ops else 1.0
+    launches = module.forward_ops
+    forward_ops = (shards - 1) * launches * (2 if checkpointed else 1)
+    backward_ops = shards * launches + (shards - 1) * launches * ratio
+    return device, costs.host_op_s * forward_ops, costs.host_op_s * backward_ops
+
+
+def tiled_by_block(
+    blocks: Mapping[str, BlockMemory], costs: Costs, tiled: Collection[str], checkpointed: Collection[str] = ()
+) -> dict[str, tuple[float, float, float]]:
+    """``tile_s`` of the ``tiled`` modules summed per block (a module the baseline did not price adds nothing)."""
+    added: dict[str, tuple[float, float, float]] = {}
+    for name in tiled:
+        module = costs.modules.get(name)
+        if module is None:
+            continue
+        block = module.block or ROOT_BLOCK
+        price = tile_s(module, blocks, costs, block in checkpointed)
+        before = added.get(block, (0.0, 0.0, 0.0))
+        added[block] = (before[0] + price[0], before[1] + price[1], before[2] + price[2])
+    return added
 
 
 def compute_s(blocks: Mapping[str, BlockMemory], costs: Costs) -> float:
@@ -150,9 +192,11 @@ def _forward(
 
 
 def _timeline(
-    blocks: Mapping[str, BlockMemory], actions: Mapping[str, str], costs: Costs, sent: list[int]
+    blocks: Mapping[str, BlockMemory], actions: Mapping[str, str], costs: Costs, sent: list[int],
+    tiled: Collection[str] = (),
 ) -> float:
-    """The step's seconds with ``actions`` and ``sent`` bytes per block (module docstring)."""
+    """The step's seconds with ``actions``, ``sent`` bytes per block and the ``tiled`` modules
+    (module docstring; a tiled module's shards run again in its block's backward, ``tile_s``)."""
     names = list(blocks)
     order = [blocks[name] for name in names]
     forward = [forward_s(block, costs) for block in order]
@@ -160,6 +204,16 @@ def _timeline(
     checkpointed = [actions.get(name, KEEP) in (CHECKPOINT, BOTH) for name in names]
     rerun = [recompute_s(block, costs) if on else 0.0 for block, on in zip(order, checkpointed)]
     host_forward, host_backward, added = _host_s(order, checkpointed, costs)
+    if tiled:
+        on = {name for name, action in actions.items() if action in (CHECKPOINT, BOTH)}
+        for block, (device, host_in_forward, host_in_backward) in tiled_by_block(blocks, costs, tiled, on).items():
+            index = names.index(block) if block in blocks else -1
+            if index < 0:
+                continue
+            rerun[index] += device
+            host_forward[index] += host_in_forward
+            host_backward[index] += host_in_backward
+            added += host_in_forward + host_in_backward
     # The host's whole step (its optimizer's launches too) bounds it; without per-block host
     # prices a re-run costs the host its device seconds.
     floor = costs.host_s + (added if costs.host_op_s else sum(rerun))
@@ -191,13 +245,16 @@ def step_time(
     actions: Mapping[str, str],
     costs: Costs,
     moved: Mapping[str, int] | None = None,
+    tiled: Collection[str] = (),
 ) -> StepTime:
-    """The step with ``actions`` (block name -> action; absent: keep) on the step's timeline.
+    """The step with ``actions`` (block name -> action; absent: keep) and the ``tiled`` modules on
+    the step's timeline.
 
     ``blocks`` must be in execution order (the estimator reports them so, with what runs outside
     every block last). ``moved``: the bytes each block sends to host, when known from a verified
-    step (else predicted from the actions). The re-run's share is what the step takes without the
-    transfers over what it takes without lightmem; the rest is transfer the step does not hide.
+    step (else predicted from the actions). The re-run's share (checkpointed blocks' re-runs and
+    tiled modules' second forwards) is what the step takes without the transfers over what it
+    takes without lightmem; the rest is transfer the step does not hide.
     """
     names = list(blocks)
     if moved is None:
@@ -205,10 +262,9 @@ def step_time(
     else:
         sent = [moved.get(name, 0) for name in names]
     base = compute_s(blocks, costs)
-    recomputed = _timeline(blocks, actions, costs, [0] * len(names)) if any(
-        actions.get(name, KEEP) in (CHECKPOINT, BOTH) for name in names
-    ) else base
-    total = _timeline(blocks, actions, costs, sent) if any(sent) else recomputed
+    reruns = tiled or any(actions.get(name, KEEP) in (CHECKPOINT, BOTH) for name in names)
+    recomputed = _timeline(blocks, actions, costs, [0] * len(names), tiled) if reruns else base
+    total = _timeline(blocks, actions, costs, sent, tiled) if any(sent) else recomputed
     return StepTime(max(0.0, recomputed - base), max(0.0, total - recomputed), sum(sent), base)
 
 
@@ -218,11 +274,12 @@ def configuration_time(
     checkpointed: list[str] | tuple[str, ...] = (),
     moved: Mapping[str, int] | None = None,
     model_state_link_bytes: int = 0,
+    tiled: Collection[str] = (),
 ) -> StepTime:
-    """A verified configuration's step: ``checkpointed`` blocks re-run, ``moved`` bytes per block
-    over the link (from its fake step), and model-state offload's ``model_state_link_bytes`` priced
-    as not hidden by compute (an upper bound); its optimizer step then runs on the host, whose time
-    is not priced."""
+    """A verified configuration's step: ``checkpointed`` blocks re-run, ``tiled`` modules' shards
+    run again in backward, ``moved`` bytes per block over the link (from its fake step), and
+    model-state offload's ``model_state_link_bytes`` priced as not hidden by compute (an upper
+    bound); its optimizer step then runs on the host, whose time is not priced."""
     moved = dict(moved or {})
     actions = {name: CHECKPOINT for name in checkpointed if name in blocks}
     for name, nbytes in moved.items():
@@ -230,7 +287,7 @@ def configuration_time(
             actions[name] = BOTH if name in actions else OFFLOAD
     if model_state_link_bytes:
         costs = replace(costs, optimizer_s=0.0)
-    price = step_time(blocks, actions, costs, moved)
+    price = step_time(blocks, actions, costs, moved, tiled)
     exposed = price.exposed_transfer_s + model_state_link_bytes / costs.link_bytes_per_s
     return StepTime(price.recompute_s, exposed, price.moved_bytes, price.compute_s)
 

@@ -98,6 +98,44 @@ def inspect_batch(batch: Any) -> BatchInfo:
     return BatchInfo(batch_size, nbytes, tuple(sparse))
 
 
+@dataclass(frozen=True)
+class SequenceAxis:
+    """Where a batch's sequence lies: dimension ``dim`` of every batch tensor whose size there is
+    ``length`` (token ids ``[B, T]`` and their labels, hidden states ``[B, T, d]``)."""
+
+    dim: int
+    length: int
+
+    def grown(self, to: int) -> tuple[int, int, int]:
+        """The resize a fake step applies (``StepRequest.sequence``): (dim, length, to)."""
+        return self.dim, self.length, to
+
+
+def sequence_axis(batch: Any, seq_dim: int | None, *, fn_name: str) -> SequenceAxis:
+    """The batch's sequence dimension: ``seq_dim`` when given, else dimension 1 of its first tensor
+    with a batch dimension that holds token ids (integers, ``[B, T]``) or vectors of positions
+    (floating point, ``[B, T, d]``). Refused (``ValueError`` naming ``fn_name``'s argument) when
+    none does, or ``seq_dim`` is no dimension past the batch's of a batch tensor."""
+    info = inspect_batch(batch)
+    tensors = [t for t in batch_tensors(batch) if t.dim() >= 1 and t.shape[0] == info.batch_size]
+    if seq_dim is not None:
+        flag = f"{fn_name}(seq_dim=...)"
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
+            raise ValueError(f"{flag}: expected a dimension after the batch's (an int >= 1); got {seq_dim!r}")
+        found = next((t for t in tensors if t.dim() > seq_dim), None)
+        if found is None:
+            raise ValueError(f"{flag}: no tensor of the batch has a dimension {seq_dim} after its batch dimension")
+        return SequenceAxis(seq_dim, found.shape[seq_dim])
+    for tensor in tensors:
+        integer = not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool
+        if (integer and tensor.dim() >= 2) or (tensor.is_floating_point() and tensor.dim() == 3):
+            return SequenceAxis(1, tensor.shape[1])
+    raise ValueError(
+        f"{fn_name}(batch=...): no tensor of the batch holds a sequence as token ids [B, T] or vectors [B, T, d]; "
+        f"name its dimension with {fn_name}(seq_dim=...)"
+    )
+
+
 def scalable_batch(batch: Any, *, flag: str) -> BatchInfo:
     """``inspect_batch`` for a search over batch sizes: a batch with no batch dimension is refused."""
     info = inspect_batch(batch)
@@ -173,11 +211,14 @@ def fake_batch(
     batch_size: int | None = None,
     original_batch_size: int | None = None,
     float_dtype: torch.dtype | None = None,
+    sequence: tuple[int, int, int] | None = None,
 ) -> Any:
     """The batch rebuilt with empty tensors; call under ``FakeTensorMode`` so nothing is allocated.
 
     ``batch_size`` replaces dim 0 of every tensor whose dim 0 is ``original_batch_size``;
-    ``float_dtype`` converts floating-point tensors (Lightning's "-true" precisions do the same).
+    ``sequence`` (dim, length, new length: ``SequenceAxis.grown``) replaces that dim of every tensor
+    whose size there is length; ``float_dtype`` converts floating-point tensors (Lightning's "-true"
+    precisions do the same).
     """
     if isinstance(batch, Mapping) and not isinstance(batch, dict):
         batch = dict(batch)
@@ -190,6 +231,8 @@ def fake_batch(
         shape = list(leaf.shape)
         if batch_size is not None and shape and shape[0] == original_batch_size:
             shape[0] = batch_size
+        if sequence is not None and len(shape) > sequence[0] and shape[sequence[0]] == sequence[1]:
+            shape[sequence[0]] = sequence[2]
         dtype = float_dtype if float_dtype is not None and leaf.is_floating_point() else leaf.dtype
         out.append(torch.empty(shape, dtype=dtype, device=device, requires_grad=leaf.requires_grad))
     return tree_unflatten(out, spec)

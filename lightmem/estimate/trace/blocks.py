@@ -15,6 +15,7 @@ from torch import nn
 from lightmem.estimate.trace.op_chain import attention_scores
 from lightmem.estimate.trace.records import BUFFER, PARAMETER
 from lightmem.estimate.trace.tracer import StorageTracer
+from lightmem.tiling.function import rerunning
 
 
 @dataclass
@@ -114,6 +115,7 @@ class BlockTracker:
         self.depth += 1
         if tracer.context.phase == "backward":
             tracer.in_recompute = True
+            tracer.in_tile_rerun = tracer.in_tile_rerun or rerunning()
         name = self.block_names.get(id(module))
         if name is not None:
             self.stack.append(name)
@@ -126,6 +128,8 @@ class BlockTracker:
                         seen.add(id(arg.untyped_storage()))
                         total += tracer.record_of(arg).nbytes
                 self.input_bytes[name] = total
+        if tracer.watch is not None and tracer.context.phase == "forward":
+            tracer.watch.enter(module, args, tracer.forward_block)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         tracer = self.tracer
@@ -133,6 +137,8 @@ class BlockTracker:
         if error is not None:  # called from Module.__call__'s except clause: the forward raised
             self.module_failed(module, error)
         self.depth -= 1
+        if tracer.watch is not None and tracer.context.phase == "forward":
+            tracer.watch.exit(module, output)
         name = self.block_names.get(id(module))
         if name is not None and self.stack and self.stack[-1] == name:
             self.stack.pop()
@@ -143,7 +149,7 @@ class BlockTracker:
                         leaf.register_hook(lambda grad, name=name: self._backward_enters(name))
         if self.depth <= 0:
             self.depth = 0
-            tracer.in_recompute = False
+            tracer.in_recompute = tracer.in_tile_rerun = False
             if tracer.context.phase != "backward":
                 tracer.forward_block = None
 

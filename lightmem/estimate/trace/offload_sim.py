@@ -125,6 +125,8 @@ class SavedTensorHooks(Reloads):
         """Bytes moved to host by the block that saved them (None: outside every block)."""
         self.host_bytes = 0
         self.peak_host_bytes = 0
+        self.largest_host_bytes = 0
+        """The largest host block one moved storage holds (the pool's cap allows one past its bound)."""
 
     def attach(self) -> None:
         if self.scope is not None:
@@ -160,6 +162,7 @@ class SavedTensorHooks(Reloads):
             self.offloaded_by_block[block] = self.offloaded_by_block.get(block, 0) + nbytes
             self.host_bytes += host_bytes(nbytes)
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+            self.largest_host_bytes = max(self.largest_host_bytes, host_bytes(nbytes))
             entry.layout = _layout(tensor)
             if self._inflight_limit is not None:
                 self._copy_in_flight(alias, nbytes)

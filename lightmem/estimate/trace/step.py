@@ -45,6 +45,7 @@ from lightmem.estimate.trace.blocks import (
 from lightmem.estimate.trace.errors import EstimateError
 from lightmem.estimate.trace.logits import LossLogits
 from lightmem.estimate.trace.offload_sim import SavedTensorHooks
+from lightmem.estimate.trace.position_wise import ModuleForward
 from lightmem.estimate.trace.optimizers import (
     build_optimizers,
     gradients_leave,
@@ -77,6 +78,9 @@ class StepRequest:
     batch_size: int | None = None
     """Replace dim 0 of the batch's tensors (whose dim 0 is ``original_batch_size``)."""
     original_batch_size: int | None = None
+    sequence: tuple[int, int, int] | None = None
+    """Replace one dim of the batch's tensors whose size there is the batch's sequence length:
+    (dim, length, new length) (``lightmem.estimate.trace.batch.SequenceAxis.grown``); None: as given."""
     zero_grad: str = "after_forward"
     """When gradients are set to None: "after_forward" (Lightning) or "before_forward" (a plain loop)."""
     gpu: str = "default"
@@ -120,6 +124,9 @@ class StepTrace:
     offloaded_by_block: dict[str, int] = field(default_factory=dict)
     """Bytes moved to host per block that saved them (``ROOT_BLOCK``: outside every block)."""
     host_bytes: int = 0
+    """The most host memory activation offload's blocks hold at once (the pool's size classes)."""
+    host_largest_bytes: int = 0
+    """The largest of those blocks."""
     reloaded_bytes: int = 0
     optimizers: list[str] = field(default_factory=list)
     optimizer_host_bytes: int = 0
@@ -155,6 +162,9 @@ class StepTrace:
     """Values the step read that fake tensors do not have, each with what stood in for it and where."""
     routed: bool = False
     """Sizes of a top-k routing were stood in for: the step's memory depends on ``StepRequest.routing``."""
+    modules: dict[str, ModuleForward] = field(default_factory=dict)
+    """In a priced step: each module called with one tensor, its forward's price, what it saved and
+    whether it is position-wise (``lightmem.estimate.trace.position_wise``: what the planner may tile)."""
     routing_bound: Any = None
     """For a routed step (balanced routing): the same step under the worst-case routing; None otherwise."""
     as_chunked: ChunkedStep | None = field(default=None, repr=False, compare=False)
@@ -400,6 +410,7 @@ def steady_step(
         offloaded_bytes=hooks.offloaded_bytes,
         offloaded_by_block={block or ROOT_BLOCK: nbytes for block, nbytes in hooks.offloaded_by_block.items()},
         host_bytes=hooks.peak_host_bytes,
+        host_largest_bytes=hooks.largest_host_bytes,
         reloaded_bytes=hooks.reloaded_bytes,
         optimizers=[type(optimizer).__name__ for optimizer in optimizers],
         optimizer_host_bytes=host_model_state_bytes(optimizers, params, graded, unused, model_state.device_dtype)

@@ -110,6 +110,12 @@ class StorageTracer(TorchDispatchMode):
         self.forward_block: str | None = None
         self.backward_block: str | None = None
         self.in_recompute = False
+        self.in_tile_rerun = False
+        """A tiled module re-runs its shards in backward (``lightmem.tiling.rerunning``): its ops are
+        the backward's, not a checkpointed block's re-run."""
+        self.watch: Any = None
+        """With a ``position_wise.PositionWatch``, what each module's forward does along its input's
+        positions is followed (the baseline step: which modules the planner may tile)."""
         self.count_flops = False
         self.block_flops: dict[str | None, float] = {}
         self.op_policy: Any = None
@@ -190,6 +196,8 @@ class StorageTracer(TorchDispatchMode):
             self.stand_ins.follow(func, args, kwargs or {}, out, self.known_of, self.mark_known)
         if forward:
             self._note_op(func, args, kwargs, first)
+            if self.watch is not None and self.watch.frames:
+                self.watch.op(func, args, kwargs or {}, out)
             if func is _SOFTMAX and len(self.records) > first:
                 self.softmaxes.append((self._live.get(id(args[0].untyped_storage()), -1), first))
         if self.count_flops or self.log_prices:
@@ -247,8 +255,12 @@ class StorageTracer(TorchDispatchMode):
             if cost is not None:
                 if phase == "forward":
                     key = (phase, self.forward_block)
+                    if self.watch is not None and self.watch.frames:
+                        self.watch.priced(cost)
                 elif phase == "backward":
-                    key = (RECOMPUTE, self.forward_block) if self.in_recompute else (phase, self.backward_block)
+                    # A tiled module's shards run again in backward: its backward's cost, not a re-run's.
+                    rerun = self.in_recompute and not self.in_tile_rerun
+                    key = (RECOMPUTE, self.forward_block) if rerun else (phase, self.backward_block)
                 else:
                     key = (phase, None)
                 logged = [key, cost, packet.__name__, None]
@@ -313,7 +325,7 @@ class StorageTracer(TorchDispatchMode):
     def _push(self, event: int) -> None:
         ctx = self.context
         block = self.forward_block if ctx.phase == "forward" else self.backward_block
-        if ctx.phase == "backward" and self.in_recompute and self.forward_block is not None:
+        if ctx.phase == "backward" and self.in_recompute and not self.in_tile_rerun and self.forward_block is not None:
             block = self.forward_block
         key = (ctx.phase, ctx.op, block)
         cid = self._contexts.get(key)
@@ -325,6 +337,10 @@ class StorageTracer(TorchDispatchMode):
         self.event_context.append(cid)
 
     # -- roles -----------------------------------------------------------------------------------
+
+    def live_record(self, tensor: torch.Tensor) -> int | None:
+        """The record id of ``tensor``'s storage while it is alive (None: never seen), registering nothing."""
+        return self._live.get(id(tensor.untyped_storage()))
 
     def record_of(self, tensor: torch.Tensor) -> StorageRecord:
         return self.records[self._see(tensor)]
@@ -339,6 +355,8 @@ class StorageTracer(TorchDispatchMode):
         record = self.records[rid]
         if record.saved_at < 0:
             self.saved.append(rid)
+            if self.watch is not None and self.watch.frames:
+                self.watch.saved(rid, record.nbytes, record.alloc_event)
             record.saved_at = len(self.events)
             record.saved_block = block
             record.saved_shape = tuple(tensor.shape)
