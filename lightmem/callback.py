@@ -113,11 +113,9 @@ class LightMem(*callback_bases()):  # type: ignore[misc]
             keeping only their input and running each shard again in backward: class names or
             module-name globs, as ``checkpoint`` (see :func:`~lightmem.apply_tiling`). A module
             that mixes positions (attention, a convolution along the sequence) fails at its first
-            call, the message saying what was seen. With ``plan="auto"`` the plans may tile other
-            position-wise modules too (read from the dry run's trace); False: nothing is tiled,
-            not even by a plan.
-        tile_tokens: positions per shard (needs ``tile``); default: as many as the tiled module's
-            input is wide (its hidden size).
+            call, the message saying what was seen. True, or a list, with ``plan="auto"``: its plans
+            may tile position-wise modules too (read from the trace; exact within 1e-6, not bitwise).
+        tile_tokens: positions per shard (needs ``tile``); default: the tiled input's width.
 
     Works with either Lightning package: ``pytorch_lightning`` or ``lightning.pytorch``
     (``import lightning as L``; LightMem is a ``Callback`` of both).

@@ -28,14 +28,7 @@ from lightmem.causal_lm import (
     litgpt_models,
 )
 from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
-from lightmem.config import (
-    LIGHTMEM,
-    LightMemSettings,
-    OffloadSettings,
-    TileSettings,
-    available_ram_bytes,
-    format_bytes,
-)
+from lightmem.config import LIGHTMEM, LightMemSettings, OffloadSettings, TileSettings, available_ram_bytes, format_bytes
 from lightmem.device_memory import use_expandable_segments
 from lightmem.estimate import Plan, max_batch_size, plan
 from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, no_fit_sentence

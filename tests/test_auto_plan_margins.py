@@ -40,7 +40,7 @@ def test_a_given_budget_sets_aside_what_the_device_holds_outside_its_allocator(c
 def test_memory_outside_the_allocator_growing_past_what_was_set_aside_plans_the_next_batch_tighter():
     device = SimulatedDeviceMemory(64 * MiB, context_bytes=256 * MiB)
     auto_plan = AutoPlan(BUDGET, device, plan_overhead_bytes=256 * MiB)
-    chosen = plan(LitGPT(), _tokens(4, 33), BUDGET, tile=False, device="cpu")  # a plan that checkpoints
+    chosen = plan(LitGPT(), _tokens(4, 33), BUDGET, device="cpu")
     auto_plan.take(chosen, batch_shapes(_tokens(4, 33)))
     auto_plan.batch_start()
     device.context_bytes = 300 * MiB  # within the 64 MiB a read moves by: nothing
@@ -60,7 +60,7 @@ def _run_plan(device: SimulatedDeviceMemory, reserved_share: float, retries_in_s
     """A plan's first steps on ``device``, each reserving ``reserved_share`` of its prediction
     (allocated peak below it); the allocator retries once in step ``retries_in_step``."""
     auto_plan = AutoPlan(BUDGET, device)
-    chosen = plan(LitGPT(), _tokens(4, 33), BUDGET, tile=False, device="cpu")  # a plan that checkpoints
+    chosen = plan(LitGPT(), _tokens(4, 33), BUDGET, device="cpu")
     assert chosen.checkpoint  # a plan that costs time: room given back lets a cheaper one in
     auto_plan.take(chosen, batch_shapes(_tokens(4, 33)))
     for step in range(TIMED_STEPS + 1):

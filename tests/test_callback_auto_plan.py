@@ -1,10 +1,6 @@
-"""``LightMem(plan="auto", tile=False)`` on its own: the budget of the device it runs on, plans that follow the
+"""``LightMem(plan="auto")`` on its own: the budget of the device it runs on, plans that follow the
 batch, and the predicted peak held against the measured one. On CPU, through a simulated device
-(``lightmem.testing.device``).
-
-The plans here checkpoint and offload: tiling (issue 59) is off (``tile=False``); tests/test_tiling_plan.py
-holds the plans that tile.
-"""
+(``lightmem.testing.device``)."""
 
 from __future__ import annotations
 
@@ -101,9 +97,9 @@ def test_the_guide_states_the_margin_and_the_nccl_allowance_the_code_uses():
 
 def test_without_a_budget_it_plans_for_what_the_simulated_device_gives_as_with_that_budget(caplog, lightning_package):
     module_class = lit_gpt_class(lightning_package)
-    given = LightMem(plan="auto", tile=False, device_budget=BUDGET, offload_devices=["cpu"])
+    given = LightMem(plan="auto", device_budget=BUDGET, offload_devices=["cpu"])
     cpu_trainer([given], lightning_package, max_steps=1).fit(module_class(), token_loader())
-    measured = LightMem(plan="auto", tile=False, offload_devices=["cpu"])
+    measured = LightMem(plan="auto", offload_devices=["cpu"])
     device = {"capacity_bytes": CAPACITY + 1_500, "used_by_others_bytes": 1_500, "held_bytes": 500}
     with simulated_device(**device), caplog.at_level(logging.INFO):
         cpu_trainer([measured], lightning_package, max_steps=1).fit(module_class(), token_loader())
@@ -121,14 +117,14 @@ def test_a_measured_budget_sets_aside_only_what_is_not_allocated_yet(world_size,
     # The CUDA context is already out of the free memory measured: only NCCL's buffers, which
     # collectives may still allocate, are set aside, and only with several ranks.
     with simulated_device(CAPACITY):
-        measured = AutoPlan.at_fit_start(LightMem(plan="auto", tile=False).settings.plan, torch.device("cuda", 0), world_size)
+        measured = AutoPlan.at_fit_start(LightMem(plan="auto").settings.plan, torch.device("cuda", 0), world_size)
     assert measured.plan_overhead_bytes == expected
-    given = AutoPlan.at_fit_start(LightMem(plan="auto", tile=False, device_budget="20GiB").settings.plan, torch.device("cpu"), 1)
+    given = AutoPlan.at_fit_start(LightMem(plan="auto", device_budget="20GiB").settings.plan, torch.device("cpu"), 1)
     assert given.plan_overhead_bytes is None  # the planner's own allowance (1 GiB on CUDA, 0 on CPU)
 
 
 def test_without_a_budget_or_a_cuda_device_it_fails_at_fit_start_saying_what_to_pass():
-    callback = LightMem(plan="auto", tile=False)  # constructing it is fine: the device is known at fit start
+    callback = LightMem(plan="auto")  # constructing it is fine: the device is known at fit start
     with pytest.raises(ValueError) as error:
         cpu_trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
     assert str(error.value) == (
@@ -175,10 +171,10 @@ def _record_plans(monkeypatch) -> list[tuple[int, ...]]:
 def test_a_fit_whose_batches_grow_replans_exactly_when_needed_and_trains_as_the_final_plan(monkeypatch, caplog):
     planned_for = _record_plans(monkeypatch)
     # What the planner chooses for each batch shape on its own, at the same budget.
-    expected = {shape: plan(LitGPT(), _tokens(*shape), BUDGET, tile=False, device="cpu").checkpoint for shape in set(SHAPES)}
+    expected = {shape: plan(LitGPT(), _tokens(*shape), BUDGET, device="cpu").checkpoint for shape in set(SHAPES)}
     assert expected[(4, 9)] == expected[(4, 17)] == [] and [] != expected[(4, 33)] != expected[(8, 33)]
 
-    callback = LightMem(plan="auto", tile=False, offload_devices=["cpu"])
+    callback = LightMem(plan="auto", offload_devices=["cpu"])
     checkpointed = []
 
     class Spy(pl.Callback):  # after each batch's forward and backward: what it ran under
@@ -200,7 +196,7 @@ def test_a_fit_whose_batches_grow_replans_exactly_when_needed_and_trains_as_the_
     final = callback.chosen_plan
     assert final.checkpoint == expected[(8, 33)]
     lines = [line for line in _lines(caplog) if line.startswith(("lightmem: plan for", "lightmem: re-planned"))]
-    plans = {shape: plan(LitGPT(), _tokens(*shape), BUDGET, tile=False, device="cpu") for shape in ((4, 9), (4, 33), (8, 33))}
+    plans = {shape: plan(LitGPT(), _tokens(*shape), BUDGET, device="cpu") for shape in ((4, 9), (4, 33), (8, 33))}
     assert [plans[shape].predicted_total_bytes / 2**20 for shape in plans] == pytest.approx([3.05, 4.24, 4.16], abs=0.005)
     assert lines == [
         f"lightmem: plan for a 4.29 MiB device budget: checkpoint nothing, offload nothing; {_predicted(plans[(4, 9)])}",
@@ -228,7 +224,7 @@ def _fit_recording_plans(monkeypatch, shapes):
             modules = pl_module.named_modules()
             wrappers.append({name: module.__dict__["forward"] for name, module in modules if is_checkpointed(module)})
 
-    callback = LightMem(plan="auto", tile=False, offload_devices=["cpu"])
+    callback = LightMem(plan="auto", offload_devices=["cpu"])
     with simulated_device(CAPACITY):
         cpu_trainer([callback, Spy()], max_steps=len(shapes)).fit(LitGPT(), growing_loader(shapes))
     return callback, planned_for, wrappers
@@ -240,7 +236,7 @@ def test_alternating_batch_shapes_are_planned_for_once_as_their_elementwise_maxi
     with caplog.at_level(logging.INFO):
         callback, planned_for, wrappers = _fit_recording_plans(monkeypatch, shapes)
     assert planned_for == [(4, 33), (8, 33)]
-    both = plan(LitGPT(), _tokens(8, 33), BUDGET, tile=False, device="cpu").checkpoint
+    both = plan(LitGPT(), _tokens(8, 33), BUDGET, device="cpu").checkpoint
     assert callback.chosen_plan.checkpoint == both == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
     assert [sorted(w) for w in wrappers] == [["model.blocks.0"]] + [both] * 5
     assert all(w == wrappers[1] for w in wrappers[1:])  # the same wrapper objects from the second batch on
@@ -267,7 +263,7 @@ def test_predicted_and_measured_peaks_are_logged_each_step_and_the_worst_ratio_s
     from tensorboard.plugins.custom_scalar import layout_pb2
 
     memory, tensorboard = MemoryLogger(), pl.loggers.TensorBoardLogger(tmp_path, name="run")
-    callback = LightMem(plan="auto", tile=False, offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
     measured_peaks = [3_000_000, 3_100_000, 4_000_000, 4_100_000]
 
     class DeviceRuns(pl.Callback):  # what the simulated device's allocator reaches in each step
@@ -277,7 +273,7 @@ def test_predicted_and_measured_peaks_are_logged_each_step_and_the_worst_ratio_s
     shapes = [(4, 9), (4, 17), (4, 33), (4, 33)]
     with simulated_device(CAPACITY) as device:
         cpu_trainer([DeviceRuns(), callback], max_steps=4, logger=[memory, tensorboard]).fit(LitGPT(), growing_loader(shapes))
-    predicted = {shape: plan(LitGPT(), _tokens(*shape), BUDGET, tile=False, device="cpu").predicted_peak_bytes for shape in shapes}
+    predicted = {shape: plan(LitGPT(), _tokens(*shape), BUDGET, device="cpu").predicted_peak_bytes for shape in shapes}
     highest = [max(predicted[s] for s in shapes[: i + 1]) for i in range(4)]
     rows = [(step, m) for step, m in memory.metrics if "lightmem/memory/plan/predicted_peak_GiB" in m]
     assert [step for step, _ in rows] == [0, 1, 2, 3]
@@ -300,7 +296,7 @@ def test_a_reserved_peak_over_the_prediction_warns_once_and_the_next_batch_is_pl
     # From the third batch on the device reserves 30% more than the plan predicted: the warning
     # names the step and the batch, and the fourth batch gets a plan for a budget smaller by the
     # overshoot, which checkpoints more.
-    callback = LightMem(plan="auto", tile=False, offload_devices=["cpu"])
+    callback = LightMem(plan="auto", offload_devices=["cpu"])
     overshoot = {}
 
     class DeviceRuns(pl.Callback):
@@ -314,7 +310,7 @@ def test_a_reserved_peak_over_the_prediction_warns_once_and_the_next_batch_is_pl
     with simulated_device(CAPACITY) as device, caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cpu_trainer([callback, DeviceRuns()], max_steps=4).fit(LitGPT(), growing_loader(shapes))
-    first = plan(LitGPT(), _tokens(4, 17), BUDGET, tile=False, device="cpu")
+    first = plan(LitGPT(), _tokens(4, 17), BUDGET, device="cpu")
     measured = first.predicted_reserved_bytes + overshoot["bytes"]
     messages = [str(w.message) for w in caught if "plan='auto' predicted" in str(w.message)]
     assert messages == [
@@ -322,7 +318,7 @@ def test_a_reserved_peak_over_the_prediction_warns_once_and_the_next_batch_is_pl
         f"exceeds the peak plan='auto' predicted, {first.predicted_reserved_bytes / 2**20:.2f} MiB, by more than 15%: "
         f"the next batch is planned again for a budget {overshoot['bytes'] / 2**20:.2f} MiB smaller."
     ]
-    tighter = plan(LitGPT(), _tokens(4, 17), BUDGET - overshoot["bytes"], tile=False, device="cpu")
+    tighter = plan(LitGPT(), _tokens(4, 17), BUDGET - overshoot["bytes"], device="cpu")
     assert callback.chosen_plan.checkpoint == tighter.checkpoint and len(tighter.checkpoint) > len(first.checkpoint)
     (line,) = [line for line in _lines(caplog) if line.startswith("lightmem: re-planned")]
     assert line.startswith(
@@ -335,7 +331,7 @@ def test_a_reserved_peak_over_the_prediction_warns_once_and_the_next_batch_is_pl
 
 
 def test_when_no_tighter_plan_fits_training_stops_before_the_next_batchs_forward():
-    callback = LightMem(plan="auto", tile=False, offload_devices=["cpu"])
+    callback = LightMem(plan="auto", offload_devices=["cpu"])
     forwards = []
 
     class DeviceRuns(pl.Callback):  # the second batch reserves twice the prediction
@@ -352,18 +348,18 @@ def test_when_no_tighter_plan_fits_training_stops_before_the_next_batchs_forward
 
 
 def test_a_budget_no_plan_fits_stops_the_fit_before_the_first_forward_saying_why_and_what_fits():
-    # Issue 37: LightMem(plan="auto", tile=False, device_budget="16KiB") trained to the end, with nothing on.
+    # Issue 37: LightMem(plan="auto", device_budget="16KiB") trained to the end, with nothing on.
     calls = []  # real forwards (the planner runs training_step on fake tensors)
     module = LitGPT()
     original = module.training_step
     module.training_step = lambda batch, *args: calls.extend(
         [] if isinstance(batch[0], FakeTensor) else [1]
     ) or original(batch, *args)
-    callback = LightMem(plan="auto", tile=False, device_budget="3.5MiB", offload_devices=["cpu"])
+    callback = LightMem(plan="auto", device_budget="3.5MiB", offload_devices=["cpu"])
     with pytest.raises(PlanDoesNotFit) as error:
         cpu_trainer([callback], max_steps=2).fit(module, growing_loader([(8, 33)] * 2))
     assert calls == []
-    chosen = plan(LitGPT(), _tokens(8, 33), "3.5MiB", tile=False, device="cpu")
+    chosen = plan(LitGPT(), _tokens(8, 33), "3.5MiB", device="cpu")
     closest = min(chosen.alternatives, key=lambda option: option.predicted_total_bytes)
     largest = max_batch_size(LitGPT(), _tokens(8, 33), "3.5MiB", device="cpu", plan=True, limit=7).planned
     assert largest == 4
@@ -377,10 +373,10 @@ def test_a_budget_no_plan_fits_stops_the_fit_before_the_first_forward_saying_why
 
 
 def test_the_tiniest_budget_says_not_even_a_batch_of_one_fits():
-    callback = LightMem(plan="auto", tile=False, device_budget="16KiB", offload_devices=["cpu"])
+    callback = LightMem(plan="auto", device_budget="16KiB", offload_devices=["cpu"])
     with pytest.raises(PlanDoesNotFit) as error:
         cpu_trainer([callback], max_steps=1).fit(LitGPT(), token_loader())
-    chosen = plan(LitGPT(), _tokens(4, 33), "16KiB", tile=False, device="cpu")
+    chosen = plan(LitGPT(), _tokens(4, 33), "16KiB", device="cpu")
     assert str(error.value).startswith(
         "lightmem: plan='auto' found no configuration that fits the 16.00 KiB device budget for batches of [4, 33]: "
         f"{chosen.reason}"
@@ -391,7 +387,7 @@ def test_the_tiniest_budget_says_not_even_a_batch_of_one_fits():
 
 
 def test_with_several_ranks_the_over_prediction_warning_names_its_rank():
-    chosen = plan(LitGPT(), _tokens(4, 17), BUDGET, tile=False, device="cpu")
+    chosen = plan(LitGPT(), _tokens(4, 17), BUDGET, device="cpu")
     device = SimulatedDeviceMemory(CAPACITY)
     auto_plan = AutoPlan(BUDGET, device)
     auto_plan.take(chosen, batch_shapes(_tokens(4, 17)))
@@ -407,8 +403,8 @@ def test_peaks_reached_before_the_fit_or_in_validation_are_not_held_against_the_
     # max_memory_allocated is a high of the whole process: an earlier fit reached 3x this plan's
     # prediction, validation 5x; only what the training batches raise it to is measured.
     memory = MemoryLogger()
-    callback = LightMem(plan="auto", tile=False, offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
-    prediction = plan(LitGPT(), _tokens(4, 33), BUDGET, tile=False, device="cpu").predicted_peak_bytes
+    callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    prediction = plan(LitGPT(), _tokens(4, 33), BUDGET, device="cpu").predicted_peak_bytes
     steps = []
 
     class DeviceRuns(pl.Callback):
@@ -453,7 +449,7 @@ def test_a_block_whose_forward_is_off_its_price_is_priced_as_measured_and_planne
     # of a plan; blocks off their price by more than 15% are priced as measured from then on. The
     # three blocks are twins: their median pace prices each of them.
     module, tokens = LitGPT(), _tokens(4, 17)[0]
-    chosen = plan(module, (tokens,), BUDGET, tile=False, device="cpu")
+    chosen = plan(module, (tokens,), BUDGET, device="cpu")
     priced = {name: chosen.estimate.blocks[name].forward_s for name in BLOCKS}
     measured = {BLOCKS[0]: 2.9 * priced[BLOCKS[0]], BLOCKS[1]: 3 * priced[BLOCKS[1]], BLOCKS[2]: 3.2 * priced[BLOCKS[2]]}
     device = SimulatedDeviceMemory(CAPACITY, gpu="h100", step_seconds=chosen.step_seconds, block_seconds=measured)
@@ -468,7 +464,7 @@ def test_a_block_whose_forward_is_off_its_price_is_priced_as_measured_and_planne
         "block's compute priced as measured"
     )
     # The next plan prices those blocks' forward, backward and re-run as measured.
-    again = plan(module, (tokens,), BUDGET, tile=False, device="cpu", gpu=auto_plan.speeds)
+    again = plan(module, (tokens,), BUDGET, device="cpu", gpu=auto_plan.speeds)
     backward = {name: chosen.estimate.blocks[name].backward_s for name in BLOCKS}
     added = sum(2 * (priced[name] + backward[name]) for name in BLOCKS)
     assert again.baseline_step_seconds == pytest.approx(chosen.baseline_step_seconds + added, rel=1e-9)
@@ -486,7 +482,7 @@ def test_twins_are_priced_alike_the_untimed_ones_too_and_one_off_alone_is_noise(
     # moved its checkpointing from blocks 0-8 (87.1 ms a step) to them (105.0 ms). Blocks of one class
     # priced alike compute alike: the pace measured on some prices all, offloaded (untimed) ones too.
     module, tokens = LitGPT(), _tokens(4, 17)[0]
-    chosen = plan(module, (tokens,), BUDGET, tile=False, device="cpu")
+    chosen = plan(module, (tokens,), BUDGET, device="cpu")
     assert twins(chosen.estimate.blocks)[BLOCKS[0]] == BLOCKS
     assert twins(chosen.estimate.blocks)["model.lm_head"] == ("model.lm_head",)
     priced = {name: chosen.estimate.blocks[name].forward_s for name in BLOCKS}
@@ -518,7 +514,7 @@ def test_a_block_priced_at_the_clamp_and_measured_slower_still_plans_nothing_aga
     module, tokens = LitGPT(), _tokens(4, 17)[0]
     device = SimulatedDeviceMemory(CAPACITY, gpu="h100")
     clamped = device.speeds().with_block_scale(dict.fromkeys(BLOCKS, 5.0), "measured before")
-    chosen = plan(module, (tokens,), BUDGET, tile=False, device="cpu", gpu=clamped)
+    chosen = plan(module, (tokens,), BUDGET, device="cpu", gpu=clamped)
     device.block_seconds = {name: 10 * chosen.estimate.blocks[name].forward_s for name in BLOCKS}
     auto_plan = AutoPlan(BUDGET, device, speeds=clamped)
     auto_plan.take(chosen, batch_shapes((tokens,)), module)
@@ -531,7 +527,7 @@ def test_blocks_are_timed_only_where_hooks_cannot_change_the_model():
     # Offloaded blocks may wait for the link (priced apart); a compiled model would recompile
     # for hooks; a device without a block clock times nothing.
     module, tokens = LitGPT(), _tokens(4, 17)[0]
-    chosen = plan(module, (tokens,), BUDGET, tile=False, device="cpu")
+    chosen = plan(module, (tokens,), BUDGET, device="cpu")
     offloaded = dataclasses.replace(chosen, actions={BLOCKS[1]: "offload"})
     device = SimulatedDeviceMemory(CAPACITY, gpu="h100", block_seconds=dict.fromkeys(BLOCKS, 1.0))
     auto_plan = AutoPlan(BUDGET, device, speeds=device.speeds())
@@ -550,9 +546,9 @@ def test_a_fit_whose_block_is_slower_than_priced_plans_again_once(monkeypatch, c
     from lightmem.estimate import steps as configuration
 
     module = LitGPT()
-    chosen = plan(module, _tokens(4, 33), BUDGET, tile=False, device="cpu")
+    chosen = plan(module, _tokens(4, 33), BUDGET, device="cpu")
     slow = {BLOCKS[2]: 2 * chosen.estimate.blocks[BLOCKS[2]].forward_s}
-    callback = LightMem(plan="auto", tile=False, offload_devices=["cpu"], metrics=[])
+    callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=[])
     traced_at: list[int] = []  # the step at which each fake step ran
     run_step = configuration.run_step
     monkeypatch.setattr(configuration, "run_step", lambda *args: traced_at.append(step[0]) or run_step(*args))
@@ -580,7 +576,7 @@ def test_a_fit_whose_block_is_slower_than_priced_plans_again_once(monkeypatch, c
 def _host_bound_plan(module, tokens):
     """The tiny GPT priced on an H100: each block's forward launches 29 ops at 50 us (1.45 ms), where
     its compute takes 87 us. Its step waits on the host."""
-    chosen = plan(module, (tokens,), 1 << 30, tile=False, device="cuda", gpu="h100")
+    chosen = plan(module, (tokens,), 1 << 30, device="cuda", gpu="h100")
     intervals = forward_intervals(chosen.estimate.blocks, chosen.actions, chosen.costs)
     assert all(intervals[name].host_bound for name in BLOCKS) and chosen.estimate.host_wait() is not None
     return chosen, intervals
@@ -621,7 +617,7 @@ def test_a_block_that_waits_on_a_slower_host_prices_the_host_as_measured():
         f"{format_seconds(intervals[last].seconds)} and 2 more off by more than 15%: planned again with the "
         "host's launches priced as measured (x2.00)"
     )
-    again = plan(module, (tokens,), 1 << 30, tile=False, device="cuda", gpu=auto_plan.speeds)
+    again = plan(module, (tokens,), 1 << 30, device="cuda", gpu=auto_plan.speeds)
     now = forward_intervals(again.estimate.blocks, again.actions, again.costs)
     assert [now[name].seconds for name in BLOCKS] == pytest.approx([2 * intervals[name].seconds for name in BLOCKS], rel=1e-9)
 
@@ -638,7 +634,7 @@ def test_a_host_bound_step_off_its_prediction_is_planned_again_at_the_pace_it_sh
         auto_plan.batch_start()
         auto_plan.check(step, (tokens,))
     assert auto_plan.replan_reason.startswith(f"the measured step, {format_seconds(2 * chosen.step_seconds)}, is 2.00x")
-    again = plan(module, (tokens,), 1 << 30, tile=False, device="cuda", gpu=auto_plan.speeds)
+    again = plan(module, (tokens,), 1 << 30, device="cuda", gpu=auto_plan.speeds)
     assert again.step_seconds == pytest.approx(2 * chosen.step_seconds, rel=1e-9)
 
 
@@ -647,8 +643,8 @@ def test_measuring_the_gpu_at_fit_start_does_not_hide_the_training_batches_peaks
     # small model's batches reach, so the measured peak stayed 0 and no ratio was summarised. lightmem
     # resets the peaks it raised itself, and says so; the batches are then measured.
     memory = MemoryLogger()
-    callback = LightMem(plan="auto", tile=False, offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
-    prediction = plan(LitGPT(), _tokens(4, 33), BUDGET, tile=False, device="cpu").predicted_peak_bytes
+    callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    prediction = plan(LitGPT(), _tokens(4, 33), BUDGET, device="cpu").predicted_peak_bytes
     batch_peaks = [prediction // 2, prediction // 2 + 1000, prediction // 2 + 1000]
 
     class DeviceRuns(pl.Callback):
@@ -667,7 +663,7 @@ def test_measuring_the_gpu_at_fit_start_does_not_hide_the_training_batches_peaks
 
 def test_the_summary_holds_the_last_plans_measured_step_against_its_prediction():
     memory = MemoryLogger()
-    callback = LightMem(plan="auto", tile=False, offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    callback = LightMem(plan="auto", offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
 
     class DeviceRuns(pl.Callback):  # after LightMem's batch start: its plan is made
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -710,7 +706,7 @@ def test_a_replan_in_the_middle_of_gradient_accumulation_keeps_the_steps_traffic
         trainer.fit(LitGPT(), growing_loader(shapes))
         return [m["lightmem/memory/offload/offloaded_GiB"] for _, m in memory.metrics if "lightmem/memory/offload/offloaded_GiB" in m]
 
-    planned = LightMem(plan="auto", tile=False, device_budget=BUDGET, offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
+    planned = LightMem(plan="auto", device_budget=BUDGET, offload_devices=["cpu"], metrics=["lightmem"], log_every_n_steps=1)
     from_the_start = LightMem(offload_devices=["cpu"], offload_min_bytes=0, metrics=["lightmem"], log_every_n_steps=1)
     assert logged(planned) == logged(from_the_start) != [0.0, 0.0]
     assert plans == [(4, 9), (4, 17), (4, 33)]  # the second and the fourth batch: mid-step
@@ -786,15 +782,15 @@ def test_plan_auto_on_a_cuda_device_says_at_fit_start_what_it_did_with_the_alloc
 
     monkeypatch.setattr(fit_session_module, "use_expandable_segments", lambda: "lightmem: the allocator line")
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), num_devices=1)
-    assert FitSession(LightMem(plan="auto", tile=False).settings, trainer)._allocator_note == "lightmem: the allocator line"
+    assert FitSession(LightMem(plan="auto").settings, trainer)._allocator_note == "lightmem: the allocator line"
     # Without plan="auto", or training on the CPU, the allocator is left alone.
     assert FitSession(LightMem().settings, trainer)._allocator_note == ""
     on_cpu = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), num_devices=1)
-    assert FitSession(LightMem(plan="auto", tile=False, device_budget="1GiB").settings, on_cpu)._allocator_note == ""
+    assert FitSession(LightMem(plan="auto", device_budget="1GiB").settings, on_cpu)._allocator_note == ""
 
 
 def test_steps_far_off_their_prediction_plan_the_next_batch_again_at_the_measured_pace():
-    chosen = plan(LitGPT(), _tokens(4, 17), BUDGET, tile=False, device="cpu")
+    chosen = plan(LitGPT(), _tokens(4, 17), BUDGET, device="cpu")
     device = SimulatedDeviceMemory(CAPACITY, gpu="h100", step_seconds=2 * chosen.step_seconds)
     auto_plan = AutoPlan(BUDGET, device, speeds=device.speeds())
     auto_plan.take(chosen, batch_shapes(_tokens(4, 17)))

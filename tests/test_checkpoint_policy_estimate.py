@@ -76,7 +76,7 @@ def test_plan_with_save_matmuls_verifies_its_choice_and_hands_the_policy_to_ligh
     torch.manual_seed(0)
     model = TinyGPT(depth=4)
     baseline = estimate_memory(model, _tokens(), gpt_loss, device="cpu").peak_bytes
-    chosen = plan(model, _tokens(), baseline - 200_000, gpt_loss, device="cpu", checkpoint_policy="save_matmuls", tile=False)
+    chosen = plan(model, _tokens(), baseline - 200_000, gpt_loss, device="cpu", checkpoint_policy="save_matmuls")
     assert chosen.fits and chosen.checkpoint
     assert chosen.checkpoint_policy == "save_matmuls"
     # The re-run repeats only the cheap ops between the kept matmuls: their memory time, no FLOP.

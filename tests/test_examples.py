@@ -92,7 +92,7 @@ def test_newcomer_cpu_example_shows_each_mode_doing_its_job_on_a_cpu(tmp_path):
     moved = re.search(r"activation offload: ([\d.]+) (KiB|MiB) of saved activations went to host buffers", out)
     assert moved and float(moved.group(1)) > 0
     # 2. plan="auto" for a budget under the step's peak: said at fit start, then a plan applied.
-    assert "lightmem: on: plan='auto' (at the first training batch it chooses what to checkpoint and tile; on a CPU it never offloads)" in out
+    assert "lightmem: on: plan='auto' (at the first training batch it chooses what to checkpoint; on a CPU it never offloads)" in out
     applied = re.search(r"plan applied: checkpoint \['model\.transformer\.h\.\d'.*; predicted peak ([\d.]+) MiB against ([\d.]+) MiB without lightmem", out)
     assert applied and float(applied.group(1)) < float(applied.group(2))
     assert "(priced at CPU figures: a generic server CPU; not measured on this machine)" in out

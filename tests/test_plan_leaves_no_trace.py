@@ -114,7 +114,7 @@ def test_a_fit_that_plans_nothing_equals_the_fit_without_lightmem(lightning_pack
 
 @pytest.mark.parametrize("idiom", list(IDIOMS))
 def test_a_fit_whose_plan_checkpoints_equals_the_fit_checkpointed_by_hand(lightning_package, idiom):
-    callback = LightMem(plan="auto", device_budget=TIGHT[idiom], tile=False)  # a plan that checkpoints
+    callback = LightMem(plan="auto", device_budget=TIGHT[idiom])
     planned = fit(lightning_package, idiom, [callback])
     chosen = callback.chosen_plan.checkpoint
     assert chosen and all(name.startswith("model.blocks.") for name in chosen), chosen

@@ -1,11 +1,7 @@
 """Planning is visible and traces each configuration once (issue 50): ``plan="auto"`` says what it plans
 before the fit waits for it and how long it took, and a configuration traced for one plan is not
 traced again for the next plan of the same batches (new prices, another budget, the other checkpoint
-policy).
-
-The plans here checkpoint and offload: tiling (issue 59) is off (``tile=False``); tests/test_tiling_plan.py
-holds the plans that tile.
-"""
+policy)."""
 
 from __future__ import annotations
 
@@ -31,7 +27,7 @@ def _tokens(batch: int, seq: int) -> tuple[torch.Tensor]:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_plan_auto_says_what_it_plans_before_the_fit_waits_for_it_and_how_long_it_took(caplog):
-    callback = LightMem(plan="auto", tile=False, device_budget=BUDGET, offload_devices=["cpu"])
+    callback = LightMem(plan="auto", device_budget=BUDGET, offload_devices=["cpu"])
     with caplog.at_level(logging.INFO):
         cpu_trainer([callback], max_steps=2).fit(LitGPT(), DataLoader([_tokens(4, 33)] * 2, batch_size=None))
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("lightmem: plan")]
@@ -47,23 +43,23 @@ def test_plan_auto_says_what_it_plans_before_the_fit_waits_for_it_and_how_long_i
 
 def test_a_second_plan_for_the_same_batches_traces_nothing_again():
     model = LitGPT()
-    first = plan(model, _tokens(4, 33), BUDGET, tile=False, device="cpu")
+    first = plan(model, _tokens(4, 33), BUDGET, device="cpu")
     assert first.checkpoint and first.evaluations > 0
-    again = plan(model, _tokens(4, 33), BUDGET, tile=False, device="cpu", flops_per_s=1e12)  # new prices, same steps
+    again = plan(model, _tokens(4, 33), BUDGET, device="cpu", flops_per_s=1e12)  # new prices, same steps
     assert again.evaluations == 0 and again.checkpoint == first.checkpoint
     assert again.predicted_total_bytes == first.predicted_total_bytes
     narrower = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
     model.model.blocks[0].mlp = narrower  # changed in place: its steps are its own
-    assert plan(model, _tokens(4, 33), BUDGET, tile=False, device="cpu").evaluations > 0
+    assert plan(model, _tokens(4, 33), BUDGET, device="cpu").evaluations > 0
 
 
 def test_a_plain_module_planned_again_with_an_optimizer_by_name_traces_nothing_again():
     # The name's optimizer factory is one object at every parse: made anew each call, it matched no
     # step planned before, and every plan of a plain module traced its whole search again.
     model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
-    first = plan(model, _tokens(4, 33), BUDGET, loss, optimizer="adamw", tile=False, device="cpu")
+    first = plan(model, _tokens(4, 33), BUDGET, loss, optimizer="adamw", device="cpu")
     assert first.checkpoint and first.evaluations > 0
-    assert plan(model, _tokens(4, 33), BUDGET, loss, optimizer="adamw", tile=False, device="cpu").evaluations == 0
+    assert plan(model, _tokens(4, 33), BUDGET, loss, optimizer="adamw", device="cpu").evaluations == 0
 
 
 # -- what a first plan traces (issue 50, point 6) ----------------------------------------------------
@@ -159,9 +155,7 @@ def test_a_plan_made_again_at_new_prices_traces_no_step_and_prices_as_a_first_pl
     from lightmem.estimate.steps import STEPS
 
     model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
-    # Without tiling: the order of the modules a plan may tile weighs their launches (the host's
-    # price) against their compute (the device's), so a plan at new device prices may verify others.
-    common = {"optimizer": "adamw", "device": "cuda", "gpu": "h100", "overhead_bytes": 0, "checkpoint_policy": "auto", "tile": False}
+    common = {"optimizer": "adamw", "device": "cuda", "gpu": "h100", "overhead_bytes": 0, "checkpoint_policy": "auto"}
     base = plan(model, _tokens(16, 33), "1GiB", loss, **common).estimate
     budget = base.static_bytes + (base.reserved_bytes - base.static_bytes) * 6 // 10
     first = plan(model, _tokens(16, 33), budget, loss, **common)

@@ -106,10 +106,9 @@ def test_plan_auto_policy_picks_save_matmuls_where_its_plan_is_faster():
     model = TinyGPT(depth=4)
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
     budget = estimate_memory(model, tokens, gpt_loss, device="cpu").peak_bytes - 200_000
-    # Checkpointing alone (tile=False): tiling the MLPs fits this budget for less than either policy.
-    full = plan(model, tokens, budget, gpt_loss, device="cpu", checkpoint_policy="full", tile=False)
-    matmuls = plan(model, tokens, budget, gpt_loss, device="cpu", checkpoint_policy="save_matmuls", tile=False)
-    chosen = plan(model, tokens, budget, gpt_loss, device="cpu", checkpoint_policy="auto", tile=False)
+    full = plan(model, tokens, budget, gpt_loss, device="cpu", checkpoint_policy="full")
+    matmuls = plan(model, tokens, budget, gpt_loss, device="cpu", checkpoint_policy="save_matmuls")
+    chosen = plan(model, tokens, budget, gpt_loss, device="cpu", checkpoint_policy="auto")
     assert full.fits and matmuls.fits and matmuls.step_seconds < full.step_seconds
     assert chosen.checkpoint_policy == "save_matmuls" and chosen.step_seconds == matmuls.step_seconds
     assert chosen.lightmem_kwargs()["checkpoint_policy"] == "save_matmuls"

@@ -132,12 +132,12 @@ def test_a_sampled_dry_run_of_a_tiled_step_allocates_as_one_running_every_shard(
 def test_a_plan_tiles_the_mlps_where_that_fits_for_less_than_checkpointing(llama_estimate):
     model, estimate = llama_estimate
     budget = int(estimate.scenarios["baseline"].peak_bytes * 0.9)
-    chosen = plan(model, llama_batch(), budget, llama_loss, device="cpu")
+    chosen = plan(model, llama_batch(), budget, llama_loss, device="cpu", tile=True)
     assert (chosen.fits, chosen.tile, chosen.checkpoint) == (True, ["model.layers.0.mlp"], [])
     assert chosen.lightmem_kwargs() == {"offload": False, "tile": ["model.layers.0.mlp"]}
     assert chosen.parts() == ["tile model.layers.0.mlp (LlamaMLP)"]
     assert chosen.step_seconds == pytest.approx(chosen.baseline_step_seconds + estimate.modules[MLPS[0]].forward_s)
-    without = plan(model, llama_batch(), budget, llama_loss, device="cpu", tile=False)
+    without = plan(model, llama_batch(), budget, llama_loss, device="cpu")  # by default a plan never tiles
     assert without.fits and without.checkpoint and not without.tile
     assert without.step_seconds > chosen.step_seconds
 
@@ -155,10 +155,10 @@ def test_within_checkpointed_layers_tiling_keeps_the_mlps_intermediates_out_of_t
     model = transformers.LlamaForCausalLM(config).train()
     ids = torch.randint(0, 128, (1, 512), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids.clone()}
-    chosen = plan(model, batch, "24MiB", llama_loss, device="cpu")
+    chosen = plan(model, batch, "24MiB", llama_loss, device="cpu", tile=True)
     assert chosen.fits and chosen.checkpoint == ["model.layers.0", "model.layers.1"]
     assert {f"model.layers.{index}.mlp" for index in range(4)} <= set(chosen.tile)
-    assert not plan(model, batch, "24MiB", llama_loss, device="cpu", tile=False).fits
+    assert not plan(model, batch, "24MiB", llama_loss, device="cpu").fits
 
 
 def test_plan_auto_applies_the_tiling_it_chose_for_the_training_batches_and_takes_it_off_after():
@@ -172,7 +172,7 @@ def test_plan_auto_applies_the_tiling_it_chose_for_the_training_batches_and_take
             return super().training_step(batch, batch_idx)
 
     tokens = (torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(433)),)
-    callback = LightMem(plan="auto", device_budget=4_496_356, offload_devices=["cpu"])
+    callback = LightMem(plan="auto", device_budget=4_496_356, offload_devices=["cpu"], tile=True)
     module = Tiled()
     cpu_trainer([callback], max_steps=2).fit(module, DataLoader([tokens] * 2, batch_size=None))
     assert callback.chosen_plan.tile and not callback.chosen_plan.checkpoint
@@ -180,9 +180,12 @@ def test_plan_auto_applies_the_tiling_it_chose_for_the_training_batches_and_take
     assert not any(is_tiled(submodule) for submodule in module.modules())
 
 
-def test_tile_false_switches_tiling_off_for_the_plans_too():
+def test_plans_tile_only_when_asked_tiling_being_exact_within_1e_6_not_bitwise():
+    assert LightMem(plan="auto").settings.plan.tile is False  # plan="auto" alone keeps training bitwise
     assert LightMem(plan="auto", tile=False).settings.plan.tile is False
-    assert LightMem(plan="auto", tile=False).settings.tile is None
-    assert LightMem(plan="auto").settings.plan.tile is True
+    assert (LightMem(plan="auto", tile=True).settings.plan.tile, LightMem(plan="auto", tile=True).settings.tile) == (True, None)
+    assert LightMem(plan="auto", tile=["LlamaMLP"]).settings.plan.tile is True  # the user's tiling, and the plans may add
+    with pytest.raises(ValueError, match=r"LightMem\(tile=...\): has no effect without LightMem\(plan='auto'\)"):
+        LightMem(tile=True)
     with pytest.raises(ValueError, match=r"LightMem\(tile_tokens=...\): has no effect without LightMem\(tile=...\)"):
         LightMem(tile=False, tile_tokens=8)

@@ -83,8 +83,9 @@ class PlanSettings:
     spelling: Spelling = LIGHTMEM
     device_budget_reading: str | None = None
     """A ``device_budget`` given in decimal units, as read (``decimal_reading``): said at fit start."""
-    tile: bool = True
-    """The plans may run position-wise modules in sequence shards (``LightMem(tile=False)``: never)."""
+    tile: bool = False
+    """The plans may run position-wise modules in sequence shards (``LightMem(tile=True)``, or a
+    list of modules tiled as given): exact within 1e-6, not bitwise, so only when asked."""
 
     @classmethod
     def parse(
@@ -134,8 +135,11 @@ class LightMemSettings:
         flag = LIGHTMEM.flag
         plan = PlanSettings.parse(plan=flags["plan"], device_budget=flags["device_budget"])
         tile = flags["tile"]
-        if tile is False:  # nothing tiled, not even by a plan
-            plan = replace(plan, tile=False)
+        if tile is not None and tile is not False:  # the plans may tile too (True: the plans alone)
+            if tile is True and not plan.auto:
+                reject_without_partner(LIGHTMEM, "tile", f"{LIGHTMEM.entry}(plan='auto')", "name the modules to tile")
+            plan = replace(plan, tile=True)
+        if isinstance(tile, bool):
             tile = None
         if plan.auto and (flags["checkpoint"] is not None or flags["offload_include"] is not None):
             raise ValueError(f"{flag('plan')}: 'auto' chooses checkpoint and offload_include itself; leave them unset")

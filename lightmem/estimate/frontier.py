@@ -363,7 +363,7 @@ def frontier(
     axis: str = "batch",
     seq_dim: int | None = None,
     multiple_of: int = 1,
-    tile: bool = True,
+    tile: bool | None = None,
     host_budget: int | float | str | None = None,
 ) -> Frontier:
     """For batch ``multiples`` of the largest batch without lightmem, and the largest batch any plan
@@ -376,7 +376,8 @@ def frontier(
     ``axis="sequence"``: the rows are sequence lengths instead, multiples of the longest without
     lightmem and the longest any plan fits (:func:`lightmem.max_sequence_length`, ``seq_dim`` and
     ``multiple_of`` as there, ``limit`` in positions), at the batch's own batch size; per sample is
-    then per position. Each row shows the host memory its plan holds, and the title says when the
+    then per position, and the plans may tile (``tile``, None: along the sequence only, as for
+    :func:`lightmem.max_sequence_length`; True or False: as for :func:`lightmem.plan`). Each row shows the host memory its plan holds, and the title says when the
     host's memory, not the device's, stops the plans past the largest (``host_budget``: as for
     :func:`lightmem.plan`).
 
@@ -394,7 +395,7 @@ def frontier(
         "frontier", model, loss_fn, optimizer=optimizer, precision=precision, device=device,
         overhead_bytes=overhead_bytes, budget=budget, zero_grad=zero_grad, checkpoint_policy=checkpoint_policy,
         gpu=gpu, offload_optimizer=offload_optimizer, flops_per_s=flops_per_s, link_bytes_per_s=link_bytes_per_s,
-        auto_policy=True, tile=tile, host_budget=host_budget,
+        auto_policy=True, tile=axis == "sequence" if tile is None else tile, host_budget=host_budget,
     )  # fmt: skip
     parse_count(limit, flag="frontier(limit=...)")
     if axis not in ("batch", "sequence"):

@@ -39,7 +39,7 @@ def plan(
     checkpoint_policy: CheckpointPolicyArg = "full",
     offload_optimizer: bool | OptimizerOffloadSettings = False,
     batch_size: int | None = None,
-    tile: bool = True,
+    tile: bool = False,
     host_budget: int | float | str | None = None,
     sequence_length: int | None = None,
     seq_dim: int | None = None,
@@ -83,9 +83,9 @@ def plan(
             dimension is the batch's length); None: as given.
         seq_dim: the sequence's dimension in the batch's tensors; None: dimension 1 of its token
             ids ``[B, T]`` or vectors ``[B, T, d]`` (``lightmem.estimate.trace.batch.sequence_axis``).
-        tile: whether the plan may run position-wise modules in sequence shards
-            (``LightMem(tile=...)``): the modules the baseline's trace shows never mix positions
-            (``MemoryEstimate.tile_candidates``; none in a compiled model); False: never.
+        tile: True: the plan may run position-wise modules in sequence shards (``LightMem(tile=...)``):
+            the modules the baseline's trace shows never mix positions (``MemoryEstimate.tile_candidates``;
+            none in a compiled model). Exact within 1e-6 in fp32, not bitwise: False (default) never tiles.
         host_budget: the host memory the plan may hold in all (the offloaded activations' pool and,
             with model-state offload, the host copies of parameters, gradients and optimizer
             state): bytes, a size ("1TiB"), or a fraction of this machine's available RAM. None:

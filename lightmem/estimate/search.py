@@ -233,7 +233,7 @@ def max_batch_size(
     plan: bool = False,
     flops_per_s: float | None = None,
     link_bytes_per_s: int | str | None = None,
-    tile: bool | Iterable[str | type] | str = True,
+    tile: bool | Iterable[str | type] | str = False,
     host_budget: int | float | str | None = None,
 ) -> BatchSearch:
     """The largest batch size whose step fits ``budget``, without lightmem and with a configuration.
@@ -264,7 +264,7 @@ def max_batch_size(
         gpu: the GPU estimated for, as for :func:`lightmem.plan` (its cuBLAS workspaces; with
             ``plan=True`` also its speeds).
         flops_per_s, link_bytes_per_s, tile, host_budget: as for :func:`lightmem.plan` (read with
-            ``plan=True`` only; ``tile`` False: the plans never tile, anything else: they may):
+            ``plan=True`` only; ``tile`` True or a list: the plans may tile, False: never):
             at a size where every configuration that fits the device holds more host memory than
             the host limit, the plans do not fit (``limited_by``: "host").
         Other arguments: as for :func:`estimate_memory`.
@@ -318,15 +318,15 @@ class SearchArguments:
 def search_arguments(
     model: nn.Module, batch: Any, budget: int | str, loss_fn: Callable[[nn.Module, Any], Any] | None, *, limit: int,
     offload: bool | Mapping[str, Any] | OffloadSettings | None, checkpoint: Iterable[str | type] | str | None,
-    tile: bool | Iterable[str | type] | str = True, fn_name: str = "max_batch_size", **flags: Any,
+    tile: bool | Iterable[str | type] | str = False, fn_name: str = "max_batch_size", **flags: Any,
 ) -> SearchArguments:  # fmt: skip
     """A search's arguments parsed, each named as ``fn_name(argument=...)`` in an error: the settings
     (a plan searches under ``offload`` less its ``include``, or lightmem's defaults; it may tile
-    unless ``tile`` is False), the batch (with a batch dimension to scale, for ``max_batch_size``),
+    when ``tile`` is True or a list), the batch (with a batch dimension to scale, for ``max_batch_size``),
     the offload, checkpoint and tiling configuration searched without a plan (``tile`` as a list of
     modules, tiled as ``estimate_memory(tile=...)`` tiles them). ``flags``: the arguments
     ``parse_settings`` takes."""
-    settings = parse_settings(fn_name, model, loss_fn, budget=budget, tile=tile is not False, **flags)
+    settings = parse_settings(fn_name, model, loss_fn, budget=budget, tile=tile is not False and tile is not None, **flags)
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"{fn_name}(limit=...): expected a positive int; got {limit!r}")
     offload_config = parse_offload(offload, flag=f"{fn_name}(offload=...)")

@@ -129,6 +129,9 @@ def max_sequence_length(
         limit: the longest sequence considered.
         plan: also search with the best plan (default); False: without lightmem and with the
             configuration given only.
+        tile: True (default): the plans may tile position-wise modules (exact within 1e-6, not
+            bitwise; :func:`lightmem.plan`); a list: those modules tiled in the configuration given
+            too; False: the plans never tile.
         Other arguments: as for :func:`max_batch_size`.
 
     Returns:

@@ -73,9 +73,10 @@ class EstimateSettings:
     loss_as_chunked: bool = False
     """Every step priced as if its loss were chunked (``lightmem.linear_cross_entropy``): the
     what-if a refusal and a frontier ask where the loss's logits dominate (``trace.logits``)."""
-    tile: bool = True
+    tile: bool = False
     """A plan may run position-wise modules in sequence shards (read from the baseline's trace:
-    ``MemoryEstimate.tile_candidates``); False: never (``plan(tile=False)``, ``LightMem(tile=False)``)."""
+    ``MemoryEstimate.tile_candidates``): ``plan(tile=True)``, ``LightMem(plan="auto", tile=True)``,
+    ``max_sequence_length``'s default. Tiling is exact within 1e-6, not bitwise: only when asked."""
     host: HostLimit = HostLimit(None)
     """The host memory a plan's configuration may hold (``lightmem.estimate.host``)."""
 
@@ -119,7 +120,7 @@ def parse_settings(
     flops_per_s: float | None = None,
     link_bytes_per_s: int | str | None = None,
     auto_policy: bool = False,
-    tile: bool = True,
+    tile: bool = False,
     host_budget: int | float | str | None = None,
 ) -> EstimateSettings:
     """Check every argument once; each ``ValueError`` names ``fn_name(argument=...)``.
@@ -158,7 +159,7 @@ def parse_settings(
         speeds = speeds_for(kind, key)
     speeds = speeds.with_overrides(flops_per_s=prices.flops_per_s, link_bytes_per_s=prices.link_bytes_per_s)
     if not isinstance(tile, bool):
-        raise ValueError(f"{fn_name}(tile=...): expected True (the plan may tile position-wise modules) or False; got {tile!r}")
+        raise ValueError(f"{fn_name}(tile=...): expected True (plans may tile position-wise modules) or False; got {tile!r}")
     auto = auto_policy and isinstance(checkpoint_policy, str) and checkpoint_policy == AUTO_POLICY
     return EstimateSettings(
         device=kind,

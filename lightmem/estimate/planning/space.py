@@ -63,17 +63,19 @@ from lightmem.config.estimator import parse_planned_offload
 from lightmem.compiled import holds_compiled_modules
 from lightmem.estimate.assemble import build_report
 from lightmem.estimate.host import HostBytes, host_bytes
+from lightmem.estimate.planning.verified import (
+    Verified, allocated_need, model_state_transfer_s, searched_under, window_cap,
+)  # fmt: skip
 from lightmem.estimate.planning.families import (
-    KINDS, TILED_KINDS, Candidate, Family, build_families, planned_blocks, preference,
+    KINDS, TILED_KINDS, Candidate, Family, build_families, preference,
 )  # fmt: skip
 from lightmem.estimate.planning.result import Plan, PlanOption
-from lightmem.estimate.pricing.costs import Costs, costs_for, partial_thresholds, sized_windows
+from lightmem.estimate.pricing.costs import costs_for, partial_thresholds, sized_windows
 from lightmem.estimate.pricing.timeline import StepTime, compute_s, configuration_time
 from lightmem.estimate.report import MemoryEstimate
 from lightmem.estimate.settings import EstimateSettings, parse_settings
 from lightmem.estimate.steps import STEPS, run_configuration, step_key
 from lightmem.estimate.trace.batch import BatchInfo, inspect_batch
-from lightmem.estimate.trace.records import RoutingBound, held_bytes, reserved_or_peak, runs_within
 from lightmem.estimate.trace.step import StepTrace
 from lightmem.estimate.words import (
     dominant_part,
@@ -87,59 +89,6 @@ from lightmem.estimate.words import (
 
 _TRIES_PAST_FIRST_FIT = 3
 """Cheaper candidates verified past a family's first fit before settling on that fit."""
-
-
-def model_state_transfer_s(link_bytes: int, costs: Costs) -> float:
-    """Model-state offload's link time per step: ``link_bytes`` (each gradient out and each
-    parameter back, in the device's dtype: the estimator's ``model_state_link_bytes``), priced as
-    not hidden by compute: an upper bound on what it exposes."""
-    return link_bytes / costs.link_bytes_per_s
-
-
-def allocated_need(peak_bytes: int, reserved_bytes: int, available_bytes: int) -> int:
-    """The allocated bytes a step whose allocated peak is ``peak_bytes`` and reserved peak
-    ``reserved_bytes`` must lose to fit ``available_bytes``: the reserved overshoot, in allocated
-    bytes (the allocator's share taken as the step's own)."""
-    return max(0, (reserved_bytes - available_bytes) * peak_bytes // max(reserved_bytes, 1))
-
-
-@dataclass(frozen=True)
-class Verified:
-    """A candidate's fake step: its peak, the host memory its offload holds, (with model-state
-    offload) the bytes that moves over the link per step, the bytes each block sent to host, and
-    what dominated its peak (for the no-fit message)."""
-
-    peak_bytes: int
-    host_bytes: int
-    link_bytes: int = 0
-    moved: tuple[tuple[str, int], ...] = ()
-    dominant: str = ""
-    reserve: Any = field(default=None, compare=False, repr=False)
-    """What the allocator must be able to reserve for the step (``StepTrace.reserve``; None: the peak)."""
-    routing_bound: RoutingBound | None = field(default=None, compare=False, repr=False)
-    """For a mixture-of-experts step: the step under the worst-case routing (``StepTrace.routing_bound``),
-    which must fit too; None: the step routes nothing."""
-    host: HostBytes = field(default_factory=HostBytes, compare=False)
-    """What the step holds on the host (``lightmem.estimate.host``)."""
-
-    @property
-    def reserved_bytes(self) -> int:
-        """What the allocator must be able to reserve for the step (balanced routing)."""
-        return reserved_or_peak(self.reserve, self.peak_bytes)
-
-    @property
-    def held_bytes(self) -> int:
-        """What a budget must hold for the step (for a mixture of experts, its worst-case routing's
-        where that is higher)."""
-        return held_bytes(self.reserved_bytes, self.routing_bound)
-
-    def runs_within(self, available_bytes: int) -> bool:
-        """Whether the step runs with ``available_bytes`` reservable (one replay, not the bisection
-        ``held_bytes`` runs), under the worst-case routing too for a mixture-of-experts step."""
-        bound = self.routing_bound
-        return runs_within(self.reserve, self.peak_bytes, available_bytes) and (
-            bound is None or bound.reserve.fits(available_bytes)
-        )
 
 
 @dataclass
@@ -601,41 +550,7 @@ class PlanSpace:
 
     def searched_under(self) -> dict[str, Any]:
         """What a plan was searched under, JSON-ready: the flags that shaped it, as parsed."""
-        settings, costs, offload = self.settings, self.costs, self.searched_offload
-        return {
-            "device": settings.device,
-            "precision": settings.precision.name,
-            "optimizer": settings.optimizer.name,
-            "overhead_bytes": settings.overhead_bytes,
-            "budget_bytes": settings.budget_bytes,
-            "checkpoint_policy": policy_name(settings.checkpoint_policy),
-            "offload": offload.to_dict() if offload is not None else None,
-            "offload_considered": costs.allow_offload,
-            "offload_optimizer": settings.offload_optimizer,
-            "offload_optimizer_device_dtype": (
-                settings.optimizer_offload.device_dtype_name if settings.optimizer_offload is not None else None
-            ),
-            "gpu": settings.gpu,
-            "speeds": settings.speeds.to_dict() if settings.speeds is not None else None,
-            "expandable_segments": settings.expandable_segments,
-            "allocator": "replayed" if settings.device == "cuda" else None,
-            "flops_per_s": costs.flops_per_s,
-            "link_bytes_per_s": costs.link_bytes_per_s,
-            "tile_candidates": list(self.tile_candidates),
-            "host_limit_bytes": self.host.bytes,
-        }
-
-
-def window_cap(base: MemoryEstimate, settings: EstimateSettings) -> int | None:
-    """The most an offload window need hold (``sized_windows``): one layer's share of what the budget
-    leaves for activations, or, where that is less, one layer's input (what a checkpointed, offloaded
-    layer sends); None without a budget."""
-    if not settings.budget_bytes:
-        return None
-    layers = list(planned_blocks(base.blocks).values())
-    room = settings.budget_bytes - settings.overhead_bytes - base.static_bytes
-    inputs = sorted(block.input_bytes for block in layers)
-    return max(room // max(len(layers), 1), inputs[len(inputs) // 2] if inputs else 0)
+        return searched_under(self.settings, self.costs, self.searched_offload, self.tile_candidates)
 
 
 def space_for(
