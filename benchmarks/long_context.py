@@ -177,6 +177,7 @@ def rows_for(key: str, gpu: str, *, tiny: bool = False, budget: str | None = Non
             estimate = estimate_memory(model, tokens(length), loss, **config, **common)
             host, per_token = estimate.scenarios[list(estimate.scenarios)[-1]].host_bytes, estimate.step_seconds / length
         rows.append(Row(key, gpu, label, length, host or 0, per_token, _words(config), published=published.get(label, "")))
+        print(f"{MODELS[key]}, {gpu}: {label}: {length:,}", file=sys.stderr, flush=True)  # progress: a row takes minutes
     best = max_sequence_length(
         model, tokens(1024), budget, chunked_loss, multiple_of=MULTIPLE, limit=LIMIT,
         host_budget=HOST if not tiny else None, **common,

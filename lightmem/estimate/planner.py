@@ -17,7 +17,7 @@ from lightmem.estimate.advice import advise
 from lightmem.estimate.chunked_loss import dominant_logits
 from lightmem.estimate.planning.policy import planned
 from lightmem.estimate.planning.result import Plan
-from lightmem.estimate.settings import EstimateSettings, parse_settings
+from lightmem.estimate.settings import AUTO_POLICY, EstimateSettings, parse_settings
 from lightmem.estimate.trace.batch import sequence_axis
 
 
@@ -131,6 +131,11 @@ def plan_for(
     result, space = planned(model, batch, settings, batch_size=batch_size, sequence=sequence, started=started)
     space.base.advice = advise(space.base, space.info, space.baseline, result)
     if not result.fits and dominant_logits(result.estimate, priced_as_chunked=settings.loss_as_chunked) is not None:
-        result.chunked_loss = plan_for(model, batch, settings.priced_as_chunked(), batch_size=batch_size, sequence=sequence)
+        # The what-if says whether the chunked loss fits and at what step, under "full" where the plan
+        # chooses its policy: a fit with the loss chunked plans again, the policy with it.
+        what_if = settings.priced_as_chunked()
+        if what_if.checkpoint_policy == AUTO_POLICY:
+            what_if = what_if.with_policy("full")
+        result.chunked_loss = plan_for(model, batch, what_if, batch_size=batch_size, sequence=sequence)
     result.seconds = time.perf_counter() - started
     return result

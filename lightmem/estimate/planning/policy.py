@@ -41,10 +41,11 @@ def plan_either_policy(
     model: nn.Module, batch: Any, settings: EstimateSettings, *, batch_size: int | None,
     sequence: tuple[int, int, int] | None = None, started: float,
 ) -> tuple[Plan, PlanSpace]:  # fmt: skip
-    """The faster of the plans under the "full" and "save_matmuls" policies (one that fits before
-    one that does not). The second is searched only when the first checkpoints or does not fit:
-    otherwise no block is re-run and the policy changes nothing; and then only along the walks that
-    re-run something, where they could beat the first.
+    """The faster of the plans under the "full" and "save_matmuls" policies. The second is searched
+    only when the first fits and checkpoints: where it re-runs nothing the policy changes nothing,
+    and where nothing fits under "full" nothing fits under "save_matmuls" (its checkpointed blocks
+    keep their inputs and more, on the device); and then only along the walks that re-run
+    something, where they could beat the first.
 
     One baseline step serves both: traced under "save_matmuls" (whose per-op decisions it counts),
     it is the "full" baseline without them (``as_traced_in_full``). Returns the plan and the space it
@@ -55,7 +56,9 @@ def plan_either_policy(
         baseline=as_traced_in_full(matmuls_space.baseline),
     )  # fmt: skip
     full = plan_in(full_space, started)
-    if full.fits and not full.checkpoint:
+    # Nothing to gain from "save_matmuls" where "full" re-runs nothing; and where nothing fits under
+    # "full", nothing fits under it either (a checkpointed block keeps at least its inputs on top).
+    if not full.fits or not full.checkpoint:
         full.seconds = time.perf_counter() - started
         return full, full_space
     try:

@@ -60,7 +60,6 @@ from torch import nn
 
 from lightmem.config import OffloadSettings
 from lightmem.config.estimator import parse_planned_offload
-from lightmem.compiled import holds_compiled_modules
 from lightmem.estimate.assemble import build_report
 from lightmem.estimate.host import HostBytes, host_bytes
 from lightmem.estimate.planning.verified import (
@@ -146,7 +145,7 @@ class PlanSpace:
         self.searched_offload = offload
         """The offload settings the search runs under, windows sized (None: offload not planned)."""
         self.offload = offload if offload is not None else settings.offload
-        self.tile_candidates = base.tile_candidates if settings.tile and not holds_compiled_modules(model) else []
+        self.tile_candidates = base.tile_candidates if settings.tile and not base.compiled else []
         """The modules this space may tile (none for a compiled model: a tiled module runs eagerly
         between compiled graphs)."""
         self.families = build_families(base.blocks, costs, self.tile_candidates)
