@@ -138,3 +138,28 @@ def test_the_frontiers_rows_can_be_sequence_lengths(longest):
     assert lines[1].split()[:2] == ["length", "plan"] and "per position" in lines[1]
     with pytest.raises(ValueError, match=r"frontier\(axis=...\): expected 'batch' or 'sequence'"):
         frontier(LitLlama(), tokens(256), BUDGET, device="cpu", axis="tokens")
+
+
+def test_along_the_sequence_the_model_state_goes_to_the_host_where_the_host_stopped_the_plans_too():
+    # At long context the configurations that fit the device without model-state offload can be the ones
+    # that offload the most (Llama-3.1-8B at 730K positions on an H200, 1 TiB host: every one over the
+    # host); gradients and optimizer state on the host free the device for configurations that offload
+    # less. The retry was taken only where the device's budget stopped the plans.
+    from lightmem.estimate.planning.result import Plan
+    from lightmem.estimate.planning.space import plan_space
+
+    model = llama()
+    space = plan_space(model, tokens(256), lambda module, batch: module(**batch).loss, budget="64MiB", device="cuda", gpu="h100", fn_name="plan")
+    asked: list[bool] = []
+
+    def searched(budget_bytes: int, other: Plan | None, *, model_state: bool = False) -> Plan:
+        asked.append(model_state)
+        found = Plan([], None, 0, 0, budget_bytes, model_state, "", offload_optimizer=model_state)
+        found.limited_by = "" if model_state else "host"
+        return found
+
+    space._plan = searched  # type: ignore[method-assign]
+    assert not space.plan(1 << 26).fits and asked == [False]  # a batch space: no retry
+    space.model_state_when_needed = True
+    chosen = space.plan(1 << 26)
+    assert (chosen.fits, chosen.offload_optimizer, asked) == (True, True, [False, False, True])

@@ -301,19 +301,22 @@ class PlanSpace:
         walks do not fit, its own are not expected to.)
 
         With ``model_state_when_needed`` (``max_sequence_length``'s spaces), on CUDA, where no
-        configuration fits with gradients and optimizer state on the device, the walks are searched
-        again with them on the host (model-state offload): at long context the activations, not the
-        model state, fill the device, and the model state's bytes are room."""
+        configuration fits with gradients and optimizer state on the device (the device's budget or
+        the host's stopping it), the walks are searched again with them on the host (model-state
+        offload): at long context the activations, not the model state, fill the device, and the
+        model state's bytes are room."""
         found = self._plan(budget_bytes, other)
         retry = self.model_state_when_needed and self.settings.device == "cuda" and not found.offload_optimizer
-        if found.fits or not retry or found.limited_by != "device":
+        if found.fits or not retry:
             return found
         # Model state on the host frees at most the gradients and optimizer state: where the closest
-        # configuration is further over the budget, it cannot fit either.
+        # configuration is further over the budget, it cannot fit either. Where the host stopped the
+        # plan (the configurations that fit the device offload too much), the room it frees on the
+        # device lets configurations that offload less fit.
         trace = self.baseline
         freed = trace.gradient_bytes + trace.optimizer_state_bytes
         closest = min((option.predicted_total_bytes for option in found.alternatives), default=None)
-        if closest is not None and closest - budget_bytes > freed:
+        if found.limited_by == "device" and closest is not None and closest - budget_bytes > freed:
             return found
         moved = self._plan(budget_bytes, other, model_state=True)
         if not moved.fits:
