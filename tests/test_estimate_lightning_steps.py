@@ -18,7 +18,6 @@ def _measure() -> None:
     import warnings
 
     import pytorch_lightning as pl
-    import torch
     from idiom_models import idiom_class, loader
 
     from lightmem import estimate_memory

@@ -10,7 +10,6 @@ back to 5.3; what its model code imports (torch, Lightning) is installed already
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
@@ -22,7 +21,6 @@ pytest.importorskip("litgpt")
 import pytorch_lightning as pl  # noqa: E402
 from exact import assert_state_equal  # noqa: E402
 from lit_models import cpu_trainer  # noqa: E402
-from litgpt.utils import chunked_cross_entropy  # noqa: E402
 from litgpt_models import (  # noqa: E402
     FAMILIES, finetune_loss, lit_litgpt_class, litgpt_model, pretrain_loss, token_loader, tokens,
 )  # fmt: skip
