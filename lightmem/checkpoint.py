@@ -296,6 +296,24 @@ def _run_time_contexts(
     return wrapper.contexts()
 
 
+def restore_forward(module: nn.Module, wrapper: Any) -> None:
+    """Put back what an instance-forward wrapper (``CheckpointedForward``, the tiling's
+    ``TiledForward``) replaced: the instance's own ``forward``, or none (the class's)."""
+    if wrapper.had_instance_forward:
+        module.forward = wrapper.inner
+    else:
+        del module.forward
+
+
+def release_forward(module: nn.Module, kind: type) -> None:
+    """One call's share of ``module``'s ``kind`` wrapper given back; the last one unwraps it."""
+    wrapper = module.__dict__.get("forward")
+    if isinstance(wrapper, kind):
+        wrapper.users -= 1
+        if wrapper.users == 0:
+            restore_forward(module, wrapper)
+
+
 class CheckpointedForward:
     """The instance ``forward`` of a checkpointed block.
 
@@ -394,15 +412,7 @@ class CheckpointHandle:
         for hook in self._cache_hooks:
             hook.remove()
         for block in self._blocks:
-            wrapper = block.__dict__.get("forward")
-            if not isinstance(wrapper, CheckpointedForward):
-                continue
-            wrapper.users -= 1
-            if wrapper.users == 0:
-                if wrapper.had_instance_forward:
-                    block.forward = wrapper.inner
-                else:
-                    del block.forward
+            release_forward(block, CheckpointedForward)
 
     def __len__(self) -> int:
         return len(self.modules)

@@ -27,7 +27,7 @@ from lightmem.causal_lm import (
     chunked_causal_lm_loss,
     litgpt_models,
 )
-from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing
+from lightmem.checkpoint import CheckpointHandle, apply_checkpointing, existing_checkpointing, restore_forward
 from lightmem.config import LIGHTMEM, LightMemSettings, OffloadSettings, TileSettings, available_ram_bytes, format_bytes
 from lightmem.device_memory import use_expandable_segments
 from lightmem.estimate import Plan, max_batch_size, plan
@@ -504,11 +504,8 @@ class FitSession:
                  *(self._plan_tiling.modules if self._plan_tiling is not None else ())]  # fmt: skip
         modules = [pl_module.get_submodule(name) for name in names]
         wrappers = [module.__dict__["forward"] for module in modules]
-        for module, wrapper in zip(modules, wrappers):  # as CheckpointHandle.remove unwraps
-            if wrapper.had_instance_forward:
-                module.forward = wrapper.inner
-            else:
-                del module.forward
+        for module, wrapper in zip(modules, wrappers):
+            restore_forward(module, wrapper)
         try:
             yield
         finally:

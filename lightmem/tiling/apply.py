@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from lightmem.checkpoint import BufferSnapshots, is_checkpointed
+from lightmem.checkpoint import BufferSnapshots, is_checkpointed, release_forward
 from lightmem.config import APPLY_TILING, TileSettings
 from lightmem.matching import Target, select_outermost
 from lightmem.tiling.function import SEQUENCE_DIM, TiledCall, TiledFunction, shard_lengths
@@ -95,15 +95,7 @@ class TilingHandle:
             return
         self._removed = True
         for module in self._modules:
-            wrapper = module.__dict__.get("forward")
-            if not isinstance(wrapper, TiledForward):
-                continue
-            wrapper.users -= 1
-            if wrapper.users == 0:
-                if wrapper.had_instance_forward:
-                    module.forward = wrapper.inner
-                else:
-                    del module.forward
+            release_forward(module, TiledForward)
 
     def describe(self) -> str:
         """The line at fit start: what is tiled, in shards of how many positions."""
