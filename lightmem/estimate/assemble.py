@@ -103,7 +103,7 @@ def build_report(
             sequence=sequence,
         )
     # A baseline traced here, or derived (the other policy's): remembered with its chunked what-if.
-    if key is not None and STEPS.baseline(model, key, settings.speeds) is not traces["baseline"]:  # type: ignore[arg-type]
+    if key is not None and not STEPS.holds_baseline(model, key, traces["baseline"]):
         STEPS.remember_baseline(model, key, traces["baseline"])
         chunked = as_chunked_trace(traces["baseline"])
         if chunked is not None:  # the what-if's baseline, should the loss be priced as chunked

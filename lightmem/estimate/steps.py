@@ -165,6 +165,11 @@ class StepMemo:
         kept.baselines.move_to_end(key)  # type: ignore[union-attr]
         return found if found.priced_with == speeds else priced_at(found, speeds)
 
+    def holds_baseline(self, model: nn.Module, key: tuple[Any, ...], trace: StepTrace) -> bool:
+        """Whether ``trace`` itself is the baseline remembered under ``key`` (nothing priced again)."""
+        kept = self._models.get(model)
+        return kept is not None and kept.baselines.get(key) is trace
+
     def remember_baseline(self, model: nn.Module, key: tuple[Any, ...], trace: StepTrace) -> None:
         kept = self._models.setdefault(model, _Remembered()).baselines
         kept[key] = trace
