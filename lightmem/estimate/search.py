@@ -318,21 +318,22 @@ class SearchArguments:
 def search_arguments(
     model: nn.Module, batch: Any, budget: int | str, loss_fn: Callable[[nn.Module, Any], Any] | None, *, limit: int,
     offload: bool | Mapping[str, Any] | OffloadSettings | None, checkpoint: Iterable[str | type] | str | None,
-    tile: bool | Iterable[str | type] | str = False, fn_name: str = "max_batch_size", **flags: Any,
+    tile: bool | Iterable[str | type] | str = False, fn_name: str = "max_batch_size", scales_batch: bool = True,
+    **flags: Any,
 ) -> SearchArguments:  # fmt: skip
     """A search's arguments parsed, each named as ``fn_name(argument=...)`` in an error: the settings
     (a plan searches under ``offload`` less its ``include``, or lightmem's defaults; it may tile
-    when ``tile`` is True or a list), the batch (with a batch dimension to scale, for ``max_batch_size``),
-    the offload, checkpoint and tiling configuration searched without a plan (``tile`` as a list of
-    modules, tiled as ``estimate_memory(tile=...)`` tiles them). ``flags``: the arguments
-    ``parse_settings`` takes."""
+    when ``tile`` is True or a list), the batch (with a batch dimension to scale, unless
+    ``scales_batch`` is False: a search along the sequence), the offload, checkpoint and tiling
+    configuration searched without a plan (``tile`` as a list of modules, tiled as
+    ``estimate_memory(tile=...)`` tiles them). ``flags``: the arguments ``parse_settings`` takes."""
     settings = parse_settings(fn_name, model, loss_fn, budget=budget, tile=tile is not False and tile is not None, **flags)
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"{fn_name}(limit=...): expected a positive int; got {limit!r}")
     offload_config = parse_offload(offload, flag=f"{fn_name}(offload=...)")
     targets = parse_checkpoint(checkpoint, flag=f"{fn_name}(checkpoint=...)")
     tiles = None if isinstance(tile, bool) else TileSettings.parse(tile, spelling=Spelling(fn_name, (("modules", "tile"),)))
-    info = scalable_batch(batch, flag=f"{fn_name}(batch=...)") if fn_name == "max_batch_size" else inspect_batch(batch)
+    info = scalable_batch(batch, flag=f"{fn_name}(batch=...)") if scales_batch else inspect_batch(batch)
     if offload_config is not None:  # the plan searches under it, choosing the modules itself
         settings = settings.searching(offload_config.with_choice(min_bytes=offload_config.min_bytes, include=None))
     return SearchArguments(settings, info, offload_config, targets, tiles)

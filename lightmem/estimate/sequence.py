@@ -154,6 +154,7 @@ def max_sequence_length(
         checkpoint=checkpoint, overhead_bytes=overhead_bytes, zero_grad=zero_grad, limit=limit // multiple,
         checkpoint_policy=checkpoint_policy, offload_optimizer=offload_optimizer, flops_per_s=flops_per_s,
         link_bytes_per_s=link_bytes_per_s, tile=tile, host_budget=host_budget, fn_name=fn_name,
+        scales_batch=False,
     )  # fmt: skip
     return longest_sequences(
         model, batch, found.settings, found.info, sequence_axis(batch, seq_dim, fn_name=fn_name), multiple=multiple,

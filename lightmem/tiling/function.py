@@ -17,6 +17,7 @@ hook registered on a parameter sees the summed gradient once, not each shard's.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -124,7 +125,7 @@ class TiledCall:
         self.module = module
         self.function = function
         self.lengths = lengths
-        starts = [sum(lengths[:index]) for index in range(len(lengths))]
+        starts = [0, *itertools.accumulate(lengths)][:-1]
         self.shards = list(zip(starts, lengths))
         """(start, length) of each shard run: every one, or in a sampled dry run the first and last."""
         self.forward_buffers, self.other_buffers = buffers.contexts()
