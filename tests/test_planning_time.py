@@ -131,9 +131,9 @@ def test_one_baseline_serves_both_policies_as_if_traced_under_each():
 
 
 def test_a_baseline_priced_again_from_its_log_is_the_one_a_trace_at_those_prices_gives():
+    from lightmem.estimate.pricing.fold import priced_at as reprice
     from lightmem.estimate.settings import parse_settings
     from lightmem.estimate.steps import run_configuration
-    from lightmem.estimate.pricing.fold import priced_at as reprice
 
     model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
     traces = {}
@@ -169,6 +169,24 @@ def test_a_plan_made_again_at_new_prices_traces_no_step_and_prices_as_a_first_pl
     assert (again.checkpoint, again.step_seconds, again.predicted_total_bytes) == (
         fresh.checkpoint, fresh.step_seconds, fresh.predicted_total_bytes,
     )  # fmt: skip
+
+
+def test_the_device_budget_never_reaches_a_fake_step(monkeypatch):
+    # A step is the same at every budget: only the planning layer reads the budget (which configuration
+    # fits), so a plan under another budget walks the same configurations and traces none of them again.
+    model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
+    common = {"optimizer": "adamw", "device": "cuda", "gpu": "h100", "overhead_bytes": 0, "checkpoint_policy": "full"}
+    base = plan(model, _tokens(16, 33), "1GiB", loss, **common).estimate
+    budget = base.static_bytes + (base.reserved_bytes - base.static_bytes) * 6 // 10
+    first = plan(model, _tokens(16, 33), budget, loss, **common)
+    assert first.fits and first.checkpoint and first.evaluations > 0
+    steps = _counting_steps(monkeypatch)
+    again = plan(model, _tokens(16, 33), budget + 1, loss, **common)
+    assert steps == [] and again.evaluations == 0
+    assert (again.checkpoint, again.offload, again.predicted_total_bytes, again.step_seconds) == (
+        first.checkpoint, first.offload, first.predicted_total_bytes, first.step_seconds,
+    )  # fmt: skip
+    assert (again.budget_bytes, first.budget_bytes) == (budget + 1, budget)
 
 
 def test_a_model_changed_where_its_parameters_do_not_show_is_traced_again(monkeypatch):
