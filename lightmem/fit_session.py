@@ -34,6 +34,7 @@ from lightmem.estimate import Plan, max_batch_size, plan
 from lightmem.estimate.chunked_loss import SEARCH_MULTIPLE, dominant_logits, no_fit_sentence
 from lightmem.estimate.report import STAND_IN_NOTE
 from lightmem.estimate.search import largest_batches, search_arguments
+from lightmem.estimate.settings import sharded_by_fsdp2
 from lightmem.estimate.trace.batch import batch_shapes, with_shapes
 from lightmem.estimate.words import format_seconds
 from lightmem.fit_lines import (
@@ -333,9 +334,9 @@ class FitSession:
         """Plan for ``batch`` and every batch planned for before (the first, or one the current
         plan does not cover) and apply the choice before its forward; one line when it is new.
 
-        Planning never ends a fit that trains without it: where the dry run cannot trace the step
-        (or sees no batch: a ``dataloader_iter`` step fetches its own), the batch trains without a
-        plan (``_without_plan``); an error of the user's code is then raised by the real step, as
+        Planning never ends a fit that trains without it: where the dry run cannot trace the step (or
+        sees no batch: a ``dataloader_iter`` step fetches its own; or FSDP2 sharded the model), the batch
+        trains without a plan (``_without_plan``); an error of the user's code is then raised by the real step, as
         without lightmem. Only a plan that does not fit ends the fit (``PlanDoesNotFit``)."""
         assert self.auto_plan is not None
         if not batch_shapes(batch):
@@ -343,6 +344,10 @@ class FitSession:
                                "fetches its own): it plans from the batch this step fetches, before the next")  # fmt: skip
             return
         shapes = self.auto_plan.shapes_to_plan_for(batch)
+        sharded = sharded_by_fsdp2(pl_module)
+        if sharded is not None:  # no dry run: it cannot tell what a rank holds
+            self._without_plan(trainer, pl_module, shapes, sharded)
+            return
         replanned_because = self.auto_plan.replan_reason
         if self.chosen_plan is None:  # the fit waits for it: say so
             rank_zero_info(

@@ -22,7 +22,8 @@ from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lightmem import LightMem
-from lightmem.checkpoint import is_checkpointed
+from lightmem.blocks import find_blocks
+from lightmem.checkpoint import apply_checkpointing, is_checkpointed
 from lightmem.metrics.names import key
 
 OFFLOADED = key("offload/offloaded_GiB")
@@ -122,6 +123,33 @@ def fit(module, strategy, callbacks=(), logger=False, max_steps=STEPS, root=None
     return trainer
 
 
+def _same(expected, actual, where):
+    """True where ``actual`` is bitwise ``expected``, else what differs."""
+    try:
+        assert_same(expected, actual, where)
+    except AssertionError as error:
+        return str(error)
+    return True
+
+
+def _plan_auto():
+    return LightMem(plan="auto", device_budget="4MiB", offload_devices=["cpu"])
+
+
+def _said(caught):
+    return [str(w.message) for w in caught if str(w.message).startswith("lightmem: plan='auto'")]
+
+
+class CheckpointEveryBlockAtFirstBatch(pl.Callback):
+    """What plan="auto" does on a CUDA device where it does not plan (as under FSDP2): every block
+    checkpointed at the first batch, after the strategy wrapped the model (find_blocks, apply_checkpointing)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self.blocks = list(find_blocks(pl_module).modules)
+            self.handle = apply_checkpointing(pl_module, self.blocks, 1)
+
+
 def _offloaded_per_step(logger):
     return [metrics[OFFLOADED] for _, metrics in logger.rows if OFFLOADED in metrics]
 
@@ -161,6 +189,25 @@ def main() -> None:
     checks["fsdp2_local_rss_GiB"] = local_rss
     checks["fsdp2_logged_rss_GiB"] = [m[RSS] for _, m in fsdp_logger.rows if RSS in m][-1:]
     checks["fsdp2_checkpoint_undone"] = not any(is_checkpointed(b) for b in sharded.model.blocks)
+
+    # plan="auto" under FSDP2 runs no dry run (what a rank holds is not modelled): trains as written,
+    # saying why; and every block checkpointed after the wrap (its fallback on CUDA) stays exact.
+    pl.seed_everything(0, verbose=False)
+    module, planner = ShardedGPT(), _plan_auto()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(module, ModelParallelStrategy(), [planner])
+    checks["fsdp2_plan_auto"] = {
+        "said": _said(caught), "planned": planner.chosen_plan is not None,
+        "state_equal": _same(_state(plain, plain_trainer), _state(module, trainer), "FSDP2 plan='auto' state"),
+    }  # fmt: skip
+    pl.seed_everything(0, verbose=False)
+    module, every_block = ShardedGPT(), CheckpointEveryBlockAtFirstBatch()
+    trainer = fit(module, ModelParallelStrategy(), [every_block])
+    checks["fsdp2_checkpointed_after_wrap"] = {
+        "blocks": every_block.blocks, "checkpointed": [is_checkpointed(b) for b in module.model.blocks],
+        "state_equal": _same(_state(plain, plain_trainer), _state(module, trainer), "FSDP2 checkpointed after wrap"),
+    }  # fmt: skip
 
     # fit twice with the same callback, then a checkpoint round trip (distributed checkpoint dir).
     fit(sharded, ModelParallelStrategy(), [callback], max_steps=2)
@@ -208,6 +255,19 @@ def main() -> None:
     fit(LitGPT(depth=3), ddp, [_lightmem()], ddp_logger)
     checks["ddp_checkpointed_at_wrap"] = ddp.checkpointed_at_wrap
     checks["ddp_offloaded_GiB"] = _offloaded_per_step(ddp_logger)
+
+    # plan="auto" under DDP: each rank plans its own batches (the same shapes: the same plan), applied
+    # after DDP wrapped the model, and the state stays exact.
+    states, planners = [], []
+    for callbacks in ([], [_plan_auto()]):
+        pl.seed_everything(0, verbose=False)
+        module = LitGPT(depth=3)
+        states.append(_state(module, fit(module, DDPStrategy(), callbacks)))
+        planners += callbacks
+    checks["ddp_plan_auto"] = {
+        "checkpoint": planners[0].chosen_plan.checkpoint, "fits": planners[0].chosen_plan.fits,
+        "state_equal": _same(states[0], states[1], "DDP plan='auto' state"),
+    }  # fmt: skip
 
     per_rank = [None, None]
     torch.distributed.all_gather_object(per_rank, checks)

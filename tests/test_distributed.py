@@ -71,3 +71,28 @@ def test_transformers_gpt2_blocks_are_found_through_fsdp2_and_training_stays_exa
         assert rank["gpt2_classes"] == ["FSDPGPT2Block"]
         assert rank["gpt2_state_equal"] is True
     assert ranks[0]["gpt2_checkpointed_blocks"] == 2.0
+
+
+def test_plan_auto_under_fsdp2_trains_as_written_and_says_why(ranks):
+    reason = (
+        "the model is sharded by FSDP2 (fully_shard on model, model.blocks.0, model.blocks.1 and 1 more), and the "
+        "estimator traces one process's unsharded step: what a rank holds (its shards, the blocks all-gathered around "
+        "their forward and backward, the gradients reduce-scattered) is not modelled yet"
+    )
+    said = [f"lightmem: plan='auto' does not plan this batch: {reason}. It trains with nothing changed (as written)."]
+    assert [rank["fsdp2_plan_auto"] for rank in ranks] == [
+        {"said": said, "planned": False, "state_equal": True},
+        {"said": [], "planned": False, "state_equal": True},  # rank 0 warns
+    ]
+
+
+def test_every_block_checkpointed_after_the_fsdp2_wrap_stays_exact(ranks):
+    # plan="auto"'s fallback on a CUDA device where it does not plan (the branch itself needs CUDA).
+    blocks = ["model.embed", "model.blocks.0", "model.blocks.1", "model.blocks.2", "model.ln_f", "model.lm_head"]
+    for rank in ranks:
+        assert rank["fsdp2_checkpointed_after_wrap"] == {"blocks": blocks, "checkpointed": [True] * 3, "state_equal": True}
+
+
+def test_plan_auto_under_ddp_plans_each_rank_alike_and_stays_exact(ranks):
+    expected = {"checkpoint": ["model.blocks.0", "model.blocks.1"], "fits": True, "state_equal": True}
+    assert [rank["ddp_plan_auto"] for rank in ranks] == [expected, expected]

@@ -139,3 +139,69 @@ def test_lightmem_skips_its_checkpointing_with_one_warning_and_keeps_offload_on(
     ]
     assert not any(is_checkpointed(m) for m in module.modules())
     assert isinstance(session.build_offloader(module, session.offload_settings), ActivationOffloader)
+
+
+def _as_if_sharded(module: torch.nn.Module) -> None:
+    """What FSDP2's ``fully_shard`` does to a module's class (an ``FSDP<Name>`` subclass of
+    ``FSDPModule``), without its hooks or state: the module trains (and moves) as before."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"_apply": cls._apply})
+
+
+SHARDED_REASON = (
+    "the model is sharded by FSDP2 (fully_shard on {names}), and the estimator traces one process's unsharded step: "
+    "what a rank holds (its shards, the blocks all-gathered around their forward and backward, the gradients "
+    "reduce-scattered) is not modelled yet"
+)
+
+
+def test_the_estimator_refuses_a_model_sharded_by_fsdp2_saying_what_it_does_not_model():
+    from lightmem import estimate_memory, max_batch_size, plan
+    from models import TinyGPT, gpt_loss
+
+    model, batch, loss = TinyGPT(depth=4), (torch.randint(0, 128, (4, 33)),), lambda m, b: gpt_loss(m, b[0])
+    assert estimate_memory(model, batch, loss, device="cpu").peak_bytes > 0  # not sharded: estimated
+    for block in model.blocks:
+        _as_if_sharded(block)
+    _as_if_sharded(model)
+    reason = SHARDED_REASON.format(names="the model, blocks.0, blocks.1 and 2 more")
+    advice = ". Estimate the model before fully_shard to see one process's unsharded step."
+    for call, name in ((lambda: estimate_memory(model, batch, loss, device="cpu"), "estimate_memory"),
+                       (lambda: plan(model, batch, "1GiB", loss, device="cpu"), "plan"),
+                       (lambda: max_batch_size(model, batch, "1GiB", loss, device="cpu"), "max_batch_size")):  # fmt: skip
+        with pytest.raises(ValueError) as error:
+            call()
+        assert str(error.value) == f"{name}(model=...): {reason}{advice}"
+
+
+def test_plan_auto_trains_a_model_sharded_by_fsdp2_as_written_without_a_dry_run(monkeypatch, recwarn):
+    from exact import assert_same
+    from lit_models import cpu_trainer, token_loader
+
+    from lightmem.estimate import steps
+
+    traced = []
+    run_step = steps.run_step
+    monkeypatch.setattr(steps, "run_step", lambda *args: traced.append(args) or run_step(*args))
+
+    def fit(callbacks):
+        torch.manual_seed(0)
+        module = LitGPT()
+        for block in module.model.blocks:
+            _as_if_sharded(block)
+        cpu_trainer(callbacks, max_steps=3).fit(module, token_loader())
+        return module
+
+    plain = fit([])
+    callback = LightMem(plan="auto", device_budget="4MiB")
+    planned = fit([callback])
+    assert traced == [] and callback.chosen_plan is None
+    assert_same(plain.state_dict(), planned.state_dict(), "state_dict")
+    said = [str(w.message) for w in recwarn if str(w.message).startswith("lightmem: plan='auto' does not plan")]
+    assert said == [
+        "lightmem: plan='auto' does not plan this batch: "
+        + SHARDED_REASON.format(names="model.blocks.0, model.blocks.1, model.blocks.2")
+        + ". It trains with nothing changed (as written)."
+    ]

@@ -11,6 +11,7 @@ derives it with ``replace``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from lightmem.checkpoint import CheckpointPolicyArg
+from lightmem.compiled import user_module_name
 from lightmem.config import OffloadSettings, OptimizerOffloadSettings, Spelling, parse_size
 from lightmem.config.checkpointing import parse_checkpoint_policy
 from lightmem.config.estimator import (
@@ -103,6 +105,26 @@ class EstimateSettings:
         return replace(self, loss_as_chunked=True)
 
 
+def sharded_by_fsdp2(model: nn.Module) -> str | None:
+    """Why the estimator does not trace ``model``, where FSDP2's ``fully_shard`` sharded it (its
+    modules are ``FSDPModule`` subclasses); None for any other model. A dry run traces one process's
+    step on an unsharded copy, so what a rank holds (its shards, the blocks all-gathered around their
+    forward and backward, the gradients reduce-scattered) is not modelled yet."""
+    # Only once torch.distributed.fsdp is imported can a module be an FSDPModule: no import here.
+    sharded_class = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if sharded_class is None:
+        return None
+    names = [user_module_name(name) or "the model" for name, module in model.named_modules() if isinstance(module, sharded_class)]
+    if not names:
+        return None
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"the model is sharded by FSDP2 (fully_shard on {shown}), and the estimator traces one process's unsharded "
+        "step: what a rank holds (its shards, the blocks all-gathered around their forward and backward, the "
+        "gradients reduce-scattered) is not modelled yet"
+    )
+
+
 def parse_settings(
     fn_name: str,
     model: nn.Module,
@@ -136,6 +158,9 @@ def parse_settings(
         raise ValueError(
             f"{fn_name}(model=...): expected an nn.Module or LightningModule; got {type(model).__name__}"
         )
+    sharded = sharded_by_fsdp2(model)
+    if sharded is not None:
+        raise ValueError(f"{fn_name}(model=...): {sharded}. Estimate the model before fully_shard to see one process's unsharded step.")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(
             f"{fn_name}(loss_fn=...): expected a callable loss_fn(model, batch) -> loss; got {loss_fn!r}"
