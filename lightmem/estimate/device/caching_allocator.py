@@ -79,6 +79,12 @@ class _Block:
         self.next: _Block | None = None
 
 
+def _room(block: _Block) -> int:
+    """A cached free block's size with the unmapped addresses after it, which it can grow into."""
+    following = block.next
+    return block.size + (following.size if following is not None and not following.mapped else 0)
+
+
 class CachingAllocator:
     """The allocator's bookkeeping for one device and stream (module docstring), under ``cap_bytes``
     of reserved memory (None: no cap)."""
@@ -162,11 +168,7 @@ class CachingAllocator:
             return None
         if self.expandable:
             # Best fit counts the unmapped addresses a block can grow into (get_free_block).
-            def room(block: _Block) -> int:
-                following = block.next
-                return block.size + (following.size if following is not None and not following.mapped else 0)
-
-            while index + 1 < len(pool) and room(pool[index + 1][3]) < room(pool[index][3]):
+            while index + 1 < len(pool) and _room(pool[index + 1][3]) < _room(pool[index][3]):
                 index += 1
         return pool.pop(index)[3]
 
