@@ -426,7 +426,7 @@ class FitSession:
         if pl_module.device.type == "cuda" and self.chosen_plan is None and self._checkpoint is None:
             blocks = tuple(find_blocks(pl_module).modules)
         what = (
-            f"checkpointing every block ({len(blocks)}) until it can plan" if blocks
+            f"checkpointing every block ({len(blocks)}) while it does not plan" if blocks
             else "the current plan" if self.chosen_plan is not None else "nothing changed (as written)"
         )  # fmt: skip
         if not self._said_unplanned:
