@@ -166,7 +166,7 @@ def test_a_step_the_dry_run_cannot_trace_trains_as_written_on_a_cpu_saying_why(l
     ]
 
 
-def test_on_a_cuda_device_a_step_the_dry_run_cannot_trace_trains_with_every_block_checkpointed():
+def test_on_a_cuda_device_a_step_the_dry_run_cannot_trace_trains_with_every_block_checkpointed(recwarn):
     import pytorch_lightning as pl
 
     from lightmem.checkpoint import is_checkpointed
@@ -189,6 +189,12 @@ def test_on_a_cuda_device_a_step_the_dry_run_cannot_trace_trains_with_every_bloc
         cpu_trainer([SimulatedCudaFit(), callback, Blocks()], max_steps=2).fit(planned, loader())
     assert checkpointed == [[True, True, True], [True, True, True]]
     assert_same(plain.state_dict(), planned.state_dict(), "state_dict")
+    said = [str(w.message) for w in recwarn if str(w.message).startswith("lightmem: plan='auto' does not plan")]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        "lightmem: plan='auto' does not plan this batch: its dry run could not trace the training step (EstimateError: "
+    )
+    assert said[0].endswith("). It trains with checkpointing every block (6) while it does not plan.")
 
 
 def test_an_error_of_the_users_step_is_raised_as_without_lightmem_at_its_step(lightning_package):
