@@ -1,5 +1,5 @@
 """LightMem under FSDP2 (ModelParallelStrategy, fully_shard in configure_model) and DDP: 2 CPU
-processes with gloo, one launch of tests/distributed_script.py (~35 s on 2 cores)."""
+processes with gloo, one launch of tests/distributed_script.py (16 s on an idle 2-core VM)."""
 
 from __future__ import annotations
 
