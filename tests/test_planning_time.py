@@ -151,13 +151,19 @@ def test_a_baseline_priced_again_from_its_log_is_the_one_a_trace_at_those_prices
     assert slow.blocks == traces[1e10].blocks and slow.priced_with != fast.priced_with  # the original is untouched
 
 
+def _gpt_within_budget(policy: str) -> tuple[Any, Any, dict[str, Any], int]:
+    """A 3-block GPT planned on an H100 under ``policy``: the model, its loss, the plan's flags, and a
+    budget 60% of the way from its static bytes to its reserved peak (a plan checkpoints to fit it)."""
+    model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
+    common = {"optimizer": "adamw", "device": "cuda", "gpu": "h100", "overhead_bytes": 0, "checkpoint_policy": policy}
+    base = plan(model, _tokens(16, 33), "1GiB", loss, **common).estimate
+    return model, loss, common, base.static_bytes + (base.reserved_bytes - base.static_bytes) * 6 // 10
+
+
 def test_a_plan_made_again_at_new_prices_traces_no_step_and_prices_as_a_first_plan_would(monkeypatch):
     from lightmem.estimate.steps import STEPS
 
-    model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
-    common = {"optimizer": "adamw", "device": "cuda", "gpu": "h100", "overhead_bytes": 0, "checkpoint_policy": "auto"}
-    base = plan(model, _tokens(16, 33), "1GiB", loss, **common).estimate
-    budget = base.static_bytes + (base.reserved_bytes - base.static_bytes) * 6 // 10
+    model, loss, common, budget = _gpt_within_budget("auto")
     first = plan(model, _tokens(16, 33), budget, loss, **common)
     assert first.fits and first.checkpoint
     steps = _counting_steps(monkeypatch)
@@ -174,10 +180,7 @@ def test_a_plan_made_again_at_new_prices_traces_no_step_and_prices_as_a_first_pl
 def test_the_device_budget_never_reaches_a_fake_step(monkeypatch):
     # A step is the same at every budget: only the planning layer reads the budget (which configuration
     # fits), so a plan under another budget walks the same configurations and traces none of them again.
-    model, loss = TinyGPT(depth=3), lambda m, batch: gpt_loss(m, batch[0])
-    common = {"optimizer": "adamw", "device": "cuda", "gpu": "h100", "overhead_bytes": 0, "checkpoint_policy": "full"}
-    base = plan(model, _tokens(16, 33), "1GiB", loss, **common).estimate
-    budget = base.static_bytes + (base.reserved_bytes - base.static_bytes) * 6 // 10
+    model, loss, common, budget = _gpt_within_budget("full")
     first = plan(model, _tokens(16, 33), budget, loss, **common)
     assert first.fits and first.checkpoint and first.evaluations > 0
     steps = _counting_steps(monkeypatch)
