@@ -160,9 +160,10 @@ class SavedTensorHooks(Reloads):
             entry = self._by_storage[key] = _Entry(self, nbytes, alias, version, block)
             self.offloaded_bytes += nbytes
             self.offloaded_by_block[block] = self.offloaded_by_block.get(block, 0) + nbytes
-            self.host_bytes += host_bytes(nbytes)
+            held = host_bytes(nbytes)  # the host block it takes
+            self.host_bytes += held
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
-            self.largest_host_bytes = max(self.largest_host_bytes, host_bytes(nbytes))
+            self.largest_host_bytes = max(self.largest_host_bytes, held)
             entry.layout = _layout(tensor)
             if self._inflight_limit is not None:
                 self._copy_in_flight(alias, nbytes)
