@@ -176,9 +176,9 @@ def test_the_estimator_refuses_a_model_sharded_by_fsdp2_saying_what_it_does_not_
         assert str(error.value) == f"{name}(model=...): {reason}{advice}"
 
 
-def test_plan_auto_trains_a_model_sharded_by_fsdp2_as_written_without_a_dry_run(monkeypatch, recwarn):
+def test_plan_auto_trains_a_model_sharded_by_fsdp2_as_written_without_a_dry_run(lightning_package, monkeypatch, recwarn):
     from exact import assert_same
-    from lit_models import cpu_trainer, token_loader
+    from lit_models import cpu_trainer, lit_gpt_class, token_loader
 
     from lightmem.estimate import steps
 
@@ -188,10 +188,10 @@ def test_plan_auto_trains_a_model_sharded_by_fsdp2_as_written_without_a_dry_run(
 
     def fit(callbacks):
         torch.manual_seed(0)
-        module = LitGPT()
+        module = lit_gpt_class(lightning_package)()
         for block in module.model.blocks:
             _as_if_sharded(block)
-        cpu_trainer(callbacks, max_steps=3).fit(module, token_loader())
+        cpu_trainer(callbacks, lightning_package, max_steps=3).fit(module, token_loader())
         return module
 
     plain = fit([])
